@@ -1,0 +1,116 @@
+"""The ``astraflow`` command: up, worker, status. Heavy modules are imported lazily."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="AstraFlow: dataflow-oriented RL on a NATS JetStream plane.")
+
+NatsUrl = typer.Option(None, "--nats", help="URL of an existing nats-server or cluster (comma-separated); default: embedded.")
+Overrides = typer.Option([], "--set", help="Recipe override, e.g. --set trainer.steps=20 (repeatable).")
+
+
+def _load(recipe: str, overrides: list[str]):  # noqa: ANN202
+    from astraflow.config import RecipeError, load_recipe
+
+    try:
+        return load_recipe(recipe, overrides)
+    except RecipeError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2) from None
+
+
+def _opts(nats: str, user: str | None, password: str | None, creds: str | None, nkey: str | None,
+          tls_ca: str | None, tls_cert: str | None, tls_key: str | None, domain: str | None):  # noqa: ANN202
+    from astraflow.streams.plane import NatsOptions
+
+    return NatsOptions(url=nats, user=user, password=password, creds=creds, nkey_seed=nkey, tls_ca=tls_ca,
+                       tls_cert=tls_cert, tls_key=tls_key, domain=domain)
+
+
+@app.command()
+def up(
+    recipe: str = typer.Argument(..., help="Recipe YAML or folder (e.g. recipes/arithmetic)."),
+    nats: Optional[str] = NatsUrl,
+    run_dir: Optional[Path] = typer.Option(None, help="Run directory (default runs/NAME-TIMESTAMP)."),
+    set_: list[str] = Overrides,
+    timeout: float = typer.Option(3600.0, help="Abort the run after this many seconds."),
+) -> None:
+    """Start the embedded server (or use --nats) and every role as a process; watch; summarise."""
+    from astraflow.launcher import new_run_dir, up as run_up
+    from astraflow.runtime import setup_logging
+
+    setup_logging("WARNING")
+    r = _load(recipe, set_)
+    run_up(r, run_dir or new_run_dir(r), nats, timeout)
+
+
+@app.command()
+def worker(
+    role: str = typer.Argument(..., help="dataflow | rollout | trainer | evaluator"),
+    recipe: str = typer.Option(..., help="Recipe YAML (the run directory's recipe.yaml)."),
+    nats: str = typer.Option(..., help="nats URL(s) of the run's plane."),
+    run: str = typer.Option(..., help="Run id (subject scope)."),
+    id: Optional[str] = typer.Option(None, "--id", help="Worker id (default: ROLE-PID)."),
+    pool: Optional[str] = typer.Option(None, help="Rollout pool (shared durable consumer)."),
+    region: str = typer.Option("", help="Region label of this node."),
+    hardware: str = typer.Option("cpu", help="Hardware label of this node."),
+    user: Optional[str] = None, password: Optional[str] = None, creds: Optional[str] = None, nkey: Optional[str] = None,
+    tls_ca: Optional[str] = None, tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+    domain: Optional[str] = typer.Option(None, help="JetStream domain to read (a region's leafnode)."),
+    set_: list[str] = Overrides,
+) -> None:
+    """Run one role in this process (join a run from any machine that reaches the plane)."""
+    import os
+
+    from astraflow.runtime import setup_logging
+
+    setup_logging()
+    r = _load(recipe, set_)
+    opts = _opts(nats, user, password, creds, nkey, tls_ca, tls_cert, tls_key, domain)
+    wid = id or f"{role}-{os.getpid()}"
+    if role == "dataflow":
+        from astraflow.dataflow.service import serve
+        asyncio.run(serve(r, opts, run, wid))
+    elif role == "trainer":
+        from astraflow.train.worker import serve as serve_trainer
+        asyncio.run(serve_trainer(r, opts, run, wid))
+    elif role == "rollout":
+        from astraflow.rollout.worker import serve as serve_rollout
+        asyncio.run(serve_rollout(r, opts, run, wid, pool, region, hardware))
+    elif role == "evaluator":
+        from astraflow.rollout.evaluator import serve as serve_eval
+        asyncio.run(serve_eval(r, opts, run, wid))
+    else:
+        typer.echo(f"unknown role {role!r}: dataflow | rollout | trainer | evaluator", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def status(
+    nats: str = typer.Option(..., help="nats URL of the run's plane."),
+    run: str = typer.Option(..., help="Run id."),
+    policy: str = typer.Option("solver", help="Policy to report."),
+) -> None:
+    """Streams, lag, workers, policy version and task accounting of a live run."""
+    from astraflow.status import show
+
+    asyncio.run(show(nats, run, policy))
+
+
+def main() -> None:
+    app()
+
+
+def worker_main() -> None:
+    sys.argv.insert(1, "worker")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""``astraflow up``: an embedded server (or ``--nats``), one process per role, live progress, summary.
+
+Every role is its own process (``astraflow worker ROLE``) that meets the others only on the
+plane. The launcher watches the plane like any operator would — heartbeats, weight
+announcements, run-state KV — and writes the run directory: the resolved recipe, a log per
+process, ``metrics.jsonl``, ``summary.json`` and the reward-curve PNG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from astraflow.config import Recipe, dump_recipe
+from astraflow.streams.codec import decode
+from astraflow.streams.messages import Heartbeat, WeightVersion
+from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.server import EmbeddedServer, spawn_kwargs
+
+console = Console()
+
+
+@dataclass
+class Role:
+    name: str
+    role: str
+    proc: subprocess.Popen[bytes]
+    essential: bool = True  # a crash of an essential role aborts the run
+
+
+@dataclass
+class Watch:
+    """What the launcher has seen on the plane."""
+
+    versions: list[dict[str, Any]] = field(default_factory=list)
+    evals: dict[int, float] = field(default_factory=dict)
+    beats: dict[str, Heartbeat] = field(default_factory=dict)
+
+
+def spawn(run_dir: Path, recipe_file: Path, opts: NatsOptions, run: str, role: str, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+    log = open(run_dir / "logs" / f"{name}.log", "ab")
+    cmd = [sys.executable, "-m", "astraflow.cli", "worker", role, "--recipe", str(recipe_file), "--nats", opts.url,
+           "--run", run, "--id", name, *(extra or [])]
+    try:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **spawn_kwargs())  # type: ignore[arg-type]
+    finally:
+        log.close()
+
+
+def stop_all(roles: list[Role], timeout: float = 20.0) -> None:
+    """SIGTERM (nodes finish or nak what they hold), then SIGKILL what is still there."""
+    for r in roles:
+        if r.proc.poll() is None:
+            r.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for r in roles:
+        try:
+            r.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            r.proc.kill()
+            r.proc.wait()
+
+
+def dashboard(recipe: Recipe, watch: Watch, lags: dict[str, int]) -> Table:
+    t = Table(title=f"AstraFlow · {recipe.name}", expand=False)
+    for col in ("worker", "role", "version", "stats"):
+        t.add_column(col)
+    for wid, hb in sorted(watch.beats.items()):
+        keys = ("tasks", "trajectories", "issued", "in_flight", "buffered", "batches", "reward_mean", "wait_frac", "loss")
+        stats = " ".join(f"{k}={hb.stats[k]:.3g}" for k in keys if k in hb.stats)
+        t.add_row(wid, hb.role, str(hb.version), stats)
+    lag_txt = " ".join(f"{k}={v}" for k, v in lags.items())
+    evals = " ".join(f"v{v}={r:.2f}" for v, r in sorted(watch.evals.items()))
+    t.caption = f"lag: {lag_txt}   held-out reward: {evals or '—'}"
+    return t
+
+
+async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, roles: list[Role], timeout: float) -> Watch:
+    plane = await Plane.connect(opts, run, "launcher")
+    await plane.ensure_topology(recipe.topology())
+    watch = Watch()
+    policy, steps = recipe.policy, recipe.trainer.steps
+    from astraflow.rollout.evaluator import eval_versions  # lazy: pulls in the model stack
+
+    wanted_evals = set(eval_versions(recipe)) if recipe.eval.enabled else set()
+
+    async def on_beat(msg: Any) -> None:
+        try:
+            hb = decode(msg.data, Heartbeat)
+            watch.beats[hb.worker_id] = hb
+        except ValueError:
+            pass
+
+    await plane.nc.subscribe(f"af.{run}.hb.>", cb=on_beat)
+    from nats.js import api  # the launcher reads announcements like any watcher
+
+    ann_sub = await plane.js.pull_subscribe(plane.names.weights(policy), stream=plane.names.weights_stream,
+                                            config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL))
+    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+    bar = progress.add_task(f"{policy} versions", total=steps)
+    lags: dict[str, int] = {}
+    started = time.monotonic()
+    live = Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal else None
+    last_print = 0.0
+    try:
+        if live:
+            live.start()
+        while True:
+            try:
+                for m in await ann_sub.fetch(batch=64, timeout=0.5):
+                    ann = decode(m.data, WeightVersion)
+                    row = {"version": ann.version, "encoding": ann.encoding, "bytes": ann.objects[0].size, "ts": ann.created_at, **ann.metrics}
+                    watch.versions.append(row)
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                    progress.update(bar, completed=ann.version)
+            except Exception:  # fetch timeout: nothing new
+                pass
+            for v in wanted_evals - set(watch.evals):
+                got = await plane.state_get(f"eval.{policy}.{v}")
+                if got is not None:
+                    watch.evals[v] = got["reward"]
+            names = plane.names
+            for label, stream, durable in (("task", names.task_stream, names.pool_consumer(recipe.rollout.pool)),
+                                           ("traj", names.traj_stream, names.DATAFLOW_CONSUMER),
+                                           ("batch", names.batch_stream, names.trainer_consumer(policy))):
+                lag = await plane.lag(stream, durable)
+                lags[label] = lag.pending + lag.ack_pending
+            if live:
+                from rich.console import Group
+
+                live.update(Group(progress, dashboard(recipe, watch, lags)))
+            elif time.monotonic() - last_print > 5:
+                last_print = time.monotonic()
+                v = watch.versions[-1] if watch.versions else {}
+                console.print(f"[{time.monotonic() - started:6.1f}s] v{v.get('version', 0)}/{steps} reward={v.get('reward_mean', float('nan')):.3f} lag={lags} eval={watch.evals}")
+            done = int(await plane.state_get(f"done.{policy}", -1)) >= steps
+            if done and wanted_evals <= set(watch.evals):
+                return watch
+            for r in roles:
+                if r.essential and r.proc.poll() is not None and not (r.role == "trainer" and done):
+                    raise RuntimeError(f"{r.name} exited with {r.proc.returncode}; see {run_dir / 'logs' / (r.name + '.log')}")
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"run did not finish in {timeout:.0f}s")
+    finally:
+        if live:
+            live.stop()
+        metrics_file.close()
+        await plane.close()
+
+
+def summarize(recipe: Recipe, run_dir: Path, watch: Watch, wall_s: float) -> dict[str, Any]:
+    evals = dict(sorted(watch.evals.items()))
+    summary = {
+        "recipe": recipe.name, "steps": recipe.trainer.steps, "wall_s": round(wall_s, 1),
+        "held_out_reward": {str(k): v for k, v in evals.items()},
+        "initial_reward": evals.get(0), "final_reward": evals.get(recipe.trainer.steps),
+        "train_reward_last5": sum(r.get("reward_mean", 0) for r in watch.versions[-5:]) / max(1, len(watch.versions[-5:])),
+        "keyframe_bytes": max((r["bytes"] for r in watch.versions if r["encoding"] == "keyframe"), default=0),
+        "delta_bytes_mean": sum(r["bytes"] for r in watch.versions if r["encoding"] == "delta") / max(1, sum(r["encoding"] == "delta" for r in watch.versions)),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot(watch, run_dir / "reward.png", recipe.name)
+    t = Table(title=f"{recipe.name}: summary")
+    t.add_column("metric")
+    t.add_column("value")
+    for k, v in summary.items():
+        t.add_row(k, json.dumps(v) if not isinstance(v, float) else f"{v:.3f}")
+    console.print(t)
+    console.print(f"run directory: {run_dir}")
+    return summary
+
+
+def plot(watch: Watch, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    vs = [r["version"] for r in watch.versions if "reward_mean" in r]
+    ax.plot(vs, [r["reward_mean"] for r in watch.versions if "reward_mean" in r], label="train reward (batch mean)", alpha=0.7)
+    if watch.evals:
+        ev = sorted(watch.evals.items())
+        ax.plot([v for v, _ in ev], [r for _, r in ev], "o-", label="held-out reward (greedy)")
+    ax.set_xlabel("policy version (optimizer steps)")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0) -> dict[str, Any]:
+    run = run_dir.name
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    recipe_file = run_dir / "recipe.yaml"
+    dump_recipe(recipe, recipe_file)
+    server = None if nats_url else EmbeddedServer(run_dir).start()
+    opts = NatsOptions(url=nats_url or server.url)  # type: ignore[union-attr]
+    console.print(f"[bold]AstraFlow[/] run [cyan]{run}[/] on {opts.url} ({'external' if nats_url else 'embedded'} nats-server)")
+    roles: list[Role] = []
+    started = time.monotonic()
+    try:
+        roles.append(Role("trainer", "trainer", spawn(run_dir, recipe_file, opts, run, "trainer", "trainer")))
+        roles.append(Role("dataflow", "dataflow", spawn(run_dir, recipe_file, opts, run, "dataflow", "dataflow")))
+        if recipe.eval.enabled:
+            roles.append(Role("evaluator", "evaluator", spawn(run_dir, recipe_file, opts, run, "evaluator", "evaluator")))
+        for i in range(recipe.rollout.nodes):
+            name = f"rollout-{i}"
+            roles.append(Role(name, "rollout", spawn(run_dir, recipe_file, opts, run, "rollout", name), essential=False))
+        watch = asyncio.run(monitor(recipe, opts, run, run_dir, roles, timeout))
+    finally:
+        stop_all(roles)
+        if server:
+            server.stop()
+    return summarize(recipe, run_dir, watch, time.monotonic() - started)
+
+
+def new_run_dir(recipe: Recipe, base: Path = Path("runs")) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return base / f"{recipe.name}-{stamp}-{os.getpid() % 10000}"

@@ -1,0 +1,66 @@
+"""Held-out evaluation as its own process: it follows the weight stream and never stalls training.
+
+It steps through versions 0, ``every``, 2·``every``, … and the last, scores greedy
+completions of the held-out prompts with the recipe's reward, and records each result in the
+run-state KV (``eval.{policy}.{version}``) where the launcher and ``status`` read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import torch
+
+from astraflow.config import Recipe
+from astraflow.models import encode_prompt
+from astraflow.rollout.engine import GenerationRequest, SamplingParams
+from astraflow.rollout.rewards import get_reward
+from astraflow.rollout.worker import make_handle
+from astraflow.runtime import stop_event
+from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.tasks import load_split
+from astraflow.weights.sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+def eval_versions(recipe: Recipe) -> list[int]:
+    every, last = recipe.eval.every, recipe.trainer.steps
+    return sorted({0, last, *range(every, last, every)})
+
+
+def evaluate(handle: Any, problems: list[Any], reward_name: str, max_new_tokens: int) -> dict[str, float]:
+    reward = get_reward(reward_name)
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    reqs = [GenerationRequest(encode_prompt(handle.tokenizer, p.prompt), greedy) for p in problems]
+    comps = handle.engine.generate(reqs)
+    scores = [reward(handle.tokenizer.decode(c.token_ids, skip_special_tokens=True), p.meta) for c, p in zip(comps, problems)]
+    return {"reward": sum(scores) / len(scores), "n": float(len(scores))}
+
+
+async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "evaluator") -> None:
+    torch.set_num_threads(recipe.rollout.threads)
+    plane = await Plane.connect(nats, run, worker_id)
+    await plane.ensure_topology(recipe.topology())
+    handle = make_handle(recipe)
+    sync = WeightSync(plane, recipe.policy, handle.engine)
+    _, held_out = load_split(recipe.data)
+    stop = stop_event()
+    policy = recipe.policy
+    try:
+        for v in eval_versions(recipe):
+            while not stop.is_set() and int(await plane.state_get(f"version.{policy}", -1)) < v:
+                await asyncio.sleep(0.5)
+            if stop.is_set():
+                break
+            if await plane.state_get(f"eval.{policy}.{v}") is not None:
+                continue  # already evaluated (a restarted evaluator)
+            await sync.goto(v)
+            result = await asyncio.to_thread(evaluate, handle, held_out, recipe.reward, recipe.rollout.max_new_tokens)
+            await plane.state_put(f"eval.{policy}.{v}", {**result, "version": v, "ts": time.time()})
+            log.info("eval %s v%d: held-out reward %.3f", policy, v, result["reward"])
+    finally:
+        await plane.close()

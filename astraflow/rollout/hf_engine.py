@@ -1,0 +1,83 @@
+"""``hf`` engine: transformers in-process, batched generation with KV cache (CPU or GPU)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from astraflow.rollout.engine import Completion, GenerationRequest
+
+
+class HFEngine:
+    """Generates with ``model.generate`` and reports per-token behaviour logprobs and versions.
+
+    The behaviour logprob is ``log_softmax(logits / T)`` of the sampled token: the distribution
+    the token was actually drawn from (top-p aside), which the trainer recomputes the same way.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, device: str = "cpu") -> None:
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = device
+        self._version = -1
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def state_view(self) -> Mapping[str, torch.Tensor]:
+        return dict(self.model.state_dict())
+
+    @torch.no_grad()
+    def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        own = self.model.state_dict()
+        missing = set(own) - set(state)
+        if missing:
+            raise ValueError(f"weight version {version} lacks {sorted(missing)[:3]}…")
+        for name, tensor in own.items():
+            tensor.copy_(state[name])
+        self._version = version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    @torch.no_grad()
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        if not requests:
+            return []
+        params = requests[0].params
+        if any(r.params != params for r in requests):  # one generate call per distinct params
+            return [c for r in requests for c in self.generate([r])]
+        pad = self.tokenizer.pad_token_id
+        eos = self.tokenizer.eos_token_id
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), width), pad, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        for i, r in enumerate(requests):  # left padding
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            att[i, width - len(r.prompt_ids) :] = 1
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        version = self._version
+        greedy = params.temperature == 0
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=att.to(self.device),
+            max_new_tokens=params.max_new_tokens, do_sample=greedy is False, temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p, top_k=None if greedy else 0, pad_token_id=pad, eos_token_id=eos,
+            stop_strings=list(params.stop) or None, tokenizer=self.tokenizer if params.stop else None,
+            output_logits=True, return_dict_in_generate=True,
+        )
+        new = out.sequences[:, width:].cpu()  # (B, T)
+        logits = torch.stack(out.logits, dim=1).float().cpu() / (params.temperature or 1.0)  # (B, T, V)
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        completions = []
+        for i in range(len(requests)):
+            toks = new[i].tolist()
+            n, reason = len(toks), "length"
+            if eos in toks:
+                n, reason = toks.index(eos) + 1, "stop"  # keep the EOS token: it is a decision too
+            elif pad in toks:
+                n = toks.index(pad)
+            completions.append(Completion(toks[:n], logp[i, :n].tolist(), [version] * n, reason))
+        return completions

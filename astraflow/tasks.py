@@ -1,0 +1,49 @@
+"""Prompt sources: verifiable problems generated offline, split into train and held-out sets.
+
+A problem is ``(prompt_id, prompt, meta)``; ``meta`` carries what the reward needs. Both the
+dataflow (training prompts) and evaluators (held-out prompts) read the same deterministic
+split from the recipe's :class:`~astraflow.config.DataConfig`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from astraflow.config import DataConfig
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt_id: str
+    prompt: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _arithmetic(cfg: "DataConfig") -> list[Problem]:
+    n = cfg.max_operand + 1
+    pairs = [(a, b) for a in range(n) for b in range(n)]
+    random.Random(cfg.seed).shuffle(pairs)
+    return [Problem(f"add-{a}-{b}", f"{a}+{b}=", {"answer": str(a + b)}) for a, b in pairs]
+
+
+def _reasoning_gym(cfg: "DataConfig") -> list[Problem]:
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset(cfg.rg_task, size=cfg.n_train + cfg.n_eval, seed=cfg.seed)
+    return [
+        Problem(f"{cfg.rg_task}-{i}", entry["question"], {"answer": str(entry["answer"]), "rg_task": cfg.rg_task, "rg_index": i, "rg_size": cfg.n_train + cfg.n_eval, "rg_seed": cfg.seed})
+        for i, entry in enumerate(ds)
+    ]
+
+
+def load_split(cfg: "DataConfig") -> tuple[list[Problem], list[Problem]]:
+    """(train, held-out): disjoint, deterministic for a given config."""
+    problems = _arithmetic(cfg) if cfg.type == "arithmetic" else _reasoning_gym(cfg)
+    if len(problems) < cfg.n_eval + 1:
+        raise ValueError(f"data: only {len(problems)} problems, need more than n_eval={cfg.n_eval}")
+    held_out = problems[: cfg.n_eval]
+    train = problems[cfg.n_eval : cfg.n_eval + cfg.n_train]
+    return train, held_out
