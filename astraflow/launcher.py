@@ -47,6 +47,7 @@ class Watch:
 
     versions: list[dict[str, Any]] = field(default_factory=list)
     evals: dict[int, float] = field(default_factory=dict)
+    eval_at: dict[int, float] = field(default_factory=dict)  # seconds after launch when the version's eval landed
     beats: dict[str, Heartbeat] = field(default_factory=dict)
 
 
@@ -134,6 +135,7 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
                 got = await plane.state_get(f"eval.{policy}.{v}")
                 if got is not None:
                     watch.evals[v] = got["reward"]
+                    watch.eval_at[v] = round(time.monotonic() - started, 1)
             names = plane.names
             for label, stream, durable in (("task", names.task_stream, names.pool_consumer(recipe.rollout.pool)),
                                            ("traj", names.traj_stream, names.DATAFLOW_CONSUMER),
@@ -169,6 +171,7 @@ def summarize(recipe: Recipe, run_dir: Path, watch: Watch, wall_s: float) -> dic
         "recipe": recipe.name, "steps": recipe.trainer.steps, "wall_s": round(wall_s, 1),
         "held_out_reward": {str(k): v for k, v in evals.items()},
         "initial_reward": evals.get(0), "final_reward": evals.get(recipe.trainer.steps),
+        "eval_at_s": {str(k): v for k, v in sorted(watch.eval_at.items())},
         "train_reward_last5": sum(r.get("reward_mean", 0) for r in watch.versions[-5:]) / max(1, len(watch.versions[-5:])),
         "keyframe_bytes": max((r["bytes"] for r in watch.versions if r["encoding"] == "keyframe"), default=0),
         "delta_bytes_mean": sum(r["bytes"] for r in watch.versions if r["encoding"] == "delta") / max(1, sum(r["encoding"] == "delta" for r in watch.versions)),
