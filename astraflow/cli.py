@@ -57,6 +57,7 @@ def worker(
     nats: str = typer.Option(..., help="nats URL(s) of the run's plane."),
     run: str = typer.Option(..., help="Run id (subject scope)."),
     id: Optional[str] = typer.Option(None, "--id", help="Worker id (default: ROLE-PID)."),
+    policy: Optional[str] = typer.Option(None, help="Trainer: the policy to train (default: the first)."),
     pool: Optional[str] = typer.Option(None, help="Rollout pool (shared durable consumer)."),
     region: str = typer.Option("", help="Region label of this node."),
     hardware: str = typer.Option("cpu", help="Hardware label of this node."),
@@ -79,7 +80,7 @@ def worker(
         asyncio.run(serve(r, opts, run, wid))
     elif role == "trainer":
         from astraflow.train.worker import serve as serve_trainer
-        asyncio.run(serve_trainer(r, opts, run, wid))
+        asyncio.run(serve_trainer(r, opts, run, wid, policy))
     elif role == "rollout":
         from astraflow.rollout.worker import serve as serve_rollout
         asyncio.run(serve_rollout(r, opts, run, wid, pool, region, hardware))

@@ -104,22 +104,71 @@ class EvalConfig(Strict):
     every: int = Field(10, ge=1)
     """Evaluate held-out prompts every N versions (and version 0 and the last)."""
     enabled: bool = True
+    policy: str | None = None
+    """Policy to evaluate (default: the first)."""
+
+
+class PolicyConfig(Strict):
+    """One trainable policy: its model, warm start and trainer. One trainer process each."""
+
+    name: str
+    model: ModelConfig = ModelConfig()
+    sft: SFTConfig = SFTConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        return check_token("policy", v)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 class Recipe(Strict):
     name: str
-    policy: str = "solver"
     workflow: str = "single_turn"
+    """Registered workflow (see ``astraflow.rollout.workflows``)."""
     reward: str = "arithmetic"
+    """Registered reward (see ``astraflow.rollout.rewards``)."""
     model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
+    """Default model of every policy."""
     sft: SFTConfig = SFTConfig()
+    """Default warm start of every policy."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Default trainer of every policy."""
+    policies: dict[str, PolicyConfig] = {}
+    """Policies by name; the first one solves the tasks. Each entry overrides the defaults above
+    (``policies: {solver: {}, verifier: {trainer: {lr: 1e-4}}}``); a list of names takes them as is."""
+    data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     dataflow: DataflowConfig = DataflowConfig()
-    trainer: TrainerConfig = TrainerConfig()
     eval: EvalConfig = EvalConfig()
 
-    @field_validator("name", "policy", "workflow")
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_policies(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        pol = data.get("policies") or {"solver": {}}
+        if isinstance(pol, list):
+            pol = {name: {} for name in pol}
+        if not isinstance(pol, dict):
+            raise ValueError("policies must be a mapping of name -> overrides, or a list of names")
+        defaults = {k: data.get(k) or {} for k in ("model", "sft", "trainer")}
+        defaults = {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in defaults.items()}
+        resolved = {}
+        for name, over in pol.items():
+            over = over.model_dump() if isinstance(over, BaseModel) else dict(over or {})
+            over.pop("name", None)
+            resolved[name] = {"name": name, **{k: _merge(defaults[k], over.pop(k, {}) or {}) for k in defaults}, **over}
+        return {**data, "policies": resolved}
+
+    @field_validator("name", "workflow")
     @classmethod
     def _token(cls, v: str) -> str:
         return check_token("name", v)
@@ -128,16 +177,27 @@ class Recipe(Strict):
     def _fits(self) -> "Recipe":
         if self.dataflow.max_tasks_in_flight < self.dataflow.groups_per_batch:
             raise ValueError("dataflow.max_tasks_in_flight must be >= dataflow.groups_per_batch, or no batch ever fills")
+        if self.eval.policy is not None and self.eval.policy not in self.policies:
+            raise ValueError(f"eval.policy {self.eval.policy!r} is not one of the policies {list(self.policies)}")
         return self
 
     @property
-    def policies(self) -> tuple[str, ...]:
-        return (self.policy,)
+    def primary(self) -> str:
+        """The policy tasks are addressed to (the first)."""
+        return next(iter(self.policies))
+
+    @property
+    def policy_names(self) -> tuple[str, ...]:
+        return tuple(self.policies)
+
+    @property
+    def eval_policy(self) -> str:
+        return self.eval.policy or self.primary
 
     def topology(self) -> "Topology":
         from astraflow.streams.plane import Topology
 
-        return Topology(policies=self.policies, pools=(self.rollout.pool,))
+        return Topology(policies=self.policy_names, pools=(self.rollout.pool,))
 
 
 class RecipeError(ValueError):

@@ -93,7 +93,8 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
     plane = await Plane.connect(opts, run, "launcher")
     await plane.ensure_topology(recipe.topology())
     watch = Watch()
-    policy, steps = recipe.policy, recipe.trainer.steps
+    steps = {p: c.trainer.steps for p, c in recipe.policies.items()}
+    epol = recipe.eval_policy
     from astraflow.rollout.evaluator import eval_versions  # lazy: pulls in the model stack
 
     wanted_evals = set(eval_versions(recipe)) if recipe.eval.enabled else set()
@@ -108,11 +109,11 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
     await plane.nc.subscribe(f"af.{run}.hb.>", cb=on_beat)
     from nats.js import api  # the launcher reads announcements like any watcher
 
-    ann_sub = await plane.js.pull_subscribe(plane.names.weights(policy), stream=plane.names.weights_stream,
+    ann_sub = await plane.js.pull_subscribe(plane.names.all("weights"), stream=plane.names.weights_stream,
                                             config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL))
     metrics_file = open(run_dir / "metrics.jsonl", "a")
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
-    bar = progress.add_task(f"{policy} versions", total=steps)
+    bars = {p: progress.add_task(f"{p} versions", total=n) for p, n in steps.items()}
     lags: dict[str, int] = {}
     started = time.monotonic()
     live = Live(console=console, refresh_per_second=2, transient=False) if console.is_terminal else None
@@ -124,22 +125,22 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
             try:
                 for m in await ann_sub.fetch(batch=64, timeout=0.5):
                     ann = decode(m.data, WeightVersion)
-                    row = {"version": ann.version, "encoding": ann.encoding, "bytes": ann.objects[0].size, "ts": ann.created_at, **ann.metrics}
+                    row = {"policy": ann.policy, "version": ann.version, "encoding": ann.encoding, "bytes": ann.objects[0].size, "ts": ann.created_at, **ann.metrics}
                     watch.versions.append(row)
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()
-                    progress.update(bar, completed=ann.version)
+                    progress.update(bars[ann.policy], completed=ann.version)
             except Exception:  # fetch timeout: nothing new
                 pass
             for v in wanted_evals - set(watch.evals):
-                got = await plane.state_get(f"eval.{policy}.{v}")
+                got = await plane.state_get(f"eval.{epol}.{v}")
                 if got is not None:
                     watch.evals[v] = got["reward"]
                     watch.eval_at[v] = round(time.monotonic() - started, 1)
             names = plane.names
             for label, stream, durable in (("task", names.task_stream, names.pool_consumer(recipe.rollout.pool)),
                                            ("traj", names.traj_stream, names.DATAFLOW_CONSUMER),
-                                           ("batch", names.batch_stream, names.trainer_consumer(policy))):
+                                           *((f"batch.{p}", names.batch_stream, names.trainer_consumer(p)) for p in steps)):
                 lag = await plane.lag(stream, durable)
                 lags[label] = lag.pending + lag.ack_pending
             if live:
@@ -148,13 +149,14 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
                 live.update(Group(progress, dashboard(recipe, watch, lags)))
             elif time.monotonic() - last_print > 5:
                 last_print = time.monotonic()
-                v = watch.versions[-1] if watch.versions else {}
-                console.print(f"[{time.monotonic() - started:6.1f}s] v{v.get('version', 0)}/{steps} reward={v.get('reward_mean', float('nan')):.3f} lag={lags} eval={watch.evals}")
-            done = int(await plane.state_get(f"done.{policy}", -1)) >= steps
+                last = {r["policy"]: r for r in watch.versions}
+                vs = " ".join(f"{p} v{last[p]['version'] if p in last else 0}/{n} reward={last.get(p, {}).get('reward_mean', float('nan')):.3f}" for p, n in steps.items())
+                console.print(f"[{time.monotonic() - started:6.1f}s] {vs} lag={lags} held-out={watch.evals}")
+            done = all([int(await plane.state_get(f"done.{p}", -1)) >= n for p, n in steps.items()])
             if done and wanted_evals <= set(watch.evals):
                 return watch
             for r in roles:
-                if r.essential and r.proc.poll() is not None and not (r.role == "trainer" and done):
+                if r.essential and r.proc.poll() is not None and not (r.role == "trainer" and r.proc.returncode == 0):
                     raise RuntimeError(f"{r.name} exited with {r.proc.returncode}; see {run_dir / 'logs' / (r.name + '.log')}")
             if time.monotonic() - started > timeout:
                 raise TimeoutError(f"run did not finish in {timeout:.0f}s")
@@ -167,14 +169,22 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
 
 def summarize(recipe: Recipe, run_dir: Path, watch: Watch, wall_s: float) -> dict[str, Any]:
     evals = dict(sorted(watch.evals.items()))
+    per_policy = {}
+    for p, cfg in recipe.policies.items():
+        rows = [r for r in watch.versions if r["policy"] == p]
+        deltas = [r["bytes"] for r in rows if r["encoding"] == "delta"]
+        per_policy[p] = {
+            "steps": cfg.trainer.steps,
+            "train_reward_last5": sum(r.get("reward_mean", 0) for r in rows[-5:]) / max(1, len(rows[-5:])),
+            "keyframe_bytes": max((r["bytes"] for r in rows if r["encoding"] == "keyframe"), default=0),
+            "delta_bytes_mean": sum(deltas) / max(1, len(deltas)),
+        }
     summary = {
-        "recipe": recipe.name, "steps": recipe.trainer.steps, "wall_s": round(wall_s, 1),
+        "recipe": recipe.name, "wall_s": round(wall_s, 1), "eval_policy": recipe.eval_policy,
         "held_out_reward": {str(k): v for k, v in evals.items()},
-        "initial_reward": evals.get(0), "final_reward": evals.get(recipe.trainer.steps),
+        "initial_reward": evals.get(0), "final_reward": evals.get(recipe.policies[recipe.eval_policy].trainer.steps),
         "eval_at_s": {str(k): v for k, v in sorted(watch.eval_at.items())},
-        "train_reward_last5": sum(r.get("reward_mean", 0) for r in watch.versions[-5:]) / max(1, len(watch.versions[-5:])),
-        "keyframe_bytes": max((r["bytes"] for r in watch.versions if r["encoding"] == "keyframe"), default=0),
-        "delta_bytes_mean": sum(r["bytes"] for r in watch.versions if r["encoding"] == "delta") / max(1, sum(r["encoding"] == "delta" for r in watch.versions)),
+        "policies": per_policy,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot(watch, run_dir / "reward.png", recipe.name)
@@ -195,8 +205,9 @@ def plot(watch: Watch, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    vs = [r["version"] for r in watch.versions if "reward_mean" in r]
-    ax.plot(vs, [r["reward_mean"] for r in watch.versions if "reward_mean" in r], label="train reward (batch mean)", alpha=0.7)
+    for p in dict.fromkeys(r["policy"] for r in watch.versions):
+        rows = [r for r in watch.versions if r["policy"] == p and "reward_mean" in r]
+        ax.plot([r["version"] for r in rows], [r["reward_mean"] for r in rows], label=f"{p}: train reward (batch mean)", alpha=0.7)
     if watch.evals:
         ev = sorted(watch.evals.items())
         ax.plot([v for v, _ in ev], [r for _, r in ev], "o-", label="held-out reward (greedy)")
@@ -222,7 +233,8 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     roles: list[Role] = []
     started = time.monotonic()
     try:
-        roles.append(Role("trainer", "trainer", spawn(run_dir, recipe_file, opts, run, "trainer", "trainer")))
+        for p in recipe.policy_names:
+            roles.append(Role(f"trainer-{p}", "trainer", spawn(run_dir, recipe_file, opts, run, "trainer", f"trainer-{p}", ["--policy", p])))
         roles.append(Role("dataflow", "dataflow", spawn(run_dir, recipe_file, opts, run, "dataflow", "dataflow")))
         if recipe.eval.enabled:
             roles.append(Role("evaluator", "evaluator", spawn(run_dir, recipe_file, opts, run, "evaluator", "evaluator")))

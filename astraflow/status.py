@@ -40,7 +40,7 @@ async def collect(nats: str, run: str, policy: str, listen: float = 2.5) -> dict
         except Exception:
             lags[label] = None
     version = await plane.state_get(f"version.{policy}")
-    accounting = (await plane.state_get(f"dataflow.{policy}", {}) or {}).get("ledger", {})
+    accounting = ((await plane.state_get("dataflow", {}) or {}).get("lanes", {}).get(policy) or {}).get("ledger", {})
     await asyncio.sleep(listen)
     await plane.close()
     return {"streams": streams, "lags": lags, "version": version, "accounting": accounting, "workers": beats}

@@ -99,6 +99,7 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
     async def dataflow_loop() -> None:
         sub = await plane.subscribe(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
         while not done.is_set():
+            await df.refresh_versions()
             await df.top_up()
             await df.ingest(sub)
             await df.serve()

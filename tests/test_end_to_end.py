@@ -25,7 +25,7 @@ def test_cpu_recipe_learns_with_roles_as_processes(nats_server, repo_root, tmp_p
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == list(range(21))  # every version announced once, in order
     assert {r["encoding"] for r in rows} == {"keyframe", "delta"}
-    for role in ("trainer", "dataflow", "evaluator", "rollout-0", "rollout-1"):
+    for role in ("trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1"):
         assert (run_dir / "logs" / f"{role}.log").exists()
 
 

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def eval_versions(recipe: Recipe) -> list[int]:
-    every, last = recipe.eval.every, recipe.trainer.steps
+    every, last = recipe.eval.every, recipe.policies[recipe.eval_policy].trainer.steps
     return sorted({0, last, *range(every, last, every)})
 
 
@@ -45,11 +45,11 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
     torch.set_num_threads(recipe.rollout.threads)
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology())
-    handle = make_handle(recipe)
-    sync = WeightSync(plane, recipe.policy, handle.engine)
+    policy = recipe.eval_policy
+    handle = make_handle(recipe, policy)
+    sync = WeightSync(plane, policy, handle.engine)
     _, held_out = load_split(recipe.data)
     stop = stop_event()
-    policy = recipe.policy
     try:
         for v in eval_versions(recipe):
             while not stop.is_set() and int(await plane.state_get(f"version.{policy}", -1)) < v:

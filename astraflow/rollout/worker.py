@@ -29,9 +29,10 @@ from astraflow.weights.sync import WeightSync
 log = logging.getLogger(__name__)
 
 
-def make_handle(recipe: Recipe, params: SamplingParams | None = None) -> PolicyHandle:
-    tokenizer = load_tokenizer(recipe.model.tokenizer)
-    engine = HFEngine(build_model(recipe.model, tokenizer), tokenizer)
+def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = None) -> PolicyHandle:
+    model_cfg = recipe.policies[policy].model
+    tokenizer = load_tokenizer(model_cfg.tokenizer)
+    engine = HFEngine(build_model(model_cfg, tokenizer), tokenizer)
     r = recipe.rollout
     return PolicyHandle(engine, tokenizer, params or SamplingParams(r.max_new_tokens, r.temperature, r.top_p))
 
@@ -48,29 +49,32 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, poo
     pool = pool or recipe.rollout.pool
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology())
-    handle = make_handle(recipe)
-    sync = WeightSync(plane, recipe.policy, handle.engine)
+    handles = {p: make_handle(recipe, p) for p in recipe.policy_names}
+    syncs = {p: WeightSync(plane, p, h.engine) for p, h in handles.items()}
     workflow = get_workflow(recipe.workflow, get_reward(recipe.reward))
     stop = stop_event()
     stats = {"tasks": 0.0, "trajectories": 0.0, "gen_s": 0.0, "failed": 0.0}
 
     async def beat() -> None:
         await plane.beat(Heartbeat(role="rollout", worker_id=worker_id, pool=pool, region=region, hardware=hardware,
-                                   policy=recipe.policy, version=sync.version, stats={**stats, **sync.stats},
+                                   policy=recipe.primary, version=syncs[recipe.primary].version,
+                                   stats={**stats, **{f"{p}.{k}": v for p, s in syncs.items() for k, v in s.stats.items()}},
                                    state="draining" if stop.is_set() else "running"), "rollout")
 
     beats = asyncio.create_task(every(2.0, beat, stop))
     try:
-        await sync.wait_for(0, timeout=600)
+        for sync in syncs.values():
+            await sync.wait_for(0, timeout=600)
         sub = await plane.subscribe(plane.names.task_stream, plane.names.pool_consumer(pool))
-        log.info("rollout node %s joined pool %s at v%d", worker_id, pool, sync.version)
+        log.info("rollout node %s joined pool %s at %s", worker_id, pool, {p: s.version for p, s in syncs.items()})
         ack_wait = recipe.topology().task_ack_wait
         while not stop.is_set():
             got = await plane.pull(sub, Task, batch=recipe.rollout.tasks_per_generate, timeout=1.0)
-            await sync.refresh()  # a safe point: between generations
+            for sync in syncs.values():
+                await sync.refresh()  # a safe point: between generations
             if not got:
                 continue
-            ready = [d for d in got if sync.version >= d.msg.min_version]
+            ready = [d for d in got if all(syncs[p].version >= v for p, v in d.msg.min_versions.items() if p in syncs)]
             for d in got:
                 if d not in ready:
                     await d.nak(delay=1.0)
@@ -79,7 +83,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, poo
             keeper = asyncio.create_task(_keep_in_progress(ready, ack_wait / 3))
             t0 = time.perf_counter()
             try:
-                trajs = await asyncio.to_thread(workflow.run, [d.msg for d in ready], {recipe.policy: handle}, worker_id)
+                trajs = await asyncio.to_thread(workflow.run, [d.msg for d in ready], handles, worker_id)
             except Exception as e:
                 log.exception("workflow failed on %d tasks", len(ready))
                 stats["failed"] += len(ready)

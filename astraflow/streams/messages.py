@@ -49,12 +49,12 @@ class Task(Message):
     kind: ClassVar[str] = "task"
     task_id: str
     workflow: str
-    policy: str  # the policy that solves the prompt (workflows may call others)
+    policy: str  # the policy that solves the prompt (a workflow may call others too)
     prompt_id: str
     prompt: str
     group_size: int = Field(ge=1)
     meta: dict[str, Any] = {}  # what the reward needs (reference answer, tests, …)
-    min_version: int = 0  # a node must hold at least this weight version to serve the task
+    min_versions: dict[str, int] = {}  # per policy: a node must hold at least this weight version to serve the task
     created_at: float = Field(default_factory=time.time)
     deadline: float | None = None  # unix seconds after which the result is late
 

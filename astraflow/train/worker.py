@@ -25,21 +25,25 @@ from astraflow.weights.publish import WeightPublisher
 log = logging.getLogger(__name__)
 
 
-async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "trainer") -> None:
-    cfg, policy = recipe.trainer, recipe.policy
+async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "trainer", policy: str | None = None) -> None:
+    policy = policy or recipe.primary
+    if policy not in recipe.policies:
+        raise ValueError(f"policy {policy!r} is not in the recipe ({list(recipe.policies)})")
+    pcfg = recipe.policies[policy]
+    cfg = pcfg.trainer
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology())
-    tokenizer = load_tokenizer(recipe.model.tokenizer)
-    backend = TorchBackend(build_model(recipe.model, tokenizer), tokenizer, cfg, temperature=recipe.rollout.temperature)
+    tokenizer = load_tokenizer(pcfg.model.tokenizer)
+    backend = TorchBackend(build_model(pcfg.model, tokenizer), tokenizer, cfg, temperature=recipe.rollout.temperature)
     publisher = WeightPublisher(plane, policy, keyframe_every=cfg.keyframe_every)
     stop = stop_event()
 
-    if recipe.sft.steps:
+    if pcfg.sft.steps:
         train, _ = load_split(recipe.data)
-        loss = await asyncio.to_thread(backend.sft, train, recipe.sft, cfg.seed)
-        log.info("SFT warm start: %d steps, last loss %.3f", recipe.sft.steps, loss)
+        loss = await asyncio.to_thread(backend.sft, train, pcfg.sft, cfg.seed)
+        log.info("SFT warm start: %d steps, last loss %.3f", pcfg.sft.steps, loss)
     await publisher.publish(backend.state_dict(), 0, force_keyframe=True)
     version, waited, started, last = 0, 0.0, time.monotonic(), {}
 

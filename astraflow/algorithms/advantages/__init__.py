@@ -1,0 +1,1 @@
+"""Advantages: per-sample credit within a group (registry: ``ADVANTAGES``)."""

@@ -1,0 +1,1 @@
+"""Curators: decide before rollout which prompts are worth generating for (registry: ``CURATORS``)."""

@@ -1,0 +1,1 @@
+"""Filters: decide after rollout which groups may be trained on (registry: ``FILTERS``)."""

@@ -1,0 +1,1 @@
+"""Servers: order the buffer and take batches from it (registry: ``SERVERS``)."""
