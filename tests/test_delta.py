@@ -1,0 +1,305 @@
+"""Weight-version codec: bit-exact round trips, refusals that touch nothing, and sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from astraflow.weights.delta import (
+    DELTA_FORMAT_VERSION,
+    DeltaError,
+    DeltaStats,
+    apply_delta,
+    decode_keyframe,
+    encode_delta,
+    encode_keyframe,
+    naive_delta_size,
+    state_digest,
+    to_bf16_state,
+)
+
+DTYPES = {torch.bfloat16: np.uint16, torch.float16: np.uint16, torch.float32: np.uint32}
+SHAPES = st.one_of(
+    st.just(()),
+    st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple),
+    st.sampled_from([(0,), (1,), (257,), (3, 0, 2), (1031,), (17, 61)]),
+)
+PROPERTY = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    """The tensor's raw bits as unsigned integers (copy)."""
+    same_size = torch.int16 if t.element_size() == 2 else torch.int32
+    return t.detach().contiguous().view(same_size).numpy().reshape(-1).view(DTYPES[t.dtype]).copy()
+
+
+def from_bits(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    signed = raw.view(np.int16 if raw.itemsize == 2 else np.int32).copy()
+    return torch.from_numpy(signed).view(dtype).reshape(shape)
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and np.array_equal(bits(a[k]), bits(b[k])) for k in a)
+
+
+def clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state.items()}
+
+
+def random_tensor(rng: np.random.Generator, dtype: torch.dtype,
+                  shape: tuple[int, ...]) -> torch.Tensor:
+    """Realistic weights with a sprinkling of special values (NaN, inf, -0.0, subnormals)."""
+    n = int(np.prod(shape))
+    values = torch.from_numpy(rng.normal(0, 0.02, n).astype(np.float32)).to(dtype)
+    raw = bits(values)
+    special = rng.random(n) < 0.02
+    raw[special] = rng.integers(0, np.iinfo(raw.dtype).max, int(special.sum()), dtype=raw.dtype,
+                                endpoint=True)
+    return from_bits(raw, dtype, shape)
+
+
+def perturb(rng: np.random.Generator, t: torch.Tensor, fraction: float,
+            small: bool) -> torch.Tensor:
+    """Change about `fraction` of the elements: by a few ulps, or to arbitrary bits."""
+    raw = bits(t).reshape(-1)
+    pick = rng.random(raw.size) < fraction
+    m = int(pick.sum())
+    if small:
+        step = rng.choice(np.array([1, 2, 3, -1, -2, -3], dtype=np.int64), m)
+        raw[pick] = ((raw[pick].astype(np.int64) + step) % (1 << (8 * raw.itemsize))).astype(
+            raw.dtype)
+    else:
+        raw[pick] = rng.integers(0, np.iinfo(raw.dtype).max, m, dtype=raw.dtype, endpoint=True)
+    return from_bits(raw, t.dtype, tuple(t.shape))
+
+
+@st.composite
+def version_pairs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    base, new = {}, {}
+    for i in range(draw(st.integers(0, 4))):
+        dtype = draw(st.sampled_from(list(DTYPES)))
+        name = f"layers.{i}.w"
+        base[name] = random_tensor(rng, dtype, draw(SHAPES))
+        fraction = draw(st.sampled_from([0.0, 1.0, 0.003, 0.05, 0.5, 0.9]) | st.floats(0, 1))
+        new[name] = perturb(rng, base[name], fraction, small=draw(st.booleans()))
+    return base, new
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@PROPERTY
+@given(version_pairs())
+def test_delta_round_trip_is_bit_exact_and_in_place(pair):
+    base, new = pair
+    payload, stats = encode_delta(base, new)
+    target = clone(base)
+    objects = {k: (v, v.data_ptr()) for k, v in target.items()}
+
+    applied = apply_delta(target, payload)
+
+    assert same_bits(target, new)
+    assert all(target[k] is t and t.data_ptr() == ptr for k, (t, ptr) in objects.items())
+    changed = sum(int((bits(base[k]) != bits(new[k])).sum()) for k in base)
+    assert stats == applied
+    assert stats.n_changed == changed
+    assert stats.n_elements == sum(t.numel() for t in base.values())
+    assert stats.model_bytes == sum(t.numel() * t.element_size() for t in base.values())
+    assert stats.payload_bytes == len(payload)
+
+
+@PROPERTY
+@given(version_pairs())
+def test_keyframe_round_trip_is_bit_exact(pair):
+    _, state = pair
+    decoded = decode_keyframe(encode_keyframe(state))
+    assert same_bits(decoded, state)
+    assert list(decoded) == list(state)
+    assert all(t.is_contiguous() for t in decoded.values())
+
+
+def test_empty_state_round_trips():
+    payload, stats = encode_delta({}, {})
+    assert apply_delta({}, payload) == stats == DeltaStats(0, 0, len(payload), 0)
+    assert stats.sparsity == 1.0
+    assert decode_keyframe(encode_keyframe({})) == {}
+
+
+def test_large_gaps_use_wider_positions():
+    n = 1 << 20
+    base = {"w": torch.zeros(n, dtype=torch.bfloat16)}
+    new = clone(base)
+    new["w"][[0, 300, 70_000, n - 1]] = 1.0  # gaps need 1, 2 and 3 bytes
+    payload, stats = encode_delta(base, new)
+    target = clone(base)
+    apply_delta(target, payload)
+    assert same_bits(target, new) and stats.n_changed == 4
+
+
+def test_apply_writes_through_views_and_parameters():
+    storage = torch.zeros(2, 6, dtype=torch.bfloat16)
+    param = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
+    target = {"row": storage[1], "strided": storage[0, ::2], "param": param}
+    base = {k: v.detach().clone() for k, v in target.items()}
+    new = {"row": base["row"] + 1, "strided": base["strided"] - 2, "param": base["param"] + 3}
+
+    apply_delta(target, encode_delta(base, new)[0])
+
+    assert storage[1].eq(1).all() and storage[0, ::2].eq(-2).all() and storage[0, 1::2].eq(0).all()
+    assert param.detach().eq(3).all() and param.requires_grad
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def test_sparse_update_beats_naive_pairs_by_far():
+    rng = np.random.default_rng(0)
+    base = {f"w{i}": random_tensor(rng, torch.bfloat16, (1024, 512)) for i in range(2)}
+    new = {k: perturb(rng, v, 0.01, small=True) for k, v in base.items()}
+    payload, stats = encode_delta(base, new)
+    naive = naive_delta_size(base, new)
+    assert naive == 6 * stats.n_changed
+    assert 0.985 < stats.sparsity < 0.995
+    assert stats.bytes_per_changed < 2.5
+    assert len(payload) < naive / 2.4
+
+
+def test_naive_size_counts_index_and_value_bytes():
+    base = {"a": torch.zeros(4, dtype=torch.float32), "b": torch.zeros(3, dtype=torch.bfloat16)}
+    new = {"a": torch.tensor([0.0, 1.0, 2.0, 0.0]), "b": torch.ones(3, dtype=torch.bfloat16)}
+    assert naive_delta_size(base, new) == 2 * 8 + 3 * 6
+
+
+def test_stats_properties():
+    stats = DeltaStats(n_elements=1000, n_changed=10, payload_bytes=15, model_bytes=2000)
+    assert stats.sparsity == pytest.approx(0.99)
+    assert stats.bytes_per_changed == pytest.approx(1.5)
+    assert DeltaStats(10, 0, 40, 20).bytes_per_changed == float("inf")
+
+
+# ---------------------------------------------------------------- digest and bf16 copies
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 31))
+def test_digest_changes_on_any_bit(seed, bit):
+    rng = np.random.default_rng(seed)
+    state = {"a": random_tensor(rng, torch.float32, (7,)),
+             "b": random_tensor(rng, torch.bfloat16, (3, 5))}
+    name = "a" if bit < 32 and seed % 2 else "b"
+    raw = bits(state[name]).reshape(-1)
+    pos = int(rng.integers(raw.size))
+    raw[pos] ^= raw.dtype.type(1 << (bit % (8 * raw.itemsize)))
+    flipped = dict(state, **{name: from_bits(raw, state[name].dtype, tuple(state[name].shape))})
+    assert state_digest(flipped) != state_digest(state)
+    assert state_digest(clone(state)) == state_digest(state)
+
+
+def test_digest_covers_names_dtypes_and_shapes():
+    t = torch.arange(6, dtype=torch.float16)
+    ref = state_digest({"a": t})
+    assert state_digest({"b": t}) != ref
+    assert state_digest({"a": t.view(torch.bfloat16)}) != ref  # same bytes, other dtype
+    assert state_digest({"a": t.reshape(2, 3)}) != ref  # same bytes, other shape
+    assert state_digest({"a": t.reshape(2, 3).t()}) != ref
+    assert len(ref) == 64 and int(ref, 16) >= 0
+
+
+def test_to_bf16_state_makes_detached_contiguous_copies():
+    src = {"p": torch.nn.Parameter(torch.randn(3, 4)), "h": torch.randn(4, 3).half().t(),
+           "b": torch.randn(2, dtype=torch.bfloat16)}
+    out = to_bf16_state(src)
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() and not t.requires_grad
+               and t.device.type == "cpu" for t in out.values())
+    assert torch.equal(out["p"], src["p"].detach().bfloat16())
+    out["b"] += 1
+    assert not torch.equal(out["b"], src["b"])  # a copy even when already bf16
+    with pytest.raises(DeltaError, match="'ids'"):
+        to_bf16_state({"ids": torch.arange(3)})
+
+
+# ---------------------------------------------------------------- refusals touch nothing
+
+
+def small_pair() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], bytes]:
+    rng = np.random.default_rng(1)
+    base = {"a": random_tensor(rng, torch.bfloat16, (64, 32)),
+            "b": random_tensor(rng, torch.float32, (40,)),
+            "c": random_tensor(rng, torch.float16, ())}
+    new = {k: perturb(rng, v, 0.3, small=True) for k, v in base.items()}
+    return base, new, encode_delta(base, new)[0]
+
+
+def refuses_untouched(target: dict[str, torch.Tensor], payload: bytes, match: str) -> None:
+    before = clone(target)
+    with pytest.raises(DeltaError, match=match):
+        apply_delta(target, payload)
+    assert same_bits(target, before)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda s: s.update(extra=torch.zeros(2, dtype=torch.bfloat16)), "extra"),
+    (lambda s: s.pop("b"), "'b'"),
+    (lambda s: s.update(a=s["a"].reshape(32, 64)), "'a'.*shape"),
+    (lambda s: s.update(b=s["b"].bfloat16()), "'b'.*dtype"),
+    (lambda s: s.update(c=s["c"].reshape(1)), "'c'.*shape"),
+])
+def test_changed_tensor_set_refused_untouched(change, match):
+    base, _, payload = small_pair()
+    target = clone(base)
+    change(target)
+    refuses_untouched(target, payload, match)
+
+
+def test_encode_refuses_mismatched_or_unsupported_states():
+    base, new, _ = small_pair()
+    with pytest.raises(DeltaError, match="'a'.*shape"):
+        encode_delta(dict(base, a=base["a"].reshape(-1)), new)
+    with pytest.raises(DeltaError, match="missing"):
+        encode_delta({k: v for k, v in base.items() if k != "c"}, new)
+    with pytest.raises(DeltaError, match="'d'.*unsupported"):
+        encode_keyframe({"d": torch.zeros(2, dtype=torch.float64)})
+    with pytest.raises(DeltaError, match="'i'.*unsupported"):
+        encode_delta({"i": torch.zeros(2, dtype=torch.int64)}, {"i": torch.ones(2, dtype=torch.int64)})
+
+
+@pytest.mark.parametrize("cut", [0, 3, 10, 19, 20, 40, -40, -5, -1])
+def test_truncated_payload_refused_untouched(cut):
+    base, _, payload = small_pair()
+    refuses_untouched(clone(base), payload[:cut], ".")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_corrupted_payload_is_refused_or_still_exact(data):
+    base, new, payload = small_pair()
+    pos = data.draw(st.integers(0, len(payload) - 1))
+    flip = data.draw(st.integers(1, 255))
+    corrupt = bytearray(payload)
+    corrupt[pos] ^= flip
+    target = clone(base)
+    try:
+        apply_delta(target, bytes(corrupt))
+    except DeltaError:
+        assert same_bits(target, base)
+    else:  # only bytes that do not change the meaning (e.g. zstd window size) may pass
+        assert same_bits(target, new)
+
+
+def test_wrong_magic_version_and_kind_refused():
+    base, new, payload = small_pair()
+    refuses_untouched(clone(base), b"XXXX" + payload[4:], "magic")
+    bumped = payload[:4] + (DELTA_FORMAT_VERSION + 1).to_bytes(2, "little") + payload[6:]
+    refuses_untouched(clone(base), bumped, "version")
+    refuses_untouched(clone(base), encode_keyframe(new), "kind")
+    with pytest.raises(DeltaError, match="kind"):
+        decode_keyframe(payload)
+    with pytest.raises(DeltaError, match="magic"):
+        decode_keyframe(b"\0" * 64)
