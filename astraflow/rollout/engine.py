@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from astraflow.config import ModelConfig, RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -47,3 +50,26 @@ class Engine(Protocol):
 
     def state_view(self) -> Mapping[str, torch.Tensor]:
         """The engine's current weights by name (for in-place delta application)."""
+
+
+EngineFactory = Callable[["ModelConfig", "RolloutConfig", Any], Engine]
+"""Builds an engine from the policy's model config, the rollout config and the tokenizer."""
+ENGINES: dict[str, EngineFactory] = {}
+
+
+def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
+    def deco(factory: EngineFactory) -> EngineFactory:
+        ENGINES[name] = factory
+        return factory
+
+    return deco
+
+
+def build_engine(name: str, model_cfg: "ModelConfig", rollout_cfg: "RolloutConfig", tokenizer: Any) -> Engine:
+    import astraflow.rollout.engines  # noqa: F401  (registers the built-in engines)
+
+    try:
+        factory = ENGINES[name]
+    except KeyError:
+        raise ValueError(f"rollout.engine {name!r} is not available; registered: {sorted(ENGINES)}") from None
+    return factory(model_cfg, rollout_cfg, tokenizer)

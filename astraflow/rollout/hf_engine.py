@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 import torch
 
-from astraflow.rollout.engine import Completion, GenerationRequest
+from astraflow.rollout.engine import Completion, GenerationRequest, register_engine
 
 
 class HFEngine:
@@ -81,3 +81,11 @@ class HFEngine:
                 n = toks.index(pad)
             completions.append(Completion(toks[:n], logp[i, :n].tolist(), [version] * n, reason))
         return completions
+
+
+@register_engine("hf")
+def build_hf(model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> HFEngine:
+    from astraflow.models import build_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return HFEngine(build_model(model_cfg, tokenizer), tokenizer, device=device)

@@ -16,9 +16,8 @@ import time
 import torch
 
 from astraflow.config import Recipe
-from astraflow.models import build_model, load_tokenizer
-from astraflow.rollout.engine import SamplingParams
-from astraflow.rollout.hf_engine import HFEngine
+from astraflow.models import load_tokenizer
+from astraflow.rollout.engine import SamplingParams, build_engine
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows import PolicyHandle, get_workflow
 from astraflow.runtime import every, stop_event
@@ -32,7 +31,7 @@ log = logging.getLogger(__name__)
 def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = None) -> PolicyHandle:
     model_cfg = recipe.policies[policy].model
     tokenizer = load_tokenizer(model_cfg.tokenizer)
-    engine = HFEngine(build_model(model_cfg, tokenizer), tokenizer)
+    engine = build_engine(recipe.rollout.engine, model_cfg, recipe.rollout, tokenizer)
     r = recipe.rollout
     return PolicyHandle(engine, tokenizer, params or SamplingParams(r.max_new_tokens, r.temperature, r.top_p))
 
