@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from astraflow.algorithms.config import AlgorithmsConfig
+from astraflow.dataflow.autoscale import AutoscaleConfig
 from astraflow.streams.subjects import check_token
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class RolloutConfig(Strict):
     """Rollout workers `astraflow up` starts in the default pool."""
     pool: str = "raas"
     engine: Literal["hf", "sglang", "vllm", "scripted"] = "hf"
+    """Generation runtime: ``hf`` (transformers in-process, the embedded default), ``sglang`` or ``vllm``
+    (their servers, launched or attached with ``engine_url``), ``scripted`` (benchmarks)."""
     tasks_per_generate: int = Field(4, gt=0)
     """Tasks a node pulls and generates together (one batched generate call)."""
     max_new_tokens: int = Field(8, gt=0)
@@ -72,6 +75,51 @@ class RolloutConfig(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     threads: int = Field(1, gt=0)
     """torch threads per rollout process."""
+    region: str = ""
+    """Region label nodes carry in heartbeats (``astraflow worker rollout --region`` overrides it)."""
+    hardware: str = ""
+    """Hardware label nodes carry in heartbeats (default: ``cuda`` or ``cpu``, as detected)."""
+    drain_timeout: float = Field(30.0, ge=0)
+    """A node told to stop waits this long for the tasks it holds to finish, then naks them back to the pool."""
+    plugins: list[str] = []
+    """Modules (``pkg.mod``) or ``.py`` files a rollout node imports at start, to register the recipe's own
+    workflows, rewards, tools or engines."""
+    engine_url: str | None = None
+    """sglang / vllm: URL of a running server to attach to (``http://host:port``); None launches one."""
+    engine_args: list[str] = []
+    """sglang / vllm: extra command-line arguments for a launched server (``["--tp", "2"]``)."""
+    engine_mode: Literal["server", "inprocess"] = "server"
+    """vllm: talk to its OpenAI-compatible server, or run ``vllm.LLM`` inside the node."""
+    engine_startup_timeout: float = Field(600.0, gt=0)
+    """sglang / vllm: seconds to wait for a launched server to report healthy."""
+    weight_staging_dir: str | None = None
+    """sglang / vllm: where a node writes each weight version for the server to load (default: a temp
+    dir under /dev/shm when it exists). The server must see the same path (same host)."""
+    max_turns: int = Field(4, ge=1)
+    """Multi-turn workflows: generation turns per episode (tool calls, environment steps)."""
+    tools: list[str] = ["calculator", "search"]
+    """multi_turn_tools: tools the model may call, by registered name."""
+    env_url: str | None = None
+    """env_http: base URL of an environment server with POST /start, /step, /close."""
+    env: str = "rooms"
+    """env_http: environment name sent to /start (the bundled server has ``rooms`` and ``shop``)."""
+    agent: str | None = None
+    """openai_agent: ``module:function`` of agent code called as ``agent(base_url, prompt, meta) -> answer``;
+    it talks to the node's OpenAI-compatible endpoint at ``base_url``."""
+    agent_concurrency: int = Field(4, ge=1)
+    """openai_agent: agent episodes a node runs at once."""
+    concurrency: int = Field(8, ge=1)
+    """scripted: requests a node serves at once (their latencies overlap up to this many)."""
+    latency: Literal["lognormal", "pareto", "constant"] = "lognormal"
+    """scripted: distribution of each request's latency (a benchmark engine; see ``rollout/scripted_engine.py``)."""
+    latency_median_s: float = Field(0.5, ge=0)
+    """scripted: median request latency in seconds (the value itself for ``constant``)."""
+    latency_sigma: float = Field(1.0, ge=0)
+    """scripted, lognormal: standard deviation of the log latency (1.0: a long tail)."""
+    latency_alpha: float = Field(1.5, gt=0)
+    """scripted, pareto: tail index (smaller = heavier tail; the mean is infinite at or below 1)."""
+    latency_seed: int = 0
+    """scripted: seed of the latency draws (mixed with the process id, so nodes draw independent streams)."""
 
 
 class DataflowConfig(Strict):
@@ -83,21 +131,74 @@ class DataflowConfig(Strict):
     max_batch_backlog: int = Field(2, ge=1)
     """Batch serving pauses while the trainer's unconsumed batches reach this bound."""
     algorithms: AlgorithmsConfig = AlgorithmsConfig()
+    mode: Literal["async", "sync"] = "async"
+    """``async``: tasks flow within the staleness budget while trainers train. ``sync``: the
+    trainer-centred baseline: release one batch of tasks per version, wait until every one has
+    come back and the batch is trained (version v+1 announced), then release the next."""
+    task_timeout_s: float | None = Field(None, gt=0)
+    """Each task's deadline is its issue time plus this (``Task.deadline``); None: no deadline."""
+    late_policy: Literal["keep", "downweight", "drop"] = "keep"
+    """A group completing after its task's deadline is kept, kept with its advantages scaled by
+    ``late_weight``, or dropped (fate ``dropped:expired``); each case is counted."""
+    late_weight: float = Field(0.5, ge=0, le=1)
+    """``late_policy: downweight``: factor on the advantages of a late group."""
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+    """Target rollout-pool size from trainer wait and data rates (published; ``up --autoscale`` acts)."""
 
 
 class TrainerConfig(Strict):
     backend: Literal["torch", "deepspeed"] = "torch"
+    """``torch`` (one process, CPU or GPU) or ``deepspeed`` (ZeRO 1-3; one process on CPU with gloo, or
+    several GPUs under the ``deepspeed`` launcher). See docs/training.md."""
     steps: int = Field(40, gt=0)
     """Optimizer steps (= weight versions after version 0) before the run ends."""
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    loss: Literal["ppo", "decoupled_ppo", "m2po"] = "ppo"
+    """``ppo``: PPO-clip against the behaviour logprobs (clip-higher, dual-clip); ``decoupled_ppo``: trust
+    region around π_prox, truncated IS against π_behave; ``m2po``: second-moment mask, no ratio clip."""
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses reduce to a scalar (token-mean: DAPO; seq-mean-token-mean: original GRPO)."""
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
+    dual_clip: float | None = Field(3.0, gt=1)
+    """ppo: bound on the loss of A < 0 tokens with a huge ratio (Ye et al.); null disables it."""
+    tis_cap: float | None = Field(2.0, gt=0)
+    """decoupled_ppo: truncation of the IS weight π_prox/π_behave; null: untruncated."""
+    recompute_prox: bool = False
+    """decoupled_ppo: π_prox = the trainer's policy before this step (its own logprobs, detached), instead of
+    π_behave. With one optimizer step per batch this costs no extra forward pass."""
+    tau: float = Field(0.01, gt=0)
+    """m2po: bound on the mean (log π_θ/π_behave)² of the kept tokens, over the whole batch."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to a frozen reference policy (the version-0 weights); 0: no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of KL(π_θ ‖ π_ref) from sampled tokens (Schulman): k1 = d, k2 = d²/2, k3 = e^-d + d - 1."""
+    micro_batch_tokens: int | None = Field(None, gt=0)
+    """Token budget (rows x padded length) of one forward/backward; a batch is split into micro-batches that fit
+    it and their gradients accumulate into one optimizer step, normalised over the whole batch. null: one pass."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: mixed precision (torch: fp32 weights and optimizer, bf16 autocast; deepspeed: its bf16 mode)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the torch backend trains (auto: cuda when available). The deepspeed backend uses its accelerator."""
+    zero_stage: int = Field(1, ge=0, le=3)
+    """deepspeed: ZeRO stage (0: plain data parallel, 1: optimizer state, 2: + gradients, 3: + parameters)."""
     max_grad_norm: float = Field(1.0, gt=0)
     keyframe_every: int = Field(10, ge=1)
     """A full keyframe every K versions (and at start); deltas in between."""
+    checkpoint_every: int = Field(1, ge=1)
+    """With ``--checkpoint-dir``: checkpoint every N versions, before that version is announced. 1 makes a
+    restart exact; N > 1 resumes from the last announced bf16 weights and the last checkpoint's optimizer."""
+    checkpoint_keep: int = Field(2, ge=1)
+    """Checkpoints kept on disk (the newest ones)."""
     threads: int = Field(1, gt=0)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _loss_options(self) -> "TrainerConfig":
+        if self.recompute_prox and self.loss != "decoupled_ppo":
+            raise ValueError("recompute_prox applies to loss: decoupled_ppo only; set loss: decoupled_ppo or drop it")
+        return self
 
 
 class EvalConfig(Strict):
@@ -106,6 +207,23 @@ class EvalConfig(Strict):
     enabled: bool = True
     policy: str | None = None
     """Policy to evaluate (default: the first)."""
+
+
+class PlaneConfig(Strict):
+    """How the run's streams and consumers are set up on the server."""
+
+    replicas: int = Field(1, ge=1, le=5)
+    """Stream replicas: 1 on a single server, 3 on a 3-node cluster (jetstream/cluster/)."""
+    task_ack_wait: float = Field(60.0, gt=0)
+    """Seconds before a task held by a silent (dead) rollout node is redelivered."""
+    traj_ack_wait: float = Field(30.0, gt=0)
+    """Seconds before trajectories held by a dead dataflow are redelivered."""
+    batch_ack_wait: float = Field(300.0, gt=0)
+    """Seconds before a batch held by a dead trainer is redelivered."""
+    max_deliver: int = Field(20, ge=2)
+    """Deliveries of a task before it is dead-lettered."""
+    weights_history: int = Field(64, ge=2)
+    """Weight announcements kept per policy (retention of payloads follows them)."""
 
 
 class PolicyConfig(Strict):
@@ -148,6 +266,7 @@ class Recipe(Strict):
     rollout: RolloutConfig = RolloutConfig()
     dataflow: DataflowConfig = DataflowConfig()
     eval: EvalConfig = EvalConfig()
+    plane: PlaneConfig = PlaneConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -197,7 +316,10 @@ class Recipe(Strict):
     def topology(self) -> "Topology":
         from astraflow.streams.plane import Topology
 
-        return Topology(policies=self.policy_names, pools=(self.rollout.pool,))
+        p = self.plane
+        return Topology(policies=self.policy_names, pools=(self.rollout.pool,), replicas=p.replicas, task_ack_wait=p.task_ack_wait,
+                        traj_ack_wait=p.traj_ack_wait, batch_ack_wait=p.batch_ack_wait, max_deliver=p.max_deliver,
+                        weights_history=p.weights_history)
 
 
 class RecipeError(ValueError):

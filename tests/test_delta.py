@@ -13,6 +13,7 @@ from astraflow.weights.delta import (
     DeltaError,
     DeltaStats,
     apply_delta,
+    changed_tensors,
     decode_keyframe,
     encode_delta,
     encode_keyframe,
@@ -193,7 +194,7 @@ def test_digest_changes_on_any_bit(seed, bit):
     rng = np.random.default_rng(seed)
     state = {"a": random_tensor(rng, torch.float32, (7,)),
              "b": random_tensor(rng, torch.bfloat16, (3, 5))}
-    name = "a" if bit < 32 and seed % 2 else "b"
+    name = "a" if seed % 2 else "b"
     raw = bits(state[name]).reshape(-1)
     pos = int(rng.integers(raw.size))
     raw[pos] ^= raw.dtype.type(1 << (bit % (8 * raw.itemsize)))
@@ -258,6 +259,17 @@ def test_changed_tensor_set_refused_untouched(change, match):
     refuses_untouched(target, payload, match)
 
 
+def test_aliased_state_refused_untouched():
+    base = {"emb": torch.zeros(4, 2, dtype=torch.bfloat16),
+            "head": torch.zeros(4, 2, dtype=torch.bfloat16)}
+    payload, _ = encode_delta(base, {k: v + 1 for k, v in base.items()})
+    shared = torch.zeros(4, 2, dtype=torch.bfloat16)
+    refuses_untouched({"emb": shared, "head": shared}, payload, "share memory")
+    flat = torch.zeros(10, dtype=torch.bfloat16)
+    overlapping = {"emb": flat[:8].view(4, 2), "head": flat[2:].view(4, 2)}
+    refuses_untouched(overlapping, payload, "share memory")
+
+
 def test_encode_refuses_mismatched_or_unsupported_states():
     base, new, _ = small_pair()
     with pytest.raises(DeltaError, match="'a'.*shape"):
@@ -267,7 +279,8 @@ def test_encode_refuses_mismatched_or_unsupported_states():
     with pytest.raises(DeltaError, match="'d'.*unsupported"):
         encode_keyframe({"d": torch.zeros(2, dtype=torch.float64)})
     with pytest.raises(DeltaError, match="'i'.*unsupported"):
-        encode_delta({"i": torch.zeros(2, dtype=torch.int64)}, {"i": torch.ones(2, dtype=torch.int64)})
+        encode_delta({"i": torch.zeros(2, dtype=torch.int64)},
+                     {"i": torch.ones(2, dtype=torch.int64)})
 
 
 @pytest.mark.parametrize("cut", [0, 3, 10, 19, 20, 40, -40, -5, -1])
@@ -303,3 +316,12 @@ def test_wrong_magic_version_and_kind_refused():
         decode_keyframe(payload)
     with pytest.raises(DeltaError, match="magic"):
         decode_keyframe(b"\0" * 64)
+
+
+def test_changed_tensors_reads_the_table_only():
+    base, new, payload = small_pair()
+    new = dict(new, c=base["c"].clone())
+    payload, _ = encode_delta(base, new)
+    assert changed_tensors(payload) == {"a", "b"}
+    with pytest.raises(DeltaError, match="truncated"):
+        changed_tensors(payload[:-1])

@@ -98,6 +98,7 @@ class Topology:
 
     policies: tuple[str, ...]
     pools: tuple[str, ...] = ("raas",)
+    replicas: int = 1
     task_ack_wait: float = 60.0
     traj_ack_wait: float = 30.0
     batch_ack_wait: float = 300.0
@@ -153,24 +154,24 @@ class Plane:
             await self.jsm.add_consumer(stream, cfg)
 
     async def ensure_topology(self, topo: Topology) -> None:
-        n, dedup = self.names, topo.dedup_window
+        n, dedup, r = self.names, topo.dedup_window, topo.replicas
         file = api.StorageType.FILE
-        await self._stream(api.StreamConfig(name=n.task_stream, subjects=[n.all("task")], retention=api.RetentionPolicy.WORK_QUEUE, storage=file, duplicate_window=dedup))
-        await self._stream(api.StreamConfig(name=n.traj_stream, subjects=[n.all("traj")], retention=api.RetentionPolicy.LIMITS, storage=file, max_age=topo.traj_max_age, duplicate_window=dedup))
-        await self._stream(api.StreamConfig(name=n.batch_stream, subjects=[n.all("batch")], retention=api.RetentionPolicy.WORK_QUEUE, storage=file, duplicate_window=dedup))
-        await self._stream(api.StreamConfig(name=n.weights_stream, subjects=[n.all("weights")], retention=api.RetentionPolicy.LIMITS, storage=file, max_msgs_per_subject=topo.weights_history, duplicate_window=dedup))
-        await self._stream(api.StreamConfig(name=n.dlq_stream, subjects=[n.all("dlq")], retention=api.RetentionPolicy.LIMITS, storage=file, max_age=topo.traj_max_age))
+        await self._stream(api.StreamConfig(name=n.task_stream, subjects=[n.all("task")], retention=api.RetentionPolicy.WORK_QUEUE, storage=file, num_replicas=r, duplicate_window=dedup))
+        await self._stream(api.StreamConfig(name=n.traj_stream, subjects=[n.all("traj")], retention=api.RetentionPolicy.LIMITS, storage=file, max_age=topo.traj_max_age, num_replicas=r, duplicate_window=dedup))
+        await self._stream(api.StreamConfig(name=n.batch_stream, subjects=[n.all("batch")], retention=api.RetentionPolicy.WORK_QUEUE, storage=file, num_replicas=r, duplicate_window=dedup))
+        await self._stream(api.StreamConfig(name=n.weights_stream, subjects=[n.all("weights")], retention=api.RetentionPolicy.LIMITS, storage=file, max_msgs_per_subject=topo.weights_history, num_replicas=r, duplicate_window=dedup))
+        await self._stream(api.StreamConfig(name=n.dlq_stream, subjects=[n.all("dlq")], retention=api.RetentionPolicy.LIMITS, storage=file, num_replicas=r, max_age=topo.traj_max_age))
         explicit = api.AckPolicy.EXPLICIT
         for pool in topo.pools:
             await self._consumer(n.task_stream, api.ConsumerConfig(durable_name=n.pool_consumer(pool), filter_subject=n.all("task"), ack_policy=explicit, ack_wait=topo.task_ack_wait, max_deliver=topo.max_deliver, max_ack_pending=100_000))
         await self._consumer(n.traj_stream, api.ConsumerConfig(durable_name=n.DATAFLOW_CONSUMER, filter_subject=n.all("traj"), ack_policy=explicit, ack_wait=topo.traj_ack_wait, max_deliver=-1, max_ack_pending=1_000_000))
         for policy in topo.policies:
             await self._consumer(n.batch_stream, api.ConsumerConfig(durable_name=n.trainer_consumer(policy), filter_subject=n.batch(policy), ack_policy=explicit, ack_wait=topo.batch_ack_wait, max_deliver=topo.max_deliver))
-        self.kv = await self.js.create_key_value(api.KeyValueConfig(bucket=n.state_bucket, history=1, storage=file))
+        self.kv = await self.js.create_key_value(api.KeyValueConfig(bucket=n.state_bucket, history=1, storage=file, replicas=r))
         try:
             await self.js.object_store(n.object_bucket)
         except NotFoundError:
-            await self.js.create_object_store(n.object_bucket, api.ObjectStoreConfig(storage=file))
+            await self.js.create_object_store(n.object_bucket, api.ObjectStoreConfig(storage=file, replicas=r))
 
     # ---------------------------------------------------------------- publish
     async def publish(self, subject: str, msg: Message, msg_id: str | None = None) -> None:

@@ -8,17 +8,13 @@ image and copies it into the model.
 
 RL updates under bf16 are bit-for-bit sparse (97-99.6 % of values unchanged per step): a tiny
 update flips a value only where it crosses a rounding boundary, by one ulp. Per tensor, a delta
-stores:
-
-* the changed positions ``i_0 < i_1 < ...`` as gaps ``g_k = i_k - i_{k-1} - 1`` (``i_{-1} =
-  -1``), ``width`` bytes each (the fewest that hold the largest gap), split into byte planes
-  (all lowest bytes, then the next, ...) so the high planes are runs of zeros;
-* the change as the wrapping difference ``new_bits - base_bits``, zigzag-mapped (0, -1, 1, -2
-  -> 0, 1, 2, 3) and byte-planed: a one-ulp step is 1 or 2, so these planes cost ~1 bit each;
-* or, where most values change, a dense plane of zigzag differences (0 where unchanged).
-
-Each tensor's section is its own zstd frame (content size and checksum written), so tensors
-compress and decompress in parallel and damage is reported per tensor.
+stores the changed positions ``i_0 < i_1 < ...`` as gaps ``g_k = i_k - i_{k-1} - 1`` (``i_{-1}
+= -1``) of ``width`` bytes (the fewest that hold the largest gap), and the wrapping differences
+``new_bits - base_bits`` zigzag-mapped (0, -1, 1, -2 -> 0, 1, 2, 3: a one-ulp step is 1 or 2).
+Both are split into byte planes (all lowest bytes, then the next, ...), so high planes are runs
+of zeros. Where most values change, a dense plane of zigzag differences is cheaper. Each
+tensor's section is its own zstd frame (content size and checksum written): tensors compress
+and decompress in parallel, and damage is reported per tensor.
 
 Byte layout (integers little-endian)::
 
@@ -46,7 +42,8 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from itertools import accumulate
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -56,9 +53,13 @@ DELTA_FORMAT_VERSION = 1
 MAGIC = b"AFWV"
 KIND_KEYFRAME, KIND_DELTA = 1, 2
 MODE_UNCHANGED, MODE_SPARSE, MODE_DENSE, MODE_RAW = 0, 1, 2, 3
-ZSTD_LEVEL = 1  # measured on byte-planed deltas: smaller and faster than level 3
+# Level 1, but matches of 7+ bytes only and a small hash table: planes are mostly literals;
+# measured on real AdamW deltas ~20 % faster than plain level 1 (level 3: larger and slower).
+_ZSTD_PARAMS = zstandard.ZstdCompressionParameters.from_level(
+    1, min_match=7, hash_log=12, write_checksum=1, write_content_size=1)
 DENSE_RATIO = 0.75  # dense plane once the sparse section would exceed this share of it
-WORKERS = int(os.environ.get("W", min(4, os.cpu_count() or 1)))  # numpy and zstd release the GIL
+WORKERS = min(4, os.cpu_count() or 1)  # numpy and zstd release the GIL
+PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, starting threads costs more than it saves
 
 _HEADER = struct.Struct("<4sHBBIII")
 _ENTRY_FIXED = struct.Struct("<BBBB")
@@ -131,9 +132,6 @@ class _Entry:
         return self.numel * self.bits.itemsize if self.mode in (MODE_DENSE, MODE_RAW) else 0
 
 
-# ---------------------------------------------------------------- states and bits
-
-
 def to_bf16_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached contiguous CPU bf16 copies of a state of floating-point tensors."""
     out: dict[str, torch.Tensor] = {}
@@ -153,7 +151,7 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
         meta = f"{name}\0{t.dtype}\0{tuple(t.shape)}".encode()
         h.update(_U64.pack(len(meta)) + meta)
         if t.numel():  # the flat view of an empty tensor may have stride 0
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
@@ -172,49 +170,56 @@ def _flat_bits(t: torch.Tensor, bits: _Bits) -> np.ndarray:
     return t.view(bits.int_dtype).numpy().reshape(-1).view(bits.np_uint)
 
 
-def _to_planes(values: np.ndarray, nbytes: int) -> list[np.ndarray]:
-    """Unsigned integers -> nbytes uint8 planes, least significant first."""
-    return [(values >> (8 * k) if k else values).astype(np.uint8) for k in range(nbytes)]
+def _to_planes(values: np.ndarray, nbytes: int) -> np.ndarray:
+    """Unsigned integers -> (nbytes, n) uint8 planes, least significant byte first."""
+    le = values.astype(values.dtype.newbyteorder("<"), copy=False)
+    return np.ascontiguousarray(le.view(np.uint8).reshape(-1, values.itemsize).T[:nbytes])
 
 
 def _from_planes(buf: np.ndarray, count: int, nbytes: int, dtype: type) -> np.ndarray:
     planes = buf.reshape(nbytes, count)
-    out = planes[0].astype(dtype)
-    for k in range(1, nbytes):
-        out |= planes[k].astype(dtype) << (8 * k)
+    out = planes[-1].astype(dtype)
+    for k in range(nbytes - 2, -1, -1):
+        out <<= 8
+        out |= planes[k]
     return out
 
 
-def _zigzag(diff: np.ndarray, bits: _Bits) -> np.ndarray:
-    signed = diff.view(np.dtype(f"i{bits.itemsize}"))
-    return ((signed << 1) ^ (signed >> (8 * bits.itemsize - 1))).view(bits.np_uint)
+def _zigzag(diff: np.ndarray) -> np.ndarray:
+    """Wrapping differences -> zigzag (0, -1, 1, -2 ... -> 0, 1, 2, 3 ...), in place."""
+    sign = diff.view(f"i{diff.itemsize}") >> (8 * diff.itemsize - 1)  # 0 or all ones
+    diff <<= 1
+    diff ^= sign.view(diff.dtype)
+    return diff
 
 
 def _unzigzag(z: np.ndarray) -> np.ndarray:
-    return (z >> 1) ^ np.negative(z & 1)
+    out = np.negative(z & 1)
+    z >>= 1
+    out ^= z
+    return out
 
 
-def _parallel(fn: Callable[..., _T], *iterables: Iterable) -> Iterator[_T]:
-    """fn over tensors on a few threads, results in order."""
+def _map(entries: list[_Entry], fn: Callable[..., _T], *iterables: Iterable) -> Iterator[_T]:
+    """fn over tensors, results in order; on a few threads when the state is large."""
+    if WORKERS < 2 or sum(e.numel for e in entries) < PARALLEL_MIN_ELEMENTS:
+        yield from map(fn, *iterables)
+        return
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         yield from pool.map(fn, *iterables)
-
-
-# ---------------------------------------------------------------- encoding
 
 
 def _compress(parts: list[np.ndarray]) -> bytes:
     size = sum(p.nbytes for p in parts)
     if not size:
         return b""
-    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
-    stream = cctx.compressobj(size=size)
-    return b"".join([stream.compress(p) for p in parts if p.size] + [stream.flush()])
+    stream = zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS).compressobj(size=size)
+    return b"".join([stream.compress(p.data) for p in parts if p.size] + [stream.flush()])
 
 
 def _gaps(idx: np.ndarray, n: int) -> np.ndarray:
     """g_k = i_k - i_{k-1} - 1 with i_{-1} = -1, for sorted positions."""
-    gaps = np.empty(idx.size, dtype=np.uint32 if n <= 2**32 else np.uint64)
+    gaps: np.ndarray = np.empty(idx.size, dtype=np.uint32 if n <= 2**32 else np.uint64)
     gaps[0] = idx[0]
     np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
     gaps[1:] -= 1
@@ -230,17 +235,17 @@ def _delta_record(entry: _Entry, base: np.ndarray, new: np.ndarray) -> tuple[_En
     width = max(1, (int(gaps.max()).bit_length() + 7) // 8)
     if m * (width + size) > DENSE_RATIO * n * size:
         entry = dataclasses.replace(entry, mode=MODE_DENSE, n_changed=m)
-        parts = _to_planes(_zigzag(new - base, entry.bits), size)
+        parts = [_to_planes(_zigzag(new - base), size)]
     else:
         entry = dataclasses.replace(entry, mode=MODE_SPARSE, width=width, n_changed=m)
-        diff = _zigzag(np.take(new, idx) - np.take(base, idx), entry.bits)
-        parts = _to_planes(gaps, width) + _to_planes(diff, size)
+        diff = _zigzag(np.take(new, idx) - np.take(base, idx))
+        parts = [_to_planes(gaps, width), _to_planes(diff, size)]
     frame = _compress(parts)
     return dataclasses.replace(entry, frame_len=len(frame)), frame
 
 
 def _keyframe_record(entry: _Entry, t: torch.Tensor) -> tuple[_Entry, bytes]:
-    frame = _compress(_to_planes(_flat_bits(t, entry.bits), entry.bits.itemsize))
+    frame = _compress([_to_planes(_flat_bits(t, entry.bits), entry.bits.itemsize)])
     return dataclasses.replace(entry, n_changed=entry.numel, frame_len=len(frame)), frame
 
 
@@ -260,29 +265,33 @@ def _pack(kind: int, records: Iterable[tuple[_Entry, bytes]]) -> tuple[bytes, li
 def encode_keyframe(state: Mapping[str, torch.Tensor]) -> bytes:
     """The full state, bits byte-planed, one zstd frame per tensor."""
     entries = [_Entry(n, _bits_of(n, t), tuple(t.shape), MODE_RAW) for n, t in state.items()]
-    return _pack(KIND_KEYFRAME, _parallel(_keyframe_record, entries, state.values()))[0]
+    return _pack(KIND_KEYFRAME, _map(entries, _keyframe_record, entries, state.values()))[0]
 
 
 def encode_delta(base: Mapping[str, torch.Tensor],
                  new: Mapping[str, torch.Tensor]) -> tuple[bytes, DeltaStats]:
     """Delta turning `base` into `new`; both must hold the same names, shapes and dtypes."""
-    entries = [_Entry(n, _bits_of(n, t), tuple(t.shape), MODE_UNCHANGED) for n, t in new.items()]
-    _require_layout(base, entries, "base")
+    entries = _paired_entries(base, new)
 
     def record(e: _Entry) -> tuple[_Entry, bytes]:
         return _delta_record(e, _flat_bits(base[e.name], e.bits), _flat_bits(new[e.name], e.bits))
 
-    payload, entries = _pack(KIND_DELTA, _parallel(record, entries))
+    payload, entries = _pack(KIND_DELTA, _map(entries, record, entries))
     return payload, _stats(entries, len(payload))
 
 
 def naive_delta_size(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> int:
     """Bytes of the naive format: one (uint32 index, value) pair per changed element."""
+    return sum((4 + e.bits.itemsize) * int(np.count_nonzero(
+        _flat_bits(base[e.name], e.bits) != _flat_bits(new[e.name], e.bits)))
+        for e in _paired_entries(base, new))
+
+
+def _paired_entries(base: Mapping[str, torch.Tensor],
+                    new: Mapping[str, torch.Tensor]) -> list[_Entry]:
     entries = [_Entry(n, _bits_of(n, t), tuple(t.shape), MODE_UNCHANGED) for n, t in new.items()]
     _require_layout(base, entries, "base")
-    return sum(
-        int(np.count_nonzero(_flat_bits(base[e.name], e.bits) != _flat_bits(new[e.name], e.bits)))
-        * (4 + e.bits.itemsize) for e in entries)
+    return entries
 
 
 def _stats(entries: list[_Entry], payload_bytes: int) -> DeltaStats:
@@ -290,9 +299,6 @@ def _stats(entries: list[_Entry], payload_bytes: int) -> DeltaStats:
                       n_changed=sum(e.n_changed for e in entries),
                       payload_bytes=payload_bytes,
                       model_bytes=sum(e.numel * e.bits.itemsize for e in entries))
-
-
-# ---------------------------------------------------------------- decoding
 
 
 def _require_layout(state: Mapping[str, torch.Tensor], entries: list[_Entry], what: str) -> None:
@@ -310,14 +316,10 @@ def _require_layout(state: Mapping[str, torch.Tensor], entries: list[_Entry], wh
 
 def _require_no_aliases(state: Mapping[str, torch.Tensor]) -> None:
     """Differences added twice into shared memory would corrupt it: refuse aliased tensors."""
-    spans = []
-    for name, t in state.items():
-        if t.numel():
-            start = t.data_ptr() + min(0, sum((n - 1) * s for n, s in zip(t.shape, t.stride())
-                                              if s < 0)) * t.element_size()
-            extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
-            spans.append((t.device, start, start + extent * t.element_size(), name))
-    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    spans = sorted(  # (device, first byte, past the last byte, name); strides are >= 0
+        (str(t.device), t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum(
+            (n - 1) * s for n, s in zip(t.shape, t.stride()))), name)
+        for name, t in state.items() if t.numel())
     for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in zip(spans, spans[1:]):
         if dev_a == dev_b and start_b < end_a:
             raise DeltaError(f"tensors {a!r} and {b!r} share memory; apply onto unaliased "
@@ -347,8 +349,8 @@ def _parse_table(table: bytes, n_tensors: int) -> list[_Entry]:
             pos += 2 + name_len + _ENTRY_FIXED.size
             *shape, n_changed, frame_len = struct.unpack_from(f"<{ndim}QQQ", table, pos)
             pos += 8 * (ndim + 2)
-            if code not in _BY_CODE or any(e.name == name for e in entries[-1:]):
-                raise DeltaError(f"tensor {name!r}: unknown dtype code {code} or repeated name")
+            if code not in _BY_CODE:
+                raise DeltaError(f"tensor {name!r}: unknown dtype code {code}")
             entries.append(_Entry(name, _BY_CODE[code], tuple(shape), mode, width, n_changed,
                                   frame_len))
             _check_entry(entries[-1])
@@ -376,14 +378,11 @@ def _unpack(payload: bytes, kind: int) -> list[tuple[_Entry, memoryview]]:
         raise DeltaError("tensor table truncated or corrupt (crc mismatch)")
     entries = _parse_table(table, n_tensors)
     pos = _HEADER.size + table_len
-    if pos + sum(e.frame_len for e in entries) != len(payload):
-        raise DeltaError(f"payload of {len(payload)} bytes does not match its table "
-                         f"({pos + sum(e.frame_len for e in entries)} bytes): truncated?")
-    out = []
-    for e in entries:
-        out.append((e, view[pos:pos + e.frame_len]))
-        pos += e.frame_len
-    return out
+    if (expected := pos + sum(e.frame_len for e in entries)) != len(payload):
+        raise DeltaError(f"payload of {len(payload)} bytes, its table says {expected}: "
+                         "truncated or corrupt")
+    ends = list(accumulate([pos] + [e.frame_len for e in entries]))
+    return [(e, view[a:b]) for e, a, b in zip(entries, ends, ends[1:])]
 
 
 def _decompress(e: _Entry, frame: memoryview) -> np.ndarray:
@@ -403,18 +402,23 @@ def _decompress(e: _Entry, frame: memoryview) -> np.ndarray:
 def decode_keyframe(payload: bytes) -> dict[str, torch.Tensor]:
     """Fresh contiguous CPU tensors, bit-identical to the encoded state."""
 
-    def tensor(e: _Entry, frame: memoryview) -> torch.Tensor:
+    def tensor(record: tuple[_Entry, memoryview]) -> torch.Tensor:
+        e, frame = record
         flat = _from_planes(_decompress(e, frame), e.numel, e.bits.itemsize, e.bits.np_uint)
         return torch.from_numpy(flat.view(f"i{e.bits.itemsize}")).view(e.bits.dtype).reshape(
             e.shape)
 
     records = _unpack(payload, KIND_KEYFRAME)
-    return dict(zip((e.name for e, _ in records), _parallel(tensor, *zip(*records)),
-                    strict=True))
+    entries = [e for e, _ in records]
+    return dict(zip((e.name for e in entries), _map(entries, tensor, records), strict=True))
 
 
-@dataclass(frozen=True)
-class _Change:
+def changed_tensors(payload: bytes) -> set[str]:
+    """Names of the tensors a delta changes, from its checked header and table (no decoding)."""
+    return {e.name for e, _ in _unpack(payload, KIND_DELTA) if e.mode != MODE_UNCHANGED}
+
+
+class _Change(NamedTuple):
     """A decoded, validated record: positions (None when dense) and wrapping differences."""
 
     entry: _Entry
@@ -422,7 +426,8 @@ class _Change:
     diff: np.ndarray
 
 
-def _decode_change(e: _Entry, frame: memoryview) -> _Change:
+def _decode_change(record: tuple[_Entry, memoryview]) -> _Change:
+    e, frame = record
     sec, size, np_uint = _decompress(e, frame), e.bits.itemsize, e.bits.np_uint
     if e.mode == MODE_DENSE:
         return _Change(e, None, _unzigzag(_from_planes(sec, e.numel, size, np_uint)))
@@ -466,7 +471,7 @@ def apply_delta(state: MutableMapping[str, torch.Tensor], payload: bytes) -> Del
     _require_layout(state, entries, "state")
     _require_no_aliases(state)
     changed = [(e, f) for e, f in records if e.mode != MODE_UNCHANGED]
-    changes = list(_parallel(_decode_change, *zip(*changed, strict=True)))  # may refuse
-    for _ in _parallel(_add_in_place, [state[c.entry.name] for c in changes], changes):
+    changes = list(_map(entries, _decode_change, changed))  # may refuse
+    for _ in _map(entries, _add_in_place, [state[c.entry.name] for c in changes], changes):
         pass  # nothing refuses past this point
     return _stats(entries, len(payload))
