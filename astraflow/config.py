@@ -42,16 +42,29 @@ class ModelConfig(Strict):
 
 
 class DataConfig(Strict):
-    type: Literal["arithmetic", "reasoning_gym"] = "arithmetic"
-    """Prompt source: generated digit arithmetic, or a reasoning-gym task (offline)."""
+    type: Literal["arithmetic", "reasoning_gym", "jsonl"] = "arithmetic"
+    """Prompt source: generated digit arithmetic, a reasoning-gym task (offline), or a local JSONL file."""
     max_operand: int = Field(19, ge=1)
     """arithmetic: operands are drawn from 0..max_operand."""
     rg_task: str = "basic_arithmetic"
     """reasoning_gym: the dataset name."""
+    path: str | None = None
+    """jsonl: file with one problem per line (relative paths are resolved against the recipe folder)."""
+    prompt_key: str = "prompt"
+    """jsonl: field holding the prompt."""
+    answer_key: str = "answer"
+    """jsonl: field holding the reference answer (other fields go to the task's meta)."""
     n_train: int = Field(300, gt=0)
     n_eval: int = Field(100, gt=0)
     """Held-out prompts, disjoint from the training prompts."""
     seed: int = 0
+
+
+    @model_validator(mode="after")
+    def _needs_path(self) -> "DataConfig":
+        if self.type == "jsonl" and not self.path:
+            raise ValueError("data.path is required when data.type is jsonl")
+        return self
 
 
 class SFTConfig(Strict):
@@ -349,6 +362,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not p.exists():
         raise RecipeError(f"recipe {path} not found")
     data = yaml.safe_load(p.read_text()) or {}
+    data_path = (data.get("data") or {}).get("path")
+    if data_path and not Path(data_path).is_absolute():
+        data["data"]["path"] = str((p.parent / data_path).resolve())
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:

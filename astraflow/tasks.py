@@ -39,9 +39,28 @@ def _reasoning_gym(cfg: "DataConfig") -> list[Problem]:
     ]
 
 
+def _jsonl(cfg: "DataConfig") -> list[Problem]:
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in Path(cfg.path or "").read_text().splitlines() if line.strip()]
+    random.Random(cfg.seed).shuffle(rows)
+    out = []
+    for i, row in enumerate(rows):
+        if cfg.prompt_key not in row or cfg.answer_key not in row:
+            raise ValueError(f"{cfg.path} line {i + 1}: needs {cfg.prompt_key!r} and {cfg.answer_key!r}")
+        meta = {k: v for k, v in row.items() if k != cfg.prompt_key}
+        meta["answer"] = str(row[cfg.answer_key])
+        out.append(Problem(str(row.get("id", f"row-{i}")), str(row[cfg.prompt_key]), meta))
+    return out
+
+
+_SOURCES = {"arithmetic": _arithmetic, "reasoning_gym": _reasoning_gym, "jsonl": _jsonl}
+
+
 def load_split(cfg: "DataConfig") -> tuple[list[Problem], list[Problem]]:
     """(train, held-out): disjoint, deterministic for a given config."""
-    problems = _arithmetic(cfg) if cfg.type == "arithmetic" else _reasoning_gym(cfg)
+    problems = _SOURCES[cfg.type](cfg)
     if len(problems) < cfg.n_eval + 1:
         raise ValueError(f"data: only {len(problems)} problems, need more than n_eval={cfg.n_eval}")
     held_out = problems[: cfg.n_eval]
