@@ -142,10 +142,23 @@ class Plane:
 
     # ---------------------------------------------------------------- topology
     async def _stream(self, cfg: api.StreamConfig) -> None:
+        """Create the stream, or bring an existing one to ``cfg``; read-only when it already matches.
+
+        Looking first means a role whose account may not create streams (a rollout node under
+        ``jetstream/accounts.conf``) still starts, once an operator or the dataflow created them.
+        """
         try:
+            have = (await self.jsm.stream_info(cfg.name)).config
+        except NotFoundError:
             await self.jsm.add_stream(cfg)
-        except BadRequestError:  # exists with another config: bring it to ours
-            await self.jsm.update_stream(cfg)
+            return
+        fields = ("subjects", "retention", "max_age", "max_msgs_per_subject", "num_replicas", "duplicate_window")
+        wanted = {f: getattr(cfg, f) for f in fields if getattr(cfg, f) not in (None, 0)}  # 0 / None: server default
+        if any(getattr(have, f) != v for f, v in wanted.items()):
+            try:
+                await self.jsm.update_stream(cfg)
+            except BadRequestError as e:
+                raise RuntimeError(f"stream {cfg.name} exists with an incompatible config ({e.description}); delete it or use another run id") from None
 
     async def _consumer(self, stream: str, cfg: api.ConsumerConfig) -> None:
         try:
@@ -167,7 +180,10 @@ class Plane:
         await self._consumer(n.traj_stream, api.ConsumerConfig(durable_name=n.DATAFLOW_CONSUMER, filter_subject=n.all("traj"), ack_policy=explicit, ack_wait=topo.traj_ack_wait, max_deliver=-1, max_ack_pending=1_000_000))
         for policy in topo.policies:
             await self._consumer(n.batch_stream, api.ConsumerConfig(durable_name=n.trainer_consumer(policy), filter_subject=n.batch(policy), ack_policy=explicit, ack_wait=topo.batch_ack_wait, max_deliver=topo.max_deliver))
-        self.kv = await self.js.create_key_value(api.KeyValueConfig(bucket=n.state_bucket, history=1, storage=file, replicas=r))
+        try:
+            self.kv = await self.js.key_value(n.state_bucket)
+        except NotFoundError:
+            self.kv = await self.js.create_key_value(api.KeyValueConfig(bucket=n.state_bucket, history=1, storage=file, replicas=r))
         try:
             await self.js.object_store(n.object_bucket)
         except NotFoundError:
