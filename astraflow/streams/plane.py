@@ -115,8 +115,9 @@ class Plane:
         self.nc = nc
         self.names = names
         self.worker_id = worker_id
+        self.domain = domain
         self.js = nc.jetstream(domain=domain, timeout=10.0)
-        self.jsm = nc.jsm()
+        self.jsm = nc.jsm(prefix=f"$JS.{domain}.API") if domain else nc.jsm()  # manage streams in that domain
         self.kv: Any = None
 
     @classmethod
@@ -244,7 +245,11 @@ class Plane:
         return self.kv
 
     async def state_put(self, key: str, value: Any) -> None:
-        await (await self._kv()).put(key, json.dumps(value).encode())
+        data = json.dumps(value).encode()
+        if self.domain:  # nats-py puts on $KV.…, which is not forwarded across JetStream domains
+            await self.js.publish(f"$JS.{self.domain}.API.$KV.{self.names.state_bucket}.{key}", data)
+        else:
+            await (await self._kv()).put(key, data)
 
     async def state_get(self, key: str, default: Any = None) -> Any:
         try:

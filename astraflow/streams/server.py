@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -53,12 +54,39 @@ def render_config(store_dir: Path, ports_dir: Path, extra: str = "") -> str:
     )
 
 
-class EmbeddedServer:
-    """One nats-server child process with JetStream storage under ``run_dir/nats``."""
+def free_port() -> int:
+    """A loopback TCP port free right now (for listeners that cannot report a ``-1`` port back)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
-    def __init__(self, run_dir: Path | str, extra_config: str = "") -> None:
+
+def adapt_config(text: str, store_dir: Path, ports: dict[int, int]) -> str:
+    """A shipped config (``jetstream/*.conf``) made runnable in a scratch directory.
+
+    Every ``127.0.0.1:{old}`` becomes ``127.0.0.1:{new}`` for ``old -> new`` in ``ports`` (``-1``
+    picks a free port for the client listener), monitoring (``http:``) is turned off and the
+    JetStream ``store_dir`` is moved to ``store_dir``; nothing else changes, so a test runs the
+    file operators run.
+    """
+    for old, new in ports.items():
+        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
+    text = re.sub(r"(?m)^\s*http:.*$", "", text)
+    return re.sub(r'(?m)^(\s*store_dir:).*$', lambda m: f'{m.group(1)} "{store_dir}"', text)
+
+
+class EmbeddedServer:
+    """One nats-server child process with JetStream storage under ``run_dir/nats``.
+
+    ``config_text`` replaces the generated config (a client listener on ``127.0.0.1:-1`` and its
+    own ``store_dir`` are then the caller's business); the ports file is always added so the
+    server's client port is found the same way.
+    """
+
+    def __init__(self, run_dir: Path | str, extra_config: str = "", *, config_text: str | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.extra_config = extra_config
+        self.config_text = config_text
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
 
@@ -76,7 +104,10 @@ class EmbeddedServer:
         for stale in ports.glob("*.ports"):
             stale.unlink()
         conf = base / "nats-server.conf"
-        conf.write_text(render_config(store, ports, self.extra_config))
+        if self.config_text is None:
+            conf.write_text(render_config(store, ports, self.extra_config))
+        else:
+            conf.write_text(f'{self.config_text}\nports_file_dir: "{ports}"\n{self.extra_config}')
         log = open(base / "nats-server.log", "ab")
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)],
@@ -130,3 +161,22 @@ class EmbeddedServer:
 def spawn_kwargs() -> dict[str, object]:
     """Popen kwargs for role processes started by the launcher: they die with it too."""
     return {"preexec_fn": _die_with_parent, "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}
+
+
+def start_region_pair(conf_dir: Path | str, base_dir: Path | str) -> tuple[EmbeddedServer, EmbeddedServer]:
+    """Start the shipped ``hub.conf`` + ``leaf.conf`` on loopback (free ports, stores under ``base_dir``).
+
+    Returns ``(hub, leaf)`` once both accept clients; the leafnode link comes up shortly after
+    (``objects.wait_for_domain`` waits for it). Stop both by handle.
+    """
+    conf_dir, base = Path(conf_dir), Path(base_dir)
+    link = free_port()
+    hub_text = adapt_config((conf_dir / "hub.conf").read_text(), base / "hub" / "store", {4222: -1, 7422: link})
+    leaf_text = adapt_config((conf_dir / "leaf.conf").read_text(), base / "leaf" / "store", {4223: -1, 7422: link})
+    hub = EmbeddedServer(base / "hub", config_text=hub_text).start()
+    try:
+        leaf = EmbeddedServer(base / "leaf", config_text=leaf_text).start()
+    except BaseException:
+        hub.stop()
+        raise
+    return hub, leaf

@@ -1,65 +1,207 @@
 """Trainer side of the weight plane: publish version v as a keyframe or a delta from v-1.
 
-The trainer keeps the bf16 image of the last published version. Version v goes out as a
-delta against it, except at start, every ``keyframe_every`` versions, on request, and
-whenever the delta would exceed ``max_delta_fraction`` of the keyframe. The payload is written
-to the object store first; the announcement is published last and is the commit point.
+The trainer keeps the bf16 image of the last published version. Version v goes out as a delta
+against it, except
+
+* at start (no image yet) and when the image is not v-1;
+* every ``keyframe_every`` versions;
+* on request: a RaaS node or an operator puts ``keyframe_request.{policy}`` in the run KV
+  (:func:`request_keyframe`); the next version after a new request is a keyframe;
+* whenever the delta would exceed ``max_delta_fraction`` of the full bf16 payload.
+
+The payload is written to the object store first (chunks, each with a sha256); the
+announcement (base version and digest, object refs with sizes and digests, the state digest)
+is published last and is the commit point; if it fails, the new chunks are purged. Then, in a
+background task (one at a time), the retention plan deletes what the last ``keep_versions``
+versions no longer need, from the bucket and from every region mirror in ``mirror_domains``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Mapping
+import json
+import logging
+import time
+from typing import Any, Literal, Mapping
 
 import torch
 
+from astraflow.streams.codec import DecodeError, decode
 from astraflow.streams.messages import WeightVersion
-from astraflow.streams.objects import chunk_size_for, put_object
+from astraflow.streams.objects import chunk_size_for, delete_object, object_stream, put_object, read_subject
 from astraflow.streams.plane import Plane
 from astraflow.weights.delta import encode_delta, encode_keyframe, state_digest, to_bf16_state
+from astraflow.weights.retention import Key, execute_retention, key_of, plan_retention
+
+log = logging.getLogger(__name__)
+Encoding = Literal["keyframe", "delta"]
+
+
+def keyframe_request_key(policy: str) -> str:
+    """Run-KV key a node or operator writes to ask for a keyframe of ``policy``."""
+    return f"keyframe_request.{policy}"
+
+
+async def request_keyframe(plane: Plane, policy: str, reason: str = "") -> None:
+    """Ask the trainer of ``policy`` to make its next version a keyframe (from any region)."""
+    key, value = keyframe_request_key(policy), {"by": plane.worker_id, "reason": reason[:500], "ts": time.time()}
+    prefix = getattr(plane.js, "_prefix", "$JS.API")
+    if prefix == "$JS.API":
+        await plane.state_put(key, value)
+    else:  # a node on a leaf writing the hub's KV: servers do not forward $KV.> between JetStream domains,
+        # they do forward the domain's API prefix (Plane.state_put does not do this yet)
+        await plane.js.publish(f"{prefix}.$KV.{plane.names.state_bucket}.{key}", json.dumps(value).encode())
 
 
 class WeightPublisher:
-    def __init__(self, plane: Plane, policy: str, keyframe_every: int = 10, max_delta_fraction: float = 0.5) -> None:
+    """Publishes a policy's versions. ``keep_versions``: how many newest versions stay
+    reconstructible (None keeps everything); ``mirror_domains``: JetStream domains of region
+    leaves whose mirrors get the same deletions."""
+
+    def __init__(self, plane: Plane, policy: str, keyframe_every: int = 10, max_delta_fraction: float = 0.5,
+                 keep_versions: int | None = 64, mirror_domains: tuple[str, ...] = ()) -> None:
+        if keyframe_every < 1:
+            raise ValueError(f"keyframe_every must be >= 1, got {keyframe_every}")
+        if keep_versions is not None and keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1 or None (keep all), got {keep_versions}")
         self.plane = plane
         self.policy = policy
         self.keyframe_every = keyframe_every
         self.max_delta_fraction = max_delta_fraction
+        self.keep_versions = keep_versions
+        self.mirror_domains = tuple(mirror_domains)
         self.image: dict[str, torch.Tensor] | None = None
         self.image_digest: str | None = None
         self.image_version: int | None = None
         self.keyframe_version = -1
         self.bytes_sent = 0
+        self.history: dict[Key, WeightVersion] = {}  # announcements whose objects are stored, in publication order
+        self._seeded = False  # history holds what earlier trainers of this run announced
+        self.deleted = 0  # versions garbage-collected
+        self._kv: Any = None
+        self._request_rev = 0  # KV revision of the last keyframe request served
+        self._gc: asyncio.Task[None] | None = None
 
-    def _encode(self, new: dict[str, torch.Tensor], version: int, force_keyframe: bool) -> tuple[str, bytes]:
-        wants_key = force_keyframe or self.image is None or version % self.keyframe_every == 0 or self.image_version != version - 1
-        if not wants_key:
+    # ------------------------------------------------------------------ decisions
+    async def _keyframe_request_rev(self) -> int:
+        """Revision of the current keyframe request in the run KV (0 if none)."""
+        try:
+            if self._kv is None:
+                self._kv = await self.plane.js.key_value(self.plane.names.state_bucket)
+            entry = await self._kv.get(keyframe_request_key(self.policy))
+        except Exception:  # no bucket / no key / deleted key: no request
+            return 0
+        return int(entry.revision or 0) if entry.value else 0
+
+    def _encode(self, new: dict[str, torch.Tensor], version: int, force_keyframe: bool) -> tuple[Encoding, bytes, str]:
+        """(encoding, payload, why) — the decision and its reason, for logs and metrics."""
+        if self.image is None:
+            why = "start"
+        elif self.image_version != version - 1:
+            why = f"image is v{self.image_version}, not v{version - 1}"
+        elif force_keyframe:
+            why = "forced"
+        elif version % self.keyframe_every == 0:
+            why = f"every {self.keyframe_every}"
+        else:
             payload, _ = encode_delta(self.image, new)
             full_bytes = sum(t.numel() * t.element_size() for t in new.values())
             if len(payload) <= self.max_delta_fraction * full_bytes:
-                return "delta", payload
-        return "keyframe", encode_keyframe(new)
+                return "delta", payload, "delta"
+            why = f"delta {len(payload)} B > {self.max_delta_fraction:g} x {full_bytes} B"
+        return "keyframe", encode_keyframe(new), why
 
+    # ------------------------------------------------------------------ publish
     async def publish(
         self, state: Mapping[str, torch.Tensor], version: int, batch_ids: list[str] | None = None,
         metrics: dict[str, float] | None = None, force_keyframe: bool = False,
     ) -> WeightVersion:
-        new = to_bf16_state(state)
-        encoding, payload = await asyncio.to_thread(self._encode, new, version, force_keyframe)
-        digest = await asyncio.to_thread(state_digest, new)
+        if not self._seeded:
+            await self._seed_history()
+        request_rev = await self._keyframe_request_rev()
+        requested = request_rev > self._request_rev
+        new = await asyncio.to_thread(to_bf16_state, state)
+        (encoding, payload, why), digest = await asyncio.gather(  # both release the GIL: overlap them
+            asyncio.to_thread(self._encode, new, version, force_keyframe or requested), asyncio.to_thread(state_digest, new))
+        if requested and why == "forced" and not force_keyframe:
+            why = "requested"
         bucket = self.plane.names.object_bucket
-        ref = await put_object(self.plane.js, bucket, f"{self.policy}/v{version}.{encoding}", payload, chunk_size_for(self.plane.max_payload))
-        if encoding == "keyframe":
-            self.keyframe_version = version
+        name = f"{self.policy}/v{version}-{digest[:12]}.{encoding}"
+        ref = await put_object(self.plane.js, bucket, name, payload, chunk_size_for(self.plane.max_payload))
+        is_key = encoding == "keyframe"
         ann = WeightVersion(
             policy=self.policy, version=version, encoding=encoding,
-            base_version=self.image_version if encoding == "delta" else None,
-            base_digest=self.image_digest if encoding == "delta" else None,
-            state_digest=digest, keyframe_version=self.keyframe_version, objects=[ref],
+            base_version=None if is_key else self.image_version,
+            base_digest=None if is_key else self.image_digest,
+            state_digest=digest, keyframe_version=version if is_key else self.keyframe_version, objects=[ref],
             batch_ids=list(batch_ids or []), metrics=dict(metrics or {}),
         )
-        await self.plane.publish(self.plane.names.weights(self.policy), ann, msg_id=f"{self.policy}-w{version}")
-        await self.plane.state_put(f"version.{self.policy}", version)
+        try:  # the commit point: a retry of the same state is deduplicated by the server
+            await self.plane.publish(self.plane.names.weights(self.policy), ann, msg_id=f"{self.policy}-w{version}-{digest[:16]}")
+        except BaseException:
+            await asyncio.shield(self._discard(ref))
+            raise
+        if is_key:
+            self.keyframe_version = version
+            self._request_rev = max(self._request_rev, request_rev)
         self.image, self.image_digest, self.image_version = new, digest, version
         self.bytes_sent += len(payload)
+        self.history.pop(key_of(ann), None)  # a re-announced state moves to the end: publication order
+        self.history[key_of(ann)] = ann
+        log.debug("weights %s v%d: %s (%s), %d bytes", self.policy, version, encoding, why, len(payload))
+        await self.plane.state_put(f"version.{self.policy}", version)
+        if self._gc is None or self._gc.done():  # off the training path: a slow or unreachable mirror never stalls a step
+            self._gc = asyncio.create_task(self._collect_logged())
         return ann
+
+    async def wait_retention(self) -> None:
+        """Finish retention up to the last publish: wait for the pass in flight, then run one more
+        on the current history (tests, shutdown)."""
+        if self._gc is not None:
+            await asyncio.shield(self._gc)
+        await self.collect_garbage()
+
+    async def _collect_logged(self) -> None:
+        try:
+            await self.collect_garbage()
+        except Exception:  # retention is retried after the next publish
+            log.exception("weights %s: retention pass failed", self.policy)
+
+    async def _seed_history(self) -> None:
+        """Adopt the announcements a previous trainer of this run left on the stream, so retention
+        collects their objects too (a restarted or resumed trainer)."""
+        names = self.plane.names
+        try:
+            msgs = await read_subject(self.plane.js, names.weights_stream, names.weights(self.policy))
+        except Exception as e:  # retention of older objects is best effort; publishing is not
+            log.warning("weights %s: could not read earlier announcements: %s", self.policy, e)
+            return
+        for m in msgs:
+            try:
+                ann = decode(m.data, WeightVersion)
+            except DecodeError:
+                continue
+            self.history.setdefault(key_of(ann), ann)
+        self._seeded = True
+
+    async def _discard(self, ref: Any) -> None:
+        try:
+            await delete_object(self.plane.js, self.plane.names.object_bucket, ref)
+        except Exception as e:  # the announcement never went out: nothing references the chunks
+            log.warning("weights %s: could not purge unannounced %s: %s", self.policy, ref.name, e)
+
+    async def collect_garbage(self) -> int:
+        """Delete what the last ``keep_versions`` versions' chains do not need; returns how many versions went."""
+        if self.keep_versions is None or len(self.history) <= self.keep_versions:
+            return 0
+        plan = plan_retention(self.history.values(), self.keep_versions)
+        if not plan.delete:
+            return 0
+        bucket = self.plane.names.object_bucket
+        targets: list[tuple[Any, str | None]] = [(self.plane.js, None)]
+        targets += [(self.plane.nc.jetstream(domain=d, timeout=5.0), object_stream(bucket)) for d in self.mirror_domains]
+        gone = await execute_retention(plan, bucket, targets)
+        for ann in gone:
+            self.history.pop(key_of(ann), None)
+        self.deleted += len(gone)
+        return len(gone)

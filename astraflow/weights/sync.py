@@ -1,38 +1,62 @@
 """RaaS side of the weight plane: follow a policy's announcements and keep an engine current.
 
-A delta is applied only onto exactly its base: the node's version must equal ``base_version``
-and its state digest ``base_digest`` (checked, never assumed), and the result must hash to the
-announced ``state_digest``. Otherwise — a late joiner, a missed version, a corrupt or missing
-chunk after one retry — the node rebuilds from the latest keyframe and the deltas after it,
-read from the weights stream's history. A corrupt payload is never applied.
+A delta is applied only onto exactly its base: the node's image must be ``base_version`` *and*
+hash to ``base_digest`` (checked, never assumed), and the result must hash to the announced
+``state_digest``. The plan to reach a version walks its base links back until it meets the
+state the node holds, or a keyframe. So:
+
+* a node that holds the base applies the deltas after it;
+* a late joiner, a node whose state is not the base (another digest, a missed version) rebuilds
+  from the latest keyframe and the deltas after it, read from the announcement stream's
+  history (``joins`` / ``fallbacks``);
+* a missing or corrupt chunk is never applied: the object is fetched once more
+  (``refetches``), then the node falls back to the keyframe chain (``fallbacks``); if that
+  fails too it keeps the weights it has, counts a ``failures``, logs why and asks the trainer
+  for a keyframe (``keyframe_requests``).
+
+Installing into the engine: a keyframe goes through ``load_state``; a delta chain writes only
+the tensors it changed — through ``load_tensors`` where the engine has it (the sglang/vllm
+runtime update APIs: docs/weights.md, unverified until run on a GPU), else in place through
+``load_state`` with the engine's own tensors standing in for the unchanged ones (hf: no model
+reload, the engine's lock held).
+
+A node in a region reads the mirrors in its leaf's JetStream domain (``domain=``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections import Counter
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, cast
 
 import torch
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js import api
 
 from astraflow.streams.codec import DecodeError, decode
 from astraflow.streams.messages import WeightVersion
-from astraflow.streams.objects import ObjectError, get_object, object_stream
+from astraflow.streams.objects import CorruptObject, Follower, MissingObject, ObjectError, get_object, object_stream, read_subject
 from astraflow.streams.plane import Plane
+from astraflow.weights import delta as _delta
 from astraflow.weights.delta import DeltaError, apply_delta, decode_keyframe, state_digest
+from astraflow.weights.publish import request_keyframe
+from astraflow.weights.retention import Key, base_key, key_of
 
 log = logging.getLogger(__name__)
+KNOWN = 256  # announcements kept in memory for planning
 
 
 class WeightSyncError(RuntimeError):
-    pass
+    """A version cannot be reached from what the node holds and what the plane still stores."""
 
 
 class WeightTarget(Protocol):
-    """What the sync needs of an engine (the rollout ``Engine`` satisfies it)."""
+    """What the sync needs of an engine (the rollout ``Engine`` satisfies it).
+
+    Optional, used when present: ``load_tensors(tensors, version)`` to receive only the changed
+    tensors (sglang/vllm runtime updates), and ``state_view()`` (the engine's own tensors by
+    name) so a delta writes only what changed (hf).
+    """
 
     @property
     def version(self) -> int: ...
@@ -40,55 +64,86 @@ class WeightTarget(Protocol):
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
 
 
+def changed_tensors(payload: bytes | bytearray | memoryview) -> set[str]:
+    """Names of the tensors a delta payload changes, read from its table (the body is not decoded)."""
+    head = _delta._HEADER
+    if len(payload) < head.size:
+        raise DeltaError(f"payload of {len(payload)} bytes is shorter than the header")
+    _, _, _, _, n, table_len, _ = head.unpack_from(payload)
+    try:
+        entries = _delta._parse_table(bytes(payload[head.size : head.size + table_len]), n)
+    except struct.error as e:
+        raise DeltaError(f"corrupt tensor table: {e}") from e
+    return {e.name for e in entries if e.mode != _delta.MODE_UNCHANGED}
+
+
+def install(engine: Any, image: Mapping[str, torch.Tensor], version: int, changed: set[str] | None) -> None:
+    """Put ``image`` (version ``version``) into the engine; ``changed`` None: the whole state.
+
+    * ``load_tensors(changed, version)`` where the engine has it (sglang/vllm runtime updates);
+    * else, when the engine's ``state_view()`` holds every tensor (hf), ``load_state`` gets the
+      engine's own tensors for the unchanged names and the image's for the changed ones: copying
+      a tensor onto itself is a no-op in torch, so only changed tensors are written, in place,
+      under the engine's own lock (generation never sees a half-applied version);
+    * else the whole image through ``load_state``.
+    """
+    if changed is not None and hasattr(engine, "load_tensors"):
+        engine.load_tensors({n: image[n] for n in sorted(changed)}, version)
+        return
+    if changed is not None:
+        view = engine.state_view()
+        if all(n in view for n in image):
+            engine.load_state({**view, **{n: image[n] for n in changed}}, version)
+            return
+    engine.load_state(dict(image), version)
+
+
 class WeightSync:
-    def __init__(self, plane: Plane, policy: str, engine: WeightTarget, object_stream_name: str | None = None, weights_stream_name: str | None = None) -> None:
+    """Keeps ``engine`` at the newest announced version of ``policy``.
+
+    ``domain``: the JetStream domain to read weights from (a region's leaf, where
+    ``ensure_region_mirrors`` made the mirrors); the stream names default to the hub's, which
+    the mirrors share. ``mirror_wait``: how long a chunk may lag its announcement (a mirror's
+    two streams catch up independently); 0 on the hub, where chunks land before the commit.
+    """
+
+    def __init__(self, plane: Plane, policy: str, engine: WeightTarget, object_stream_name: str | None = None,
+                 weights_stream_name: str | None = None, *, domain: str | None = None, mirror_wait: float | None = None,
+                 request_keyframes: bool = True) -> None:
         self.plane = plane
         self.policy = policy
         self.engine = engine
         self.bucket = plane.names.object_bucket
+        self.js = plane.nc.jetstream(domain=domain, timeout=10.0) if domain else plane.js
         self.obj_stream = object_stream_name or object_stream(self.bucket)
         self.ann_stream = weights_stream_name or plane.names.weights_stream
-        self.image: dict[str, torch.Tensor] | None = None
+        self.mirror_wait = (10.0 if domain else 0.0) if mirror_wait is None else mirror_wait
+        self.request_keyframes = request_keyframes
+        self.image: dict[str, torch.Tensor] | None = None  # bf16 image of image_version
+        self.image_version = -1
         self.digest: str | None = None
         self.stats: Counter[str] = Counter()
-        self._sub: Any = None
+        self.last_error = ""
+        self.known: dict[Key, WeightVersion] = {}
+        self._follower = Follower(self.js, self.ann_stream, plane.names.weights(policy))
 
     @property
     def version(self) -> int:
         return self.engine.version
 
-    async def _consumer(self, deliver: api.DeliverPolicy) -> Any:
-        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=deliver, inactive_threshold=60.0, mem_storage=True, num_replicas=1)
-        return await self.plane.js.pull_subscribe(self.plane.names.weights(self.policy), stream=self.ann_stream, config=cfg)
-
-    async def _drain(self, sub: Any, timeout: float) -> list[WeightVersion]:
-        out: list[WeightVersion] = []
-        while True:
-            try:
-                msgs = await sub.fetch(batch=64, timeout=timeout if not out else 0.05)
-            except (NatsTimeout, asyncio.TimeoutError):
-                return out
-            for m in msgs:
-                try:
-                    out.append(decode(m.data, WeightVersion))
-                except DecodeError as e:
-                    await self.plane.reject(m.subject, m.data, str(e), m.headers)
-
+    # ------------------------------------------------------------------ public
     async def refresh(self, wait: float = 0.05) -> bool:
         """Apply whatever was announced since the last call; True if the version changed."""
-        if self._sub is None:
-            self._sub = await self._consumer(api.DeliverPolicy.LAST)
-        anns = [a for a in await self._drain(self._sub, wait) if a.version > self.version]
-        if not anns:
+        anns = self._decode(await self._follower.fetch(wait))
+        for a in anns:
+            self.known[key_of(a)] = a
+        if len(self.known) > 4 * KNOWN:  # keep the newest announcements: older chains come from the history
+            self.known = dict(sorted(self.known.items())[-KNOWN:])
+        newer = [a for a in anns if a.version > self.version]
+        if not newer:
             return False
-        anns.sort(key=lambda a: a.version)
         before = self.version
-        try:
-            await self._apply_chain(self._plan(anns))
-        except (ObjectError, DeltaError, WeightSyncError) as e:
-            self.stats["fallbacks"] += 1
-            log.warning("weights %s: %s; rebuilding from the latest keyframe", self.policy, e)
-            await self._apply_chain(await self._history_chain(anns[-1]))
+        await self._reach(max(newer, key=lambda a: (a.version, a.created_at)))
         return self.version != before
 
     async def wait_for(self, min_version: int, timeout: float = 120.0) -> None:
@@ -96,7 +151,8 @@ class WeightSync:
         deadline = loop.time() + timeout
         while self.version < min_version:
             if loop.time() > deadline:
-                raise TimeoutError(f"no weights >= v{min_version} for {self.policy} after {timeout:.0f}s")
+                why = f" (last error: {self.last_error})" if self.last_error else ""
+                raise TimeoutError(f"no weights >= v{min_version} for {self.policy} after {timeout:.0f}s{why}")
             await self.refresh(wait=1.0)
 
     async def goto(self, version: int) -> None:
@@ -104,73 +160,131 @@ class WeightSync:
         if version == self.version:
             return
         history = await self._history()
-        if version not in history:
-            raise WeightSyncError(f"v{version} of {self.policy} was never announced or is gone")
-        if self.version < version and all(v in history and history[v].encoding == "delta" for v in range(self.version + 1, version + 1)):
-            chain = [history[v] for v in range(self.version + 1, version + 1)]
-            try:
-                return await self._apply_chain(chain)
-            except (ObjectError, DeltaError, WeightSyncError):
-                self.stats["fallbacks"] += 1
-        await self._apply_chain(await self._history_chain(history[version], history))
+        found = [a for a in history.values() if a.version == version]
+        if not found:
+            raise WeightSyncError(f"v{version} of {self.policy} was never announced or is gone from {self.ann_stream}")
+        if not await self._reach(max(found, key=lambda a: a.created_at), history, ask=False):
+            raise WeightSyncError(f"could not reach v{version} of {self.policy}: {self.last_error}")
 
-    async def _history(self) -> dict[int, WeightVersion]:
-        sub = await self._consumer(api.DeliverPolicy.ALL)
+    async def request_keyframe(self, reason: str) -> None:
+        self.stats["keyframe_requests"] += 1
         try:
-            return {a.version: a for a in await self._drain(sub, 2.0)}
-        finally:
-            await sub.unsubscribe()
+            await request_keyframe(self.plane, self.policy, reason)
+        except Exception as e:  # the request is a courtesy: the node keeps its weights either way
+            log.warning("weights %s: keyframe request failed: %s", self.policy, e)
 
-    def _plan(self, anns: list[WeightVersion]) -> list[WeightVersion]:
-        """The announcements to apply in order: from the last keyframe, or a delta chain from our version."""
-        keys = [i for i, a in enumerate(anns) if a.encoding == "keyframe"]
-        chain = anns[keys[-1] :] if keys else anns
-        for prev, a in zip([None, *chain], chain):
-            if a.encoding == "delta" and prev is not None and a.base_version != prev.version:
-                raise WeightSyncError(f"gap before v{a.version}")
-        if chain[0].encoding == "delta" and chain[0].base_version != self.version:
-            raise WeightSyncError(f"v{chain[0].version} is a delta from v{chain[0].base_version}, node holds v{self.version}")
-        return chain
+    # ------------------------------------------------------------------ planning
+    def _decode(self, msgs: list[Any]) -> list[WeightVersion]:
+        out = []
+        for m in msgs:
+            try:
+                out.append(decode(m.data, WeightVersion))
+            except DecodeError as e:
+                self.stats["rejected"] += 1
+                log.warning("weights %s: undecodable announcement on %s: %s", self.policy, m.subject, e)
+        return out
 
-    async def _history_chain(self, target: WeightVersion, history: dict[int, WeightVersion] | None = None) -> list[WeightVersion]:
-        history = dict(history or await self._history())
-        history[target.version] = target
-        key = history.get(target.keyframe_version)
-        if key is None or key.encoding != "keyframe":
-            raise WeightSyncError(f"keyframe v{target.keyframe_version} of {self.policy} is gone from the weights stream")
-        chain = [key] + [history[v] for v in range(key.version + 1, target.version + 1) if v in history]
-        if [a.version for a in chain] != list(range(key.version, target.version + 1)):
-            raise WeightSyncError(f"history of {self.policy} misses versions between v{key.version} and v{target.version}")
-        return chain
+    async def _history(self) -> dict[Key, WeightVersion]:
+        msgs = await read_subject(self.js, self.ann_stream, self.plane.names.weights(self.policy))
+        history = {key_of(a): a for a in self._decode(msgs)}
+        self.known.update(history)
+        return history
 
-    async def _payload(self, ann: WeightVersion) -> bytes:
+    def _plan(self, target: WeightVersion, index: Mapping[Key, WeightVersion], from_state: bool) -> list[WeightVersion] | None:
+        """Announcements to apply, oldest first: back along base links to our own state
+        (``from_state``) or to a keyframe; None if a link is not in ``index``."""
+        held = (self.image_version, self.digest) if from_state and self.image is not None else None
+        if held == key_of(target):
+            return []
+        chain = [target]
+        while chain[-1].encoding == "delta":
+            base = base_key(chain[-1])
+            if base is not None and base == held:
+                break
+            nxt = index.get(base) if base is not None else None
+            if nxt is None or len(chain) > len(index):
+                return None
+            chain.append(nxt)
+        return chain[::-1]
+
+    async def _reach(self, target: WeightVersion, history: dict[Key, WeightVersion] | None = None, ask: bool = True) -> bool:
+        """Bring the node to ``target``; False (weights unchanged; a keyframe requested if ``ask``) if it cannot."""
+        holding = self.image is not None
+        try:
+            chain = self._plan(target, self.known, from_state=True)
+            if chain is None:
+                history = history if history is not None else await self._history()
+                chain = self._plan(target, history, from_state=True)
+            if chain is None:
+                raise WeightSyncError(f"chain of v{target.version} is incomplete in {self.ann_stream} (keyframe v{target.keyframe_version} gone?)")
+            if not holding:
+                self.stats["joins"] += 1  # a late joiner: the keyframe and the deltas after it
+            elif chain and chain[0].encoding == "keyframe" and chain[0].version <= self.image_version < target.version:
+                self.stats["fallbacks"] += 1  # our state is not a base of the target: rebuild
+                log.warning("weights %s: v%d is not a base of v%d; rebuilding from keyframe v%d", self.policy, self.image_version, target.version, chain[0].version)
+            await self._apply_chain(chain)
+            return True
+        except Exception as first:  # noqa: BLE001 - whatever failed, the keyframe chain is the way back
+            self.stats["fallbacks"] += 1
+            log.warning("weights %s v%d: %s: %s; rebuilding from the keyframe chain", self.policy, target.version, type(first).__name__, first)
+        try:
+            chain = self._plan(target, await self._history(), from_state=False)
+            if chain is None:
+                raise WeightSyncError(f"keyframe chain of v{target.version} is incomplete in {self.ann_stream}")
+            await self._apply_chain(chain)
+            return True
+        except Exception as second:  # noqa: BLE001 - the node keeps serving the weights it has, whatever went wrong
+            if not isinstance(second, (ObjectError, DeltaError, WeightSyncError)):
+                log.exception("weights %s: unexpected error reaching v%d", self.policy, target.version)
+            self.stats["failures"] += 1
+            self.last_error = f"v{target.version}: {second}"
+            log.error("weights %s: cannot reach v%d (%s); keeping v%d, asking for a keyframe", self.policy, target.version, second, self.version)
+            if ask and self.request_keyframes:
+                await self.request_keyframe(f"{self.plane.worker_id} cannot reach v{target.version}: {second}")
+            return False
+
+    # ------------------------------------------------------------------ fetching and applying
+    async def _payload(self, ann: WeightVersion) -> bytearray:
+        if len(ann.objects) != 1:
+            raise WeightSyncError(f"v{ann.version} names {len(ann.objects)} objects; this build reads exactly one")
         (ref,) = ann.objects
-        try:
-            return bytes(await get_object(self.plane.js, self.bucket, ref, stream=self.obj_stream))
-        except ObjectError as e:
-            self.stats["refetches"] += 1
-            log.warning("weights %s v%d: %s; fetching again", self.policy, ann.version, e)
+        for attempt in (1, 2):
             try:
-                return bytes(await get_object(self.plane.js, self.bucket, ref, stream=self.obj_stream))
-            except ObjectError:
-                self.stats["corrupt"] += 1
-                raise
+                return await get_object(self.js, self.bucket, ref, stream=self.obj_stream, wait_missing=self.mirror_wait)
+            except ObjectError as e:
+                self.stats["corrupt" if isinstance(e, CorruptObject) else "missing" if isinstance(e, MissingObject) else "object_errors"] += 1
+                if attempt == 2:
+                    raise
+                self.stats["refetches"] += 1
+                log.warning("weights %s v%d: %s; fetching again", self.policy, ann.version, e)
+        raise AssertionError("unreachable")
 
     async def _apply_chain(self, chain: list[WeightVersion]) -> None:
-        for ann in chain:
-            payload = await self._payload(ann)
-            if ann.encoding == "keyframe":
-                image = await asyncio.to_thread(decode_keyframe, payload)
-            else:
-                if self.image is None or ann.base_version != self.version or ann.base_digest != self.digest:
-                    raise WeightSyncError(f"delta v{ann.version} does not apply onto v{self.version}")
-                image = self.image
-                await asyncio.to_thread(apply_delta, image, payload)
-            digest = await asyncio.to_thread(state_digest, image)
-            if digest != ann.state_digest:
-                self.image, self.digest = None, None  # our image no longer matches any version
-                self.stats["corrupt"] += 1
-                raise WeightSyncError(f"v{ann.version}: state digest mismatch after applying")
-            self.engine.load_state(image, ann.version)
-            self.image, self.digest = image, digest
-            self.stats[ann.encoding + "s"] += 1
+        """Apply ``chain`` onto the image, checking every step; install what was verified into the engine."""
+        changed: set[str] | None = set()
+        try:
+            for ann in chain:
+                # a zero-copy view: the codec slices it (typed ``bytes`` there; any buffer works)
+                payload = cast(bytes, memoryview(await self._payload(ann)))
+                if ann.encoding == "keyframe":
+                    image = await asyncio.to_thread(decode_keyframe, payload)
+                    changed = None
+                else:
+                    if self.image is None or ann.base_version != self.image_version or ann.base_digest != self.digest:
+                        raise WeightSyncError(f"delta v{ann.version} applies onto v{ann.base_version}, the node holds v{self.image_version}")
+                    names = changed_tensors(payload)
+                    image = self.image
+                    await asyncio.to_thread(apply_delta, image, payload)  # validates everything before touching the image
+                    if changed is not None:
+                        changed |= names
+                digest = await asyncio.to_thread(state_digest, image)
+                if digest != ann.state_digest:
+                    self.image, self.digest, self.image_version = None, None, -1  # matches no version any more
+                    self.stats["corrupt"] += 1
+                    raise WeightSyncError(f"v{ann.version}: state digest mismatch after applying")
+                self.image, self.digest, self.image_version = image, digest, ann.version
+                self.stats[ann.encoding + "s"] += 1
+                self.stats["bytes"] += len(payload)
+        finally:
+            if self.image is not None and self.image_version != self.engine.version:
+                await asyncio.to_thread(install, self.engine, self.image, self.image_version, changed)

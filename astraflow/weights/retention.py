@@ -1,0 +1,116 @@
+"""Retention of weight versions: keep the last N versions reconstructible, delete the rest.
+
+A version is reconstructible from its *chain*: the keyframe it was built from and every delta
+after it, each delta applying onto exactly the version before it (linked by ``base_version``
+and ``base_digest``). Planning is pure (:func:`plan_retention`); :func:`execute_retention`
+deletes the planned objects from the object stream and from any region mirror.
+
+Rules, in order:
+
+* the newest version's chain (the newest keyframe and every delta after it) is never deleted;
+* each of the last ``keep_last`` versions keeps its whole chain, so a kept delta keeps its
+  keyframe and the deltas between;
+* everything else is deleted.
+
+Deleting runs after the new announcement (the commit point) is published, so a node that
+reads a version being deleted sees a missing object, falls back to the newest keyframe chain,
+and that chain is always kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from astraflow.streams.messages import WeightVersion
+from astraflow.streams.objects import ObjectError, delete_object
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, str]  # (version, state_digest): unique even when a restarted trainer re-announces a version
+
+
+def key_of(ann: WeightVersion) -> Key:
+    return ann.version, ann.state_digest
+
+
+def base_key(ann: WeightVersion) -> Key | None:
+    """The key of the version a delta applies onto (None for a keyframe or a malformed delta)."""
+    if ann.encoding != "delta" or ann.base_version is None or ann.base_digest is None:
+        return None
+    return ann.base_version, ann.base_digest
+
+
+def walk_chain(ann: WeightVersion, index: Mapping[Key, WeightVersion]) -> tuple[list[WeightVersion], bool]:
+    """``ann``'s chain as far as ``index`` holds it, oldest first, and whether it reaches a keyframe."""
+    chain = [ann]
+    while chain[-1].encoding == "delta" and len(chain) <= len(index):
+        base = index.get(base_key(chain[-1]) or (-1, ""))
+        if base is None:
+            return chain[::-1], False
+        chain.append(base)
+    return chain[::-1], chain[-1].encoding == "keyframe"
+
+
+def chain_of(ann: WeightVersion, index: Mapping[Key, WeightVersion]) -> list[WeightVersion] | None:
+    """``ann``'s whole chain, keyframe first, following base links; None if a link is not in ``index``."""
+    chain, complete = walk_chain(ann, index)
+    return chain if complete else None
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    keep: tuple[WeightVersion, ...]  # announcements whose objects stay, in publication order
+    delete: tuple[WeightVersion, ...]  # announcements whose objects go, in publication order
+    broken: tuple[int, ...] = ()  # kept versions whose chain was already incomplete (logged)
+
+
+def plan_retention(history: Iterable[WeightVersion], keep_last: int) -> RetentionPlan:
+    """Which announcements' objects to keep and to delete so the last ``keep_last`` versions stay
+    reconstructible. ``history`` is in publication order (oldest first): "last" means last
+    published, so a restarted trainer's new chain counts as newest even where its version
+    numbers are lower, and no clock is trusted."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the newest version's chain is always kept), got {keep_last}")
+    index = {key_of(a): a for a in history}
+    order = {k: i for i, k in enumerate(index)}
+    newest = list(index.values())[-keep_last:]
+    keep: dict[Key, WeightVersion] = {}
+    broken: list[int] = []
+    for ann in newest:
+        chain, complete = walk_chain(ann, index)
+        if not complete:  # already unreconstructible: keep what there is of it all the same
+            broken.append(ann.version)
+        keep.update((key_of(a), a) for a in chain)
+    delete = [a for k, a in index.items() if k not in keep]
+    return RetentionPlan(tuple(sorted(keep.values(), key=lambda a: order[key_of(a)])), tuple(delete), tuple(broken))
+
+
+async def execute_retention(plan: RetentionPlan, bucket: str, targets: Iterable[tuple[Any, str | None]]) -> list[WeightVersion]:
+    """Delete the objects of ``plan.delete`` from each ``(js, stream)`` target (``stream`` None:
+    the bucket's own; a region's ``js`` and mirror name for a mirror). Returns the announcements
+    whose objects are gone from every target; failures are logged and retried next time."""
+    targets = list(targets)
+    down: set[int] = set()  # targets that failed in this pass are not tried again until the next one
+    done: list[WeightVersion] = []
+    for ann in plan.delete:
+        ok = True
+        for i, (js, stream) in enumerate(targets):
+            if i in down:
+                ok = False
+                continue
+            for ref in ann.objects:
+                try:
+                    await delete_object(js, bucket, ref, stream=stream)
+                except ObjectError as e:
+                    ok = False
+                    down.add(i)
+                    log.warning("retention: %s", e)
+                    break
+        if ok:
+            done.append(ann)
+    if plan.broken:
+        log.warning("retention: versions %s were already unreconstructible (links missing)", list(plan.broken))
+    return done

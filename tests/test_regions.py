@@ -1,0 +1,160 @@
+"""Regions: the shipped hub + leaf configs on two real nats-servers (loopback), JetStream domains,
+mirrors of the weights bucket and announcements on the leaf, and a RaaS node connected only to
+the leaf that applies versions published on the hub."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from nats.js.errors import NotFoundError
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from astraflow.rollout.hf_engine import HFEngine
+
+from astraflow.streams.objects import chunk_subject, count_chunks, ensure_region_mirrors, object_stream, wait_for_domain
+from astraflow.streams.plane import NatsOptions, Plane, Topology
+from astraflow.streams.server import nats_server_binary, start_region_pair
+from astraflow.weights.publish import WeightPublisher, keyframe_request_key, request_keyframe
+from astraflow.weights.delta import state_digest, to_bf16_state
+from astraflow.weights.sync import WeightSync
+
+TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, vocab_size=384)
+
+CONF = Path(__file__).resolve().parent.parent / "jetstream"
+
+
+def tiny_model(seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**TINY))
+
+
+class Trainer:
+    """Real AdamW steps on random tokens (as in test_weights_plane)."""
+
+    def __init__(self, seed: int = 0, lr: float = 1e-4) -> None:
+        self.model = tiny_model(seed)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def step(self) -> dict[str, torch.Tensor]:
+        x = torch.randint(0, TINY["vocab_size"], (2, 16), generator=self.gen)
+        self.model(input_ids=x, labels=x).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return self.model.state_dict()
+
+    @property
+    def digest(self) -> str:
+        return state_digest(to_bf16_state(self.model.state_dict()))
+
+
+def node(plane: Plane, **kw) -> WeightSync:
+    return WeightSync(plane, "solver", HFEngine(tiny_model(seed=123), tokenizer=None), **kw)
+
+
+def engine_digest(sync: WeightSync) -> str:
+    return state_digest(to_bf16_state(sync.engine.state_view()))
+
+
+@pytest.fixture(scope="module")
+def region(tmp_path_factory: pytest.TempPathFactory):
+    hub, leaf = start_region_pair(CONF, tmp_path_factory.mktemp("region"))
+    yield hub, leaf
+    leaf.stop()
+    hub.stop()
+
+
+@pytest.fixture
+async def planes(region):
+    """(trainer's plane on the hub, a RaaS node's plane on the leaf whose run traffic goes to the hub domain)."""
+    hub, leaf = region
+    run = "r" + uuid.uuid4().hex[:10]
+    trainer = await Plane.connect(NatsOptions(url=hub.url), run, "trainer")
+    await trainer.ensure_topology(Topology(policies=("solver",)))
+    remote = await Plane.connect(NatsOptions(url=leaf.url, domain="hub"), run, "raas-eu")
+    await wait_for_domain(remote.nc, "hub")
+    yield trainer, remote
+    await remote.close()
+    await trainer.close()
+
+
+@pytest.mark.parametrize("name", ["hub.conf", "leaf.conf"])
+def test_shipped_region_configs_are_valid(name: str):
+    res = subprocess.run([nats_server_binary(), "-t", "-c", str(CONF / name)], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr + res.stdout
+    text = (CONF / name).read_text()
+    assert f"domain: {name.split('.')[0]}" in text and "leafnodes" in text
+
+
+async def test_node_on_the_leaf_applies_versions_published_on_the_hub(planes):
+    trainer_plane, remote = planes
+    run = remote.names.run
+    streams = await ensure_region_mirrors(remote, run, hub_domain="hub")
+    assert await ensure_region_mirrors(remote, run, hub_domain="hub") == streams  # idempotent
+    leaf_js = remote.nc.jetstream(domain="leaf")
+    info = await leaf_js.stream_info(streams.object_stream)
+    assert info.config.mirror.name == object_stream(remote.names.object_bucket) and info.config.mirror.external.api == "$JS.hub.API"
+
+    trainer = Trainer()
+    pub = WeightPublisher(trainer_plane, "solver", keyframe_every=3, keep_versions=2, mirror_domains=("leaf",))
+    sync = node(remote, domain="leaf")
+    anns = []
+    for v in range(8):  # keyframes 0, 3, 6
+        anns.append(await pub.publish(trainer.step() if v else trainer.model.state_dict(), v))
+        await sync.wait_for(v, timeout=20)
+        assert sync.version == v and engine_digest(sync) == anns[-1].state_digest
+    assert sync.stats["keyframes"] == 3 and sync.stats["deltas"] == 5 and sync.stats["failures"] == 0
+
+    # retention ran on the hub and on the leaf's mirror alike: v0..v5 are gone from both
+    await pub.wait_retention()
+    bucket = remote.names.object_bucket
+    for js in (trainer_plane.js, leaf_js):
+        counts = [await count_chunks(js, object_stream(bucket), chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
+        assert counts == [0] * 6 + [1] * 2
+
+    # the node reads the leaf's mirror, not the hub: with the hub's copy gone, a late joiner on the leaf still syncs
+    for a in anns[6:]:
+        await trainer_plane.js.purge_stream(object_stream(bucket), subject=chunk_subject(bucket, a.objects[0].nuid))
+    late = node(remote, domain="leaf")
+    await late.wait_for(7, timeout=20)
+    assert engine_digest(late) == trainer.digest and late.stats["joins"] == 1
+    on_hub = node(remote)  # same node reading the hub instead: the objects are gone there
+    assert not await on_hub.refresh(wait=2.0) and on_hub.stats["missing"] > 0
+
+
+async def test_keyframe_request_from_the_leaf_reaches_the_hub_trainer(planes):
+    trainer_plane, remote = planes
+    trainer = Trainer()
+    pub = WeightPublisher(trainer_plane, "solver", keyframe_every=100)
+    await pub.publish(trainer.model.state_dict(), 0)
+    assert (await pub.publish(trainer.step(), 1)).encoding == "delta"
+    await request_keyframe(remote, "solver", "region eu lost its chain")
+    assert (await trainer_plane.state_get(keyframe_request_key("solver")))["by"] == "raas-eu"
+    assert (await pub.publish(trainer.step(), 2)).encoding == "keyframe"
+
+
+async def test_mirror_over_an_existing_plain_stream_is_refused(planes):
+    _, remote = planes
+    leaf_jsm = remote.nc.jsm()
+    name = remote.names.weights_stream
+    with pytest.raises(NotFoundError):
+        await leaf_jsm.stream_info(name)
+    await leaf_jsm.add_stream(name=name, subjects=[f"local.{remote.names.run}.x"])
+    with pytest.raises(RuntimeError, match="not a mirror"):
+        await ensure_region_mirrors(remote, remote.names.run, hub_domain="hub")
+
+
+async def test_run_state_read_and_written_from_the_leaf(planes):
+    trainer_plane, remote = planes
+    await remote.ensure_topology(Topology(policies=("solver",)))  # read-only: lands in the hub domain
+    await remote.state_put("probe.from-leaf", {"ok": 1})
+    assert await trainer_plane.state_get("probe.from-leaf") == {"ok": 1}
+    await trainer_plane.state_put("version.solver", 7)
+    assert await remote.state_get("version.solver") == 7
+    leaf_only = remote.nc.jsm(prefix="$JS.leaf.API")
+    with pytest.raises(NotFoundError):
+        await leaf_only.stream_info(remote.names.task_stream)  # nothing of the run was created on the leaf

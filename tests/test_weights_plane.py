@@ -1,0 +1,365 @@
+"""The weight plane against a real nats-server with a real (tiny) transformers model and AdamW.
+
+Trainer side: keyframe/delta decisions, keyframe requests, the announcement as the commit point,
+retention. RaaS side: deltas applied only onto their exact base, in place into the hf engine;
+late joiners, foreign bases, corrupt and missing chunks fall back to the keyframe chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from astraflow.rollout.hf_engine import HFEngine
+from astraflow.streams.messages import ObjectRef, WeightVersion
+from astraflow.streams.objects import MissingObject, chunk_subject, count_chunks, get_object, object_stream, put_object
+from astraflow.streams.plane import Plane
+from astraflow.weights.delta import state_digest, to_bf16_state
+from astraflow.weights.publish import WeightPublisher, keyframe_request_key, request_keyframe
+from astraflow.weights.retention import chain_of, key_of, plan_retention
+from astraflow.weights.sync import WeightSync, WeightSyncError
+
+TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, vocab_size=384)
+
+
+def tiny_model(seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**TINY))
+
+
+class Trainer:
+    """Real AdamW steps on random tokens; ``only`` restricts the trained parameters (by name)."""
+
+    def __init__(self, seed: int = 0, lr: float = 1e-4, only: str | None = None) -> None:
+        self.model = tiny_model(seed)
+        params = [p for n, p in self.model.named_parameters() if only is None or n == only]
+        self.opt = torch.optim.AdamW(params, lr=lr)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def step(self) -> dict[str, torch.Tensor]:
+        x = torch.randint(0, TINY["vocab_size"], (2, 16), generator=self.gen)
+        self.model(input_ids=x, labels=x).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return self.model.state_dict()
+
+    @property
+    def digest(self) -> str:
+        return state_digest(to_bf16_state(self.model.state_dict()))
+
+
+def node(plane: Plane, **kw) -> WeightSync:
+    return WeightSync(plane, "solver", HFEngine(tiny_model(seed=123), tokenizer=None), **kw)
+
+
+def engine_digest(sync: WeightSync) -> str:
+    return state_digest(to_bf16_state(sync.engine.state_view()))
+
+
+async def publish_steps(pub: WeightPublisher, trainer: Trainer, versions: range) -> list[WeightVersion]:
+    return [await pub.publish(trainer.step() if v else trainer.model.state_dict(), v) for v in versions]
+
+
+async def rewrite_chunks(plane: Plane, ref: ObjectRef, corrupt: int | None = None, drop: int | None = None) -> None:
+    """Tamper with an object on the server: flip a byte of chunk ``corrupt``, leave out chunk ``drop``."""
+    bucket = plane.names.object_bucket
+    data = bytes(await get_object(plane.js, bucket, ref))
+    subject = chunk_subject(bucket, ref.nuid)
+    await plane.jsm.purge_stream(object_stream(bucket), subject=subject)
+    for i in range(len(ref.digests)):
+        chunk = bytearray(data[i * ref.chunk_size : (i + 1) * ref.chunk_size])
+        if i == corrupt:
+            chunk[len(chunk) // 2] ^= 0xFF
+        if i != drop:
+            await plane.js.publish(subject, bytes(chunk))
+
+
+# ------------------------------------------------------------------------------ trainer side
+
+
+async def test_keyframe_delta_decisions_and_announcements(plane: Plane):
+    trainer = Trainer()
+    pub = WeightPublisher(plane, "solver", keyframe_every=4)
+    anns = await publish_steps(pub, trainer, range(6))
+    assert [a.encoding for a in anns] == ["keyframe", "delta", "delta", "delta", "keyframe", "delta"]
+    assert [a.keyframe_version for a in anns] == [0, 0, 0, 0, 4, 4]
+    for prev, a in zip(anns, anns[1:]):
+        if a.encoding == "delta":
+            assert (a.base_version, a.base_digest) == (prev.version, prev.state_digest)
+        else:
+            assert a.base_version is None and a.base_digest is None
+    assert anns[-1].state_digest == trainer.digest
+    for a in anns:  # the announced refs describe what the server holds, chunk by chunk
+        (ref,) = a.objects
+        data = await get_object(plane.js, plane.names.object_bucket, ref)
+        assert len(data) == ref.size and hashlib.sha256(data).hexdigest() == ref.digest
+    assert sum(a.objects[0].size for a in anns[1:4]) < anns[0].objects[0].size  # deltas are small
+    assert await plane.state_get("version.solver") == 5
+    # a version that does not follow the image is a keyframe, whatever the schedule says
+    assert (await pub.publish(trainer.step(), 7)).encoding == "keyframe"
+
+
+async def test_delta_larger_than_the_fraction_becomes_a_keyframe(plane: Plane):
+    trainer = Trainer(lr=1e-2)  # a big step: most values change
+    pub = WeightPublisher(plane, "solver", keyframe_every=100, max_delta_fraction=0.05)
+    anns = await publish_steps(pub, trainer, range(3))
+    assert [a.encoding for a in anns] == ["keyframe", "keyframe", "keyframe"]
+    pub.max_delta_fraction = 1.0
+    assert (await pub.publish(trainer.step(), 3)).encoding == "delta"
+
+
+async def test_keyframe_on_request(plane: Plane):
+    trainer = Trainer()
+    pub = WeightPublisher(plane, "solver", keyframe_every=100)
+    await request_keyframe(plane, "solver", "stale request from before the trainer started")
+    anns = await publish_steps(pub, trainer, range(3))  # v0 is a keyframe and serves it
+    assert [a.encoding for a in anns] == ["keyframe", "delta", "delta"]
+    await request_keyframe(plane, "solver", "node n1 lost its chain")
+    assert (await plane.state_get(keyframe_request_key("solver")))["reason"] == "node n1 lost its chain"
+    assert (await pub.publish(trainer.step(), 3)).encoding == "keyframe"
+    assert (await pub.publish(trainer.step(), 4)).encoding == "delta"  # served once
+    await request_keyframe(plane, "solver")
+    assert (await pub.publish(trainer.step(), 5)).encoding == "keyframe"
+
+
+async def test_announcement_is_the_commit_point(plane: Plane):
+    trainer = Trainer()
+    pub = WeightPublisher(plane, "solver")
+    await publish_steps(pub, trainer, range(2))
+    stream = object_stream(plane.names.object_bucket)
+    before = await plane.stream_msgs(stream)
+    await plane.jsm.delete_stream(plane.names.weights_stream)  # the announcement cannot be stored
+    with pytest.raises(Exception):
+        await pub.publish(trainer.step(), 2)
+    assert await plane.stream_msgs(stream) == before  # the unannounced chunks and metadata were purged
+    assert pub.image_version == 1 and await plane.state_get("version.solver") == 1
+
+
+# ------------------------------------------------------------------------------ RaaS side
+
+
+async def test_node_applies_deltas_onto_its_base_in_place(plane: Plane):
+    trainer = Trainer()
+    pub = WeightPublisher(plane, "solver", keyframe_every=100)
+    sync = node(plane)
+    params = {n: t.data_ptr() for n, t in sync.engine.model.state_dict().items()}
+    model_id = id(sync.engine.model)
+    for v in range(4):
+        ann = await pub.publish(trainer.step() if v else trainer.model.state_dict(), v)
+        assert await sync.refresh(wait=2.0)
+        assert sync.version == v and engine_digest(sync) == ann.state_digest == trainer.digest
+    assert sync.stats["keyframes"] == 1 and sync.stats["deltas"] == 3 and sync.stats["fallbacks"] == 0
+    assert id(sync.engine.model) == model_id  # same model, same storage: patched, not reloaded
+    assert {n: t.data_ptr() for n, t in sync.engine.model.state_dict().items()} == params
+
+
+class RecordingHF(HFEngine):
+    """The real hf engine, noting which tensors each ``load_state`` hands it from outside its own storage."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.foreign: list[set[str]] = []
+
+    def load_state(self, state, version: int) -> None:
+        own = {n: t.data_ptr() for n, t in self.model.state_dict().items()}
+        self.foreign.append({n for n, t in state.items() if t.data_ptr() != own[n]})
+        super().load_state(state, version)
+
+
+async def test_hf_engine_receives_only_changed_tensors(plane: Plane):
+    trainer = Trainer(lr=1e-2, only="model.norm.weight")
+    pub = WeightPublisher(plane, "solver")
+    sync = WeightSync(plane, "solver", RecordingHF(tiny_model(seed=123), tokenizer=None))
+    await pub.publish(trainer.model.state_dict(), 0)
+    await sync.refresh(wait=2.0)
+    assert len(sync.engine.foreign[-1]) == len(sync.engine.model.state_dict())  # a keyframe: everything
+    ann = await pub.publish(trainer.step(), 1)
+    assert ann.encoding == "delta"
+    await sync.refresh(wait=2.0)
+    assert engine_digest(sync) == ann.state_digest
+    assert sync.engine.foreign[-1] == {"model.norm.weight"}  # the rest are the engine's own tensors: nothing copied
+
+
+async def test_late_joiner_gets_the_keyframe_and_the_deltas_after_it(plane: Plane):
+    trainer = Trainer()
+    pub = WeightPublisher(plane, "solver", keyframe_every=4)
+    await publish_steps(pub, trainer, range(7))  # keyframes at v0 and v4
+    late = node(plane)
+    await late.wait_for(6, timeout=10)
+    assert late.version == 6 and engine_digest(late) == trainer.digest
+    assert dict(late.stats) | {"bytes": 0} == {"joins": 1, "keyframes": 1, "deltas": 2, "bytes": 0}
+
+
+async def test_delta_onto_a_base_the_node_does_not_hold_falls_back(plane: Plane):
+    first, second = Trainer(seed=0), Trainer(seed=1)
+    sync = node(plane)
+    await publish_steps(WeightPublisher(plane, "solver"), first, range(3))
+    await sync.wait_for(2, timeout=10)
+    # a restarted trainer announces its own v2 (same number, another state) and a delta onto it
+    restarted = WeightPublisher(plane, "solver")
+    await restarted.publish(second.model.state_dict(), 2)
+    ann = await restarted.publish(second.step(), 3)
+    assert ann.encoding == "delta" and ann.base_version == sync.version and ann.base_digest != sync.digest
+    assert await sync.refresh(wait=2.0)
+    assert sync.version == 3 and engine_digest(sync) == second.digest
+    assert sync.stats["fallbacks"] == 1 and sync.stats["failures"] == 0
+    assert sync.stats["corrupt"] == 0  # refused before applying (base digest), not caught after
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+async def test_damaged_chunk_is_never_applied(plane: Plane, damage: str):
+    trainer = Trainer()
+    pub = WeightPublisher(plane, "solver", keyframe_every=100)
+    sync = node(plane)
+    await publish_steps(pub, trainer, range(2))
+    await sync.wait_for(1, timeout=10)
+    good = sync.digest
+    ann = await pub.publish(trainer.step(), 2)
+    await rewrite_chunks(plane, ann.objects[0], **({"corrupt": 0} if damage == "corrupt" else {"drop": 0}))
+    assert not await sync.refresh(wait=2.0)
+    # fetched, fetched again, fell back to the keyframe chain (which needs v2 too), failed, asked for a keyframe
+    assert sync.version == 1 and sync.digest == good == engine_digest(sync)
+    assert sync.stats[damage] == 4 and sync.stats["refetches"] == 2
+    assert sync.stats["fallbacks"] == 1 and sync.stats["failures"] == 1 and sync.stats["keyframe_requests"] == 1
+    assert "cannot reach v2" in (await plane.state_get(keyframe_request_key("solver")))["reason"]
+    ann = await pub.publish(trainer.step(), 3)
+    assert ann.encoding == "keyframe"  # the trainer served the request
+    assert await sync.refresh(wait=2.0)
+    assert sync.version == 3 and engine_digest(sync) == trainer.digest
+
+
+async def test_goto_steps_to_chosen_versions(plane: Plane):
+    trainer = Trainer()
+    anns = await publish_steps(WeightPublisher(plane, "solver", keyframe_every=3), trainer, range(6))
+    sync = node(plane)
+    for v in (4, 1, 5, 5, 0):
+        await sync.goto(v)
+        assert sync.version == v and engine_digest(sync) == anns[v].state_digest
+    with pytest.raises(WeightSyncError, match="never announced"):
+        await sync.goto(9)
+
+
+# ------------------------------------------------------------------------------ objects
+
+
+async def test_missing_chunk_is_reported_at_once_and_a_lagging_one_is_awaited(plane: Plane):
+    bucket = plane.names.object_bucket
+    data = os.urandom(3 * 100_000 + 7)
+    ref = await put_object(plane.js, bucket, "lag", data, chunk_size=100_000)
+    await rewrite_chunks(plane, ref, drop=3)
+    t0 = time.monotonic()
+    with pytest.raises(MissingObject, match="3 of 4 chunks"):
+        await get_object(plane.js, bucket, ref)
+    assert time.monotonic() - t0 < 2.0
+    # a mirror that lags: the last chunk lands while the reader waits for it
+    reader = asyncio.create_task(get_object(plane.js, bucket, ref, wait_missing=10.0))
+    await asyncio.sleep(0.3)
+    await plane.js.publish(chunk_subject(bucket, ref.nuid), data[3 * 100_000 :])
+    assert bytes(await reader) == data
+
+
+# ------------------------------------------------------------------------------ retention
+
+
+def _ann(version: int, encoding: str, base: WeightVersion | None, kf: int, tag: str = "") -> WeightVersion:
+    ref = ObjectRef(name=f"v{version}{tag}", nuid=f"n{version}{tag}", size=1, chunk_size=1, digests=["0"], digest="0")
+    return WeightVersion(policy="solver", version=version, encoding=encoding, state_digest=f"d{version}{tag}", keyframe_version=kf,
+                         base_version=base.version if base else None, base_digest=base.state_digest if base else None, objects=[ref])
+
+
+def _history(keyframes: list[bool]) -> list[WeightVersion]:
+    out: list[WeightVersion] = []
+    kf = 0
+    for v, is_key in enumerate(keyframes):
+        if is_key or v == 0:
+            kf = v
+            out.append(_ann(v, "keyframe", None, v))
+        else:
+            out.append(_ann(v, "delta", out[-1], kf))
+    return out
+
+
+def test_retention_plan_keeps_chains():
+    hist = _history([True, False, False, True, False, False, False, True, False])  # keyframes 0, 3, 7
+    plan = plan_retention(hist, keep_last=3)  # v6, v7, v8: v6 needs 3..5
+    assert [a.version for a in plan.keep] == [3, 4, 5, 6, 7, 8]
+    assert [a.version for a in plan.delete] == [0, 1, 2]
+    assert [a.version for a in plan_retention(hist, keep_last=1).keep] == [7, 8]  # the newest chain only
+    with pytest.raises(ValueError, match="keep_last"):
+        plan_retention(hist, keep_last=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(keyframes=st.lists(st.booleans(), min_size=1, max_size=40), keep_last=st.integers(1, 8))
+def test_retention_property_every_kept_version_stays_reconstructible(keyframes: list[bool], keep_last: int):
+    stored: dict = {}
+    for ann in _history(keyframes):  # the publisher runs the plan after every publish
+        stored[key_of(ann)] = ann
+        plan = plan_retention(stored.values(), keep_last)
+        for gone in plan.delete:
+            del stored[key_of(gone)]
+        newest = sorted(stored.values(), key=lambda a: a.version)
+        last = [a for a in newest if a.version > ann.version - keep_last]
+        assert len(last) == min(keep_last, ann.version + 1)  # the last N versions are all still stored...
+        chains = [chain_of(a, stored) for a in last]
+        assert all(c is not None for c in chains)  # ...and reconstructible
+        needed = {key_of(x) for c in chains for x in c}
+        assert set(stored) == needed  # and nothing else is kept
+
+
+def test_retention_keeps_a_restarted_trainers_chain_apart():
+    old = _history([True, False, False])
+    new_key = _ann(2, "keyframe", None, 2, tag="b")
+    new = [new_key, _ann(3, "delta", new_key, 2, tag="b")]
+    plan = plan_retention(old + new, keep_last=2)  # the newest two are v2b and v3b
+    assert {(a.version, a.state_digest) for a in plan.keep} == {(2, "d2b"), (3, "d3b")}
+
+
+async def test_retention_purges_old_objects_and_a_late_joiner_still_syncs(plane: Plane):
+    trainer = Trainer()
+    pub = WeightPublisher(plane, "solver", keyframe_every=3, keep_versions=2)
+    anns = await publish_steps(pub, trainer, range(9))  # keyframes 0, 3, 6; the last two versions (7, 8) need 6..8
+    await pub.wait_retention()
+    bucket, stream = plane.names.object_bucket, object_stream(plane.names.object_bucket)
+    counts = [await count_chunks(plane.js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
+    assert counts == [0] * 6 + [1] * 3
+    assert pub.deleted == 6 and sorted(v for v, _ in pub.history) == [6, 7, 8]
+    late = node(plane)
+    await late.wait_for(8, timeout=10)
+    assert engine_digest(late) == trainer.digest and late.stats["failures"] == 0
+    with pytest.raises(WeightSyncError, match="could not reach v2"):
+        await late.goto(2)  # announced, but its objects are gone
+    assert late.version == 8
+
+
+async def test_a_restarted_trainer_collects_what_its_predecessor_left(plane: Plane):
+    bucket, stream = plane.names.object_bucket, object_stream(plane.names.object_bucket)
+    old = await publish_steps(WeightPublisher(plane, "solver", keyframe_every=100, keep_versions=None), Trainer(seed=0), range(5))
+    trainer = Trainer(seed=1)
+    pub = WeightPublisher(plane, "solver", keyframe_every=100, keep_versions=2)  # starts again at v0, lower numbers
+    new = await publish_steps(pub, trainer, range(3))
+    await pub.wait_retention()
+    counts = [await count_chunks(plane.js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in old + new]
+    assert counts == [0] * 5 + [1] * 3  # "last" is by publication: the old v4 is older than the new v0
+    late = node(plane)
+    await late.wait_for(2, timeout=10)
+    assert engine_digest(late) == trainer.digest
+
+
+async def test_an_unreachable_mirror_does_not_stop_publishing_or_hub_retention(plane: Plane):
+    trainer = Trainer()
+    pub = WeightPublisher(plane, "solver", keyframe_every=2, keep_versions=1, mirror_domains=("nowhere",))
+    anns = await publish_steps(pub, trainer, range(5))  # keyframes 0, 2, 4
+    await pub.wait_retention()
+    bucket, stream = plane.names.object_bucket, object_stream(plane.names.object_bucket)
+    counts = [await count_chunks(plane.js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
+    assert counts == [0, 0, 0, 0, 1]  # deleted from the hub all the same
+    assert pub.deleted == 0 and len(pub.history) == 5  # but kept in the plan until the mirror is reachable again
