@@ -1,22 +1,29 @@
-"""The Engine contract every rollout runtime speaks (hf, sglang, vllm, scripted)."""
+"""The Engine contract every rollout runtime speaks (hf, sglang, vllm, scripted).
+
+An engine generates completions with the behaviour logprob and the weight version of every
+token, applies a weight version (``load_state``) and reports the version it holds. Engines are
+blocking objects; the worker calls them from a thread. ``generate`` and ``load_state`` never
+overlap on one engine (each implementation serialises them), so the version an engine reports
+for a token is the version whose weights produced it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from astraflow.config import ModelConfig, RolloutConfig
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 8
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; the completion keeps the stop string and ends with "stop"
     seed: int | None = None
 
 
@@ -36,6 +43,10 @@ class Completion:
     finish_reason: str  # "stop" | "length"
 
 
+class StaleWeights(RuntimeError):
+    """The engine holds weights older than the task allows; the task goes back to the pool."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     @property
@@ -45,11 +56,11 @@ class Engine(Protocol):
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Generate one completion per request (blocking; callers run it off the event loop)."""
 
-    def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Install a full bf16 state as ``version`` (in place, without reloading the model)."""
+    def load_state(self, state: Mapping[str, "torch.Tensor"], version: int) -> None:
+        """Apply weight version ``version`` given as a full bf16 state (in place; waits for generation in flight)."""
 
-    def state_view(self) -> Mapping[str, torch.Tensor]:
-        """The engine's current weights by name (for in-place delta application)."""
+    def state_view(self) -> Mapping[str, "torch.Tensor"]:
+        """The engine's current weights by name (what the node last applied, for remote engines)."""
 
 
 EngineFactory = Callable[["ModelConfig", "RolloutConfig", Any], Engine]
@@ -73,3 +84,10 @@ def build_engine(name: str, model_cfg: "ModelConfig", rollout_cfg: "RolloutConfi
     except KeyError:
         raise ValueError(f"rollout.engine {name!r} is not available; registered: {sorted(ENGINES)}") from None
     return factory(model_cfg, rollout_cfg, tokenizer)
+
+
+def close_engine(engine: Any) -> None:
+    """Release what an engine holds (a launched server, a staging directory), if it has anything."""
+    close = getattr(engine, "close", None)
+    if callable(close):
+        close()

@@ -16,9 +16,9 @@ import torch
 
 from astraflow.config import Recipe
 from astraflow.models import encode_prompt
-from astraflow.rollout.engine import GenerationRequest, SamplingParams
+from astraflow.rollout.engine import GenerationRequest, SamplingParams, close_engine
 from astraflow.rollout.rewards import get_reward
-from astraflow.rollout.worker import make_handle
+from astraflow.rollout.worker import load_plugins, make_handle
 from astraflow.runtime import stop_event
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.tasks import load_split
@@ -46,6 +46,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology())
     policy = recipe.eval_policy
+    load_plugins(recipe.rollout.plugins)  # the recipe's reward may live in a plugin
     handle = make_handle(recipe, policy)
     sync = WeightSync(plane, policy, handle.engine)
     _, held_out = load_split(recipe.data)
@@ -63,4 +64,5 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
             await plane.state_put(f"eval.{policy}.{v}", {**result, "version": v, "ts": time.time()})
             log.info("eval %s v%d: held-out reward %.3f", policy, v, result["reward"])
     finally:
+        close_engine(handle.engine)
         await plane.close()

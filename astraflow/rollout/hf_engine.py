@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Mapping
 
 import torch
@@ -9,11 +10,23 @@ import torch
 from astraflow.rollout.engine import Completion, GenerationRequest, register_engine
 
 
+def stop_at(tokenizer: Any, toks: list[int], stops: tuple[str, ...]) -> int | None:
+    """Length of the shortest prefix of ``toks`` whose text contains a stop string (None: no stop string)."""
+    if not stops or not any(s in tokenizer.decode(toks, skip_special_tokens=True) for s in stops):
+        return None
+    for k in range(1, len(toks) + 1):
+        if any(s in tokenizer.decode(toks[:k], skip_special_tokens=True) for s in stops):
+            return k
+    return None
+
+
 class HFEngine:
     """Generates with ``model.generate`` and reports per-token behaviour logprobs and versions.
 
     The behaviour logprob is ``log_softmax(logits / T)`` of the sampled token: the distribution
     the token was actually drawn from (top-p aside), which the trainer recomputes the same way.
+    A lock keeps ``generate`` and ``load_state`` apart, so a token's version is always the
+    version of the weights that produced it.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, device: str = "cpu") -> None:
@@ -21,6 +34,7 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.device = device
         self._version = -1
+        self._lock = threading.Lock()
 
     @property
     def version(self) -> int:
@@ -35,20 +49,30 @@ class HFEngine:
         missing = set(own) - set(state)
         if missing:
             raise ValueError(f"weight version {version} lacks {sorted(missing)[:3]}…")
-        for name, tensor in own.items():
-            tensor.copy_(state[name])
-        self._version = version
+        with self._lock:
+            for name, tensor in own.items():
+                tensor.copy_(state[name])
+            self._version = version
 
     def set_version(self, version: int) -> None:
         self._version = version
 
-    @torch.no_grad()
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         if not requests:
             return []
+        groups: dict[Any, list[int]] = {}
+        for i, r in enumerate(requests):  # one batched generate call per distinct sampling params
+            groups.setdefault(r.params, []).append(i)
+        out: list[Completion | None] = [None] * len(requests)
+        with self._lock:
+            for idx in groups.values():
+                for i, c in zip(idx, self._generate([requests[i] for i in idx])):
+                    out[i] = c
+        return [c for c in out if c is not None]
+
+    @torch.no_grad()
+    def _generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         params = requests[0].params
-        if any(r.params != params for r in requests):  # one generate call per distinct params
-            return [c for r in requests for c in self.generate([r])]
         pad = self.tokenizer.pad_token_id
         eos = self.tokenizer.eos_token_id
         width = max(len(r.prompt_ids) for r in requests)
@@ -79,6 +103,9 @@ class HFEngine:
                 n, reason = toks.index(eos) + 1, "stop"  # keep the EOS token: it is a decision too
             elif pad in toks:
                 n = toks.index(pad)
+            k = stop_at(self.tokenizer, toks[:n], params.stop)
+            if k is not None:
+                n, reason = k, "stop"  # keep the stop string: the model chose it
             completions.append(Completion(toks[:n], logp[i, :n].tolist(), [version] * n, reason))
         return completions
 

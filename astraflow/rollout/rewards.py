@@ -1,7 +1,8 @@
 """Verifiable rewards, registered by name: ``reward(completion_text, meta) -> float``.
 
 Each is a real verifier: exact integer match for generated arithmetic, math-verify for math
-answers, and reasoning-gym's own scorer for its tasks.
+answers, reasoning-gym's own scorer for its tasks, tests run in a sandbox for code
+(``code``), and exact match / token F1 for QA (``qa_em``, ``qa_f1``).
 """
 
 from __future__ import annotations
@@ -61,3 +62,65 @@ def reasoning_gym_score(text: str, meta: dict[str, Any]) -> float:
     """reasoning-gym's own scorer for the entry the prompt came from."""
     ds = _rg_dataset(meta["rg_task"], int(meta["rg_size"]), int(meta["rg_seed"]))
     return float(ds.score_answer(text.strip(), ds[int(meta["rg_index"])]))
+
+
+_FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
+
+
+def extract_code(text: str) -> str:
+    """The last fenced code block of a completion, or the whole completion when it has none."""
+    blocks = _FENCE.findall(text)
+    return blocks[-1] if blocks else text
+
+
+@register("code")
+def code(text: str, meta: dict[str, Any]) -> float:
+    """Fraction of ``meta["tests"]`` (Python statements, usually asserts) the completion's code passes.
+
+    The code runs in :mod:`astraflow.rollout.sandbox` (subprocess, time and memory limits, no
+    network). ``meta`` may set ``timeout_s``, ``memory_mb`` and ``setup`` (code run before the candidate).
+    """
+    from astraflow.rollout.sandbox import Sandbox
+
+    box = Sandbox(timeout_s=float(meta.get("timeout_s", 5.0)), cpu_s=int(meta.get("cpu_s", 5)), memory_mb=int(meta.get("memory_mb", 512)))
+    src = (meta.get("setup", "") + "\n" + extract_code(text)).strip() + "\n"
+    return box.run(src, list(meta["tests"])).fraction
+
+
+def _normalize(s: str) -> str:
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
+    s = "".join(ch for ch in s.lower() if ch not in _PUNCT)
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+_PUNCT = set("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+
+
+def _golds(meta: dict[str, Any]) -> list[str]:
+    golds = meta.get("answers") or [meta["answer"]]
+    return [str(g) for g in golds]
+
+
+@register("qa_em")
+def qa_exact_match(text: str, meta: dict[str, Any]) -> float:
+    """1 if the normalised completion equals a normalised reference (``meta["answers"]`` or ``meta["answer"]``)."""
+    pred = _normalize(text)
+    return 1.0 if any(pred == _normalize(g) for g in _golds(meta)) else 0.0
+
+
+@register("qa_f1")
+def qa_f1(text: str, meta: dict[str, Any]) -> float:
+    """Best token-level F1 (SQuAD) between the normalised completion and a reference."""
+    pred = _normalize(text).split()
+    best = 0.0
+    for g in _golds(meta):
+        gold = _normalize(g).split()
+        if not pred or not gold:
+            best = max(best, float(pred == gold))
+            continue
+        common = sum(min(pred.count(w), gold.count(w)) for w in set(pred) & set(gold))
+        if common:
+            p, r = common / len(pred), common / len(gold)
+            best = max(best, 2 * p * r / (p + r))
+    return best

@@ -1,31 +1,63 @@
 """The RaaS worker: pull tasks from the pool's shared durable consumer, roll out, publish.
 
-Joining = binding the shared consumer and fetching the current weights. A task is acked only
-after its trajectories are stored; a task the node cannot serve yet (weights older than the
-task allows) is nak'ed back with a delay; a node told to stop finishes what it holds and
-leaves. A node that dies is covered by the server's ack_wait redelivery.
+Joining = binding the shared consumer, fetching the current weights, pulling tasks. A task is
+acked only after its trajectories are stored. A task the node cannot serve yet (weights older
+than the task allows) is nak'ed back with a delay. A node told to stop (SIGTERM) stops
+pulling, finishes what it holds within ``rollout.drain_timeout`` and naks the rest back to
+the pool. A node that dies is covered by the server's ``ack_wait`` redelivery; its
+trajectories, if it published any, are deduplicated by their ids.
+
+Weights are refreshed at safe points only: between generations, and between turns of a
+multi-turn episode (the workflow calls ``PolicyHandle.safe_point``, which runs the refresh on
+the node's event loop while the workflow thread waits). An engine never applies weights
+while it generates, so every token's version is true.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import importlib
+import importlib.util
 import logging
+import sys
+import threading
 import time
-
-import torch
+from pathlib import Path
+from typing import Any, Callable
 
 from astraflow.config import Recipe
 from astraflow.models import load_tokenizer
-from astraflow.rollout.engine import SamplingParams, build_engine
+from astraflow.rollout.engine import SamplingParams, StaleWeights, build_engine, close_engine
 from astraflow.rollout.rewards import get_reward
-from astraflow.rollout.workflows import PolicyHandle, get_workflow
+from astraflow.rollout.workflows import PolicyHandle, Workflow, get_workflow
 from astraflow.runtime import every, stop_event
-from astraflow.streams.messages import Heartbeat, Task
+from astraflow.streams.codec import MessageTooLarge
+from astraflow.streams.messages import Heartbeat, Task, Trajectory
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
+FULL_REFRESH_S = 5.0
+
+
+def load_plugins(paths: list[str]) -> None:
+    """Import each plugin (a module name or a ``.py`` file) so it registers workflows, rewards, tools, engines."""
+    for item in paths:
+        if item.endswith(".py"):
+            path = Path(item).resolve()
+            name = f"astraflow_plugin_{path.stem}"
+            if name in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"rollout.plugins: cannot load {item}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        else:
+            importlib.import_module(item)
 
 
 def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = None) -> PolicyHandle:
@@ -33,7 +65,7 @@ def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = Non
     tokenizer = load_tokenizer(model_cfg.tokenizer)
     engine = build_engine(recipe.rollout.engine, model_cfg, recipe.rollout, tokenizer)
     r = recipe.rollout
-    return PolicyHandle(engine, tokenizer, params or SamplingParams(r.max_new_tokens, r.temperature, r.top_p))
+    return PolicyHandle(engine, tokenizer, params or SamplingParams(r.max_new_tokens, r.temperature, r.top_p), name=policy)
 
 
 async def _keep_in_progress(held: list[Delivery[Task]], every_s: float) -> None:
@@ -42,68 +74,256 @@ async def _keep_in_progress(held: list[Delivery[Task]], every_s: float) -> None:
         await asyncio.gather(*(d.in_progress() for d in held), return_exceptions=True)
 
 
-async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pool: str | None = None,
-                region: str = "", hardware: str = "cpu") -> None:
-    torch.set_num_threads(recipe.rollout.threads)
-    pool = pool or recipe.rollout.pool
-    plane = await Plane.connect(nats, run, worker_id)
-    await plane.ensure_topology(recipe.topology())
-    handles = {p: make_handle(recipe, p) for p in recipe.policy_names}
-    syncs = {p: WeightSync(plane, p, h.engine) for p, h in handles.items()}
-    workflow = get_workflow(recipe.workflow, get_reward(recipe.reward))
-    stop = stop_event()
-    stats = {"tasks": 0.0, "trajectories": 0.0, "gen_s": 0.0, "failed": 0.0}
+class RolloutNode:
+    """One RaaS node on an open plane. ``run(stop)`` serves until ``stop`` is set, then drains."""
 
-    async def beat() -> None:
-        await plane.beat(Heartbeat(role="rollout", worker_id=worker_id, pool=pool, region=region, hardware=hardware,
-                                   policy=recipe.primary, version=syncs[recipe.primary].version,
-                                   stats={**stats, **{f"{p}.{k}": v for p, s in syncs.items() for k, v in s.stats.items()}},
-                                   state="draining" if stop.is_set() else "running"), "rollout")
+    def __init__(self, recipe: Recipe, plane: Plane, worker_id: str, pool: str | None = None, region: str | None = None,
+                 hardware: str | None = None, handles: dict[str, PolicyHandle] | None = None,
+                 workflow: Workflow | None = None) -> None:
+        self.recipe = recipe
+        self.plane = plane
+        self.worker_id = worker_id
+        self.pool = pool or recipe.rollout.pool
+        self.region = recipe.rollout.region if region is None else region
+        self.hardware = hardware or recipe.rollout.hardware or _detect_hardware()
+        load_plugins(recipe.rollout.plugins)
+        self.handles = handles if handles is not None else {p: make_handle(recipe, p) for p in recipe.policy_names}
+        self.workflow = workflow or get_workflow(recipe.workflow, get_reward(recipe.reward), recipe.rollout)
+        self.syncs = {p: WeightSync(plane, p, h.engine) for p, h in self.handles.items()}
+        self.stats: dict[str, float] = {"tasks": 0.0, "trajectories": 0.0, "gen_s": 0.0, "pull_s": 0.0, "publish_s": 0.0,
+                                        "failed": 0.0, "stale_naks": 0.0, "drained_naks": 0.0, "held": 0.0, "refreshes": 0.0,
+                                        "refresh_s": 0.0, "refresh_errors": 0.0, "joined": 0.0}
+        self.announced = {p: -1 for p in self.handles}  # newest version seen announced, per policy
+        self.draining = False
+        self._last_full_refresh = 0.0
+        self._refresh_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    beats = asyncio.create_task(every(2.0, beat, stop))
-    try:
-        for sync in syncs.values():
-            await sync.wait_for(0, timeout=600)
-        sub = await plane.subscribe(plane.names.task_stream, plane.names.pool_consumer(pool))
-        log.info("rollout node %s joined pool %s at %s", worker_id, pool, {p: s.version for p, s in syncs.items()})
-        ack_wait = recipe.topology().task_ack_wait
-        while not stop.is_set():
-            got = await plane.pull(sub, Task, batch=recipe.rollout.tasks_per_generate, timeout=1.0)
-            for sync in syncs.values():
-                await sync.refresh()  # a safe point: between generations
-            if not got:
+    # ------------------------------------------------------------ weights
+    async def _newer_announced(self) -> list[str]:
+        """Policies whose trainer has published a version newer than ours (the run-state KV's
+        ``version.{policy}``, written after each announcement: one cheap read, allowed to a
+        rollout node under the per-role permissions)."""
+        out = []
+        for p, sync in self.syncs.items():
+            try:
+                latest = int(await self.plane.state_get(f"version.{p}", -1))
+            except Exception:  # unreadable: the periodic full refresh covers it
                 continue
-            ready = [d for d in got if all(syncs[p].version >= v for p, v in d.msg.min_versions.items() if p in syncs)]
-            for d in got:
-                if d not in ready:
-                    await d.nak(delay=1.0)
-            if not ready:
-                continue
-            keeper = asyncio.create_task(_keep_in_progress(ready, ack_wait / 3))
+            self.announced[p] = max(self.announced[p], latest)
+            if self.announced[p] > sync.version:
+                out.append(p)
+        return out
+
+    async def refresh(self) -> bool:
+        """A safe point: apply every announced version the node has not applied yet.
+
+        Reading the weights stream costs a fetch with a timeout, so it happens only when the KV
+        says a newer version exists, or every ``FULL_REFRESH_S`` in case the KV is not readable
+        here (a region that reads only its mirror)."""
+        async with self._refresh_lock:
             t0 = time.perf_counter()
             try:
-                trajs = await asyncio.to_thread(workflow.run, [d.msg for d in ready], handles, worker_id)
-            except Exception as e:
-                log.exception("workflow failed on %d tasks", len(ready))
-                stats["failed"] += len(ready)
-                for d in ready:
-                    if d.num_delivered >= recipe.topology().max_deliver - 1:
-                        await plane.reject(d.raw.subject, d.raw.data, f"workflow failed {d.num_delivered}x: {e}")
-                        await d.term()
-                    else:
-                        await d.nak(delay=2.0)
-                continue
+                return await self._refresh()
             finally:
-                keeper.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await keeper
-            stats["gen_s"] += time.perf_counter() - t0
-            await plane.publish_many([(plane.names.traj(t.policy), t, t.traj_id) for t in trajs])
-            await asyncio.gather(*(d.ack() for d in ready))  # only now: the trajectories are stored
-            stats["tasks"] += len(ready)
-            stats["trajectories"] += len(trajs)
+                self.stats["refresh_s"] += time.perf_counter() - t0
+
+    async def _refresh(self) -> bool:
+        now = time.monotonic()
+        due = now - self._last_full_refresh > FULL_REFRESH_S
+        todo = list(self.syncs) if due else await self._newer_announced()
+        if not todo:
+            return False
+        if due:
+            self._last_full_refresh = now
+        changed = False
+        for p in todo:
+            try:
+                changed |= await self.syncs[p].refresh()
+            except Exception as e:  # keep serving what the weights allow; tasks that need newer ones go back
+                self.stats["refresh_errors"] += 1
+                log.warning("refreshing %s failed: %s", p, e)
+        if changed:
+            self.stats["refreshes"] += 1
+        return changed
+
+    def _safe_point(self) -> bool:
+        """Called from the workflow thread between turns; blocks it while the loop refreshes."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(self.refresh(), self._loop).result(timeout=600)
+
+    def ready_for(self, task: Task) -> bool:
+        return all(self.syncs[p].version >= v for p, v in task.min_versions.items() if p in self.syncs)
+
+    # ------------------------------------------------------------ liveness
+    async def beat(self) -> None:
+        stats = {**self.stats, **{f"{p}.{k}": float(v) for p, s in self.syncs.items() for k, v in s.stats.items()}}
+        await self.plane.beat(Heartbeat(role="rollout", worker_id=self.worker_id, pool=self.pool, region=self.region,
+                                        hardware=self.hardware, policy=self.recipe.primary,
+                                        version=self.syncs[self.recipe.primary].version, stats=stats,
+                                        state="draining" if self.draining else "running"), "rollout")
+
+    # ------------------------------------------------------------ main loop
+    async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        for h in self.handles.values():
+            h.safe_point_fn = self._safe_point
+        topo = dataclasses.replace(self.recipe.topology(), pools=(self.pool,))
+        await self.plane.ensure_topology(topo)
+        beats = asyncio.create_task(every(2.0, self.beat, stop))
+        try:
+            for sync in self.syncs.values():  # joining: the current weights first
+                await sync.wait_for(0, timeout=600)
+            self._last_full_refresh = time.monotonic()
+            names = self.plane.names
+            info = await self.plane.jsm.consumer_info(names.task_stream, names.pool_consumer(self.pool))
+            ack_wait = float(info.config.ack_wait or topo.task_ack_wait)  # the server's, not our default
+            max_deliver = int(info.config.max_deliver or topo.max_deliver)
+            sub = await self.plane.subscribe(names.task_stream, names.pool_consumer(self.pool))
+            self.stats["joined"] = 1.0
+            log.info("rollout node %s joined pool %s (region %r, %s) at %s", self.worker_id, self.pool, self.region,
+                     self.hardware, {p: s.version for p, s in self.syncs.items()})
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                got = await self.plane.pull(sub, Task, batch=self.recipe.rollout.tasks_per_generate, timeout=1.0)
+                if got:
+                    self.stats["pull_s"] += time.perf_counter() - t0
+                await self.refresh()  # a safe point: between generations
+                if not got:
+                    continue
+                if stop.is_set():  # told to stop while the fetch was open: give these back untouched
+                    await asyncio.gather(*(d.nak() for d in got))
+                    self.stats["drained_naks"] += len(got)
+                    break
+                await self.handle(got, stop, ack_wait, max_deliver)
+        finally:
+            self.draining = True
+            stop.set()
+            await asyncio.gather(beats, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.beat()
+            log.info("rollout node %s left: %s", self.worker_id, {k: v for k, v in self.stats.items() if v})
+
+    async def handle(self, got: list[Delivery[Task]], stop: asyncio.Event, ack_wait: float, max_deliver: int) -> None:
+        ready = [d for d in got if self.ready_for(d.msg)]
+        stale = [d for d in got if d not in ready]
+        if stale:
+            await asyncio.gather(*(d.nak(delay=1.0) for d in stale))
+            self.stats["stale_naks"] += len(stale)
+        if not ready:
+            return
+        self.stats["held"] = len(ready)
+        keeper = asyncio.create_task(_keep_in_progress(ready, ack_wait / 3))
+        t0 = time.perf_counter()
+        try:
+            trajs = await self._run_workflow(ready, stop)
+        except StaleWeights as e:  # the workflow refused: weights older than a task allows
+            log.warning("%s; returning %d tasks", e, len(ready))
+            await asyncio.gather(*(d.nak(delay=1.0) for d in ready))
+            self.stats["stale_naks"] += len(ready)
+            return
+        except Exception as e:
+            log.exception("workflow failed on %d tasks", len(ready))
+            self.stats["failed"] += len(ready)
+            for d in ready:
+                if d.num_delivered >= max_deliver - 1:
+                    await self.plane.reject(d.raw.subject, d.raw.data, f"workflow failed {d.num_delivered}x: {e}")
+                    await d.term()
+                else:
+                    await d.nak(delay=2.0)
+            return
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            self.stats["held"] = 0
+        if trajs is None:  # drained: not finished in time, handed back
+            await asyncio.gather(*(d.nak() for d in ready))
+            self.stats["drained_naks"] += len(ready)
+            return
+        self.stats["gen_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        try:
+            await self.plane.publish_many([(self.plane.names.traj(t.policy), t, t.traj_id) for t in trajs])
+        except MessageTooLarge as e:  # will never fit: dead-letter the tasks rather than retry them forever
+            for d in ready:
+                await self.plane.reject(d.raw.subject, d.raw.data, f"trajectory too large to publish: {e}")
+                await d.term()
+            self.stats["failed"] += len(ready)
+            return
+        except Exception as e:  # a server hiccup: give the tasks back (published ones are deduplicated on retry)
+            log.warning("publishing trajectories failed (%s); returning %d tasks", e, len(ready))
+            await asyncio.gather(*(d.nak(delay=2.0) for d in ready), return_exceptions=True)
+            self.stats["failed"] += len(ready)
+            return
+        await asyncio.gather(*(d.ack() for d in ready))  # only now: the trajectories are stored
+        self.stats["publish_s"] += time.perf_counter() - t1
+        self.stats["tasks"] += len(ready)
+        self.stats["trajectories"] += len(trajs)
+
+    async def _run_workflow(self, ready: list[Delivery[Task]], stop: asyncio.Event) -> list[Trajectory] | None:
+        """The workflow's trajectories; None if the node was told to stop and the work outlived the drain timeout."""
+        work = in_daemon_thread(self.workflow.run, [d.msg for d in ready], self.handles, self.worker_id)
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                self.draining = True
+                log.info("stopping: waiting up to %.0fs for %d held tasks", self.recipe.rollout.drain_timeout, len(ready))
+                done, _ = await asyncio.wait({work}, timeout=self.recipe.rollout.drain_timeout)
+                if not done:
+                    work.add_done_callback(lambda f: f.exception())  # the thread ends on its own; its result is dropped
+                    return None
+            return work.result()
+        finally:
+            stopping.cancel()
+
+
+def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """Run blocking ``fn`` on a daemon thread (unlike ``to_thread``, one that outlives a drain never blocks exit)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # handed to the awaiting coroutine
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+                loop.call_soon_threadsafe(settle, False, e)
+        else:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, True, result)
+
+    threading.Thread(target=target, name=f"workflow-{getattr(fn, '__name__', 'run')}", daemon=True).start()
+    return fut
+
+
+def _detect_hardware() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pool: str | None = None,
+                region: str | None = None, hardware: str | None = None) -> None:
+    import torch
+
+    torch.set_num_threads(recipe.rollout.threads)
+    plane = await Plane.connect(nats, run, worker_id)
+    node = None
+    try:
+        node = RolloutNode(recipe, plane, worker_id, pool, region, hardware)
+        await node.run(stop_event())
     finally:
-        stop.set()
-        await asyncio.gather(beats, return_exceptions=True)
+        if node is not None:
+            close_engine(node.workflow)  # a workflow may hold servers (the OpenAI facade)
+            for h in node.handles.values():
+                close_engine(h.engine)
         await plane.close()
-        log.info("rollout node %s left", worker_id)

@@ -1,82 +1,176 @@
-"""Workflows, registered by name: ``run(tasks, policies) -> trajectories``.
+"""Workflows, registered by name: ``run(tasks, policies, node_id) -> trajectories``.
 
 A workflow receives the tasks a node pulled and a handle per policy (engine + tokenizer +
-sampling), and returns finished trajectories, each tagged with the policy whose tokens it
-holds. Workflows are blocking code; the worker runs them off its event loop.
+sampling + the node's safe-point hook), and returns finished trajectories, each tagged with
+the policy whose tokens it holds; the worker publishes each on ``traj.{policy}``. Workflows are
+blocking code; the worker runs them off its event loop.
+
+Built in: ``single_turn`` (RLVR, here), ``multi_turn_tools`` (``workflows_tools``),
+``env_http`` (``workflows_env``), ``solver_verifier`` / ``solver_selector`` /
+``solver_testgen`` (``workflows_multi``) and ``openai_agent`` (``openai_facade``).
+
+Per-token arrays of a multi-turn episode (:class:`Episode`): generated tokens carry their
+behaviour logprob, the version of the weights that produced them and ``loss_mask`` 1; tokens
+the workflow inserts (tool output, environment observations) carry logprob 0, ``loss_mask`` 0
+and the version of the turn before them, so a trajectory's oldest version is always the
+oldest version that generated any of its tokens.
 """
 
 from __future__ import annotations
 
+import importlib
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
 
 from astraflow.models import encode_prompt
-from astraflow.rollout.engine import Engine, GenerationRequest, SamplingParams
+from astraflow.rollout.engine import Completion, Engine, GenerationRequest, SamplingParams, StaleWeights
 from astraflow.rollout.rewards import Reward
 from astraflow.streams.messages import Task, Trajectory
+
+if TYPE_CHECKING:
+    from astraflow.config import RolloutConfig
 
 
 @dataclass
 class PolicyHandle:
+    """What a workflow holds of one policy: its engine, tokenizer, sampling and the node's safe point."""
+
     engine: Engine
     tokenizer: Any
     params: SamplingParams
+    name: str = ""
+    safe_point_fn: Callable[[], bool] | None = None  # set by the node: refresh weights now if any arrived
+
+    def generate(self, requests: list[GenerationRequest], min_version: int = 0) -> list[Completion]:
+        """Generate, refusing when the engine holds weights older than ``min_version`` (the task's bound)."""
+        if self.engine.version < min_version:
+            raise StaleWeights(f"{self.name or 'policy'} holds v{self.engine.version}, task needs >= v{min_version}")
+        return self.engine.generate(requests)
+
+    def safe_point(self) -> bool:
+        """Between turns of an episode: let the node apply newly announced weights. True if they changed."""
+        return bool(self.safe_point_fn()) if self.safe_point_fn else False
+
+    def encode(self, text: str) -> list[int]:
+        return encode_prompt(self.tokenizer, text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def min_version(task: Task, policy: str) -> int:
+    return int(task.min_versions.get(policy, 0))
+
+
+@dataclass
+class Episode:
+    """One sample being built turn by turn: a prompt, then generated and inserted segments."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+    turns: int = 0
+
+    def add_generated(self, c: Completion) -> None:
+        self.ids += c.token_ids
+        self.logprobs += c.logprobs
+        self.versions += c.versions
+        self.mask += [1] * len(c.token_ids)
+        self.finish_reason = c.finish_reason
+        self.turns += 1
+
+    def add_inserted(self, ids: list[int]) -> None:
+        """Tokens the model did not generate (tool output, observations): masked out of the loss."""
+        last = self.versions[-1] if self.versions else -1
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [last] * len(ids)
+        self.mask += [0] * len(ids)
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+    def trajectory(self, task: Task, policy: str, index: int, group_size: int, reward: float | None, node_id: str,
+                   meta: dict[str, Any] | None = None) -> Trajectory:
+        return make_trajectory(task, policy, index, group_size, self.prompt_ids, self.ids, self.logprobs, self.versions,
+                               self.mask, reward, self.finish_reason, node_id, {"turns": self.turns, **(meta or {})})
+
+
+def make_trajectory(task: Task, policy: str, index: int, group_size: int, prompt_ids: list[int], ids: list[int],
+                    logprobs: list[float], versions: list[int], mask: list[int] | None, reward: float | None,
+                    finish_reason: str, node_id: str, meta: dict[str, Any] | None = None) -> Trajectory:
+    """A trajectory with the id convention ``{task_id}.{policy}.{index}`` (the plane dedups on it)."""
+    return Trajectory(
+        traj_id=f"{task.task_id}.{policy}.{index}", task_id=task.task_id, prompt_id=task.prompt_id, policy=policy,
+        index=index, group_size=group_size, prompt_ids=np.asarray(prompt_ids, np.int32),
+        completion_ids=np.asarray(ids, np.int32), logprobs=np.asarray(logprobs, np.float32),
+        versions=np.asarray(versions, np.int32),
+        loss_mask=np.asarray(mask if mask is not None else [1] * len(ids), np.uint8),
+        reward=reward, finish_reason=finish_reason if finish_reason in ("stop", "length", "error") else "stop", node_id=node_id,
+        created_at=time.time(), meta=dict(meta or {}),
+    )
 
 
 class Workflow(Protocol):
     def run(self, tasks: list[Task], policies: Mapping[str, PolicyHandle], node_id: str) -> list[Trajectory]: ...
 
 
-WORKFLOWS: dict[str, Callable[[Reward], Workflow]] = {}
+WorkflowFactory = Callable[[Reward, "RolloutConfig"], Workflow]
+WORKFLOWS: dict[str, WorkflowFactory] = {}
+_BUILTIN = ("workflows_tools", "workflows_env", "workflows_multi", "openai_facade")
 
 
-def register(name: str) -> Callable[[Callable[[Reward], Workflow]], Callable[[Reward], Workflow]]:
-    def deco(factory: Callable[[Reward], Workflow]) -> Callable[[Reward], Workflow]:
+def register(name: str) -> Callable[[WorkflowFactory], WorkflowFactory]:
+    def deco(factory: WorkflowFactory) -> WorkflowFactory:
         WORKFLOWS[name] = factory
         return factory
 
     return deco
 
 
-def get_workflow(name: str, reward: Reward) -> Workflow:
+def get_workflow(name: str, reward: Reward, cfg: "RolloutConfig | None" = None) -> Workflow:
+    from astraflow.config import RolloutConfig
+
+    if name not in WORKFLOWS:
+        for mod in _BUILTIN:
+            importlib.import_module(f"astraflow.rollout.{mod}")
     try:
-        return WORKFLOWS[name](reward)
+        factory = WORKFLOWS[name]
     except KeyError:
         raise ValueError(f"unknown workflow {name!r}; registered: {sorted(WORKFLOWS)}") from None
+    return factory(reward, cfg or RolloutConfig())
+
+
+def by_policy(tasks: list[Task]) -> dict[str, list[Task]]:
+    out: dict[str, list[Task]] = {}
+    for t in tasks:
+        out.setdefault(t.policy, []).append(t)
+    return out
 
 
 @register("single_turn")
 class SingleTurn:
     """RLVR: one generation per sample, scored by a verifiable reward. All tasks in one batch."""
 
-    def __init__(self, reward: Reward) -> None:
+    def __init__(self, reward: Reward, cfg: "RolloutConfig | None" = None) -> None:
         self.reward = reward
 
     def run(self, tasks: list[Task], policies: Mapping[str, PolicyHandle], node_id: str) -> list[Trajectory]:
-        by_policy: dict[str, list[Task]] = {}
-        for t in tasks:
-            by_policy.setdefault(t.policy, []).append(t)
         out: list[Trajectory] = []
-        for policy, group in by_policy.items():
+        for policy, group in by_policy(tasks).items():
             h = policies[policy]
-            prompts = [encode_prompt(h.tokenizer, t.prompt) for t in group]
+            prompts = [h.encode(t.prompt) for t in group]
             reqs = [GenerationRequest(p, h.params) for p, t in zip(prompts, group) for _ in range(t.group_size)]
-            comps = iter(h.engine.generate(reqs))
+            comps = iter(h.generate(reqs, max(min_version(t, policy) for t in group)))
             for prompt, task in zip(prompts, group):
                 for i in range(task.group_size):
                     c = next(comps)
-                    text = h.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                    out.append(
-                        Trajectory(
-                            traj_id=f"{task.task_id}.{policy}.{i}", task_id=task.task_id, prompt_id=task.prompt_id,
-                            policy=policy, index=i, group_size=task.group_size, prompt_ids=np.asarray(prompt, np.int32),
-                            completion_ids=np.asarray(c.token_ids, np.int32), logprobs=np.asarray(c.logprobs, np.float32),
-                            versions=np.asarray(c.versions, np.int32), loss_mask=np.ones(len(c.token_ids), np.uint8),
-                            reward=self.reward(text, task.meta), finish_reason=c.finish_reason, node_id=node_id,
-                            created_at=time.time(),
-                        )
-                    )
+                    out.append(make_trajectory(task, policy, i, task.group_size, prompt, c.token_ids, c.logprobs, c.versions,
+                                               None, self.reward(h.decode(c.token_ids), task.meta), c.finish_reason, node_id))
         return out

@@ -1,0 +1,1 @@
+"""Bundled text environments served over HTTP (``python -m astraflow.rollout.envs.server``)."""

@@ -1,0 +1,266 @@
+"""What the server-backed engines (sglang, vllm) share: JSON over HTTP, a launched server's
+lifecycle, staging weight versions on disk, and a lock that keeps weight updates and
+generation apart.
+
+A weight version reaches a server as a directory the server loads from (``model.safetensors``
+plus the model's config and tokenizer files), written by the node into
+``rollout.weight_staging_dir`` (default: a temp dir under ``/dev/shm``). The server must see
+that path: it runs on the node's host, launched by the node or attached with
+``rollout.engine_url``. The previous version's directory is removed only after the server
+has loaded the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+if TYPE_CHECKING:
+    import torch
+
+    from astraflow.config import ModelConfig, RolloutConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineHTTPError(RuntimeError):
+    """A server answered with an error status (or not at all); the message has its reply."""
+
+    def __init__(self, url: str, status: int, text: str) -> None:
+        super().__init__(f"{url} -> HTTP {status}: {text[:500]}")
+        self.status = status
+
+
+def http_json(url: str, body: Any = None, method: str | None = None, timeout: float = 600.0) -> Any:
+    """POST ``body`` as JSON (GET when None) and decode the JSON reply ({} for an empty one)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        raise EngineHTTPError(url, e.code, e.read().decode(errors="replace")) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise EngineHTTPError(url, 0, str(e)) from None
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return {"text": raw.decode(errors="replace")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A server the node launched: its own process group, a log file, stopped with the node."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None, log_path: Path) -> None:
+        self.cmd = cmd
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_healthy(self, url: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                http_json(url, timeout=5.0)
+                return
+            except EngineHTTPError:
+                time.sleep(1.0)
+        raise TimeoutError(f"engine server not healthy at {url} after {timeout:.0f}s; see {self.log_path}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+class WeightStager:
+    """Writes each weight version as a loadable model directory; keeps the current one until the next loads."""
+
+    def __init__(self, base: str | None, template_dir: Path, scratch: Path | None = None) -> None:
+        self.scratch = scratch  # removed with the stager (the initial model, the template)
+        root = base or ("/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
+        self.root = Path(tempfile.mkdtemp(prefix="astraflow-weights-", dir=root))
+        self.template = template_dir  # config, tokenizer, generation config: copied next to every version
+        self.current: Path | None = None
+
+    def stage(self, state: Mapping[str, "torch.Tensor"], version: int) -> Path:
+        import torch
+        from safetensors.torch import save_file
+
+        path = self.root / f"v{version}"
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        for f in self.template.iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt")) and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, path / f.name)
+        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state.items()}
+        save_file(_untie(tensors), str(path / "model.safetensors"))
+        return path
+
+    def commit(self, path: Path) -> None:
+        """``path`` is loaded: the previous version's directory can go."""
+        if self.current is not None and self.current != path:
+            shutil.rmtree(self.current, ignore_errors=True)
+        self.current = path
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _untie(tensors: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+    """safetensors refuses tensors sharing memory (tied embeddings): give each its own copy."""
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in tensors.items():
+        ptr = v.data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.setdefault(ptr, k)
+    return out
+
+
+def model_dir(model_cfg: "ModelConfig", tokenizer: Any, where: Path) -> str:
+    """A directory or hub id the server can load at start: ``pretrained``, or the recipe's tiny model saved to ``where``."""
+    if model_cfg.pretrained:
+        return model_cfg.pretrained
+    from astraflow.models import build_model
+
+    where.mkdir(parents=True, exist_ok=True)
+    build_model(model_cfg, tokenizer).save_pretrained(where)
+    tokenizer.save_pretrained(where)
+    return str(where)
+
+
+def template_dir(model_path: str, where: Path) -> Path:
+    """A local directory with the model's config and tokenizer files (a hub id is resolved through transformers)."""
+    p = Path(model_path)
+    if p.is_dir():
+        return p
+    from transformers import AutoConfig, AutoTokenizer
+
+    where.mkdir(parents=True, exist_ok=True)
+    AutoConfig.from_pretrained(model_path).save_pretrained(where)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(where)
+    return where
+
+
+class RWLock:
+    """Many generations at once, or one weight update alone (an update waits for those in flight, blocks new ones)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self.waiting_writers = 0  # observable: an update waiting for generation in flight
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self.waiting_writers:  # a waiting update goes first: no starvation
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self.waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self.waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class RemoteEngine:
+    """Base of the server-backed engines: URL, launched server, staging, version, locking."""
+
+    health_path = "/health"
+
+    def __init__(self, url: str, server: ServerProcess | None, stager: WeightStager, tokenizer: Any) -> None:
+        self.url = url.rstrip("/")
+        self.server = server
+        self.stager = stager
+        self.tokenizer = tokenizer
+        self._version = -1
+        self._state: Mapping[str, Any] = {}
+        self.lock = RWLock()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def state_view(self) -> Mapping[str, Any]:
+        return self._state
+
+    def post(self, route: str, body: Any = None, timeout: float = 600.0, method: str | None = None) -> Any:
+        return http_json(f"{self.url}{route}", {} if body is None and method != "GET" else body, method=method, timeout=timeout)
+
+    def post_optional(self, route: str, body: Any = None) -> bool:
+        """An endpoint older servers may lack: False on 404/405 instead of an error."""
+        try:
+            self.post(route, body)
+            return True
+        except EngineHTTPError as e:
+            if e.status in (404, 405):
+                log.debug("%s has no %s", self.url, route)
+                return False
+            raise
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.stager.close()
+
+
+def prepare(name: str, model_cfg: "ModelConfig", rollout_cfg: "RolloutConfig", tokenizer: Any) -> tuple[str, WeightStager]:
+    """(model path for the server, stager): the model directory and where versions will be written."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"astraflow-{name}-"))
+    path = model_dir(model_cfg, tokenizer, scratch / "initial")
+    stager = WeightStager(rollout_cfg.weight_staging_dir, template_dir(path, scratch / "template"), scratch)
+    return path, stager

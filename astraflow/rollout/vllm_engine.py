@@ -1,0 +1,205 @@
+"""``vllm`` engine: vLLM's OpenAI-compatible server (launched or attached) or ``vllm.LLM`` in-process.
+
+UNVERIFIED against a real vLLM in this repository's CI (no GPU; vLLM's CPU build pins its own
+transformers): written against vLLM's documented APIs and tested against a fake server that
+speaks them (``tests/test_rollout_engines.py``). See ``docs/rollout.md``.
+
+Server mode (``rollout.engine_mode: server``):
+
+- generate: ``POST /v1/completions`` with the prompts as token-id lists, ``logprobs: 1``,
+  ``return_tokens_as_token_ids`` (tokens come back as ``"token_id:N"``),
+  ``include_stop_str_in_output``; per choice (ordered by ``index``) the ids come from
+  ``logprobs.tokens`` and the behaviour logprobs from ``logprobs.token_logprobs``.
+- apply a weight version: the state is staged as a model directory, then ``POST /pause``
+  (``mode=wait``) → ``POST /collective_rpc`` calling :class:`WeightLoaderExtension`'s
+  ``astraflow_load_weights(path)`` on every worker → ``POST /reset_prefix_cache`` →
+  ``POST /resume``. ``/collective_rpc``, ``/pause`` and ``/resume`` need
+  ``VLLM_SERVER_DEV_MODE=1`` (set for a launched server); servers without ``/pause`` are
+  updated without it (the node never overlaps an update with its own generation).
+- launch: ``python -m vllm.entrypoints.openai.api_server --model M --port P
+  --worker-extension-cls astraflow.rollout.vllm_engine.WeightLoaderExtension
+  --logprobs-mode processed_logprobs [rollout.engine_args]`` — ``processed_logprobs`` makes
+  vLLM report logprobs of the distribution it sampled from (after temperature / top-p).
+
+In-process mode (``engine_mode: inprocess``): ``vllm.LLM(model, worker_extension_cls=...,
+logprobs_mode="processed_logprobs")``; ``LLM.generate`` with token prompts and
+``SamplingParams(logprobs=0)``; updates through ``LLM.collective_rpc`` with the same extension.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Mapping
+
+from astraflow.rollout.engine import Completion, GenerationRequest, SamplingParams, register_engine
+from astraflow.rollout.remote_engine import (
+    EngineHTTPError,
+    RemoteEngine,
+    RWLock,
+    ServerProcess,
+    WeightStager,
+    free_port,
+    http_json,
+    prepare,
+)
+
+EXTENSION = "astraflow.rollout.vllm_engine.WeightLoaderExtension"
+SERVED_NAME = "policy"
+
+
+class WeightLoaderExtension:
+    """Mixed into every vLLM worker (``--worker-extension-cls``): load a staged version in place."""
+
+    model_runner: Any
+
+    def astraflow_load_weights(self, path: str) -> int:
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(path, "model.safetensors"), device="cpu")
+        self.model_runner.model.load_weights(weights=list(state.items()))
+        return len(state)
+
+
+def completion_body(model: str, prompts: list[list[int]], p: SamplingParams) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": prompts, "max_tokens": p.max_new_tokens, "temperature": p.temperature,
+                            "top_p": p.top_p, "logprobs": 1, "return_tokens_as_token_ids": True,
+                            "include_stop_str_in_output": True, "skip_special_tokens": False, "n": 1}
+    if p.stop:
+        body["stop"] = list(p.stop)
+    if p.seed is not None:
+        body["seed"] = p.seed
+    return body
+
+
+def parse_choice(choice: Mapping[str, Any], version: int) -> Completion:
+    lp = choice.get("logprobs") or {}
+    tokens, logprobs = lp.get("tokens"), lp.get("token_logprobs")
+    if tokens is None or logprobs is None:
+        raise EngineHTTPError("/v1/completions", 200, "choice has no logprobs.tokens / token_logprobs")
+    ids = []
+    for t in tokens:
+        if not str(t).startswith("token_id:"):
+            raise EngineHTTPError("/v1/completions", 200, f"token {t!r} is not 'token_id:N' (return_tokens_as_token_ids ignored?)")
+        ids.append(int(str(t).split(":", 1)[1]))
+    reason = choice.get("finish_reason")
+    if reason == "abort":
+        raise RuntimeError("vllm aborted the request")
+    return Completion(ids, [float(x) for x in logprobs], [version] * len(ids), "length" if reason == "length" else "stop")
+
+
+class VLLMServerEngine(RemoteEngine):
+    def __init__(self, url: str, server: ServerProcess | None, stager: WeightStager, tokenizer: Any, model: str = SERVED_NAME) -> None:
+        super().__init__(url, server, stager, tokenizer)
+        self.model = model
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        if not requests:
+            return []
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.params, []).append(i)
+        out: list[Completion | None] = [None] * len(requests)
+        with self.lock.read():
+            version = self._version
+            for params, idx in groups.items():
+                reply = self.post("/v1/completions", completion_body(self.model, [requests[i].prompt_ids for i in idx], params))
+                choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
+                if len(choices) != len(idx):
+                    raise EngineHTTPError(f"{self.url}/v1/completions", 200, f"{len(choices)} choices for {len(idx)} prompts")
+                for i, choice in zip(idx, choices):
+                    out[i] = parse_choice(choice, version)
+        return [c for c in out if c is not None]
+
+    def load_state(self, state: Mapping[str, Any], version: int) -> None:
+        path = self.stager.stage(state, version)
+        with self.lock.write():
+            paused = self.post_optional("/pause?mode=wait")
+            try:
+                self.post("/collective_rpc", {"method": "astraflow_load_weights", "args": [str(path)]})
+                self.post_optional("/reset_prefix_cache")
+            finally:
+                if paused:
+                    self.post("/resume")
+            self._version = version
+            self._state = state
+        self.stager.commit(path)
+
+
+class VLLMInProcessEngine:
+    """``vllm.LLM`` inside the node (one GPU process: no HTTP, same update path through collective_rpc)."""
+
+    def __init__(self, llm: Any, stager: WeightStager) -> None:
+        self.llm = llm
+        self.stager = stager
+        self._version = -1
+        self._state: Mapping[str, Any] = {}
+        self.lock = RWLock()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def state_view(self) -> Mapping[str, Any]:
+        return self._state
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        from vllm import SamplingParams as VSP
+
+        if not requests:
+            return []
+        with self.lock.read():
+            version = self._version
+            sps = [VSP(max_tokens=r.params.max_new_tokens, temperature=r.params.temperature, top_p=r.params.top_p,
+                       stop=list(r.params.stop) or None, seed=r.params.seed, logprobs=0, include_stop_str_in_output=True,
+                       skip_special_tokens=False) for r in requests]
+            outs = self.llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], sps, use_tqdm=False)
+        comps = []
+        for o in outs:
+            co = o.outputs[0]
+            ids = list(co.token_ids)
+            lps = [float(d[t].logprob) for t, d in zip(ids, co.logprobs or [])]
+            comps.append(Completion(ids, lps, [version] * len(ids), "length" if co.finish_reason == "length" else "stop"))
+        return comps
+
+    def load_state(self, state: Mapping[str, Any], version: int) -> None:
+        path = self.stager.stage(state, version)
+        with self.lock.write():
+            self.llm.collective_rpc("astraflow_load_weights", args=(str(path),))
+            self.llm.reset_prefix_cache()
+            self._version = version
+            self._state = state
+        self.stager.commit(path)
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+def launch_command(model_path: str, port: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", SERVED_NAME, "--worker-extension-cls", EXTENSION,
+            "--logprobs-mode", "processed_logprobs", *extra]
+
+
+@register_engine("vllm")
+def build_vllm(model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> Any:
+    path, stager = prepare("vllm", model_cfg, rollout_cfg, tokenizer)
+    if rollout_cfg.engine_mode == "inprocess":
+        from vllm import LLM
+
+        return VLLMInProcessEngine(LLM(model=path, worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs"), stager)
+    server = None
+    url = rollout_cfg.engine_url
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = ServerProcess(launch_command(path, port, list(rollout_cfg.engine_args)), {"VLLM_SERVER_DEV_MODE": "1"},
+                               stager.root / "vllm-server.log")
+        try:
+            server.wait_healthy(url + VLLMServerEngine.health_path, rollout_cfg.engine_startup_timeout)
+        except BaseException:
+            server.stop()
+            stager.close()
+            raise
+    models = http_json(f"{url.rstrip('/')}/v1/models", timeout=30.0).get("data") or [{"id": SERVED_NAME}]
+    return VLLMServerEngine(url, server, stager, tokenizer, model=models[0]["id"])

@@ -1,0 +1,128 @@
+"""The wire contract from outside Python: JSON Schema export, and a Node.js rollout node.
+
+The Node.js example (``examples/node/raas.js``, ``nats`` + ``@msgpack/msgpack`` from npm) pulls
+real tasks from the pool's durable consumer on a real nats-server and publishes trajectories;
+the Python side must decode every one (nothing in the DLQ), assemble them into complete groups
+with the dataflow's own assembler, and find them valid against the exported schema.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from astraflow.dataflow.groups import Assembler
+from astraflow.rollout import schema
+from astraflow.rollout.rewards import arithmetic
+from astraflow.streams.messages import Task, Trajectory
+from astraflow.streams.plane import Plane
+
+NODE, NPM = shutil.which("node"), shutil.which("npm")
+
+
+def test_committed_schemas_are_up_to_date(repo_root):
+    assert schema.stale(repo_root / "schemas") == [], "run `python -m astraflow.rollout.schema`"
+    proc = subprocess.run([sys.executable, "-m", "astraflow.rollout.schema", "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_schema_marks_packed_arrays_and_field_owners(repo_root):
+    traj = json.loads((repo_root / "schemas" / "trajectory.json").read_text())
+    assert traj["x-astraflow-kind"] == "trajectory"
+    assert traj["properties"]["versions"]["x-astraflow-packed"]["dtype"] == "int32"
+    assert traj["properties"]["loss_mask"]["x-astraflow-packed"]["dtype"] == "uint8"
+    assert "aligned with completion_ids" in traj["properties"]["logprobs"]["description"]
+    assert set(traj["required"]) >= {"traj_id", "task_id", "policy", "completion_ids", "logprobs", "versions", "loss_mask"}
+
+
+def _validator(repo_root, kind: str):  # noqa: ANN202
+    """A JSON Schema validator for ``kind`` (None when the jsonschema package is not installed)."""
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    body = json.loads((repo_root / "schemas" / f"{kind}.json").read_text())
+    # msgpack bin decodes to bytes: that is what "format: binary" strings are on this wire
+    checker = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "string", lambda _, x: isinstance(x, (str, bytes)))
+    cls = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=checker)
+    return cls(body)
+
+
+@pytest.fixture(scope="module")
+def node_example():
+    if not NODE or not NPM:
+        pytest.skip("node and npm are needed to run the Node.js contract example (not installed here)")
+    ex = Path(__file__).resolve().parent.parent / "examples" / "node"
+    cmd = [NPM, "ci", "--prefer-offline", "--cache", str(ex / ".npm-cache"), "--no-audit", "--no-fund"]
+    if not (ex / "node_modules" / "nats").exists():
+        proc = subprocess.run(cmd, cwd=ex, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, f"npm ci failed: {proc.stderr[-2000:]}"
+    return ex
+
+
+async def test_node_runtime_pulls_tasks_and_publishes_valid_trajectories(node_example, repo_root, nats_server, plane: Plane, run_id):
+    tasks = [Task(task_id=f"t{i}", workflow="single_turn", policy="solver", prompt_id=f"add-{i}-{i + 1}", prompt=f"{i}+{i + 1}=",
+                  group_size=3, meta={"answer": str(2 * i + 1)}) for i in range(4)]
+    too_new = Task(task_id="t-future", workflow="single_turn", policy="solver", prompt_id="add-9-9", prompt="9+9=", group_size=2,
+                   meta={"answer": "18"}, min_versions={"solver": 5})
+    await plane.publish_many([(plane.names.task(t.workflow), t, t.task_id) for t in [too_new, *tasks]])
+
+    proc = subprocess.run([NODE, "raas.js", "--url", nats_server.url, "--run", run_id, "--max-tasks", str(len(tasks)),
+                           "--idle-ms", "3000", "--node-id", "js-1"], cwd=node_example, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["tasks"] == len(tasks) and stats["trajectories"] == 3 * len(tasks) and stats["naks"] >= 1
+
+    sub = await plane.subscribe(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
+    got = []
+    while True:
+        batch = await plane.pull(sub, Trajectory, batch=64, timeout=1.0)
+        if not batch:
+            break
+        got += batch
+    assert await plane.stream_msgs(plane.names.dlq_stream) == 0, "a Node trajectory failed to decode or validate"
+    assembler, groups = Assembler(), []
+    for d in got:
+        held = assembler.add(d.msg, d)
+        assert held is not False, f"duplicate {d.msg.traj_id}"
+        if held is not None:
+            groups.append(held)
+        await d.ack()
+    assert sorted(g.group.task_id for g in groups) == [t.task_id for t in tasks]  # t-future was refused, not served
+    validate = _validator(repo_root, "trajectory")
+    for d in got:
+        t = d.msg
+        assert t.node_id == "js-1" and t.meta == {"runtime": "node"}
+        assert len(t.completion()) == len(t.behaviour_logprobs()) == len(t.token_versions()) == len(t.mask())
+        assert set(t.token_versions().tolist()) == {0}
+        text = bytes(x - 3 for x in t.completion().tolist() if x >= 3).decode()
+        assert t.reward == arithmetic(text, {"answer": next(x.meta["answer"] for x in tasks if x.task_id == t.task_id)})
+        body = msgpack.unpackb(d.raw.data[1:], raw=False)
+        assert body["k"] == "trajectory"
+        if validate is not None:
+            errors = sorted(validate.iter_errors(body["d"]), key=str)
+            assert not errors, errors[0].message
+    # every served task was acked after its trajectories were stored; the refused one is still in the pool
+    assert await plane.stream_msgs(plane.names.task_stream) == 1
+
+
+def test_schema_accepts_python_messages_and_rejects_broken_ones(repo_root):
+    from astraflow.streams.codec import encode
+
+    validate = _validator(repo_root, "trajectory")
+    if validate is None:
+        pytest.skip("the jsonschema package is not installed")
+    t = Trajectory(traj_id="t.solver.0", task_id="t", prompt_id="p", policy="solver", index=0, group_size=1, prompt_ids=[1, 2],
+                   completion_ids=[3], logprobs=[-0.5], versions=[0], loss_mask=[1], reward=1.0)
+    fields = msgpack.unpackb(encode(t)[1:], raw=False)["d"]
+    assert not list(validate.iter_errors(fields))
+    broken = {k: v for k, v in fields.items() if k != "traj_id"} | {"surprise": 1}
+    messages = " ".join(e.message for e in validate.iter_errors(broken))
+    assert "traj_id" in messages and "surprise" in messages

@@ -1,0 +1,156 @@
+"""A rollout node on a real nats-server: version-aware refresh, safe points mid-episode, draining.
+
+Nodes run in-process (``RolloutNode.run``) with scripted engines; weights travel through the
+real plane (``WeightPublisher`` → object store + announcement → the node's ``WeightSync``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Mapping
+
+import pytest
+import torch
+
+from astraflow.config import parse_recipe
+from astraflow.models import load_tokenizer
+from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.rewards import get_reward
+from astraflow.rollout.testing import ScriptEngine
+from astraflow.rollout.worker import RolloutNode
+from astraflow.rollout.workflows import PolicyHandle, SingleTurn, get_workflow
+from astraflow.rollout.workflows_tools import TOOLS, register_tool
+from astraflow.streams.messages import Task, Trajectory
+from astraflow.streams.plane import Plane
+from astraflow.weights.publish import WeightPublisher
+
+TOK = load_tokenizer("byt5")
+STATE = {"w": torch.arange(16, dtype=torch.float32).reshape(4, 4)}
+
+
+def recipe(**rollout: Any):  # noqa: ANN201
+    return parse_recipe({"name": "w", "rollout": {"tasks_per_generate": 2, **rollout}})
+
+
+def task(i: int, **kw: Any) -> Task:
+    return Task(task_id=f"t{i}", workflow="single_turn", policy="solver", prompt_id=f"p{i}", prompt="2+2=", group_size=2,
+                meta={"answer": "4"}, **kw)
+
+
+async def trajectories(plane: Plane, n: int, timeout: float = 30.0) -> list[Trajectory]:
+    sub = await plane.subscribe(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
+    got: list[Trajectory] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while len(got) < n and loop.time() < deadline:
+        for d in await plane.pull(sub, Trajectory, batch=64, timeout=0.5):
+            got.append(d.msg)
+            await d.ack()
+    return got
+
+
+async def wait_until(pred, timeout: float = 30.0) -> None:  # noqa: ANN001
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+def scripted_handles(reply) -> dict[str, PolicyHandle]:  # noqa: ANN001
+    return {"solver": PolicyHandle(ScriptEngine(TOK, reply, version=-1), TOK, SamplingParams(max_new_tokens=64), name="solver")}
+
+
+async def test_node_refuses_tasks_newer_than_its_weights_until_they_arrive(plane: Plane):
+    pub = WeightPublisher(plane, "solver")
+    await pub.publish(STATE, 0, force_keyframe=True)
+    node = RolloutNode(recipe(), plane, "n1", handles=scripted_handles(lambda p: "4"), workflow=SingleTurn(get_reward("arithmetic")))
+    stop = asyncio.Event()
+    run = asyncio.create_task(node.run(stop))
+    try:
+        await plane.publish(plane.names.task("single_turn"), task(0, min_versions={"solver": 1}), "t0")
+        await wait_until(lambda: node.stats["stale_naks"] >= 1)  # v0 is too old for t0: back to the pool
+        assert node.stats["tasks"] == 0
+        await pub.publish({"w": STATE["w"] + 1}, 1)
+        got = await trajectories(plane, 2)
+        assert [t.traj_id for t in sorted(got, key=lambda t: t.index)] == ["t0.solver.0", "t0.solver.1"]
+        assert all(set(t.token_versions().tolist()) == {1} for t in got)  # served only once v1 was applied
+    finally:
+        stop.set()
+        await run
+
+
+async def test_refresh_lands_between_turns_and_versions_stay_true(plane: Plane):
+    pub = WeightPublisher(plane, "solver")
+    await pub.publish(STATE, 0, force_keyframe=True)
+    loop = asyncio.get_running_loop()
+
+    @register_tool("train_step")
+    def train_step(args: str, meta: dict) -> str:  # a trainer publishes v1 while the episode is at its tool call
+        asyncio.run_coroutine_threadsafe(pub.publish({"w": STATE["w"] * 2}, 1), loop).result(30)
+        return "published"
+
+    def reply(prompt: str) -> str:
+        return "<tool>train_step()</tool>" if "<result>" not in prompt else "4"
+
+    r = recipe(tools=["train_step"], max_turns=3)
+    node = RolloutNode(r, plane, "n2", handles=scripted_handles(reply), workflow=get_workflow("multi_turn_tools", get_reward("arithmetic"), r.rollout))
+    stop = asyncio.Event()
+    run = asyncio.create_task(node.run(stop))
+    try:
+        await plane.publish(plane.names.task("multi_turn_tools"), task(1), "t1")
+        got = await trajectories(plane, 2)
+    finally:
+        stop.set()
+        await run
+        TOOLS.pop("train_step", None)
+    assert len(got) == 2 and node.stats["refreshes"] >= 1
+    for t in got:
+        v, m = t.token_versions(), t.mask()
+        first = len(TOK("<tool>train_step()</tool>", add_special_tokens=False)["input_ids"])
+        assert set(v[:first].tolist()) == {0} and set(v[m == 0].tolist()) == {0}
+        assert set(v[first:][m[first:] == 1].tolist()) == {1}  # generated after the safe point applied v1
+        assert t.reward == 1.0 and t.min_version == 0
+
+
+class Gated:
+    """A workflow that holds its tasks until the test opens the gate."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def run(self, tasks: list[Task], policies: Mapping[str, PolicyHandle], node_id: str) -> list[Trajectory]:
+        self.entered.set()
+        self.gate.wait(60)
+        return SingleTurn(get_reward("arithmetic")).run(tasks, policies, node_id)
+
+
+@pytest.mark.parametrize("finishes", [True, False], ids=["finishes-in-time", "naks-after-drain-timeout"])
+async def test_stopping_node_finishes_or_naks_what_it_holds(plane: Plane, finishes: bool):
+    await WeightPublisher(plane, "solver").publish(STATE, 0, force_keyframe=True)
+    wf = Gated()
+    node = RolloutNode(recipe(drain_timeout=30.0 if finishes else 0.2), plane, "n3", handles=scripted_handles(lambda p: "4"), workflow=wf)
+    stop = asyncio.Event()
+    run = asyncio.create_task(node.run(stop))
+    try:
+        await plane.publish(plane.names.task("single_turn"), task(2), "t2")
+        assert await asyncio.to_thread(wf.entered.wait, 30)
+        stop.set()  # SIGTERM while holding t2
+        if finishes:
+            await wait_until(lambda: node.draining)
+            wf.gate.set()
+        await asyncio.wait_for(run, 60)
+    finally:
+        wf.gate.set()
+        stop.set()
+    names = plane.names
+    if finishes:
+        assert node.stats["tasks"] == 1 and len(await trajectories(plane, 2)) == 2
+        assert await plane.stream_msgs(names.task_stream) == 0  # acked after its trajectories were stored
+    else:
+        assert node.stats["drained_naks"] == 1 and node.stats["tasks"] == 0
+        lag = await plane.lag(names.task_stream, names.pool_consumer())
+        assert lag.pending + lag.ack_pending == 1 and await plane.stream_msgs(names.task_stream) == 1  # back in the pool
+        assert await plane.stream_msgs(names.traj_stream) == 0

@@ -1,0 +1,126 @@
+"""Multi-policy workflows: each trajectory tagged with its policy, groups sized per (task, policy).
+
+The last test runs a solver + verifier recipe end to end with ``astraflow up`` (one trainer
+per policy, every role its own process) on a real nats-server.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from astraflow.config import RolloutConfig, load_recipe
+from astraflow.models import load_tokenizer
+from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.rewards import get_reward
+from astraflow.rollout.testing import ScriptEngine
+from astraflow.rollout.workflows import PolicyHandle, get_workflow
+from astraflow.rollout.workflows_multi import parse_choice, parse_verdict
+from astraflow.streams.messages import Task
+
+TOK = load_tokenizer("byt5")
+
+
+def handle(reply, name: str) -> PolicyHandle:  # noqa: ANN001
+    return PolicyHandle(ScriptEngine(TOK, reply), TOK, SamplingParams(max_new_tokens=200), name=name)
+
+
+def alternating(*texts: str):  # noqa: ANN201
+    """A reply function cycling through ``texts`` call after call."""
+    state = {"n": 0}
+
+    def reply(prompt: str) -> str:
+        state["n"] += 1
+        return texts[(state["n"] - 1) % len(texts)]
+
+    return reply
+
+
+def check_groups(trajs, tasks, policies):  # noqa: ANN001, ANN201
+    counts = Counter((t.task_id, t.policy) for t in trajs)
+    for t in trajs:
+        assert t.group_size == counts[(t.task_id, t.policy)]  # the dataflow groups per (task, policy)
+        assert t.traj_id == f"{t.task_id}.{t.policy}.{t.index}"
+    assert set(counts) == {(t.task_id, p) for t in tasks for p in policies}
+
+
+def test_verdict_and_choice_parsing():
+    assert parse_verdict(" yes, it is") is True and parse_verdict("Incorrect.") is False
+    assert parse_verdict("n") is False and parse_verdict("???") is None
+    assert parse_choice("Best: 2", 3) == 1 and parse_choice("7", 3) is None and parse_choice("none", 3) is None
+
+
+def test_solver_verifier_rewards_correct_verdicts():
+    tasks = [Task(task_id=f"t{i}", workflow="solver_verifier", policy="solver", prompt_id=f"p{i}", prompt=f"{i}+1=",
+                  group_size=4, meta={"answer": str(i + 1)}) for i in range(2)]
+    solver = handle(lambda p: p.split("+")[0] if "+" in p else "0", "solver")  # wrong: answers i instead of i+1
+    solver.engine.reply = alternating("1", "2")  # t0: right, wrong, right, wrong; t1: wrong, right, wrong, right
+    verifier = handle(lambda p: "yes", "verifier")  # always says "correct"
+    wf = get_workflow("solver_verifier", get_reward("arithmetic"))
+    trajs = wf.run(tasks, {"solver": solver, "verifier": verifier}, "n0")
+    check_groups(trajs, tasks, ("solver", "verifier"))
+    by_id = {t.traj_id: t for t in trajs}
+    for t in trajs:
+        if t.policy == "verifier":
+            judged = by_id[t.meta["judged"]]
+            assert t.reward == (1.0 if judged.reward == 1.0 else 0.0)  # "yes" is right exactly when the answer is
+            assert TOK.decode(t.prompt_tokens().tolist()).endswith("Correct? ")
+    assert sorted(t.reward for t in trajs if t.policy == "solver") == [0.0] * 4 + [1.0] * 4
+
+
+def test_solver_selector_rewards_the_chosen_answer():
+    tasks = [Task(task_id="t0", workflow="solver_selector", policy="solver", prompt_id="p", prompt="2+2=", group_size=3,
+                  meta={"answer": "4"})]
+    solver = handle(alternating("5", "4", "3"), "solver")
+    selector = handle(alternating("Best: 2", "1", "nonsense"), "selector")
+    trajs = get_workflow("solver_selector", get_reward("arithmetic")).run(tasks, {"solver": solver, "selector": selector}, "n0")
+    check_groups(trajs, tasks, ("solver", "selector"))
+    sel = sorted((t for t in trajs if t.policy == "selector"), key=lambda t: t.index)
+    assert [t.reward for t in sel] == [1.0, 0.0, 0.0] and [t.meta["choice"] for t in sel] == [1, 0, None]
+
+
+def test_solver_testgen_rewards_valid_discriminating_tests():
+    task = Task(task_id="c0", workflow="solver_testgen", policy="solver", prompt_id="double",
+                prompt="Write double(x) returning 2*x.", group_size=2,
+                meta={"tests": ["assert double(2) == 4", "assert double(-1) == -2"], "reference": "def double(x):\n    return 2 * x\n"})
+    solver = handle(alternating("```python\ndef double(x):\n    return x + x\n```", "def double(x):\n    return x * x\n"), "solver")
+    gen = handle(alternating("assert double(3) == 6\nassert double(0) == 0", "assert double(2) == 4",
+                             "assert double(1) == 3"), "testgen")
+    task2 = task.model_copy(update={"task_id": "c1", "group_size": 3})
+    trajs = get_workflow("solver_testgen", get_reward("code")).run([task, task2], {"solver": solver, "testgen": gen}, "n0")
+    check_groups(trajs, [task, task2], ("solver", "testgen"))
+    solver_rewards = {t.traj_id: t.reward for t in trajs if t.policy == "solver"}
+    assert solver_rewards["c0.solver.0"] == 1.0 and solver_rewards["c0.solver.1"] == 0.5  # x*x passes double(2) only
+    tg = {t.traj_id: (t.reward, t.meta["valid"]) for t in trajs if t.policy == "testgen"}
+    assert tg["c0.testgen.0"] == (1.0, True)  # double(3)==6 tells x+x from x*x
+    assert tg["c0.testgen.1"] == (0.5, True)  # double(2)==4 passes both: judges the wrong one right
+    assert tg["c1.testgen.0"] == (0.0, False)  # double(1)==3 fails the reference: invalid
+
+
+def test_multi_policy_workflow_needs_two_policies():
+    tasks = [Task(task_id="t", workflow="w", policy="solver", prompt_id="p", prompt="1+1=", group_size=1, meta={"answer": "2"})]
+    with pytest.raises(ValueError, match="two policies"):
+        get_workflow("solver_verifier", get_reward("arithmetic"), RolloutConfig()).run(tasks, {"solver": handle(lambda p: "2", "solver")}, "n")
+
+
+@pytest.mark.slow
+def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, tmp_path):
+    recipe = repo_root / "examples" / "recipes" / "solver_verifier"
+    load_recipe(recipe)  # loads as a recipe
+    run_dir = tmp_path / "sv-run"
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(recipe), "--nats", nats_server.url, "--run-dir", str(run_dir),
+           "--set", "trainer.steps=2", "--timeout", "240"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for policy in ("solver", "verifier"):  # one trainer per policy, each trained on its own trajectories
+        assert [r["version"] for r in rows if r["policy"] == policy] == [0, 1, 2]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["policies"]) == {"solver", "verifier"}
+    for role in ("trainer-solver", "trainer-verifier", "dataflow", "rollout-0"):
+        assert (run_dir / "logs" / f"{role}.log").exists()
