@@ -51,6 +51,7 @@ def _jsonl(cfg: "DataConfig") -> list[Problem]:
             raise ValueError(f"{cfg.path} line {i + 1}: needs {cfg.prompt_key!r} and {cfg.answer_key!r}")
         meta = {k: v for k, v in row.items() if k != cfg.prompt_key}
         meta["answer"] = str(row[cfg.answer_key])
+        meta["data_dir"] = str(Path(cfg.path or "").parent)  # recipe-relative files (corpora, tests) resolve here
         out.append(Problem(str(row.get("id", f"row-{i}")), str(row[cfg.prompt_key]), meta))
     return out
 

@@ -123,7 +123,7 @@ class Workflow(Protocol):
 
 WorkflowFactory = Callable[[Reward, "RolloutConfig"], Workflow]
 WORKFLOWS: dict[str, WorkflowFactory] = {}
-_BUILTIN = ("workflows_tools", "workflows_env", "workflows_multi", "openai_facade")
+_BUILTIN = ("workflows_tools", "retrieval", "workflows_env", "workflows_multi", "openai_facade")
 
 
 def register(name: str) -> Callable[[WorkflowFactory], WorkflowFactory]:
@@ -137,9 +137,8 @@ def register(name: str) -> Callable[[WorkflowFactory], WorkflowFactory]:
 def get_workflow(name: str, reward: Reward, cfg: "RolloutConfig | None" = None) -> Workflow:
     from astraflow.config import RolloutConfig
 
-    if name not in WORKFLOWS:
-        for mod in _BUILTIN:
-            importlib.import_module(f"astraflow.rollout.{mod}")
+    for mod in _BUILTIN:  # cached after the first call; registers workflows and tools
+        importlib.import_module(f"astraflow.rollout.{mod}")
     try:
         factory = WORKFLOWS[name]
     except KeyError:

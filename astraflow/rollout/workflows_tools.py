@@ -10,7 +10,8 @@ the text of the last turn.
 
 Tools are registered by name (``register_tool``); built in: ``calculator`` (exact arithmetic
 on +, -, *, /, //, %, ** and parentheses) and ``search`` (keyword search over the task's
-``meta["corpus"]``, or a small built-in corpus).
+``meta["corpus"]``, or a small built-in corpus); ``bm25`` (``retrieval``: a BM25 index over a
+corpus file shipped with the recipe).
 """
 
 from __future__ import annotations
