@@ -90,6 +90,9 @@ class RolloutConfig(Strict):
     """torch threads per rollout process."""
     region: str = ""
     """Region label nodes carry in heartbeats (``astraflow worker rollout --region`` overrides it)."""
+    weights_domain: str | None = None
+    """JetStream domain whose mirrors a node reads weights from (a region's leafnode, e.g. ``leaf``);
+    None: the run's own streams. ``astraflow worker rollout --weights-domain`` overrides it."""
     hardware: str = ""
     """Hardware label nodes carry in heartbeats (default: ``cuda`` or ``cpu``, as detected)."""
     drain_timeout: float = Field(30.0, ge=0)

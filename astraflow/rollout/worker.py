@@ -89,7 +89,8 @@ class RolloutNode:
         load_plugins(recipe.rollout.plugins)
         self.handles = handles if handles is not None else {p: make_handle(recipe, p) for p in recipe.policy_names}
         self.workflow = workflow or get_workflow(recipe.workflow, get_reward(recipe.reward), recipe.rollout)
-        self.syncs = {p: WeightSync(plane, p, h.engine) for p, h in self.handles.items()}
+        domain = recipe.rollout.weights_domain
+        self.syncs = {p: WeightSync(plane, p, h.engine, domain=domain) for p, h in self.handles.items()}
         self.stats: dict[str, float] = {"tasks": 0.0, "trajectories": 0.0, "gen_s": 0.0, "pull_s": 0.0, "publish_s": 0.0,
                                         "failed": 0.0, "stale_naks": 0.0, "drained_naks": 0.0, "held": 0.0, "refreshes": 0.0,
                                         "refresh_s": 0.0, "refresh_errors": 0.0, "joined": 0.0}
