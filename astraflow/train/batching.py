@@ -1,8 +1,13 @@
-"""Turn a wire ``Batch`` into padded tensors: prompt + completion rows, completion-aligned targets."""
+"""Turn a wire ``Batch`` into padded tensors, and split them into micro-batches by token budget.
+
+A row is prompt + completion, right-padded to the longest row; per-token tensors are aligned
+with the completion (T = longest completion). A micro-batch is a subset of rows, trimmed to its
+own longest row, so padding does not grow with the batch's outliers.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -15,15 +20,41 @@ class Tensors:
     attention_mask: torch.Tensor  # (B, L)
     logit_index: torch.Tensor  # (B, T) position whose logits predict completion token t
     targets: torch.Tensor  # (B, T) completion token ids (0 where padded)
-    behave_logprobs: torch.Tensor  # (B, T)
+    behave_logprobs: torch.Tensor  # (B, T) log π_behave, from the rollout engine
     mask: torch.Tensor  # (B, T) 1 = trained token
     advantages: torch.Tensor  # (B,)
     rewards: torch.Tensor  # (B,)
-    versions: torch.Tensor  # (B, T)
+    versions: torch.Tensor  # (B, T) weight version that sampled each token
+    comp_lens: torch.Tensor  # (B,) completion length of each row
+    rows: torch.Tensor  # (B,) index of each row in the full batch
 
     @property
     def n_tokens(self) -> int:
+        """Counted (masked-in) tokens."""
         return int(self.mask.sum().item())
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens one forward pass processes (rows x padded length)."""
+        return int(self.input_ids.numel())
+
+    def select(self, rows: list[int]) -> "Tensors":
+        """The given rows, trimmed to their longest row and longest completion."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        L = max(int(self.attention_mask[idx].sum(-1).max()), 1)
+        T = max(int(self.comp_lens[idx].max()), 1)
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)[idx]
+            if f.name in ("input_ids", "attention_mask"):
+                t = t[:, :L]
+            elif t.dim() == 2:
+                t = t[:, :T]
+            out[f.name] = t
+        return Tensors(**out)
+
+    def to(self, device: str | torch.device) -> "Tensors":
+        return Tensors(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def to_tensors(batch: Batch, pad_id: int) -> Tensors:
@@ -38,6 +69,7 @@ def to_tensors(batch: Batch, pad_id: int) -> Tensors:
     blp = torch.zeros((B, T), dtype=torch.float32)
     mask = torch.zeros((B, T), dtype=torch.float32)
     ver = torch.zeros((B, T), dtype=torch.long)
+    lens = torch.zeros((B,), dtype=torch.long)
     for b, t in enumerate(trajs):
         p, c = torch.from_numpy(t.prompt_tokens().astype("int64")), torch.from_numpy(t.completion().astype("int64"))
         n_p, n_c = len(p), len(c)
@@ -48,6 +80,27 @@ def to_tensors(batch: Batch, pad_id: int) -> Tensors:
         blp[b, :n_c] = torch.from_numpy(t.behaviour_logprobs().copy())
         mask[b, :n_c] = torch.from_numpy(t.mask().astype("float32"))
         ver[b, :n_c] = torch.from_numpy(t.token_versions().astype("int64"))
+        lens[b] = n_c
     adv = torch.from_numpy(batch.advantage_array().copy())
     rewards = torch.tensor([t.reward if t.reward is not None else 0.0 for t in trajs])
-    return Tensors(ids, att, idx, tgt, blp, mask, adv, rewards, ver)
+    return Tensors(ids, att, idx, tgt, blp, mask, adv, rewards, ver, lens, torch.arange(B))
+
+
+def micro_batches(x: Tensors, token_budget: int | None) -> list[Tensors]:
+    """Split ``x`` into micro-batches of at most ``token_budget`` padded tokens each.
+
+    Rows are taken longest first (stable, so the split is deterministic) and packed greedily:
+    a micro-batch of n rows whose longest row has l tokens costs n x l. A row longer than the
+    budget goes alone. ``None`` keeps the whole batch in one pass.
+    """
+    if token_budget is None:
+        return [x]
+    lengths = x.attention_mask.sum(-1).tolist()
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    groups: list[list[int]] = []
+    for r in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return [x.select(sorted(g)) for g in groups]

@@ -1,73 +1,183 @@
-"""``torch`` trainer backend: single process, CPU or GPU, PPO-clip against the behaviour logprobs."""
+"""``torch`` trainer backend: one process, CPU or GPU, fp32 or bf16 mixed precision.
+
+A step splits the batch into micro-batches by token budget (``trainer.micro_batch_tokens``),
+accumulates their gradients (each micro-batch loss normalised over the whole batch, so the
+sum is the full-batch loss), clips the global gradient norm and takes one AdamW step.
+bf16 keeps fp32 weights and optimizer state and runs the forward under bf16 autocast.
+"""
 
 from __future__ import annotations
 
-import random
+import contextlib
+import copy
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
+from safetensors.torch import load_model, save_model
 
-from astraflow.config import SFTConfig, TrainerConfig
-from astraflow.models import encode_prompt
+from astraflow.config import TrainerConfig
 from astraflow.streams.messages import Batch
-from astraflow.tasks import Problem
-from astraflow.train.batching import to_tensors
-from astraflow.train.losses import gather_logprobs, ppo_clip_loss, token_entropy
+from astraflow.train.batching import Tensors, micro_batches, to_tensors
+from astraflow.train.losses import gather_logprobs, token_entropy
+from astraflow.train.objective import SUMMED, Objective, StepPlan, combine
+from astraflow.weights.delta import to_bf16_state
+
+
+def device_for(cfg: TrainerConfig) -> torch.device:
+    """The device a backend trains on: ``trainer.device``, with ``auto`` = cuda when available."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return torch.device("cpu")
 
 
 class TorchBackend:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: TrainerConfig, temperature: float = 1.0, device: str = "cpu") -> None:
-        self.model = model.to(device)
-        self.tokenizer = tokenizer
-        self.cfg = cfg
-        self.temperature = temperature
-        self.device = device
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    rank = 0
+    world_size = 1
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: TrainerConfig, temperature: float = 1.0) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.temperature = temperature
+        self.device = self._device()
+        self.module = model.to(self.device)
+        self.objective = Objective(cfg)
+        # π_ref: the version-0 weights, frozen (a resumed trainer loads them from its checkpoint)
+        self.ref = _frozen_copy(self.module) if cfg.kl_coef > 0 else None
+        self.model, self.opt = self._wrap(self.module)
+
+    # ------------------------------------------------------------------ hooks for subclasses
+    def _device(self) -> torch.device:
+        return device_for(self.cfg)
+
+    def _wrap(self, module: torch.nn.Module) -> tuple[Any, Any]:
+        """(callable model for the forward pass, optimizer)."""
+        return module, torch.optim.AdamW(module.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        fp32_weights = next(self.module.parameters()).dtype == torch.float32
+        if self.cfg.precision == "bf16" and fp32_weights:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _share(self, mbs: list[Tensors]) -> list[tuple[Tensors, float]]:
+        """The micro-batches this process runs, each with its loss scale (data parallel splits them)."""
+        return [(mb, 1.0) for mb in mbs]
+
+    def _zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        loss.backward()
+
+    def _optimizer_step(self) -> float:
+        """Clip, step, clear; returns the global gradient norm before clipping."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def _reduce(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
+        """Metrics of this process's micro-batches (``weight`` counted tokens) -> the whole batch's."""
+        return metrics
+
+    # ------------------------------------------------------------------ the step
+    def _logprobs(self, model: Any, mb: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log π(y_t|s_t) (b, t) float32, completion logits (b, t, V) / temperature)."""
+        with self._autocast():
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits  # (b, l, V)
+        rows = torch.arange(logits.shape[0], device=logits.device)[:, None]  # (b, 1)
+        comp_logits = logits[rows, mb.logit_index] / self.temperature  # (b, t, V)
+        return gather_logprobs(comp_logits, mb.targets), comp_logits
+
+    @torch.no_grad()
+    def _full_logprobs(self, x: Tensors, mbs: list[Tensors]) -> torch.Tensor:
+        """log π_θ (B, T) of the whole batch, micro-batch by micro-batch, without gradients."""
+        full = torch.zeros_like(x.behave_logprobs)  # (B, T)
+        for mb in mbs:
+            lp, _ = self._logprobs(self.model, mb)
+            full[mb.rows, : lp.shape[1]] = lp
+        return full
 
     def step(self, batch: Batch) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.model.train()
-        x = to_tensors(batch, self.tokenizer.pad_token_id)
-        logits = self.model(input_ids=x.input_ids.to(self.device), attention_mask=x.attention_mask.to(self.device)).logits  # (B, L, V)
-        rows = torch.arange(logits.shape[0], device=self.device)[:, None]
-        comp_logits = logits[rows, x.logit_index.to(self.device)] / self.temperature  # (B, T, V)
-        logprobs = gather_logprobs(comp_logits, x.targets.to(self.device))  # (B, T)
-        out = ppo_clip_loss(logprobs, x.behave_logprobs.to(self.device), x.advantages.to(self.device), x.mask.to(self.device),
-                            clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high)
-        self.opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.opt.step()
-        with torch.no_grad():
-            m = x.mask.to(self.device)
-            entropy = (token_entropy(comp_logits.detach()) * m).sum() / m.sum().clamp(min=1)
+        self.module.train()
+        x = to_tensors(batch, self.tokenizer.pad_token_id).to(self.device)
+        mbs = micro_batches(x, self.cfg.micro_batch_tokens)
+        mine = self._share(mbs)
+        plan: StepPlan | None = None
+        if not self.objective.needs_logprobs_first:
+            plan = self.objective.plan(x)
+        elif len(mbs) > 1 or self.world_size > 1:  # M2PO: the mask is a statistic of the whole batch
+            plan = self.objective.plan(x, self._full_logprobs(x, mbs))
+        self._zero_grad()
+        parts: list[tuple[dict[str, float], float]] = []
+        for i, (mb, scale) in enumerate(mine):
+            logprobs, comp_logits = self._logprobs(self.model, mb)  # (b, t), (b, t, V)
+            if plan is None:  # a single micro-batch is the whole batch
+                full = torch.zeros_like(x.behave_logprobs)
+                full[mb.rows, : logprobs.shape[1]] = logprobs.detach()
+                plan = self.objective.plan(x, full)
+            ref = self._ref_logprobs(mb) if self.ref is not None else None
+            out = self.objective.loss(mb, logprobs, plan, ref)
+            self._backward(out.loss * scale, last=i == len(mine) - 1)
+            with torch.no_grad():
+                m = mb.mask
+                entropy = float((token_entropy(comp_logits.detach()) * m).sum() / m.sum().clamp(min=1))
+            mets = {**out.metrics, "entropy": entropy}
+            if not scale:  # a stand-in that only joins the gradient reduction: counts for nothing
+                mets = {k: 0.0 if k in SUMMED else v for k, v in mets.items()}
+            parts.append((mets, float(mb.mask.sum()) if scale else 0.0))
+        grad_norm = self._optimizer_step()
+        metrics = self._reduce(combine(parts), sum(w for _, w in parts))
         dt = time.perf_counter() - t0
-        return {"loss": float(out.loss.item()), "grad_norm": float(grad_norm), "entropy": float(entropy),
-                "reward_mean": float(x.rewards.mean()), "tokens": float(x.n_tokens), "tokens_per_s": x.n_tokens / dt,
-                "step_s": dt, **out.metrics}
+        return {**metrics, "grad_norm": grad_norm, "reward_mean": float(x.rewards.mean()), "tokens": float(x.n_tokens),
+                "tokens_per_s": x.n_tokens / dt, "step_s": dt, "micro_batches": float(len(mbs))}
 
-    def sft(self, problems: list[Problem], cfg: SFTConfig, seed: int = 0) -> float:
-        """Supervised warm start on reference answers (prompt tokens masked). Returns the last loss."""
-        rng = random.Random(seed)
-        opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
-        eos, loss = self.tokenizer.eos_token_id, torch.tensor(0.0)
-        self.model.train()
-        for _ in range(cfg.steps):
-            chosen = [rng.choice(problems) for _ in range(cfg.batch_size)]
-            prompts = [encode_prompt(self.tokenizer, p.prompt) for p in chosen]
-            seqs = [pr + encode_prompt(self.tokenizer, p.meta["answer"]) + [eos] for pr, p in zip(prompts, chosen)]
-            width = max(map(len, seqs))
-            ids = torch.tensor([s + [self.tokenizer.pad_token_id] * (width - len(s)) for s in seqs], device=self.device)
-            labels = ids.clone()
-            for i, (pr, s) in enumerate(zip(prompts, seqs)):
-                labels[i, : len(pr)] = -100
-                labels[i, len(s) :] = -100
-            loss = self.model(input_ids=ids, labels=labels).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        return float(loss.item())
+    @torch.no_grad()
+    def _ref_logprobs(self, mb: Tensors) -> torch.Tensor:
+        lp, _ = self._logprobs(self.ref, mb)
+        return lp
+
+    # ------------------------------------------------------------------ state
+    def state_dict_bf16(self) -> dict[str, torch.Tensor]:
+        return to_bf16_state(self.module.state_dict())
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Float32 CPU copies of the module's weights (gathered when sharded; for tests and benchmarks)."""
+        return {k: v.detach().float().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    @torch.no_grad()
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        own = self.module.state_dict()
+        missing = set(own) - set(state)
+        if missing:
+            raise ValueError(f"weights lack {sorted(missing)[:3]}")
+        for name, t in own.items():
+            t.copy_(state[name])
+
+    def reference_state(self) -> dict[str, torch.Tensor] | None:
+        return None if self.ref is None else {k: v.detach().cpu().clone() for k, v in self.ref.state_dict().items()}
+
+    @torch.no_grad()
+    def load_reference(self, state: Mapping[str, torch.Tensor]) -> None:
+        if self.ref is not None:
+            for name, t in self.ref.state_dict().items():
+                t.copy_(state[name])
+
+    def save(self, path: Path) -> None:
+        save_model(self.module, str(path / "model.safetensors"))
+        torch.save(self.opt.state_dict(), path / "optimizer.pt")
+
+    def load(self, path: Path) -> None:
+        load_model(self.module, str(path / "model.safetensors"), strict=True, device=str(self.device))
+        self.opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
+
+
+def _frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
+    ref = copy.deepcopy(module).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+

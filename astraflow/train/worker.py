@@ -1,31 +1,59 @@
-"""The trainer worker: pull batches for one policy, step, publish the new weight version.
+"""The trainer worker: pull batches for one policy, step, checkpoint, publish the new version, ack.
 
-A batch is acked only after the optimizer step and the weight version are published, so a
-trainer that dies mid-step leaves its batch to be redelivered. The time spent waiting for a
-batch is measured: it is the input of autoscaling.
+One trainer per policy; each has its own durable consumer (``trainer-{policy}``) and weight
+subject, and none waits for another. Per batch, in this order:
+
+1. step (a redelivered batch whose id is already trained is acked without training);
+2. checkpoint, every ``checkpoint_every`` versions, *before* the announcement;
+3. publish version v+1 (the announcement is the commit point);
+4. ack the batch.
+
+A crash between any two of these resumes exactly (see ``train/resume.py``). The time spent
+waiting for a batch is measured: it is the input of autoscaling, exported to Prometheus and
+in heartbeats with the loss parts, diagnostics, gradient norm and tokens/s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import signal
 import time
+from pathlib import Path
 
 import torch
 
 from astraflow.config import Recipe
+from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.models import build_model, load_tokenizer
 from astraflow.runtime import every, stop_event
 from astraflow.streams.messages import Batch, Heartbeat
-from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.tasks import load_split
-from astraflow.train.torch_backend import TorchBackend
+from astraflow.train.backend import build_backend
+from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
+from astraflow.train.distributed import Collective, barrier_for
+from astraflow.train.resume import start
+from astraflow.train.sft import sft
 from astraflow.weights.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
+CRASH_ENV = "ASTRAFLOW_TRAINER_CRASH"
 
 
-async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "trainer", policy: str | None = None) -> None:
+def crash_point(where: str, version: int) -> None:
+    """Test hook: ``ASTRAFLOW_TRAINER_CRASH=where@version`` SIGKILLs the trainer at that point
+    (``after_step``, ``after_checkpoint``, ``after_publish``, ``after_ack``)."""
+    if os.environ.get(CRASH_ENV) == f"{where}@{version}":
+        log.warning("crash point %s@%d: SIGKILL", where, version)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "trainer", policy: str | None = None,
+                checkpoint_dir: str | Path | None = None, metrics_port: int | None = None) -> None:
     policy = policy or recipe.primary
     if policy not in recipe.policies:
         raise ValueError(f"policy {policy!r} is not in the recipe ({list(recipe.policies)})")
@@ -33,52 +61,110 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
     cfg = pcfg.trainer
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    tokenizer = load_tokenizer(pcfg.model.tokenizer)
+    model = build_model(pcfg.model, tokenizer)
+    resuming = checkpoint_dir is not None and any(Path(checkpoint_dir).glob("v*/meta.json"))
+    if pcfg.sft.steps and not resuming:
+        train, _ = load_split(recipe.data)
+        loss = await asyncio.to_thread(sft, model, tokenizer, train, pcfg.sft, cfg.seed)
+        log.info("SFT warm start: %d steps, last loss %.3f", pcfg.sft.steps, loss)
+    backend = build_backend(cfg.backend, model, tokenizer, cfg, temperature=recipe.rollout.temperature)
+    ckpt = None
+    if checkpoint_dir is not None:
+        ckpt = Checkpointer(Path(checkpoint_dir), keep=cfg.checkpoint_keep, rank=backend.rank, barrier=barrier_for(backend))
+    run_op = Collective(backend, ckpt)
+    if backend.rank != 0:  # data-parallel ranks follow rank 0, which alone talks to the plane
+        await asyncio.to_thread(run_op.follow)
+        return
+    try:
+        await _lead(recipe, nats, run, worker_id, policy, run_op, ckpt, metrics_port)
+    finally:
+        run_op("stop")
+
+
+async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, policy: str, run_op: Collective,
+                ckpt: Checkpointer | None, metrics_port: int | None) -> None:
+    cfg = recipe.policies[policy].trainer
+    metrics = Metrics("trainer", policy=policy, worker=worker_id)
+    if metrics_port is not None:
+        port = start_metrics_server(metrics_port)
+        log.info("Prometheus metrics on :%d/metrics", port)
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology())
-    tokenizer = load_tokenizer(pcfg.model.tokenizer)
-    backend = TorchBackend(build_model(pcfg.model, tokenizer), tokenizer, cfg, temperature=recipe.rollout.temperature)
     publisher = WeightPublisher(plane, policy, keyframe_every=cfg.keyframe_every)
     stop = stop_event()
-
-    if pcfg.sft.steps:
-        train, _ = load_split(recipe.data)
-        loss = await asyncio.to_thread(backend.sft, train, pcfg.sft, cfg.seed)
-        log.info("SFT warm start: %d steps, last loss %.3f", pcfg.sft.steps, loss)
-    await publisher.publish(backend.state_dict(), 0, force_keyframe=True)
-    version, waited, started, last = 0, 0.0, time.monotonic(), {}
+    at = await start(plane, publisher, run_op, ckpt, policy)
+    version, trained = at.version, list(at.trained)
+    seen = set(trained)
+    waited, started = 0.0, time.monotonic()
+    last: dict[str, float] = {}
+    metrics.set({"version": version})
 
     async def beat() -> None:
         elapsed = max(time.monotonic() - started, 1e-9)
-        stats = {"wait_frac": waited / elapsed, "bytes_sent": publisher.bytes_sent, **last}
+        stats = {**last, "wait_frac": waited / elapsed, "wait_s": waited, "bytes_sent": publisher.bytes_sent}
         await plane.beat(Heartbeat(role="trainer", worker_id=worker_id, policy=policy, version=version, stats=stats), "trainer")
 
     beats = asyncio.create_task(every(2.0, beat, stop))
     sub = await plane.subscribe(plane.names.batch_stream, plane.names.trainer_consumer(policy))
-    log.info("trainer %s up at v0, training %d steps", policy, cfg.steps)
+    info = await plane.jsm.consumer_info(plane.names.batch_stream, plane.names.trainer_consumer(policy))
+    keepalive_s = max((info.config.ack_wait or 30.0) / 3, 0.2)
+    log.info("trainer %s at v%d, training to v%d (%s backend, %s loss)", policy, version, cfg.steps, cfg.backend, cfg.loss)
     try:
         while version < cfg.steps and not stop.is_set():
             t0 = time.monotonic()
             got = await plane.pull(sub, Batch, batch=1, timeout=1.0)
-            waited += time.monotonic() - t0
+            wait = time.monotonic() - t0
+            waited += wait
+            metrics.inc({"wait_seconds": wait})
             if not got:
                 continue
             d = got[0]
-            try:
-                metrics = await asyncio.to_thread(backend.step, d.msg)
-            except Exception as e:
-                log.exception("step on %s failed", d.msg.batch_id)
-                await plane.reject(d.raw.subject, d.raw.data, f"training step failed: {e}")
-                await d.term()
+            if d.msg.batch_id in seen:  # trained before a crash that came before its ack
+                log.info("%s was trained before the restart: ack without training", d.msg.batch_id)
+                metrics.inc({"redelivered_trained_batches": 1})
+                await d.ack()
                 continue
-            version += 1
-            elapsed = time.monotonic() - started
-            last = {**metrics, "wait_frac": waited / elapsed}
-            ann = await publisher.publish(backend.state_dict(), version, [d.msg.batch_id], last)
+            keep = asyncio.create_task(_keep_alive(d, keepalive_s))
+            try:
+                try:
+                    step = await asyncio.to_thread(run_op, "step", d.msg)
+                except Exception as e:
+                    log.exception("step on %s failed", d.msg.batch_id)
+                    await plane.reject(d.raw.subject, d.raw.data, f"training step failed: {e}")
+                    await d.term()
+                    continue
+                crash_point("after_step", version + 1)
+                version += 1
+                trained.append(d.msg.batch_id)
+                seen.add(d.msg.batch_id)
+                elapsed = time.monotonic() - started
+                last = {**step, "wait_frac": waited / elapsed, "batch_wait_s": wait}
+                state = await asyncio.to_thread(run_op, "state")
+                if ckpt is not None and version % cfg.checkpoint_every == 0:
+                    meta = CheckpointMeta(version=version, policy=policy, trained=trained, last_batch_ids=[d.msg.batch_id], last_metrics=last)
+                    await asyncio.to_thread(run_op, "save", meta)
+                    crash_point("after_checkpoint", version)
+                ann = await publisher.publish(state, version, [d.msg.batch_id], last)
+                crash_point("after_publish", version)
+            finally:
+                keep.cancel()
             await d.ack()
-            log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (%s)", version, d.msg.batch_id, metrics["loss"],
-                     metrics["reward_mean"], 100 * last["wait_frac"], ann.encoding)
+            crash_point("after_ack", version)
+            metrics.set({**last, "version": version})
+            metrics.inc({"trained_tokens": step["tokens"], "trained_batches": 1})
+            log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (%s)", version, d.msg.batch_id, step["loss"],
+                     step["reward_mean"], 100 * last["wait_frac"], ann.encoding)
         await plane.state_put(f"done.{policy}", version)
     finally:
         stop.set()
         await asyncio.gather(beats, return_exceptions=True)
         await plane.close()
+
+
+async def _keep_alive(d: Delivery[Batch], every_s: float) -> None:
+    """Tell the server the batch is still being worked on (a long step must not be redelivered)."""
+    while True:
+        await asyncio.sleep(every_s)
+        with contextlib.suppress(Exception):
+            await d.in_progress()

@@ -1,0 +1,63 @@
+"""The trainer-backend contract and the registry that picks one by ``trainer.backend``.
+
+A backend owns the model being trained, its optimizer and how a step runs on the hardware.
+The worker only sees this Protocol: it feeds batches, publishes ``state_dict_bf16()`` and
+saves / loads checkpoints through it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from astraflow.config import TrainerConfig
+    from astraflow.streams.messages import Batch
+
+
+class TrainerBackend(Protocol):
+    rank: int  # this process's rank (0 talks to the plane)
+    world_size: int  # processes training together (data parallel)
+
+    def step(self, batch: "Batch") -> dict[str, float]:
+        """One optimizer step on the whole batch (micro-batches accumulate); returns its metrics."""
+
+    def state_dict_bf16(self) -> dict[str, "torch.Tensor"]:
+        """The full weights as contiguous CPU bf16 tensors: what a weight version publishes.
+        A collective call when the weights are sharded (every rank must call it)."""
+
+    def load_weights(self, state: Mapping[str, "torch.Tensor"]) -> None:
+        """Overwrite the trained weights (any float dtype), keeping the optimizer state."""
+
+    def reference_state(self) -> dict[str, "torch.Tensor"] | None:
+        """The frozen reference policy's weights (KL penalty), or None without one."""
+
+    def load_reference(self, state: Mapping[str, "torch.Tensor"]) -> None: ...
+
+    def save(self, path: Path) -> None:
+        """Write weights (safetensors) and optimizer state under the existing directory ``path``."""
+
+    def load(self, path: Path) -> None:
+        """Restore what :meth:`save` wrote."""
+
+
+BACKENDS: dict[str, str] = {
+    "torch": "astraflow.train.torch_backend:TorchBackend",
+    "deepspeed": "astraflow.train.deepspeed_backend:DeepSpeedBackend",
+}
+
+
+def build_backend(name: str, model: "torch.nn.Module", tokenizer: Any, cfg: "TrainerConfig", temperature: float = 1.0) -> TrainerBackend:
+    """Instantiate the registered backend ``name`` (imported lazily: deepspeed is an optional extra)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown trainer backend {name!r}; registered: {sorted(BACKENDS)}")
+    module, _, cls = BACKENDS[name].partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise RuntimeError(f"trainer backend {name!r} needs a missing package ({e.name}); "
+                           f"install it with: pip install 'astraflow[{name}]'") from e
+    return getattr(mod, cls)(model, tokenizer, cfg, temperature=temperature)

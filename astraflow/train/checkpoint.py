@@ -1,0 +1,163 @@
+"""Trainer checkpoints: atomic directories of weights, optimizer, RNG, version and trained batch ids.
+
+Layout under the checkpoint root (one root per policy, e.g. ``RUN_DIR/checkpoints/solver``)::
+
+    v00000012/            one complete checkpoint (the version it holds)
+      model.safetensors   weights (written by the backend; deepspeed adds its own files)
+      optimizer.pt        optimizer state
+      rng-0.pt            RNG states of rank 0 (torch, cuda, python, numpy)
+      meta.json           version, trained batch ids, the last step's batch ids and metrics
+    reference.safetensors the frozen version-0 policy of the KL penalty (written once)
+
+A checkpoint is written into ``.tmp-v00000012/``, every file fsync'ed, then renamed into
+place (and the root fsync'ed), so a crash leaves either the whole checkpoint or none of it.
+The newest ``keep`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from astraflow.train.backend import TrainerBackend
+
+_NAME = re.compile(r"^v(\d{8})$")
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    version: int  # the weight version these weights are
+    policy: str
+    trained: list[str]  # ids of every batch trained into these weights, in order
+    last_batch_ids: list[str] = field(default_factory=list)  # the batches of this version's step
+    last_metrics: dict[str, float] = field(default_factory=dict)  # that step's metrics (for a re-announcement)
+    created_at: float = field(default_factory=time.time)
+
+
+class Checkpointer:
+    def __init__(self, root: Path, keep: int = 2, rank: int = 0, barrier: Callable[[], None] | None = None) -> None:
+        self.root = Path(root)
+        self.keep = keep
+        self.rank = rank
+        self.barrier = barrier or (lambda: None)
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".tmp-*"):  # a save that died half-way
+                shutil.rmtree(stale, ignore_errors=True)
+        self.barrier()
+
+    def latest(self) -> tuple[Path, CheckpointMeta] | None:
+        found = sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := _NAME.match(p.name)) and (p / "meta.json").exists())
+        if not found:
+            return None
+        path = found[-1][1]
+        return path, CheckpointMeta(**json.loads((path / "meta.json").read_text()))
+
+    def save(self, backend: TrainerBackend, meta: CheckpointMeta) -> Path:
+        """Write a checkpoint of ``backend`` at ``meta.version``; a collective call under data parallel."""
+        final = self.root / f"v{meta.version:08d}"
+        tmp = self.root / f".tmp-v{meta.version:08d}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self.barrier()
+        reference = backend.reference_state()
+        if reference is not None:  # the first checkpoint (v0) fixes π_ref for the whole run
+            self.save_reference(reference)
+        backend.save(tmp)
+        torch.save(_rng_state(), tmp / f"rng-{self.rank}.pt")
+        self.barrier()
+        if self.rank == 0:
+            (tmp / "meta.json").write_text(json.dumps(asdict(meta)))
+            _fsync_tree(tmp)
+            if final.exists():  # a checkpoint of this version from an earlier life: replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        self.barrier()
+        return final
+
+    def load(self, backend: TrainerBackend, path: Path) -> None:
+        backend.load(path)
+        reference = self.load_reference()
+        if reference is not None:
+            backend.load_reference(reference)
+        rng = path / f"rng-{self.rank}.pt"
+        if rng.exists():
+            _set_rng_state(torch.load(rng, weights_only=True))
+
+    # ------------------------------------------------------------------ the KL reference (written once)
+    def save_reference(self, state: dict[str, torch.Tensor]) -> None:
+        path = self.root / "reference.safetensors"
+        if self.rank != 0 or path.exists():
+            return
+        tmp = self.root / ".tmp-reference.safetensors"
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, str(tmp))
+        _fsync_file(tmp)
+        os.rename(tmp, path)
+        _fsync_dir(self.root)
+
+    def load_reference(self) -> dict[str, torch.Tensor] | None:
+        path = self.root / "reference.safetensors"
+        return load_file(str(path)) if path.exists() else None
+
+    def _prune(self) -> None:
+        done = sorted(p for p in self.root.iterdir() if _NAME.match(p.name))
+        for old in done[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": _numpy_state(),
+    }
+
+
+def _numpy_state() -> list[Any]:
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    return [name, np.asarray(keys).tolist(), pos, has_gauss, gauss]
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    random.setstate(s["python"])
+    name, keys, pos, has_gauss, gauss = s["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync_file(path)  # directories are fsync'ed through a read-only descriptor on POSIX
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*"), reverse=True):
+        if p.is_file():
+            _fsync_file(p)
+        elif p.is_dir():
+            _fsync_dir(p)
+    _fsync_dir(root)

@@ -1,0 +1,139 @@
+"""The torch backend on real token batches: losses wired in, gradient accumulation equal to the
+full batch, M2PO's mask over the whole batch, bf16, the frozen KL reference, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astraflow.config import TrainerConfig, parse_recipe
+from astraflow.models import build_model, load_tokenizer
+from astraflow.tasks import load_split
+from astraflow.train.backend import build_backend
+from astraflow.train.batching import micro_batches, to_tensors
+from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
+from astraflow.train.losses import m2po_mask
+from astraflow.train.synthetic import sample_batches
+from astraflow.train.torch_backend import TorchBackend
+
+MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    recipe = parse_recipe({"name": "t", "model": MODEL})
+    pcfg = recipe.policies["solver"]
+    tok = load_tokenizer("byt5")
+    train, _ = load_split(recipe.data)
+    batches = sample_batches(build_model(pcfg.model, tok), tok, [p.prompt for p in train[:8]], n_batches=2,
+                             groups_per_batch=3, group_size=4, logprob_noise=0.4, seed=3)
+    return pcfg, tok, batches
+
+
+def _run(setup, **over) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    pcfg, tok, batches = setup
+    torch.manual_seed(0)
+    backend = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer.model_copy(update=over))
+    metrics = [backend.step(b) for b in batches]
+    return metrics, backend.full_state()
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("over", [
+    {"loss": "ppo"},
+    {"loss": "ppo", "agg": "seq-mean-token-mean"},
+    {"loss": "decoupled_ppo", "recompute_prox": True, "kl_coef": 0.5, "kl_estimator": "k1"},
+    {"loss": "decoupled_ppo", "tis_cap": 1.5, "agg": "seq-mean-token-sum"},
+    {"loss": "m2po", "tau": 0.02, "kl_coef": 0.1},
+])
+def test_micro_batches_accumulate_to_the_full_batch_step(setup, over):
+    _, tok, batches = setup
+    assert len(micro_batches(to_tensors(batches[0], tok.pad_token_id), 40)) >= 3
+    full_m, full_w = _run(setup, **over)
+    split_m, split_w = _run(setup, micro_batch_tokens=40, **over)
+    assert split_m[0]["micro_batches"] >= 3 and full_m[0]["micro_batches"] == 1
+    for a, b in zip(full_m, split_m):
+        for key in ("loss", "pg_loss", "grad_norm", "kl", "clip_frac", "m2po_masked_frac", "tis_weight_mean"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    assert _max_diff(full_w, split_w) < 1e-6
+    unchanged = build_model(setup[0].model, tok).state_dict()
+    assert max(float((full_w[k] - unchanged[k]).abs().max()) for k in full_w) > 1e-4  # it did train
+
+
+def test_m2po_masks_over_the_whole_batch(setup):
+    """A mask computed per micro-batch would differ: here the step's masked fraction is the full batch's."""
+    pcfg, tok, batches = setup
+    backend = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer.model_copy(update={"loss": "m2po", "tau": 0.02, "micro_batch_tokens": 40}))
+    x = to_tensors(batches[0], tok.pad_token_id)
+    with torch.no_grad():
+        lp = backend._full_logprobs(x, micro_batches(x, None))
+    keep = m2po_mask(lp, x.behave_logprobs, x.advantages, x.mask, tau=0.02)
+    expected = float((x.mask.bool() & ~keep).sum() / x.mask.sum())
+    assert 0 < expected < 1
+    assert backend.step(batches[0])["m2po_masked_frac"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_bf16_mixed_precision_keeps_fp32_weights_and_tracks_fp32(setup):
+    fp32_m, fp32_w = _run(setup)
+    bf16_m, bf16_w = _run(setup, precision="bf16")
+    assert all(t.dtype == torch.float32 for t in bf16_w.values())
+    assert bf16_m[0]["loss"] == pytest.approx(fp32_m[0]["loss"], rel=2e-2, abs=2e-3)
+    v0 = build_model(setup[0].model, setup[1]).state_dict()
+    u32 = torch.cat([(fp32_w[k] - v0[k]).flatten() for k in v0])  # the fp32 update
+    u16 = torch.cat([(bf16_w[k] - v0[k]).flatten() for k in v0])
+    assert float(torch.nn.functional.cosine_similarity(u32, u16, dim=0)) > 0.95
+
+
+def test_kl_reference_is_the_frozen_version_0(setup):
+    pcfg, tok, batches = setup
+    model = build_model(pcfg.model, tok)
+    v0 = {k: v.clone() for k, v in model.state_dict().items()}
+    backend = TorchBackend(model, tok, pcfg.trainer.model_copy(update={"kl_coef": 1.0, "kl_estimator": "k3", "lr": 1e-2}))
+    first = backend.step(batches[0])
+    second = backend.step(batches[1])
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # π_θ = π_ref before the first update
+    assert second["kl"] > 1e-5
+    ref = backend.reference_state()
+    assert all(torch.equal(ref[k], v0[k]) for k in v0)
+
+
+def test_checkpoint_roundtrip_continues_bit_exactly(setup, tmp_path):
+    pcfg, tok, batches = setup
+    cfg = pcfg.trainer.model_copy(update={"kl_coef": 0.1})
+    a = TorchBackend(build_model(pcfg.model, tok), tok, cfg)
+    a.step(batches[0])
+    ckpt = Checkpointer(tmp_path / "ck", keep=2)
+    path = ckpt.save(a, CheckpointMeta(version=1, policy="solver", trained=[batches[0].batch_id], last_batch_ids=[batches[0].batch_id]))
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "model.safetensors", "optimizer.pt", "rng-0.pt"]
+    assert (tmp_path / "ck" / "reference.safetensors").exists()
+
+    # a fresh process would build a different model: the checkpoint must bring all of it back
+    b = TorchBackend(build_model(pcfg.model.model_copy(update={"seed": 7}), tok), tok, cfg)
+    (tmp_path / "ck" / ".tmp-v00000002").mkdir()  # a save that died half-way is ignored and cleaned
+    again = Checkpointer(tmp_path / "ck", keep=2)
+    assert not (tmp_path / "ck" / ".tmp-v00000002").exists()
+    found_path, meta = again.latest()
+    assert found_path == path and meta.version == 1 and meta.trained == [batches[0].batch_id]
+    again.load(b, found_path)
+    ma, mb = a.step(batches[1]), b.step(batches[1])
+    assert ma["loss"] == mb["loss"]
+    assert _max_diff(a.full_state(), b.full_state()) == 0.0
+    assert all(torch.equal(x, y) for x, y in zip(a.reference_state().values(), b.reference_state().values()))
+
+    for v in (2, 3):
+        again.save(a, CheckpointMeta(version=v, policy="solver", trained=[]))
+    assert sorted(p.name for p in (tmp_path / "ck").glob("v*")) == ["v00000002", "v00000003"]
+
+
+def test_registry_and_config_errors_say_what_to_do(setup):
+    pcfg, tok, _ = setup
+    with pytest.raises(ValueError, match="registered"):
+        build_backend("jax", build_model(pcfg.model, tok), tok, pcfg.trainer)
+    with pytest.raises(ValueError, match="decoupled_ppo"):
+        TrainerConfig(loss="ppo", recompute_prox=True)
+    with pytest.raises(ValueError, match="trainer.zero_stage"):
+        parse_recipe({"name": "t", "trainer": {"zero_stage": 4}})

@@ -1,0 +1,128 @@
+"""Helpers for the process-level trainer tests (no tests here): a tiny recipe, real batches,
+trainer processes, and a watcher of weight announcements."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import api
+
+from astraflow.config import Recipe, load_recipe
+from astraflow.models import build_model, load_tokenizer
+from astraflow.streams.codec import decode
+from astraflow.streams.messages import Batch, WeightVersion
+from astraflow.streams.plane import Plane
+from astraflow.tasks import load_split
+from astraflow.train.synthetic import sample_batches
+
+TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+
+
+def write_recipe(path: Path, policies: tuple[str, ...] = ("solver",), batch_ack_wait: float = 2.0, **trainer: object) -> tuple[Path, Recipe]:
+    data = {"name": "t", "policies": list(policies), "model": TINY_MODEL, "sft": {"steps": 0},
+            "trainer": {"steps": 8, "keyframe_every": 4, "lr": 1e-3, **trainer},
+            "plane": {"batch_ack_wait": batch_ack_wait}, "eval": {"enabled": False}}
+    path.write_text(yaml.safe_dump(data))
+    return path, load_recipe(path)
+
+
+def make_batches(recipe: Recipe, policy: str, n: int, seed: int = 0) -> list[Batch]:
+    pcfg = recipe.policies[policy]
+    tok = load_tokenizer(pcfg.model.tokenizer)
+    train, _ = load_split(recipe.data)
+    return sample_batches(build_model(pcfg.model, tok), tok, [p.prompt for p in train[:16]], policy=policy, n_batches=n,
+                          groups_per_batch=2, group_size=4, max_new_tokens=4, logprob_noise=0.2, seed=seed)
+
+
+async def publish_batches(plane: Plane, batches: list[Batch]) -> None:
+    await plane.publish_many([(plane.names.batch(b.policy), b, b.batch_id) for b in batches])
+
+
+def spawn_trainer(recipe_file: Path, url: str, run: str, policy: str, log: Path, checkpoint_dir: Path | None = None,
+                  crash: str | None = None, metrics_port: int | None = None) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "astraflow.cli", "worker", "trainer", "--recipe", str(recipe_file), "--nats", url,
+           "--run", run, "--id", f"trainer-{policy}", "--policy", policy]
+    if checkpoint_dir is not None:
+        cmd += ["--checkpoint-dir", str(checkpoint_dir)]
+    if metrics_port is not None:
+        cmd += ["--metrics-port", str(metrics_port)]
+    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_TRAINER_CRASH"}
+    if crash:
+        env["ASTRAFLOW_TRAINER_CRASH"] = crash
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+async def wait_exit(proc: subprocess.Popen[bytes], timeout: float = 120.0) -> int:
+    return await asyncio.to_thread(proc.wait, timeout)
+
+
+class Announcements:
+    """Every weight announcement of the run, in stream order, as they arrive.
+
+    A pull consumer from the stream's first message, fetched by a background task: unlike a
+    push consumer it cannot stall or reset while the test's event loop is busy."""
+
+    def __init__(self, plane: Plane) -> None:
+        self.plane = plane
+        self.seen: list[WeightVersion] = []
+        self.changed = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> "Announcements":
+        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL, inactive_threshold=600.0)
+        sub = await self.plane.js.pull_subscribe(self.plane.names.all("weights"), stream=self.plane.names.weights_stream, config=cfg)
+        self._task = asyncio.create_task(self._follow(sub))
+        return self
+
+    async def _follow(self, sub) -> None:  # noqa: ANN001
+        while True:
+            try:
+                msgs = await sub.fetch(batch=64, timeout=1.0)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            async with self.changed:
+                self.seen.extend(decode(m.data, WeightVersion) for m in msgs)
+                self.changed.notify_all()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def of(self, policy: str) -> list[WeightVersion]:
+        return [a for a in self.seen if a.policy == policy]
+
+    def version(self, policy: str) -> int:
+        return max((a.version for a in self.of(policy)), default=-1)
+
+    async def wait(self, policy: str, version: int, timeout: float = 120.0) -> None:
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: self.version(policy) >= version), timeout)
+
+    async def settle(self, policy: str, version: int) -> list[WeightVersion]:
+        """The policy's announcements once ``version`` has arrived (after the trainer exited)."""
+        await self.wait(policy, version, timeout=30.0)
+        return self.of(policy)
+
+
+class VersionHolder:
+    """A WeightSync target that only records the version it reached (the sync checks every digest)."""
+
+    version = -1
+
+    def load_state(self, state, version: int) -> None:  # noqa: ANN001
+        self.version = version
+
+
+def check_record(anns: list[WeightVersion], batches: list[Batch], steps: int) -> None:
+    versions = [a.version for a in anns]
+    assert versions == list(range(steps + 1)), versions  # monotonic, no duplicate, no gap, no reuse
+    trained = [b for a in anns for b in a.batch_ids]
+    assert sorted(trained) == sorted(b.batch_id for b in batches)  # every batch exactly once
