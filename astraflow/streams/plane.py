@@ -234,6 +234,19 @@ class Plane:
         info = await self.jsm.consumer_info(stream, durable)
         return Lag(info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0)
 
+    async def last(self, stream: str, subject: str, model: type[M]) -> M | None:
+        """The newest message on ``subject`` in ``stream``, decoded; None when there is none."""
+        try:
+            raw = await self.jsm.get_last_msg(stream, subject)
+        except NotFoundError:
+            return None
+        return decode(raw.data or b"", model)
+
+    async def ack_wait(self, stream: str, durable: str) -> float:
+        """The consumer's ack_wait as the server has it (seconds)."""
+        info = await self.jsm.consumer_info(stream, durable)
+        return float(info.config.ack_wait or 30.0)
+
     async def stream_msgs(self, stream: str) -> int:
         info = await self.jsm.stream_info(stream)
         return info.state.messages

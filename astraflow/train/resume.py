@@ -23,7 +23,6 @@ from typing import Mapping
 
 import torch
 
-from astraflow.streams.codec import decode
 from astraflow.streams.messages import WeightVersion
 from astraflow.streams.plane import Plane
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
@@ -43,13 +42,7 @@ class Start:
 
 async def last_announcement(plane: Plane, policy: str) -> WeightVersion | None:
     """The newest ``weights.{policy}`` announcement on the plane, or None."""
-    try:
-        raw = await plane.jsm.get_last_msg(plane.names.weights_stream, plane.names.weights(policy))
-    except Exception as e:
-        if getattr(e, "code", None) == 404:  # nothing announced yet
-            return None
-        raise
-    return decode(raw.data or b"", WeightVersion)
+    return await plane.last(plane.names.weights_stream, plane.names.weights(policy), WeightVersion)
 
 
 def adopt(publisher: WeightPublisher, state: dict[str, torch.Tensor], last: WeightVersion) -> bool:

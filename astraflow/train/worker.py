@@ -107,8 +107,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
 
     beats = asyncio.create_task(every(2.0, beat, stop))
     sub = await plane.subscribe(plane.names.batch_stream, plane.names.trainer_consumer(policy))
-    info = await plane.jsm.consumer_info(plane.names.batch_stream, plane.names.trainer_consumer(policy))
-    keepalive_s = max((info.config.ack_wait or 30.0) / 3, 0.2)
+    keepalive_s = max(await plane.ack_wait(plane.names.batch_stream, plane.names.trainer_consumer(policy)) / 3, 0.2)
     log.info("trainer %s at v%d, training to v%d (%s backend, %s loss)", policy, version, cfg.steps, cfg.backend, cfg.loss)
     try:
         while version < cfg.steps and not stop.is_set():
