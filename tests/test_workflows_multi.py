@@ -109,11 +109,12 @@ def test_multi_policy_workflow_needs_two_policies():
 
 @pytest.mark.slow
 def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, tmp_path):
-    recipe = repo_root / "examples" / "recipes" / "solver_verifier"
+    recipe = repo_root / "recipes" / "math-multi-agent"
     load_recipe(recipe)  # loads as a recipe
     run_dir = tmp_path / "sv-run"
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(recipe), "--nats", nats_server.url, "--run-dir", str(run_dir),
-           "--set", "trainer.steps=2", "--timeout", "240"]
+           "--set", "trainer.steps=2", "--set", "sft.steps=20", "--set", "rollout.nodes=1", "--set", "eval.enabled=false",
+           "--timeout", "240"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs

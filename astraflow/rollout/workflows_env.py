@@ -1,7 +1,8 @@
 """``env_http``: play episodes against an environment server over HTTP (start / step / close).
 
 Any server with the API of ``astraflow.rollout.envs.server`` works (ALFWorld- or WebShop-like
-text environments). Per sample: ``/start`` with the task's seed (every sample of a group
+text environments); ``rollout.env_url: bundled`` starts the bundled text games on a loopback
+port inside each node. Per sample: ``/start`` with the task's seed (every sample of a group
 faces the same instance: ``meta["seed"]``, else a hash of the prompt id), then per turn the
 model writes one action line (a turn stops at a newline), ``/step`` returns the next
 observation, which is appended as inserted tokens (loss_mask 0), and the node passes a safe
@@ -57,8 +58,15 @@ def task_seed(task: Task) -> int:
 class EnvHttp:
     def __init__(self, reward: Reward, cfg: "RolloutConfig") -> None:
         if not cfg.env_url:
-            raise ValueError("workflow env_http needs rollout.env_url (an environment server with /start, /step, /close)")
-        self.client = EnvClient(cfg.env_url)
+            raise ValueError("workflow env_http needs rollout.env_url (an environment server with /start, /step, /close, "
+                             "or 'bundled' for the node-local text games of astraflow.rollout.envs)")
+        url = cfg.env_url
+        if url == "bundled":  # each node (and the evaluator) serves the bundled games on a loopback port of its own
+            from astraflow.rollout.envs.server import serve_in_thread
+
+            self.server = serve_in_thread()
+            url = self.server.url
+        self.client = EnvClient(url)
         self.env = cfg.env
         self.max_turns = cfg.max_turns
 

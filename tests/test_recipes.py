@@ -1,0 +1,54 @@
+"""Every shipped recipe loads (CPU and GPU configurations), and every CPU recipe runs briefly.
+
+`arithmetic` (tests/test_end_to_end.py) and `math-multi-agent` (tests/test_workflows_multi.py)
+are run at more length elsewhere; here each other CPU recipe runs two optimizer steps with
+every role a process against the module's nats-server, and must announce versions 0..2 for
+every policy and record held-out evaluations.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from astraflow.config import load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL_YAML = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "recipes").glob("*/*.yaml"))
+CPU_RECIPES = ["math", "math-efficient-data", "code", "code-multi-agent", "search", "alfworld", "webshop"]
+
+
+@pytest.mark.parametrize("path", ALL_YAML)
+def test_recipe_loads(path: str):
+    recipe = load_recipe(ROOT / path)
+    if path.endswith("gpu.yaml"):  # GPU configurations name the real models of the seeds
+        assert all(p.model.pretrained and p.model.pretrained.startswith("Qwen/Qwen3-") for p in recipe.policies.values())
+
+
+def test_every_seed_recipe_is_shipped():
+    for name in ("math", "math-multi-agent", "math-efficient-data", "code", "code-multi-agent", "search", "alfworld", "webshop"):
+        assert (ROOT / "recipes" / name / "recipe.yaml").exists() and (ROOT / "recipes" / name / "gpu.yaml").exists(), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CPU_RECIPES)
+def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
+    run_dir = tmp_path / f"{name}-run"
+    sets = ["trainer.steps=2", "eval.every=2", "rollout.nodes=1"]
+    if load_recipe(ROOT / "recipes" / name).policies[load_recipe(ROOT / "recipes" / name).primary].sft.steps:
+        sets.append("sft.steps=10")
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(ROOT / "recipes" / name), "--nats", nats_server.url,
+           "--run-dir", str(run_dir), "--timeout", "240", *(x for s in sets for x in ("--set", s))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-1200:] for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-1500:] + logs
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for policy in recipe.policy_names:
+        assert [r["version"] for r in rows if r["policy"] == policy] == [0, 1, 2], policy
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["held_out_reward"]) == {"0", "2"}
