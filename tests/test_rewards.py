@@ -57,3 +57,14 @@ def test_qa_exact_match_and_f1():
     assert f1("the river Nile", {"answers": ["Nile", "Nile River"]}) == pytest.approx(1.0)
     assert f1("Eiffel tower", {"answer": "the Eiffel Tower in Paris"}) == pytest.approx(2 * (1.0 * 0.5) / 1.5)
     assert f1("", {"answer": "x"}) == 0.0
+
+
+def test_math_reward_works_off_the_main_thread():
+    import concurrent.futures
+
+    from astraflow.rollout.rewards import get_reward
+
+    math = get_reward("math")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # rollout nodes score in a worker thread
+        assert pool.submit(math, "The answer is $\\frac{1}{2}$", {"answer": "0.5"}).result() == 1.0
+        assert pool.submit(math, "7", {"answer": "8"}).result() == 0.0

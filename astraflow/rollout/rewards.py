@@ -42,12 +42,21 @@ def arithmetic(text: str, meta: dict[str, Any]) -> float:
 
 @register("math")
 def math(text: str, meta: dict[str, Any]) -> float:
-    """math-verify: parse the completion's final answer and check it against the reference."""
+    """math-verify: parse the completion's final answer and check it against the reference.
+
+    math-verify's own timeouts use ``signal.alarm``, which only works on the main thread; rollout
+    nodes score inside a worker thread, so there the timeouts are off and the input is bounded
+    instead (the last 4,000 characters hold the final answer).
+    """
+    import threading
+
     from math_verify import parse, verify
 
-    gold = parse(f"${meta['answer']}$")
-    pred = parse(text)
-    return 1.0 if pred and verify(gold, pred) else 0.0
+    on_main = threading.current_thread() is threading.main_thread()
+    t = 5 if on_main else None
+    gold = parse(f"${meta['answer']}$", parsing_timeout=t)
+    pred = parse(text[-4000:], parsing_timeout=t)
+    return 1.0 if pred and verify(gold, pred, timeout_seconds=t) else 0.0
 
 
 @lru_cache(maxsize=8)
