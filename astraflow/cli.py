@@ -40,6 +40,7 @@ def up(
     run_dir: Optional[Path] = typer.Option(None, help="Run directory (default runs/NAME-TIMESTAMP)."),
     set_: list[str] = Overrides,
     timeout: float = typer.Option(3600.0, help="Abort the run after this many seconds."),
+    autoscale: bool = typer.Option(False, "--autoscale", help="Start and retire local rollout workers toward the dataflow's advised pool size."),
 ) -> None:
     """Start the embedded server (or use --nats) and every role as a process; watch; summarise."""
     from astraflow.launcher import new_run_dir, up as run_up
@@ -47,7 +48,7 @@ def up(
 
     setup_logging("WARNING")
     r = _load(recipe, set_)
-    run_up(r, run_dir or new_run_dir(r), nats, timeout)
+    run_up(r, run_dir or new_run_dir(r), nats, timeout, autoscale)
 
 
 @app.command()
@@ -59,11 +60,14 @@ def worker(
     id: Optional[str] = typer.Option(None, "--id", help="Worker id (default: ROLE-PID)."),
     policy: Optional[str] = typer.Option(None, help="Trainer: the policy to train (default: the first)."),
     pool: Optional[str] = typer.Option(None, help="Rollout pool (shared durable consumer)."),
-    region: str = typer.Option("", help="Region label of this node."),
-    hardware: str = typer.Option("cpu", help="Hardware label of this node."),
+    region: Optional[str] = typer.Option(None, help="Rollout: region label of this node (default: rollout.region)."),
+    hardware: Optional[str] = typer.Option(None, help="Rollout: hardware label of this node (default: rollout.hardware, else cuda/cpu as detected)."),
+    weights_domain: Optional[str] = typer.Option(None, help="Rollout: read weights from the mirrors in this JetStream domain (a region's leaf)."),
     user: Optional[str] = None, password: Optional[str] = None, creds: Optional[str] = None, nkey: Optional[str] = None,
     tls_ca: Optional[str] = None, tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
     domain: Optional[str] = typer.Option(None, help="JetStream domain to read (a region's leafnode)."),
+    checkpoint_dir: Optional[Path] = typer.Option(None, help="Trainer: checkpoint directory of this policy; a restart resumes from it (default: none, start at v0)."),
+    metrics_port: Optional[int] = typer.Option(None, help="Trainer, rollout, evaluator: serve Prometheus metrics on this port (0: a free one, logged; default: none)."),
     set_: list[str] = Overrides,
 ) -> None:
     """Run one role in this process (join a run from any machine that reaches the plane)."""
@@ -80,13 +84,15 @@ def worker(
         asyncio.run(serve(r, opts, run, wid))
     elif role == "trainer":
         from astraflow.train.worker import serve as serve_trainer
-        asyncio.run(serve_trainer(r, opts, run, wid, policy))
+        asyncio.run(serve_trainer(r, opts, run, wid, policy, checkpoint_dir, metrics_port))
     elif role == "rollout":
         from astraflow.rollout.worker import serve as serve_rollout
-        asyncio.run(serve_rollout(r, opts, run, wid, pool, region, hardware))
+        if weights_domain:
+            r = r.model_copy(update={"rollout": r.rollout.model_copy(update={"weights_domain": weights_domain})})
+        asyncio.run(serve_rollout(r, opts, run, wid, pool, region, hardware, metrics_port))
     elif role == "evaluator":
         from astraflow.rollout.evaluator import serve as serve_eval
-        asyncio.run(serve_eval(r, opts, run, wid))
+        asyncio.run(serve_eval(r, opts, run, wid, metrics_port))
     else:
         typer.echo(f"unknown role {role!r}: dataflow | rollout | trainer | evaluator", err=True)
         raise typer.Exit(2)

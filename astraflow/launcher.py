@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.live import Live
@@ -75,6 +75,44 @@ def stop_all(roles: list[Role], timeout: float = 20.0) -> None:
             r.proc.wait()
 
 
+class LocalPool:
+    """``up --autoscale``: start and retire local rollout workers toward the dataflow's advised target.
+
+    At most one change per ``cooldown_s`` (the advice itself has a dead band). Retiring sends
+    SIGTERM to the newest node: it finishes the tasks it holds and leaves.
+    """
+
+    def __init__(self, roles: list[Role], start: Callable[[str], Role], cooldown_s: float = 10.0, max_nodes: int = 64) -> None:
+        self.roles = roles
+        self.start = start
+        self.cooldown_s = cooldown_s
+        self.max_nodes = max_nodes
+        self.retiring: set[str] = set()
+        self.last = -float("inf")
+        self.started = 0
+
+    def live(self) -> list[Role]:
+        return [r for r in self.roles if r.role == "rollout" and r.proc.poll() is None and r.name not in self.retiring]
+
+    def act(self, target: int, now: float) -> str | None:
+        """Move one node toward ``target``; returns what it did (None: nothing)."""
+        live = self.live()
+        target = max(0, min(target, self.max_nodes))
+        if target == len(live) or now - self.last < self.cooldown_s:
+            return None
+        self.last = now
+        if target > len(live):
+            names = {r.name for r in self.roles}
+            i = next(i for i in range(len(names) + 1) if f"rollout-{i}" not in names)
+            self.roles.append(self.start(f"rollout-{i}"))
+            self.started += 1
+            return f"started rollout-{i} ({len(live) + 1}/{target})"
+        newest = live[-1]
+        newest.proc.send_signal(signal.SIGTERM)
+        self.retiring.add(newest.name)
+        return f"retiring {newest.name} ({len(live) - 1}/{target})"
+
+
 def dashboard(recipe: Recipe, watch: Watch, lags: dict[str, int]) -> Table:
     t = Table(title=f"AstraFlow · {recipe.name}", expand=False)
     for col in ("worker", "role", "version", "stats"):
@@ -89,7 +127,8 @@ def dashboard(recipe: Recipe, watch: Watch, lags: dict[str, int]) -> Table:
     return t
 
 
-async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, roles: list[Role], timeout: float) -> Watch:
+async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, roles: list[Role], timeout: float,
+                  scaler: LocalPool | None = None) -> Watch:
     plane = await Plane.connect(opts, run, "launcher")
     await plane.ensure_topology(recipe.topology())
     watch = Watch()
@@ -152,6 +191,12 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
                 last = {r["policy"]: r for r in watch.versions}
                 vs = " ".join(f"{p} v{last[p]['version'] if p in last else 0}/{n} reward={last.get(p, {}).get('reward_mean', float('nan')):.3f}" for p, n in steps.items())
                 console.print(f"[{time.monotonic() - started:6.1f}s] {vs} lag={lags} held-out={watch.evals}")
+            if scaler is not None:
+                advice = await plane.state_get(f"autoscale.{recipe.rollout.pool}")
+                if advice and time.time() - advice["ts"] < 30:
+                    did = scaler.act(int(advice["target"]), time.monotonic())
+                    if did:
+                        console.print(f"[bold]autoscale[/]: {did} — {advice['reason']}")
             done = all([int(await plane.state_get(f"done.{p}", -1)) >= n for p, n in steps.items()])
             if done and wanted_evals <= set(watch.evals):
                 return watch
@@ -222,7 +267,7 @@ def plot(watch: Watch, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0) -> dict[str, Any]:
+def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0, autoscale: bool = False) -> dict[str, Any]:
     run = run_dir.name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / "recipe.yaml"
@@ -241,7 +286,12 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         for i in range(recipe.rollout.nodes):
             name = f"rollout-{i}"
             roles.append(Role(name, "rollout", spawn(run_dir, recipe_file, opts, run, "rollout", name), essential=False))
-        watch = asyncio.run(monitor(recipe, opts, run, run_dir, roles, timeout))
+        scaler = None
+        if autoscale:  # start and retire local rollout workers toward the dataflow's advice
+            a = recipe.dataflow.autoscale
+            scaler = LocalPool(roles, lambda name: Role(name, "rollout", spawn(run_dir, recipe_file, opts, run, "rollout", name), essential=False),
+                               max_nodes=a.max_nodes)
+        watch = asyncio.run(monitor(recipe, opts, run, run_dir, roles, timeout, scaler))
     finally:
         stop_all(roles)
         if server:

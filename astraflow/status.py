@@ -40,10 +40,13 @@ async def collect(nats: str, run: str, policy: str, listen: float = 2.5) -> dict
         except Exception:
             lags[label] = None
     version = await plane.state_get(f"version.{policy}")
-    accounting = ((await plane.state_get("dataflow", {}) or {}).get("lanes", {}).get(policy) or {}).get("ledger", {})
+    dataflow = await plane.state_get("dataflow", {}) or {}
+    accounting = dataflow.get("accounting", {})  # per policy: states that add up to the tasks issued
+    autoscale = await plane.state_get(f"autoscale.{dataflow.get('pool', 'raas')}")
     await asyncio.sleep(listen)
     await plane.close()
-    return {"streams": streams, "lags": lags, "version": version, "accounting": accounting, "workers": beats}
+    return {"streams": streams, "lags": lags, "version": version, "accounting": accounting, "autoscale": autoscale,
+            "mode": dataflow.get("mode"), "workers": beats}
 
 
 async def show(nats: str, run: str, policy: str) -> None:
@@ -65,12 +68,26 @@ async def show(nats: str, run: str, policy: str) -> None:
         stats = " ".join(f"{k}={v:.3g}" for k, v in list(hb.stats.items())[:8])
         w.add_row(wid, hb.role, hb.pool, hb.region, str(hb.version), hb.state, stats)
     console.print(w)
-    acc = info["accounting"]
-    if acc:
-        a = Table(title="task accounting")
-        a.add_column("fate")
-        a.add_column("tasks")
-        a.add_row("issued", str(acc.get("issued", 0)))
-        for fate, n in sorted(acc.get("fates", {}).items()):
-            a.add_row(fate, str(n))
-        console.print(a)
+    for p, acc in info["accounting"].items():
+        console.print(accounting_table(p, acc))
+    auto = info["autoscale"]
+    if auto:
+        console.print(f"[bold]autoscale[/] pool {auto['pool']}: {auto['nodes']} live nodes -> target [bold]{auto['target']}[/] "
+                      f"({auto['action']}: {auto['reason']}; produce {auto['produce_rate']:.2f} groups/s, "
+                      f"consume {auto['consume_rate']:.2f} groups/s, nodes busy {auto['busy']:.0%})")
+
+
+def accounting_table(policy: str, acc: dict[str, Any]) -> Table:
+    """Every task's fate for one policy; the rows add up to the tasks issued (or groups received)."""
+    total = "issued" if "issued" in acc else "received"
+    a = Table(title=f"task accounting · {policy}")
+    a.add_column("state / fate")
+    a.add_column("tasks", justify="right")
+    rows = [("in flight", acc.get("in_flight", 0))] if total == "issued" else []
+    rows += [("buffered", acc.get("buffered", 0)), ("awaiting training", acc.get("awaiting", 0)), *sorted(acc.get("fates", {}).items())]
+    for name, n in rows:
+        a.add_row(name, str(n))
+    a.add_row(f"[bold]{total}[/]", f"[bold]{acc.get(total, 0)}[/]")
+    a.caption = ("adds up" if acc.get("adds_up") else "[red]does not add up[/]") + "".join(
+        f" · late {k}: {v}" for k, v in acc.get("late", {}).items()) + "".join(f" · skipped {k}: {v}" for k, v in acc.get("skipped", {}).items())
+    return a

@@ -1,15 +1,16 @@
-"""Assembling trajectories into groups, and accounting for every task's fate.
+"""Assembling trajectories into groups. Pure bookkeeping (no I/O).
 
-Pure bookkeeping (no I/O): the service feeds deliveries in and gets complete groups out.
-Deliveries stay unacked while their trajectories are held, so a dataflow that dies loses
-nothing: the server redelivers them to the next one.
+The service feeds accepted trajectories in (with their TRAJ stream sequence) and gets complete
+groups out. Deliveries stay unacked while their trajectories are held, so a dataflow that dies
+loses nothing: the server redelivers them to the next one. A group remembers the stream
+sequence of each trajectory, so a batch can be rebuilt from the stream after a restart.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal
 
 from astraflow.algorithms import Group, Sample
 from astraflow.streams.messages import Trajectory
@@ -25,60 +26,59 @@ def to_sample(t: Trajectory, deadline: float | None = None) -> Sample:
 
 @dataclass
 class HeldGroup:
-    """A complete group: its algorithm view, its trajectories and the deliveries to ack."""
+    """A complete group: its algorithm view, its trajectories and where they lie in the TRAJ stream."""
 
     group: Group
     trajectories: list[Trajectory]
-    deliveries: list[Any]
+    seqs: list[int]  # TRAJ stream sequence of each trajectory, aligned with ``trajectories``
+    weight: float = 1.0  # factor on the group's advantages (a late group may be down-weighted)
+
+    @property
+    def task_id(self) -> str:
+        return self.group.task_id
+
+    @property
+    def traj_ids(self) -> list[str]:
+        return [t.traj_id for t in self.trajectories]
+
+
+DONE_MEMORY = 65536  # completed (task, policy) keys remembered to spot late copies
 
 
 @dataclass
 class Assembler:
     """Collects trajectories per (task, policy) until the group is complete."""
 
-    partial: dict[tuple[str, str], dict[int, tuple[Trajectory, Any]]] = field(default_factory=dict)
-    done: set[tuple[str, str]] = field(default_factory=set)
+    partial: dict[tuple[str, str], dict[int, tuple[Trajectory, int]]] = field(default_factory=dict)
+    done: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
 
-    def add(self, traj: Trajectory, delivery: Any) -> HeldGroup | None | bool:
-        """Returns the completed group, None while incomplete, False for a duplicate (ack it)."""
+    def add(self, traj: Trajectory, seq: int, deadline: float | None = None) -> HeldGroup | None | Literal[False]:
+        """The completed group, None while incomplete, False for a copy of something already held or
+        completed here (ack it): a second sample at a held index, or any sample of a completed group."""
         key = (traj.task_id, traj.policy)
         if key in self.done:
             return False
         slot = self.partial.setdefault(key, {})
         if traj.index in slot:
+            if slot[traj.index][0].traj_id == traj.traj_id:  # the same message again: keep the newer copy
+                slot[traj.index] = (traj, seq)
+                return None
             return False
-        slot[traj.index] = (traj, delivery)
+        slot[traj.index] = (traj, seq)
         if len(slot) < traj.group_size:
             return None
         del self.partial[key]
-        self.done.add(key)
+        self.done[key] = None
+        while len(self.done) > DONE_MEMORY:
+            self.done.popitem(last=False)
         items = [slot[i] for i in sorted(slot)]
         trajs = [t for t, _ in items]
-        group = Group(task_id=traj.task_id, prompt_id=traj.prompt_id, policy=traj.policy, samples=tuple(to_sample(t) for t in trajs))
-        return HeldGroup(group, trajs, [d for _, d in items])
+        group = Group(task_id=traj.task_id, prompt_id=traj.prompt_id, policy=traj.policy,
+                      samples=tuple(to_sample(t, deadline) for t in trajs))
+        return HeldGroup(group, trajs, [s for _, s in items])
 
-    def held_deliveries(self) -> list[Any]:
-        return [d for slot in self.partial.values() for _, d in slot.values()]
+    def holds(self, task_id: str, policy: str) -> bool:
+        return (task_id, policy) in self.partial
 
-
-@dataclass
-class Ledger:
-    """Every task's fate: trained, filtered (by reason), dropped at serving (by reason), failed."""
-
-    issued: int = 0
-    skipped: Counter[str] = field(default_factory=Counter)  # curator decisions, not issued
-    fates: Counter[str] = field(default_factory=Counter)
-
-    def record(self, fate: str, n: int = 1) -> None:
-        self.fates[fate] += n
-
-    def state(self) -> dict[str, Any]:
-        return {"issued": self.issued, "skipped": dict(self.skipped), "fates": dict(self.fates)}
-
-    def load_state(self, s: dict[str, Any]) -> None:
-        self.issued = int(s.get("issued", 0))
-        self.skipped = Counter(s.get("skipped", {}))
-        self.fates = Counter(s.get("fates", {}))
-
-    def settled(self) -> int:
-        return sum(self.fates.values())
+    def held_traj_ids(self) -> list[str]:
+        return [t.traj_id for slot in self.partial.values() for t, _ in slot.values()]

@@ -1,61 +1,62 @@
 """The dataflow worker: feed tasks, ingest trajectories, apply data algorithms, serve batches.
 
-One loop, plain and explicit (STYLE 6):
+One loop, plain and explicit (STYLE 6); each turn:
 
-1. read each policy's current trainer version (run-state KV, written by trainers);
-2. top up tasks while the number in flight stays under the staleness budget and the task
-   stream's measured lag stays under its bound;
-3. pull trajectories, route them by policy, assemble groups, run curator feedback and filters;
-4. per policy, serve batches while that trainer's measured backlog is under its bound; ack the
-   trajectories of a group only once the batch holding it is stored;
-5. keep held deliveries alive (``in_progress``), heartbeat, persist counters.
+1. apply what the plane reported: weight announcements (versions, trained batches), failed
+   tasks and batches (DLQ, max deliveries), heartbeats (live nodes, trainer wait);
+2. top up tasks — ``async``: while tasks in flight or buffered stay under the staleness budget
+   and the task stream's measured lag under its bound; ``sync``: one batch worth per version,
+   only once every task of the last one is back and its batch is trained;
+3. pull trajectories, route them by policy to their lane, assemble groups, apply the deadline's
+   late policy, curator feedback and filters;
+4. per lane, serve batches while that trainer's measured backlog is under its bound: write the
+   batch ahead to the KV, publish it (``Nats-Msg-Id`` = batch id), then let its trajectories go;
+5. write fate records and the state to the KV, and only then ack what was settled.
 
-Policies progress independently: each has its own buffer, plug-in pipeline, batch subject
-and backlog; one slow trainer never holds back another's batches.
+Acks always follow the durable write of the state that explains them, so a dataflow killed at
+any point loses nothing and batches nothing twice: its successor restores the state, rebuilds a
+batch it finds planned (the server drops the copy if the first publication landed), acks and
+ignores redelivered trajectories of tasks already settled, and reassembles the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import signal
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 import numpy as np
 
-from astraflow.algorithms import Context, Pipeline, PromptItem, build_pipeline
+from astraflow.algorithms import Context, PromptItem, build_pipeline
 from astraflow.config import Recipe
-from astraflow.dataflow.groups import Assembler, HeldGroup, Ledger
+from astraflow.dataflow.groups import Assembler, HeldGroup
+from astraflow.dataflow.lane import PolicyLane
+from astraflow.dataflow.ledger import Ledger
+from astraflow.dataflow.pool import PoolAdvisor
+from astraflow.dataflow.watch import BatchFailed, TaskFailed, Trained, Watch, fetch_trajectories
 from astraflow.runtime import every, stop_event
 from astraflow.streams.messages import Batch, Heartbeat, Task, Trajectory
-from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.tasks import Problem, load_split
 
 log = logging.getLogger(__name__)
+STATE_KEY = "dataflow"
+_crossed: Counter[str] = Counter()
 
 
-class PolicyLane:
-    """Everything the dataflow keeps for one policy."""
-
-    def __init__(self, name: str, pipeline: Pipeline) -> None:
-        self.name = name
-        self.pipeline = pipeline
-        self.buffer: list[HeldGroup] = []
-        self.recent: OrderedDict[str, HeldGroup] = OrderedDict()  # trained groups, for replay
-        self.ledger = Ledger()
-        self.version = 0
-        self.batch_seq = 0
-        self.stats: dict[str, float] = {}
-
-    def state(self) -> dict[str, Any]:
-        return {"batch_seq": self.batch_seq, "ledger": self.ledger.state(), "pipeline": self.pipeline.state()}
-
-    def load_state(self, s: dict[str, Any]) -> None:
-        self.batch_seq = s["batch_seq"]
-        self.ledger.load_state(s["ledger"])
-        self.pipeline.load_state(s["pipeline"])
+def crash_point(name: str) -> None:
+    """Fault injection for durability tests: ``ASTRAFLOW_DATAFLOW_CRASH=name:n`` SIGKILLs this
+    process the n-th time it passes ``name`` (``batch_planned``, ``batch_published``)."""
+    point, _, nth = os.environ.get("ASTRAFLOW_DATAFLOW_CRASH", "").partition(":")
+    if point == name:
+        _crossed[name] += 1
+        if _crossed[name] == int(nth or 1):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Dataflow:
@@ -64,39 +65,117 @@ class Dataflow:
         self.cfg = recipe.dataflow
         self.plane = plane
         self.primary = recipe.primary
-        self.lanes = {p: PolicyLane(p, build_pipeline(self.cfg.algorithms)) for p in recipe.policy_names}
+        self.lanes = {p: PolicyLane(p, build_pipeline(self.cfg.algorithms), p == recipe.primary) for p in recipe.policy_names}
         self.train, _ = load_split(recipe.data)
         self.rng = random.Random(recipe.data.seed)
         self.assembler = Assembler()
         self.task_seq = 0
         self.cursor = 0
-        self.in_flight: set[str] = set()
+        self.open: dict[str, float | None] = {}  # issued, primary group not complete: task -> deadline
+        self.deadlines: OrderedDict[str, float] = OrderedDict()  # recent tasks' deadlines, for every lane
+        self.issuing: list[dict[str, Any]] = []  # tasks written ahead of their publication
+        self.handles: dict[str, Delivery[Trajectory]] = {}  # held trajectories: traj_id -> latest delivery
+        self.to_ack: list[Delivery[Trajectory]] = []  # settled; acked after the next durable write
+        self.records: list[tuple[str, dict[str, Any]]] = []  # per-task fate records, written before the state
+        self.dirty = False
+        self.stats: Counter[str] = Counter()
+        self.watch = Watch(plane, recipe.rollout.pool)
+        self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, self.cfg.autoscale)
 
     @property
     def ledger(self) -> Ledger:
         """Task accounting of the primary policy (the one tasks are issued for)."""
         return self.lanes[self.primary].ledger
 
+    def accounting(self) -> dict[str, dict[str, Any]]:
+        return {p: lane.accounting(len(self.open) if lane.primary else 0) for p, lane in self.lanes.items()}
+
     # ------------------------------------------------------------ state
     def _state(self) -> dict[str, Any]:
-        return {"task_seq": self.task_seq, "cursor": self.cursor, "in_flight": sorted(self.in_flight),
-                "lanes": {p: lane.state() for p, lane in self.lanes.items()}, "ledger": self.ledger.state()}
-
-    async def restore(self) -> None:
-        s = await self.plane.state_get("dataflow")
-        if not s:
-            return
-        self.task_seq, self.cursor, self.in_flight = s["task_seq"], s["cursor"], set(s["in_flight"])
-        for p, lane_state in s["lanes"].items():
-            if p in self.lanes:
-                self.lanes[p].load_state(lane_state)
-        log.info("dataflow restored: %d tasks issued", self.ledger.issued)
+        return {"task_seq": self.task_seq, "cursor": self.cursor, "open": dict(self.open), "deadlines": dict(self.deadlines),
+                "issuing": list(self.issuing), "lanes": {p: lane.state() for p, lane in self.lanes.items()},
+                "accounting": self.accounting(), "pool": self.recipe.rollout.pool, "mode": self.cfg.mode, "ts": time.time()}
 
     async def persist(self) -> None:
-        await self.plane.state_put("dataflow", self._state())
+        await self.plane.state_put(STATE_KEY, self._state())
+        self.dirty = False
 
-    def ctx(self) -> Context:
-        return Context(now=time.time(), versions={p: lane.version for p, lane in self.lanes.items()}, max_staleness=self.cfg.max_staleness)
+    async def start(self) -> None:
+        """Follow the plane, restore the last state, finish what the last dataflow left half done."""
+        await self.watch.start()
+        s = await self.plane.state_get(STATE_KEY)
+        if not s:
+            return
+        self.task_seq, self.cursor = int(s["task_seq"]), int(s["cursor"])
+        self.open = {t: d for t, d in s.get("open", {}).items()}
+        self.deadlines = OrderedDict((t, float(d)) for t, d in s.get("deadlines", {}).items())
+        for p, lane_state in s.get("lanes", {}).items():
+            if p in self.lanes:
+                fresh = self.lanes[p].load_state(lane_state)
+                if fresh:
+                    log.warning("lane %s: plug-ins without saved state start fresh: %s", p, fresh)
+        for t in s.get("issuing", []):  # written ahead, maybe never published: publish again (deduplicated)
+            task = Task.model_validate(t)
+            await self.plane.publish(self.plane.names.task(task.workflow), task, msg_id=task.task_id)
+        for lane in self.lanes.values():
+            for batch_id, plan in list(lane.plans.items()):
+                await self._republish(lane, batch_id, plan)
+        await self.persist()
+        log.info("dataflow restored: %d tasks issued, %d in flight, %s", self.ledger.issued, len(self.open),
+                 {p: lane.batch_seq for p, lane in self.lanes.items()})
+
+    async def _republish(self, lane: PolicyLane, batch_id: str, plan: dict[str, Any]) -> None:
+        trajs = await fetch_trajectories(self.plane, plan["seqs"])
+        batch = Batch(batch_id=batch_id, policy=lane.name, trajectories=trajs, advantages=np.asarray(plan["advantages"], "<f4").tobytes(),
+                      task_ids=plan["groups"], created_at=plan["created_at"])
+        await self.plane.publish(self.plane.names.batch(lane.name), batch, msg_id=batch_id)
+        del lane.plans[batch_id]
+        self.stats["republished_batches"] += 1
+        log.info("batch %s was planned before the restart: published again (the server keeps one copy)", batch_id)
+
+    def ctx(self, now: float | None = None) -> Context:
+        return Context(now=now or time.time(), versions={p: lane.version for p, lane in self.lanes.items()}, max_staleness=self.cfg.max_staleness)
+
+    async def refresh_versions(self) -> None:
+        """Read each trainer's version from the KV (a driver that does not run ``start``'s watch)."""
+        for p, lane in self.lanes.items():
+            lane.version = max(lane.version, int(await self.plane.state_get(f"version.{p}", 0)))
+
+    # ------------------------------------------------------------ plane events
+    def apply_events(self) -> None:
+        events, beats = self.watch.drain()
+        for e in events:
+            if isinstance(e, Trained) and e.policy in self.lanes:
+                lane = self.lanes[e.policy]
+                lane.version = max(lane.version, e.version)
+                for batch_id in e.batch_ids:
+                    for task_id in lane.trained(batch_id):
+                        self._record(lane.name, task_id, "trained", batch=batch_id, version=e.version)
+                        if lane.primary:
+                            self.stats["groups_trained"] += 1
+            elif isinstance(e, TaskFailed) and e.policy in self.lanes and e.task_id in self.open:
+                del self.open[e.task_id]
+                lane = self.lanes[e.policy]
+                for key in [k for k in self.assembler.partial if k[0] == e.task_id]:  # what came back of it
+                    self._release([t.traj_id for t, _ in self.assembler.partial.pop(key).values()])
+                lane.settle(e.task_id, f"failed:{e.reason}")
+                self._record(lane.name, e.task_id, f"failed:{e.reason}", error=e.detail)
+            elif isinstance(e, BatchFailed) and e.policy in self.lanes:
+                tasks = self.lanes[e.policy].awaiting.pop(e.batch_id, [])
+                self.lanes[e.policy].ledger.record("failed:train", len(tasks))
+                for task_id in tasks:
+                    self._record(e.policy, task_id, "failed:train", batch=e.batch_id, error=e.detail)
+        now = time.time()
+        for hb in beats:
+            self.pool.seen(hb, now)
+
+    def _record(self, policy: str, task_id: str, fate: str, **extra: Any) -> None:
+        self.records.append((f"fate.{policy}.{task_id}", {"fate": fate, **extra, "ts": time.time()}))
+        self.dirty = True
+
+    def _release(self, traj_ids: list[str]) -> None:
+        """These trajectories' fate is decided: ack them once it is durable."""
+        self.to_ack.extend(self.handles.pop(t) for t in traj_ids if t in self.handles)
 
     # ------------------------------------------------------------ tasks
     def _next_problem(self) -> Problem:
@@ -107,22 +186,36 @@ class Dataflow:
         return self.train[order[i]]
 
     def task_budget(self) -> int:
-        """Tasks we may still issue: (max_staleness + 1) batches' worth in flight or buffered, at most the cap."""
+        """async: tasks we may still issue: (max_staleness + 1) batches' worth in flight or buffered, at most the cap."""
         staleness_cap = (self.cfg.max_staleness + 1) * self.cfg.groups_per_batch
         cap = min(self.cfg.max_tasks_in_flight, staleness_cap)
-        return cap - len(self.in_flight) - len(self.lanes[self.primary].buffer)
+        return cap - len(self.open) - len(self.lanes[self.primary].kept)
+
+    def sync_release(self) -> int:
+        """sync: a batch worth once everything released before is back and trained, else nothing."""
+        if self.open or self.issuing or self.assembler.partial:
+            return 0
+        if any(lane.awaiting or lane.plans for lane in self.lanes.values()):
+            return 0
+        return max(0, self.cfg.groups_per_batch - len(self.lanes[self.primary].kept))
 
     async def top_up(self) -> None:
-        budget = self.task_budget()
+        if self.cfg.mode == "sync":
+            budget = self.sync_release()
+        else:
+            budget = self.task_budget()
+            if budget > 0:
+                lag = await self.plane.lag(self.plane.names.task_stream, self.plane.names.pool_consumer(self.recipe.rollout.pool))
+                budget = min(budget, self.cfg.max_tasks_in_flight - lag.pending)
         if budget <= 0:
             return
-        lag = await self.plane.lag(self.plane.names.task_stream, self.plane.names.pool_consumer(self.recipe.rollout.pool))
-        budget = min(budget, self.cfg.max_tasks_in_flight - lag.pending)
         lane, ctx = self.lanes[self.primary], self.ctx()
-        min_versions = {p: max(0, v - self.cfg.max_staleness) for p, v in ctx.versions.items()}
-        items = []
+        lag_allowed = 0 if self.cfg.mode == "sync" else self.cfg.max_staleness
+        min_versions = {p: max(0, v - lag_allowed) for p, v in ctx.versions.items()}
+        timeout = self.cfg.task_timeout_s
+        tasks: list[Task] = []
         tries = 0
-        while len(items) < budget and tries < len(self.train):
+        while len(tasks) < budget and tries < len(self.train):
             tries += 1
             p = self._next_problem()
             d = lane.pipeline.select(PromptItem(p.prompt_id, self.primary, meta=p.meta), ctx, self.rng)
@@ -130,121 +223,213 @@ class Dataflow:
                 lane.ledger.skipped[d.reason or "skipped"] += 1
                 continue
             self.task_seq += 1
-            task = Task(task_id=f"t{self.task_seq:08d}", workflow=self.recipe.workflow, policy=self.primary,
-                        prompt_id=p.prompt_id, prompt=p.prompt, group_size=self.cfg.group_size, meta=p.meta, min_versions=min_versions)
-            items.append((self.plane.names.task(task.workflow), task, task.task_id))
-        if items:
-            await self.plane.publish_many(items)
-            self.in_flight.update(t.task_id for _, t, _ in items)
-            lane.ledger.issued += len(items)
-            await self.persist()
+            tasks.append(Task(task_id=f"t{self.task_seq:08d}", workflow=self.recipe.workflow, policy=self.primary,
+                              prompt_id=p.prompt_id, prompt=p.prompt, group_size=self.cfg.group_size, meta=p.meta,
+                              min_versions=min_versions, deadline=ctx.now + timeout if timeout else None))
+        if not tasks:
+            return
+        for t in tasks:
+            self.open[t.task_id] = t.deadline
+            if t.deadline is not None:
+                self.deadlines[t.task_id] = t.deadline
+        while len(self.deadlines) > 4096:
+            self.deadlines.popitem(last=False)
+        lane.ledger.issued += len(tasks)
+        self.issuing = [t.model_dump(mode="json") for t in tasks]
+        await self.persist()  # write-ahead: a successor publishes these again under the same ids
+        await self.plane.publish_many([(self.plane.names.task(t.workflow), t, t.task_id) for t in tasks])
+        self.issuing = []
+        self.dirty = True
 
     # ------------------------------------------------------------ trajectories
-    async def ingest(self, sub: Any) -> int:
-        deliveries = await self.plane.pull(sub, Trajectory, batch=256, timeout=0.2)
+    async def ingest(self, sub: Any, timeout: float = 0.1) -> int:
+        deliveries = await self.plane.pull(sub, Trajectory, batch=256, timeout=timeout)
         for d in deliveries:
-            if d.msg.policy not in self.lanes:
-                await self.plane.reject(d.raw.subject, d.raw.data, f"unknown policy {d.msg.policy!r}; run has {list(self.lanes)}")
+            t = d.msg
+            lane = self.lanes.get(t.policy)
+            if lane is None:
+                await self.plane.reject(d.raw.subject, d.raw.data, f"unknown policy {t.policy!r}; run has {list(self.lanes)}")
                 await d.term()
                 continue
-            held = self.assembler.add(d.msg, d)
+            if t.task_id in lane.closed:  # settled or batched before (a redelivery after a restart, a late copy)
+                self.to_ack.append(d)
+                self.stats["redelivered_settled"] += 1
+                continue
+            if t.traj_id in self.handles:  # redelivered while we hold it: the newer delivery is the live one
+                self.handles[t.traj_id] = d
+                self.stats["redelivered_held"] += 1
+                continue
+            if t.task_id in lane.buffer:  # another sample for a complete group
+                self.to_ack.append(d)
+                self.stats["duplicates"] += 1
+                continue
+            deadline = self.deadlines.get(t.task_id) if self.cfg.late_policy == "drop" else None
+            held = self.assembler.add(t, d.raw.metadata.sequence.stream, deadline)
             if held is False:
-                await d.ack()  # a duplicate of something we already hold or settled
-            elif held is not None:
-                await self._complete(held)
+                self.to_ack.append(d)
+                self.stats["duplicates"] += 1
+                continue
+            self.handles[t.traj_id] = d
+            if held is not None:
+                self._complete(lane, held)
         return len(deliveries)
 
-    async def _complete(self, held: HeldGroup) -> None:
-        lane = self.lanes[held.group.policy]
-        if held.group.policy == self.primary:
-            self.in_flight.discard(held.group.task_id)
-        ctx = self.ctx()
-        lane.pipeline.observe(held.group, ctx)
-        d = lane.pipeline.keep(held.group, ctx)
-        if d.keep:
-            lane.buffer.append(held)
+    def _complete(self, lane: PolicyLane, held: HeldGroup) -> None:
+        task_id = held.task_id
+        self.dirty = True
+        if lane.primary:
+            self.open.pop(task_id, None)
+        if task_id in lane.kept:  # kept before a restart: straight back into the buffer, counted and hooked already
+            held.weight = lane.kept[task_id]
+            lane.keep(held)
             return
-        lane.ledger.record(f"filtered:{d.reason}")
-        await asyncio.gather(*(x.ack() for x in held.deliveries))
+        lane.ledger.received += 1
+        now = time.time()
+        ctx = self.ctx(now)
+        lane.pipeline.observe(held.group, ctx)
+        deadline = self.deadlines.get(task_id)
+        late = deadline is not None and now > deadline
+        if late and self.cfg.late_policy == "drop":
+            lane.ledger.late["dropped"] += 1
+            return self._settle(lane, held, "dropped:expired")
+        decision = lane.pipeline.keep(held.group, ctx)
+        if not decision.keep:
+            return self._settle(lane, held, f"filtered:{decision.reason}")
+        if late:
+            if self.cfg.late_policy == "downweight":
+                held.weight = self.cfg.late_weight
+                lane.ledger.late["downweighted"] += 1
+            else:
+                lane.ledger.late["kept"] += 1
+        lane.keep(held)
+
+    def _settle(self, lane: PolicyLane, held: HeldGroup, fate: str) -> None:
+        lane.settle(held.task_id, fate)
+        self._release(held.traj_ids)
+        self._record(lane.name, held.task_id, fate)
 
     # ------------------------------------------------------------ batches
     async def serve(self) -> None:
+        """Serve every lane, then make the outcome durable and ack what it settled."""
         for lane in self.lanes.values():
             await self._serve_lane(lane)
+        await self.flush()
+
+    async def _held(self, lane: PolicyLane, group: Any) -> HeldGroup | None:
+        """A batch group: fresh from the buffer, or replayed from memory (read back from the stream after a restart)."""
+        held = lane.buffer.get(group.task_id) or lane.recent.get(group.task_id)
+        if held is None:
+            seqs = lane.recent_seqs.get(group.task_id)
+            if seqs is None:  # a replay memory larger than what the lane remembers: serve the batch without it
+                log.warning("lane %s: replayed group %s is no longer remembered; left out of the batch", lane.name, group.task_id)
+                self.stats["replay_missing"] += 1
+                return None
+            held = HeldGroup(group, await fetch_trajectories(self.plane, seqs), seqs)
+            lane.recent[group.task_id] = held
+        return held
 
     async def _serve_lane(self, lane: PolicyLane) -> None:
         n = self.cfg.groups_per_batch
         names = self.plane.names
         while len(lane.buffer) >= n:
             lag = await self.plane.lag(names.batch_stream, names.trainer_consumer(lane.name))
+            lane.backlog = lag.pending
             if lag.pending >= self.cfg.max_batch_backlog:
                 lane.stats["backpressure"] = lane.stats.get("backpressure", 0) + 1
                 return
-            by_id = {h.group.task_id: h for h in lane.buffer}
-            result = lane.pipeline.serve([h.group for h in lane.buffer], n, self.ctx(), self.rng)
+            result = lane.pipeline.serve([h.group for h in lane.buffer.values()], n, self.ctx(), self.rng)
             for task_id, reason in result.dropped:
-                held = by_id.pop(task_id)
-                lane.ledger.record(f"dropped:{reason}")
-                await asyncio.gather(*(x.ack() for x in held.deliveries))
-            gone = {t for t, _ in result.dropped} | set(result.taken)
-            lane.buffer = [h for h in lane.buffer if h.group.task_id not in gone]
+                self._settle(lane, lane.buffer[task_id], f"dropped:{reason}")
             if not result.batch:
-                continue
-            chosen = [by_id.get(g.task_id) or lane.recent[g.task_id] for g in result.batch]
-            advantages = [a for h in chosen for a in lane.pipeline.advantages(h.group)]
+                if result.dropped:
+                    continue
+                return
+            chosen = [h for g in result.batch if (h := await self._held(lane, g)) is not None]
+            advantages = [a * h.weight for h in chosen for a in lane.pipeline.advantages(h.group)]
             lane.batch_seq += 1
             batch = Batch(batch_id=f"{lane.name}-b{lane.batch_seq:06d}", policy=lane.name,
                           trajectories=[t for h in chosen for t in h.trajectories],
-                          advantages=np.asarray(advantages, np.float32), task_ids=[h.group.task_id for h in chosen])
+                          advantages=np.asarray(advantages, "<f4").tobytes(), task_ids=[h.task_id for h in chosen])
+            taken_ids = set(result.taken)
+            taken = [h for h in chosen if h.task_id in taken_ids]
+            lane.plan(batch.batch_id, chosen, list(result.taken), advantages, batch.created_at)
+            lane.ledger.replayed += len(chosen) - len(taken)
+            for h in taken:
+                self._record(lane.name, h.task_id, "batched", batch=batch.batch_id)
+            await self.persist()  # write-ahead: the plan is durable before the batch exists
+            crash_point("batch_planned")
             await self.plane.publish(names.batch(lane.name), batch, msg_id=batch.batch_id)
-            for task_id in result.taken:
-                held = by_id[task_id]
-                await asyncio.gather(*(x.ack() for x in held.deliveries))
-                lane.recent[task_id] = held
-                lane.ledger.record("trained")
-            while len(lane.recent) > 512:
-                lane.recent.popitem(last=False)
-            lane.stats["batch_reward"] = float(np.mean([t.reward or 0.0 for h in chosen for t in h.trajectories]))
+            crash_point("batch_published")
+            del lane.plans[batch.batch_id]
+            for h in taken:
+                self._release(h.traj_ids)
+            lane.stats["batch_reward"] = float(np.mean([t.reward or 0.0 for t in batch.trajectories]))
+            self.dirty = True
+
+    # ------------------------------------------------------------ durability
+    async def flush(self) -> None:
+        """Fate records, then the state, then the acks they explain."""
+        if self.records:
+            records, self.records = self.records, []
+            await asyncio.gather(*(self.plane.state_put(key, value) for key, value in records))
+        if self.dirty:
             await self.persist()
+        if self.to_ack:
+            acks, self.to_ack = self.to_ack, []
+            await asyncio.gather(*(d.ack() for d in acks))
 
-    # ------------------------------------------------------------ liveness
     async def keep_alive(self) -> None:
-        held = self.assembler.held_deliveries() + [d for lane in self.lanes.values() for h in lane.buffer for d in h.deliveries]
-        await asyncio.gather(*(d.in_progress() for d in held))
+        await asyncio.gather(*(d.in_progress() for d in list(self.handles.values())), return_exceptions=True)
 
-    async def refresh_versions(self) -> None:
-        for p, lane in self.lanes.items():
-            lane.version = int(await self.plane.state_get(f"version.{p}", 0))
+    # ------------------------------------------------------------ advice and heartbeats
+    async def measure(self, every_s: float = 0.25) -> None:
+        await self.pool.measure(self.lanes, self.ledger.received, self.stats["groups_trained"], every_s)
 
     async def beat(self) -> None:
-        lag = await self.plane.lag(self.plane.names.task_stream, self.plane.names.pool_consumer(self.recipe.rollout.pool))
-        stats: dict[str, float] = {"issued": self.ledger.issued, "in_flight": len(self.in_flight), "task_pending": lag.pending,
-                                   "task_ack_pending": lag.ack_pending}
+        advice, obs = await self.pool.publish()
+        now = time.time()
+        acc = self.accounting()[self.primary]
+        stats: dict[str, float] = {"issued": self.ledger.issued, "in_flight": len(self.open), "buffered": acc["buffered"],
+                                   "batches": self.lanes[self.primary].batch_seq,
+                                   "overdue": sum(1 for d in self.open.values() if d is not None and d < now),
+                                   "autoscale.target": advice.target, "autoscale.nodes": obs.nodes,
+                                   "wait_frac": obs.wait_frac, "produce_rate": obs.produce_rate, "consume_rate": obs.consume_rate,
+                                   **{k: float(v) for k, v in self.stats.items()}}
         for p, lane in self.lanes.items():
-            stats.update({f"{p}.buffered": len(lane.buffer), f"{p}.batches": lane.batch_seq, f"{p}.version": lane.version,
-                          **{f"{p}.fate.{k}": v for k, v in lane.ledger.fates.items()}, **{f"{p}.{k}": v for k, v in lane.stats.items()}})
+            a = lane.accounting(len(self.open) if lane.primary else 0)
+            stats.update({f"{p}.buffered": a["buffered"], f"{p}.awaiting": a["awaiting"], f"{p}.batches": lane.batch_seq,
+                          f"{p}.version": lane.version, f"{p}.backlog": lane.backlog, f"{p}.wait_frac": self.pool.wait_frac(p),
+                          **{f"{p}.fate.{k}": v for k, v in a["fates"].items()}, **{f"{p}.late.{k}": v for k, v in a["late"].items()},
+                          **{f"{p}.{k}": v for k, v in lane.stats.items()}})
         await self.plane.beat(Heartbeat(role="dataflow", worker_id=self.plane.worker_id, policy=self.primary,
                                         version=self.lanes[self.primary].version, stats=stats), "dataflow")
+
+    # ------------------------------------------------------------ the loop
+    async def step(self, sub: Any) -> None:
+        self.apply_events()
+        await self.top_up()
+        await self.ingest(sub)
+        await self.measure()
+        await self.serve()
 
 
 async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "dataflow") -> None:
     plane = await Plane.connect(nats, run, worker_id)
-    topo = recipe.topology()
-    await plane.ensure_topology(topo)
+    await plane.ensure_topology(recipe.topology())
     df = Dataflow(recipe, plane)
-    await df.restore()
+    await df.start()
     stop = stop_event()
-    sub = await plane.subscribe(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
-    side = [asyncio.create_task(every(2.0, df.beat, stop)), asyncio.create_task(every(topo.traj_ack_wait / 3, df.keep_alive, stop))]
-    log.info("dataflow up for run %s, policies %s", run, list(df.lanes))
+    names = plane.names
+    sub = await plane.subscribe(names.traj_stream, names.DATAFLOW_CONSUMER)
+    ack_wait = (await plane.jsm.consumer_info(names.traj_stream, names.DATAFLOW_CONSUMER)).config.ack_wait or 30.0
+    side = [asyncio.create_task(every(2.0, df.beat, stop)), asyncio.create_task(every(ack_wait / 3, df.keep_alive, stop))]
+    log.info("dataflow up for run %s (%s), policies %s", run, recipe.dataflow.mode, list(df.lanes))
     try:
         while not stop.is_set():
-            await df.refresh_versions()
-            await df.top_up()
-            await df.ingest(sub)
-            await df.serve()
+            await df.step(sub)
     finally:
         stop.set()
         await asyncio.gather(*side, return_exceptions=True)
-        await df.persist()
+        await df.flush()
+        await df.watch.stop()
         await plane.close()  # held trajectories stay unacked: the next dataflow gets them again

@@ -1,0 +1,122 @@
+"""Task accounting: every issued task ends in exactly one fate, and the counts add up.
+
+Per policy lane, a task's group is, at any moment, in exactly one of:
+
+    in flight   issued, its group not complete yet (primary lane only: tasks are issued for it)
+    buffered    complete and kept, waiting to be served
+    awaiting    in a published batch the trainer has not announced yet
+    trained     in a batch the trainer trained (``WeightVersion.batch_ids``)
+    filtered:R  dropped by a filter after rollout (R: the filter's reason)
+    dropped:R   dropped at serving (``stale``) or past its deadline (``expired``)
+    failed:R    the task itself failed (a rollout node sent it to the DLQ, or it ran out of deliveries)
+
+so ``issued = in_flight + buffered + awaiting + sum(fates)`` on the primary lane, and
+``received = buffered + awaiting + sum(fates without failed)`` on the others (their groups
+arrive as a side effect of the primary's tasks). ``account`` computes the table both the
+heartbeat and ``astraflow status`` show. Pure bookkeeping, no I/O.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+_SEQ = re.compile(r"^t(\d{1,12})$")
+
+
+class IdSet:
+    """A set of task ids, compact for ours (``t%08d``): sorted disjoint ranges; others in a plain set."""
+
+    def __init__(self) -> None:
+        self.los: list[int] = []
+        self.his: list[int] = []
+        self.other: set[str] = set()
+
+    @staticmethod
+    def _num(task_id: str) -> int | None:
+        m = _SEQ.match(task_id)
+        return int(m.group(1)) if m else None
+
+    def __contains__(self, task_id: str) -> bool:
+        n = self._num(task_id)
+        if n is None:
+            return task_id in self.other
+        i = bisect.bisect_right(self.los, n) - 1
+        return i >= 0 and self.his[i] >= n
+
+    def add(self, task_id: str) -> None:
+        n = self._num(task_id)
+        if n is None:
+            self.other.add(task_id)
+            return
+        i = bisect.bisect_right(self.los, n) - 1  # the range starting at or before n
+        if i >= 0 and self.his[i] >= n:
+            return
+        joins_left = i >= 0 and self.his[i] == n - 1
+        joins_right = i + 1 < len(self.los) and self.los[i + 1] == n + 1
+        if joins_left and joins_right:
+            self.his[i] = self.his[i + 1]
+            del self.los[i + 1], self.his[i + 1]
+        elif joins_left:
+            self.his[i] = n
+        elif joins_right:
+            self.los[i + 1] = n
+        else:
+            self.los.insert(i + 1, n)
+            self.his.insert(i + 1, n)
+
+    def __len__(self) -> int:
+        return sum(h - lo + 1 for lo, h in zip(self.los, self.his)) + len(self.other)
+
+    def state(self) -> dict[str, Any]:
+        return {"ranges": [[lo, h] for lo, h in zip(self.los, self.his)], "other": sorted(self.other)}
+
+    def load_state(self, s: dict[str, Any]) -> None:
+        self.los = [int(lo) for lo, _ in s.get("ranges", [])]
+        self.his = [int(h) for _, h in s.get("ranges", [])]
+        self.other = set(s.get("other", []))
+
+
+@dataclass
+class Ledger:
+    """Counters of one policy lane (the live states are held by the lane itself)."""
+
+    issued: int = 0  # tasks issued for this policy (primary lane)
+    received: int = 0  # groups that completed into this lane
+    skipped: Counter[str] = field(default_factory=Counter)  # curator decisions: prompts never issued
+    fates: Counter[str] = field(default_factory=Counter)  # trained / filtered:R / dropped:R / failed:R
+    late: Counter[str] = field(default_factory=Counter)  # late groups by what the late policy did
+    replayed: int = 0  # replayed groups served again (not fates: the group was trained once already)
+
+    def record(self, fate: str, n: int = 1) -> None:
+        self.fates[fate] += n
+
+    def state(self) -> dict[str, Any]:
+        return {"issued": self.issued, "received": self.received, "skipped": dict(self.skipped),
+                "fates": dict(self.fates), "late": dict(self.late), "replayed": self.replayed}
+
+    def load_state(self, s: dict[str, Any]) -> None:
+        self.issued = int(s.get("issued", 0))
+        self.received = int(s.get("received", 0))
+        self.skipped = Counter(s.get("skipped", {}))
+        self.fates = Counter(s.get("fates", {}))
+        self.late = Counter(s.get("late", {}))
+        self.replayed = int(s.get("replayed", 0))
+
+    def settled(self) -> int:
+        return sum(self.fates.values())
+
+
+def account(ledger: Ledger, primary: bool, in_flight: int, buffered: int, awaiting: int) -> dict[str, Any]:
+    """The accounting table of one lane; ``adds_up`` says whether the states sum to the total."""
+    total_name, total = ("issued", ledger.issued) if primary else ("received", ledger.received)
+    fates = dict(sorted(ledger.fates.items()))
+    counted = (in_flight if primary else 0) + buffered + awaiting + sum(fates.values())
+    if not primary:  # a failed task never delivers a group to a secondary lane
+        counted -= sum(n for f, n in fates.items() if f.startswith("failed:"))
+    return {total_name: total, "in_flight": in_flight if primary else 0, "buffered": buffered, "awaiting": awaiting,
+            "fates": fates, "late": dict(ledger.late), "skipped": dict(ledger.skipped), "replayed": ledger.replayed,
+            "adds_up": counted == total}

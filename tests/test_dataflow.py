@@ -1,0 +1,359 @@
+"""The dataflow service against a real nats-server, with scripted rollout nodes and trainers in-process.
+
+Regulation (task budget, trainer backlog, staleness, deadlines), per-policy routing,
+accounting, synchronous mode, autoscale publication and restart. Nothing waits on wall time:
+helpers step the service loop until a condition holds, with a bound on the number of turns.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from astraflow.config import parse_recipe
+from astraflow.dataflow.autoscale import Meter
+from astraflow.dataflow.service import STATE_KEY, Dataflow
+from astraflow.streams.codec import decode
+from astraflow.streams.messages import Batch, Heartbeat, Task, Trajectory, WeightVersion
+from astraflow.streams.plane import NatsOptions, Plane, Topology
+
+Reward = Callable[[Task, str, int], float]
+
+
+def recipe(policies: tuple[str, ...] = ("solver",), **dataflow: Any):
+    df = {"group_size": 2, "groups_per_batch": 2, "max_tasks_in_flight": 8, "max_staleness": 2, "max_batch_backlog": 2, **dataflow}
+    return parse_recipe({"name": "t", "policies": list(policies), "data": {"n_train": 60, "n_eval": 10}, "dataflow": df})
+
+
+def varied(task: Task, policy: str, i: int) -> float:
+    return float(i % 2)  # rewards differ within every group
+
+
+class Harness:
+    """One dataflow plus scripted nodes and trainers, each its own connection to the plane."""
+
+    def __init__(self, url: str, run: str, r: Any) -> None:
+        self.url, self.run, self.recipe = url, run, r
+        self.versions = {p: 0 for p in r.policy_names}
+        self.batches: dict[str, list[Batch]] = {p: [] for p in r.policy_names}
+
+    async def start(self) -> "Harness":
+        self.node = await Plane.connect(NatsOptions(url=self.url), self.run, "node")
+        await self.node.ensure_topology(Topology(policies=self.recipe.policy_names, task_ack_wait=2.0, traj_ack_wait=2.0))
+        self.task_sub = await self.node.subscribe(self.node.names.task_stream, "raas")
+        self.trainer = await Plane.connect(NatsOptions(url=self.url), self.run, "trainer")
+        self.batch_subs = {p: await self.trainer.subscribe(self.trainer.names.batch_stream, self.trainer.names.trainer_consumer(p))
+                           for p in self.recipe.policy_names}
+        await self.open_dataflow()
+        return self
+
+    async def open_dataflow(self) -> None:
+        self.plane = await Plane.connect(NatsOptions(url=self.url), self.run, "dataflow")
+        self.df = Dataflow(self.recipe, self.plane)
+        await self.df.start()
+        self.sub = await self.plane.subscribe(self.plane.names.traj_stream, self.plane.names.DATAFLOW_CONSUMER)
+
+    async def kill_dataflow(self) -> None:
+        """Gone without a word: nothing flushed, nothing acked (like SIGKILL)."""
+        await self.df.watch.stop()
+        await self.plane.nc.close()
+
+    async def close(self) -> None:
+        await self.df.watch.stop()
+        for p in (self.plane, self.node, self.trainer):
+            await p.close()
+
+    async def turn(self, n: int = 1) -> None:
+        for _ in range(n):
+            await self.df.step(self.sub)
+
+    async def until(self, cond: Callable[[], bool], turns: int = 60) -> None:
+        for _ in range(turns):
+            if cond():
+                return
+            await self.turn()
+        assert cond(), "condition not reached"
+
+    async def rollout(self, reward: Reward = varied, policies: tuple[str, ...] | None = None, version: int | None = None,
+                      limit: int = 64) -> list[Task]:
+        """Serve the tasks on the pool: one group per policy, tokens of ``version`` (default: the node is current)."""
+        got = await self.node.pull(self.task_sub, Task, batch=limit, timeout=0.3)
+        out = []
+        for d in got:
+            t = d.msg
+            for p in policies or self.recipe.policy_names:
+                v = self.versions[p] if version is None else version
+                out += [(self.node.names.traj(p), Trajectory(
+                    traj_id=f"{t.task_id}.{p}.{i}", task_id=t.task_id, prompt_id=t.prompt_id, policy=p, index=i, group_size=t.group_size,
+                    prompt_ids=np.arange(3), completion_ids=np.arange(4), logprobs=np.full(4, -0.5, np.float32),
+                    versions=np.full(4, v, np.int32), loss_mask=np.ones(4, np.uint8), reward=reward(t, p, i)), None)
+                    for i in range(t.group_size)]
+        await self.node.publish_many(out)
+        for d in got:
+            await d.ack()
+        return [d.msg for d in got]
+
+    async def fail(self, reason: str = "workflow failed 20x: boom") -> list[Task]:
+        """A node gives up on the tasks it pulls: DLQ with the reason, then term."""
+        got = await self.node.pull(self.task_sub, Task, batch=64, timeout=0.3)
+        for d in got:
+            await self.node.reject(d.raw.subject, d.raw.data, reason)
+            await d.term()
+        return [d.msg for d in got]
+
+    async def train(self, policy: str, limit: int = 64) -> list[Batch]:
+        """Take what is queued for ``policy``, announce a version per batch (as a trainer does, last)."""
+        got = await self.trainer.pull(self.batch_subs[policy], Batch, batch=limit, timeout=0.3)
+        for d in got:
+            self.versions[policy] += 1
+            self.batches[policy].append(d.msg)
+            await self.announce(policy, self.versions[policy], [d.msg.batch_id])
+            await d.ack()
+        return [d.msg for d in got]
+
+    async def announce(self, policy: str, version: int, batch_ids: list[str]) -> None:
+        ann = WeightVersion(policy=policy, version=version, encoding="keyframe", state_digest="x", keyframe_version=version,
+                            objects=[], batch_ids=batch_ids)
+        await self.trainer.publish(self.trainer.names.weights(policy), ann, msg_id=f"{policy}-w{version}")
+        await self.trainer.state_put(f"version.{policy}", version)
+        self.versions[policy] = version
+
+    async def pending_tasks(self) -> int:
+        return (await self.node.lag(self.node.names.task_stream, "raas")).pending
+
+    def acc(self, policy: str = "solver") -> dict[str, Any]:
+        return self.df.accounting()[policy]
+
+
+@pytest.fixture
+async def harness(nats_server, run_id, request):
+    h = await Harness(nats_server.url, run_id, request.param).start()
+    yield h
+    await h.close()
+
+
+def with_recipe(**kw: Any):
+    policies = kw.pop("policies", ("solver",))
+    return pytest.mark.parametrize("harness", [recipe(policies, **kw)], indirect=True)
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=10)
+async def test_tasks_in_flight_bounded_by_the_staleness_budget(harness: Harness):
+    await harness.turn(5)
+    assert await harness.pending_tasks() == 4  # (max_staleness + 1) * groups_per_batch, below max_tasks_in_flight
+    await harness.rollout(limit=1)  # one comes back and waits in the buffer: still counts against the budget
+    await harness.turn(5)
+    assert await harness.pending_tasks() == 3 and harness.acc()["buffered"] == 1
+
+
+@with_recipe(max_staleness=50, max_tasks_in_flight=6)
+async def test_tasks_bounded_by_the_measured_task_lag(harness: Harness):
+    foreign = [(harness.node.names.task("single_turn"), Task(task_id=f"x{i}", workflow="single_turn", policy="solver", prompt_id="p",
+                                                           prompt="1+1=", group_size=2), f"x{i}") for i in range(4)]
+    await harness.node.publish_many(foreign)  # not ours, but they sit in the stream the pool reads
+    await harness.turn(5)
+    assert await harness.pending_tasks() == 6 and harness.df.ledger.issued == 2  # the lag allowed two more
+
+
+@with_recipe(policies=("solver", "verifier"), max_batch_backlog=1, max_tasks_in_flight=8, max_staleness=3)
+async def test_policies_route_to_their_own_lanes_and_progress_independently(harness: Harness):
+    for _ in range(8):  # the verifier's trainer is away; the solver's trains
+        await harness.turn(2)
+        await harness.rollout()
+        await harness.turn(2)
+        await harness.train("solver")
+    df = harness.df
+    assert len(harness.batches["solver"]) >= 3  # the solver kept going
+    assert df.lanes["verifier"].batch_seq == 1  # one verifier batch waits: its backlog bound held serving back
+    assert df.lanes["verifier"].stats["backpressure"] > 0
+    for p, batches in harness.batches.items():
+        assert all(t.policy == p for b in batches for t in b.trajectories) and all(b.policy == p for b in batches)
+    await harness.until(lambda: len(df.lanes["verifier"].buffer) >= 2)
+    trained = await harness.train("verifier")  # the verifier's trainer comes back: its lane moves on
+    assert [b.batch_id for b in trained] == ["verifier-b000001"]
+    await harness.until(lambda: df.lanes["verifier"].batch_seq >= 2)
+    solver_tasks = {t for b in harness.batches["solver"] for t in b.task_ids}
+    assert len(solver_tasks) == 2 * len(harness.batches["solver"])  # no group trained twice
+    await harness.until(lambda: df.accounting()["verifier"]["fates"].get("trained", 0) == 2)
+    assert df.accounting()["solver"]["adds_up"] and df.accounting()["verifier"]["adds_up"]
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_stale_groups_are_dropped_at_serving_and_counted(harness: Harness):
+    await harness.turn(2)
+    await harness.rollout(limit=1, version=0)  # one group of v0 tokens waits (a batch needs two)
+    await harness.until(lambda: harness.acc()["buffered"] == 1)
+    await harness.announce("solver", 2, [])  # the trainer moved on (another dataflow's batches, say)
+    await harness.until(lambda: harness.df.lanes["solver"].version == 2)
+    await harness.rollout(limit=2, version=2)
+    await harness.until(lambda: harness.acc()["fates"].get("dropped:stale") == 1)
+    acc = harness.acc()
+    assert acc["adds_up"] and acc["fates"]["dropped:stale"] == 1
+    record = await harness.plane.state_get("fate.solver.t00000001")
+    assert record["fate"] == "dropped:stale"
+
+
+@pytest.mark.parametrize("policy", ["keep", "downweight", "drop"])
+async def test_late_results_follow_the_late_policy(nats_server, run_id, policy: str):
+    # every task's deadline is 1 ms after it is issued: a round trip through the server is always late
+    h = await Harness(nats_server.url, run_id, recipe(task_timeout_s=0.001, late_policy=policy, late_weight=0.25,
+                                                     max_tasks_in_flight=2, max_staleness=0)).start()
+    try:
+        await h.turn(2)
+        assert all(t.deadline and t.deadline > t.created_at for t in await h.rollout())
+        await h.turn(3)
+        late = h.acc()["late"]
+        if policy == "drop":
+            assert late == {"dropped": 2} and h.acc()["fates"] == {"dropped:expired": 2}
+            return
+        await h.until(lambda: h.df.lanes["solver"].batch_seq == 1)
+        (batch,) = await h.train("solver")
+        adv = batch.advantage_array()
+        grpo = 1 / np.sqrt(2)  # rewards 0, 1: (r - mean) / std with the sample std
+        assert np.allclose(np.abs(adv), grpo * (0.25 if policy == "downweight" else 1.0), atol=1e-3)
+        assert late == {"kept" if policy == "keep" else "downweighted": 2}
+    finally:
+        await h.close()
+
+
+@with_recipe(max_tasks_in_flight=8, max_staleness=1, algorithms={"filters": [{"type": "dynamic_sampling"}]})
+async def test_every_task_has_a_fate_and_the_counts_add_up(harness: Harness):
+    await harness.turn(2)
+    await harness.fail()  # the first four fail on the node
+    await harness.turn(2)
+    solved_all: Reward = lambda t, p, i: 1.0  # noqa: E731  zero variance -> filtered
+    await harness.rollout(reward=solved_all, limit=2)
+    await harness.until(lambda: harness.acc()["fates"].get("failed:rollout") == 4)
+    for _ in range(6):
+        await harness.turn(2)
+        await harness.rollout()
+        await harness.turn(2)
+        await harness.train("solver")
+    await harness.until(lambda: harness.acc()["fates"].get("trained", 0) >= 4)
+    acc = harness.acc()
+    assert acc["fates"]["failed:rollout"] == 4 and acc["fates"]["filtered:zero_variance"] == 2
+    assert acc["adds_up"], acc
+    in_states = acc["in_flight"] + acc["buffered"] + acc["awaiting"] + sum(acc["fates"].values())
+    assert in_states == acc["issued"] == harness.df.ledger.issued
+    failed = await harness.plane.state_get("fate.solver.t00000001")
+    assert failed["fate"] == "failed:rollout" and "boom" in failed["error"]
+    batch = harness.batches["solver"][0]
+    trained = await harness.plane.state_get(f"fate.solver.{batch.task_ids[0]}")
+    assert trained == {**trained, "fate": "trained", "batch": batch.batch_id, "version": 1}
+    await harness.df.persist()
+    assert (await harness.plane.state_get(STATE_KEY))["accounting"]["solver"] == acc  # what `astraflow status` shows
+
+
+@with_recipe(mode="sync", max_tasks_in_flight=8, max_staleness=3)
+async def test_sync_mode_releases_one_batch_per_version(harness: Harness):
+    await harness.turn(4)
+    first = await harness.rollout()
+    assert len(first) == 2 and all(t.min_versions == {"solver": 0} for t in first)  # one batch worth, on-policy
+    await harness.until(lambda: harness.df.lanes["solver"].batch_seq == 1)
+    await harness.turn(4)
+    assert await harness.pending_tasks() == 0  # nothing new until the batch is trained
+    await harness.train("solver")
+    await harness.until(lambda: harness.df.ledger.issued == 4)
+    second = await harness.rollout()
+    assert [t.min_versions for t in second] == [{"solver": 1}] * 2
+
+
+@with_recipe(autoscale={"hi": 0.3, "lo": 0.05, "max_step": 1, "window_s": 60})
+async def test_autoscale_advice_is_published(harness: Harness):
+    for i in range(2):  # two live nodes of the pool
+        await harness.node.beat(Heartbeat(role="rollout", worker_id=f"n{i}", pool="raas", stats={"gen_s": 0.0}), "rollout")
+    await harness.until(lambda: len(harness.df.pool.nodes.live_ids(time.time())) == 2)
+    for _ in range(3):  # no trainer has had a batch: it waits all the time
+        await harness.df.measure(every_s=0)
+    got: list[Heartbeat] = []
+
+    async def on_beat(msg: Any) -> None:
+        got.append(decode(msg.data, Heartbeat))
+
+    sub = await harness.node.nc.subscribe(f"af.{harness.run}.hb.dataflow.>", cb=on_beat)
+    await harness.node.nc.flush()
+    await harness.df.beat()
+    advice = await harness.plane.state_get("autoscale.raas")
+    assert advice["nodes"] == 2 and advice["target"] == 3 and advice["action"] == "up" and advice["wait_frac"] == 1.0
+    await harness.until(lambda: bool(got))
+    assert got[0].stats["autoscale.target"] == 3 and got[0].stats["autoscale.nodes"] == 2
+    await sub.unsubscribe()
+    # once the trainer reports its own waiting (cumulative wait_s), its slope is the wait fraction
+    for ts, wait_s in [(1000.0, 0.0), (1010.0, 0.2)]:
+        await harness.trainer.beat(Heartbeat(role="trainer", worker_id="trainer-solver", policy="solver", ts=ts,
+                                             stats={"wait_s": wait_s}), "trainer")
+    await harness.until(lambda: len(harness.df.pool.trainer_wait.get("solver", Meter(1)).samples) == 2)
+    assert harness.df.pool.wait_frac("solver") == pytest.approx(0.02)
+    await harness.df.beat()
+    advice = await harness.plane.state_get("autoscale.raas")
+    assert advice["action"] == "hold" and advice["target"] == 2, json.dumps(advice)  # below lo, but nothing measured says the pool is too big
+
+
+@with_recipe(max_tasks_in_flight=8, max_staleness=3,
+             algorithms={"curators": [{"type": "greso"}], "server": {"type": "replay", "ratio": 0.5, "base": {"type": "fifo"}}})
+async def test_restart_restores_state_and_rebuilds_a_planned_batch(harness: Harness):
+    await harness.turn(2)
+    await harness.rollout(limit=4)
+    await harness.until(lambda: harness.df.lanes["solver"].batch_seq == 2)
+    await harness.train("solver")
+    await harness.turn(2)
+    assert harness.df.lanes["solver"].pipeline.state()["server"][0]["state"]["memory"]  # replay remembers served groups
+    publish = harness.plane.publish
+
+    async def die(*args: Any, **kw: Any) -> None:
+        raise ConnectionError("killed")
+
+    harness.plane.publish = die  # type: ignore[method-assign]
+    await harness.rollout(limit=2)
+    with pytest.raises(ConnectionError):  # the next batch is planned (written ahead), then the dataflow dies publishing it
+        await harness.until(lambda: False, turns=20)
+    harness.plane.publish = publish  # type: ignore[method-assign]
+    saved = (await harness.plane.state_get(STATE_KEY))["lanes"]["solver"]
+    (batch_id,) = saved["plans"]
+    assert saved["pipeline"]["curators"][0]["state"]["window"]["solver"]["n"] > 0  # GRESO has seen groups
+    await harness.kill_dataflow()
+    await harness.open_dataflow()  # restores, then publishes the planned batch under its id
+    after = harness.df.lanes["solver"]
+    assert after.pipeline.state() == saved["pipeline"]  # plug-in state restored exactly
+    assert after.batch_seq == 3 and not after.plans and batch_id in after.awaiting
+    trained = await harness.train("solver")
+    assert [b.batch_id for b in trained] == [batch_id] and len(trained[0].trajectories) == 4  # 1 fresh + 1 replayed group
+    await harness.until(lambda: harness.df.stats["redelivered_settled"] >= 2, turns=80)  # its trajectories come back: ignored
+    for _ in range(4):
+        await harness.turn(2)
+        await harness.rollout()
+        await harness.turn(2)
+        await harness.train("solver")
+    ids = [b.batch_id for b in harness.batches["solver"]]
+    assert len(ids) == len(set(ids))
+    fresh = [t for b in harness.batches["solver"] for t in b.task_ids[:1]]  # replay appends; fresh groups come first
+    assert len(fresh) == len(set(fresh))
+    assert harness.acc()["adds_up"]
+
+
+@with_recipe(max_tasks_in_flight=4, max_staleness=1)
+async def test_status_shows_the_accounting_and_the_advice(harness: Harness):
+    from rich.console import Console
+
+    from astraflow.status import accounting_table, collect
+
+    for _ in range(3):
+        await harness.turn(2)
+        await harness.rollout()
+        await harness.turn(2)
+        await harness.train("solver")
+    await harness.until(lambda: harness.acc()["fates"].get("trained", 0) >= 2)
+    await harness.df.beat()
+    await harness.df.persist()
+    info = await collect(harness.url, harness.run, "solver", listen=0.2)
+    acc = info["accounting"]["solver"]
+    assert acc == harness.acc() and acc["adds_up"]
+    assert info["autoscale"]["pool"] == "raas" and "target" in info["autoscale"]
+    console = Console(record=True, width=120)
+    console.print(accounting_table("solver", acc))
+    text = console.export_text()
+    assert "adds up" in text and f"issued │ {acc['issued']}".replace(" ", "") in text.replace(" ", "")
