@@ -35,9 +35,10 @@ def _opts(nats: str, user: str | None, password: str | None, creds: str | None, 
 
 @app.command()
 def up(
-    recipe: str = typer.Argument(..., help="Recipe YAML or folder (e.g. recipes/arithmetic)."),
+    recipe: Optional[str] = typer.Argument(None, help="Recipe YAML or folder (e.g. recipes/arithmetic)."),
     nats: Optional[str] = NatsUrl,
     run_dir: Optional[Path] = typer.Option(None, help="Run directory (default runs/NAME-TIMESTAMP)."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run kept in this run directory."),
     set_: list[str] = Overrides,
     timeout: float = typer.Option(3600.0, help="Abort the run after this many seconds."),
     autoscale: bool = typer.Option(False, "--autoscale", help="Start and retire local rollout workers toward the dataflow's advised pool size."),
@@ -47,6 +48,13 @@ def up(
     from astraflow.runtime import setup_logging
 
     setup_logging("WARNING")
+    if resume is not None:
+        r = _load(str(resume / "recipe.yaml"), set_)
+        run_up(r, resume, nats, timeout, autoscale, resume=True)
+        return
+    if recipe is None:
+        typer.echo("give a RECIPE, or --resume RUN_DIR", err=True)
+        raise typer.Exit(2)
     r = _load(recipe, set_)
     run_up(r, run_dir or new_run_dir(r), nats, timeout, autoscale)
 

@@ -150,7 +150,7 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
 
     ann_sub = await plane.js.pull_subscribe(plane.names.all("weights"), stream=plane.names.weights_stream,
                                             config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL))
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    metrics_file = open(run_dir / "metrics.jsonl", "w")  # rebuilt from the announcements (all of them on --resume)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
     bars = {p: progress.add_task(f"{p} versions", total=n) for p, n in steps.items()}
     lags: dict[str, int] = {}
@@ -267,10 +267,15 @@ def plot(watch: Watch, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0, autoscale: bool = False) -> dict[str, Any]:
+def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0, autoscale: bool = False,
+       resume: bool = False) -> dict[str, Any]:
+    """Run ``recipe`` in ``run_dir``. ``resume``: continue the run kept there (same run id, same
+    JetStream store when embedded, trainers from their checkpoints, dataflow from its KV state)."""
     run = run_dir.name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / "recipe.yaml"
+    if resume and not recipe_file.exists():
+        raise FileNotFoundError(f"{run_dir} holds no recipe.yaml: not a run directory")
     dump_recipe(recipe, recipe_file)
     server = None if nats_url else EmbeddedServer(run_dir).start()
     opts = NatsOptions(url=nats_url or server.url)  # type: ignore[union-attr]
@@ -279,7 +284,9 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     started = time.monotonic()
     try:
         for p in recipe.policy_names:
-            roles.append(Role(f"trainer-{p}", "trainer", spawn(run_dir, recipe_file, opts, run, "trainer", f"trainer-{p}", ["--policy", p])))
+            ckpt = run_dir / "checkpoints" / p  # exact resume: `astraflow up --resume RUN_DIR`
+            roles.append(Role(f"trainer-{p}", "trainer", spawn(run_dir, recipe_file, opts, run, "trainer", f"trainer-{p}",
+                                                                ["--policy", p, "--checkpoint-dir", str(ckpt)])))
         roles.append(Role("dataflow", "dataflow", spawn(run_dir, recipe_file, opts, run, "dataflow", "dataflow")))
         if recipe.eval.enabled:
             roles.append(Role("evaluator", "evaluator", spawn(run_dir, recipe_file, opts, run, "evaluator", "evaluator")))

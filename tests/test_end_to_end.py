@@ -38,3 +38,21 @@ def test_bad_recipe_names_the_field(repo_root, tmp_path):
         load_recipe(repo_root / "recipes" / "arithmetic", ["trainer.lr=-1"])
     proc = subprocess.run([sys.executable, "-m", "astraflow.cli", "up", str(bad)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "extra_thing" in proc.stderr
+
+
+@pytest.mark.slow
+def test_up_resume_continues_the_run(repo_root, tmp_path):
+    """Stop a run, then `up --resume RUN_DIR`: same embedded store, trainer from its checkpoint, versions continue."""
+    run_dir = tmp_path / "resumable"
+    base = [sys.executable, "-m", "astraflow.cli", "up"]
+    first = base + [str(repo_root / "recipes" / "arithmetic"), "--run-dir", str(run_dir), "--set", "trainer.steps=3",
+                    "--set", "sft.steps=10", "--set", "rollout.nodes=1", "--set", "eval.enabled=false", "--timeout", "300"]
+    proc = subprocess.run(first, capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (run_dir / "checkpoints" / "solver").is_dir()
+    again = base + ["--resume", str(run_dir), "--set", "policies.solver.trainer.steps=5", "--timeout", "300"]
+    proc = subprocess.run(again, capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [0, 1, 2, 3, 4, 5]  # continued, no version reused
+    assert "resum" in (run_dir / "logs" / "trainer-solver.log").read_text().lower()  # from its checkpoint, not from scratch
