@@ -223,6 +223,11 @@ class EvalConfig(Strict):
     enabled: bool = True
     policy: str | None = None
     """Policy to evaluate (default: the first)."""
+    k: int = Field(1, ge=1)
+    """Samples per held-out prompt for ``avg@k`` / ``pass@k`` (1: the greedy answer only). With k > 1 each
+    prompt is also sampled k times at ``temperature``; the greedy ``reward`` is always recorded."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the k samples (the greedy pass ignores it)."""
 
 
 class PlaneConfig(Strict):

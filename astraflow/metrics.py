@@ -38,6 +38,12 @@ class Metrics:
         self._gauges: dict[str, Gauge] = {}
         self._counters: dict[str, Counter] = {}
 
+    def child(self, policy: str) -> "Metrics":
+        """The same role, worker and metrics, labelled with another ``policy`` (a node serving several policies)."""
+        m = Metrics(self.role, policy=policy, worker=self.labels["worker"], registry=self.registry)
+        m._gauges, m._counters = self._gauges, self._counters
+        return m
+
     def set(self, values: Mapping[str, float]) -> None:
         """Set one gauge per key."""
         for key, value in values.items():

@@ -1,8 +1,12 @@
 """Held-out evaluation as its own process: it follows the weight stream and never stalls training.
 
 It steps through versions 0, ``every``, 2·``every``, … and the last, plays each held-out prompt
-once with greedy decoding and records the mean reward in the run-state KV
-(``eval.{policy}.{version}``) where the launcher and ``status`` read it. Single-policy
+once with greedy decoding and records the mean reward (``reward``) in the run-state KV
+(``eval.{policy}.{version}``) where the launcher and ``status`` read it. With ``eval.k`` > 1
+each prompt is also sampled k times at ``eval.temperature``: ``avg@k`` is the mean reward over
+all samples, ``pass@k`` the mean over prompts of the unbiased estimator
+``1 - C(n-c, k) / C(n, k)`` with n = k samples and c of them with reward >= 1 (so: the fraction
+of prompts with at least one passing sample). With k = 1 both equal the greedy numbers. Single-policy
 workflows (single-turn, tools, environments) are evaluated through the recipe's own workflow,
 so a tool-using agent is scored with its tools; multi-policy workflows score the evaluated
 policy's single-turn answers with the recipe's reward.
@@ -12,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from astraflow.config import Recipe
+from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.models import encode_prompt
 from astraflow.rollout.engine import GenerationRequest, SamplingParams, close_engine
 from astraflow.rollout.rewards import get_reward
@@ -36,43 +42,116 @@ def eval_versions(recipe: Recipe) -> list[int]:
 
 
 SINGLE_POLICY_WORKFLOWS = ("single_turn", "multi_turn_tools", "env_http")
+PASS_THRESHOLD = 1.0  # a sample "passes" when its reward is at least this
 
 
-def evaluate_with_workflow(recipe: Recipe, handle: Any, policy: str, problems: list[Any]) -> dict[str, float]:
-    """Each held-out prompt played once, greedily, through the recipe's workflow."""
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with ``c`` passing samples out of ``n``: ``1 - C(n-c, k) / C(n, k)``.
+
+    With ``n == k`` (what the evaluator draws) it is 1 if any sample passed, else 0."""
+    if n <= 0 or c <= 0:
+        return 0.0
+    k = min(k, n)
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def sample_metrics(samples: Sequence[Sequence[float]], k: int, threshold: float = PASS_THRESHOLD) -> dict[str, float]:
+    """``avg@k`` (mean reward over every sample of every prompt) and ``pass@k`` (mean over prompts of
+    :func:`pass_at_k`, a sample passing when its reward >= ``threshold``) from each prompt's sample rewards."""
+    rewards = [r for s in samples for r in s]
+    if not samples or not rewards:
+        return {"avg@k": 0.0, "pass@k": 0.0}
+    passes = [pass_at_k(len(s), sum(r >= threshold for r in s), k) for s in samples]
+    return {"avg@k": sum(rewards) / len(rewards), "pass@k": sum(passes) / len(passes)}
+
+
+def _summary(greedy: list[float], samples: list[list[float]] | None, k: int) -> dict[str, float]:
+    out = {"reward": sum(greedy) / max(1, len(greedy)), "n": float(len(greedy)), "k": float(k)}
+    if samples is not None:
+        out.update(sample_metrics(samples, k))
+    else:  # k == 1: the greedy answer is the only sample
+        out.update(sample_metrics([[r] for r in greedy], 1))
+    return out
+
+
+def evaluate_with_workflow(recipe: Recipe, handle: Any, policy: str, problems: list[Any], k: int | None = None,
+                           temperature: float | None = None) -> dict[str, float]:
+    """Each held-out prompt played once greedily (``reward``) and, with k > 1, k times sampled at ``temperature``
+    (``avg@k``, ``pass@k``), through the recipe's workflow."""
     from dataclasses import replace
 
     from astraflow.rollout.workflows import get_workflow
     from astraflow.streams.messages import Task
 
-    greedy = replace(handle, params=SamplingParams(recipe.rollout.max_new_tokens, temperature=0.0))
+    k = recipe.eval.k if k is None else k
+    temperature = recipe.eval.temperature if temperature is None else temperature
     workflow = get_workflow(recipe.workflow, get_reward(recipe.reward), recipe.rollout)
-    tasks = [Task(task_id=f"eval-{i}", workflow=recipe.workflow, policy=policy, prompt_id=p.prompt_id, prompt=p.prompt,
-                  group_size=1, meta=p.meta) for i, p in enumerate(problems)]
-    trajs = [t for t in workflow.run(tasks, {policy: greedy}, "evaluator") if t.policy == policy]
-    scores = [t.reward or 0.0 for t in trajs]
-    return {"reward": sum(scores) / max(1, len(scores)), "n": float(len(scores))}
+
+    def play(params: SamplingParams, group: int, tag: str) -> list[list[float]]:
+        h = replace(handle, params=params)
+        tasks = [Task(task_id=f"{tag}-{i}", workflow=recipe.workflow, policy=policy, prompt_id=p.prompt_id, prompt=p.prompt,
+                      group_size=group, meta=p.meta) for i, p in enumerate(problems)]
+        scores: dict[str, list[float]] = {t.task_id: [] for t in tasks}
+        for t in workflow.run(tasks, {policy: h}, "evaluator"):
+            if t.policy == policy and t.task_id in scores:
+                scores[t.task_id].append(t.reward or 0.0)
+        return [s for s in scores.values() if s]
+
+    greedy = [r for s in play(SamplingParams(recipe.rollout.max_new_tokens, temperature=0.0), 1, "eval") for r in s[:1]]
+    samples = None
+    if k > 1:
+        params = SamplingParams(recipe.rollout.max_new_tokens, temperature=temperature, top_p=recipe.rollout.top_p)
+        samples = play(params, k, "eval-k")
+    return _summary(greedy, samples, k)
 
 
-def evaluate(handle: Any, problems: list[Any], reward_name: str, max_new_tokens: int) -> dict[str, float]:
+def evaluate(handle: Any, problems: list[Any], reward_name: str, max_new_tokens: int, k: int = 1,
+             temperature: float = 1.0, top_p: float = 1.0) -> dict[str, float]:
+    """Single-turn: each prompt answered greedily (``reward``) and, with k > 1, sampled k times (``avg@k``, ``pass@k``)."""
     reward = get_reward(reward_name)
-    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    reqs = [GenerationRequest(encode_prompt(handle.tokenizer, p.prompt), greedy) for p in problems]
-    comps = handle.engine.generate(reqs)
-    scores = [reward(handle.tokenizer.decode(c.token_ids, skip_special_tokens=True), p.meta) for c, p in zip(comps, problems)]
-    return {"reward": sum(scores) / len(scores), "n": float(len(scores))}
+    prompts = [encode_prompt(handle.tokenizer, p.prompt) for p in problems]
+
+    def score(c: Any, p: Any) -> float:
+        return reward(handle.tokenizer.decode(c.token_ids, skip_special_tokens=True), p.meta)
+
+    greedy_params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    comps = handle.engine.generate([GenerationRequest(ids, greedy_params) for ids in prompts])
+    greedy = [score(c, p) for c, p in zip(comps, problems)]
+    samples = None
+    if k > 1:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        comps = iter(handle.engine.generate([GenerationRequest(ids, params) for ids in prompts for _ in range(k)]))
+        samples = [[score(next(comps), p) for _ in range(k)] for p in problems]
+    return _summary(greedy, samples, k)
 
 
-async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "evaluator") -> None:
+def export_eval(metrics: Metrics, result: dict[str, float], version: int, held: int, seconds: float) -> None:
+    """The last evaluation as gauges (``astraflow_evaluator_{reward,avg_at_k,pass_at_k,k,evaluated_version,version}``)
+    and counters (``astraflow_evaluator_{evaluations,eval_seconds}_total``)."""
+    metrics.set({"reward": result["reward"], "avg_at_k": result["avg@k"], "pass_at_k": result["pass@k"],
+                 "k": result["k"], "evaluated_version": version, "version": held})
+    metrics.inc({"evaluations": 1, "eval_seconds": seconds})
+
+
+async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "evaluator",
+                metrics_port: int | None = None) -> None:
     torch.set_num_threads(recipe.rollout.threads)
+    policy = recipe.eval_policy
+    metrics = None
+    if metrics_port is not None:
+        metrics = Metrics("evaluator", policy=policy, worker=worker_id)
+        port = start_metrics_server(metrics_port)
+        log.info("Prometheus metrics on :%d/metrics", port)
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology())
-    policy = recipe.eval_policy
     load_plugins(recipe.rollout.plugins)  # the recipe's reward may live in a plugin
     handle = make_handle(recipe, policy)
     sync = WeightSync(plane, policy, handle.engine)
     _, held_out = load_split(recipe.data)
     stop = stop_event()
+    ev = recipe.eval
     try:
         for v in eval_versions(recipe):
             while not stop.is_set() and int(await plane.state_get(f"version.{policy}", -1)) < v:
@@ -82,12 +161,18 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
             if await plane.state_get(f"eval.{policy}.{v}") is not None:
                 continue  # already evaluated (a restarted evaluator)
             await sync.goto(v)
+            t0 = time.perf_counter()
             if recipe.workflow in SINGLE_POLICY_WORKFLOWS:
                 result = await asyncio.to_thread(evaluate_with_workflow, recipe, handle, policy, held_out)
             else:
-                result = await asyncio.to_thread(evaluate, handle, held_out, recipe.reward, recipe.rollout.max_new_tokens)
+                result = await asyncio.to_thread(evaluate, handle, held_out, recipe.reward, recipe.rollout.max_new_tokens,
+                                                 ev.k, ev.temperature, recipe.rollout.top_p)
+            elapsed = time.perf_counter() - t0
             await plane.state_put(f"eval.{policy}.{v}", {**result, "version": v, "ts": time.time()})
-            log.info("eval %s v%d: held-out reward %.3f", policy, v, result["reward"])
+            if metrics is not None:
+                export_eval(metrics, result, v, sync.version, elapsed)
+            log.info("eval %s v%d: held-out reward %.3f, avg@%d %.3f, pass@%d %.3f", policy, v, result["reward"],
+                     ev.k, result["avg@k"], ev.k, result["pass@k"])
     finally:
         close_engine(handle.engine)
         await plane.close()

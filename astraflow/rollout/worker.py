@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from astraflow.config import Recipe
+from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.models import load_tokenizer
 from astraflow.rollout.engine import SamplingParams, StaleWeights, build_engine, close_engine
 from astraflow.rollout.rewards import get_reward
@@ -40,6 +41,11 @@ from astraflow.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 FULL_REFRESH_S = 5.0
+NODE_GAUGES = ("held", "joined")  # the other node stats are cumulative: exported as counters
+WEIGHT_SYNC_STATS = ("keyframes", "deltas", "bytes", "joins", "fallbacks", "failures", "refetches", "rejected",
+                     "keyframe_requests")  # WeightSync.stats keys exported from the start (others when they appear)
+NODE_COUNTERS = {"gen_s": "gen_seconds", "pull_s": "pull_seconds", "publish_s": "publish_seconds",
+                 "refresh_s": "refresh_seconds"}  # renamed for Prometheus (others keep their stats key)
 
 
 def load_plugins(paths: list[str]) -> None:
@@ -79,7 +85,7 @@ class RolloutNode:
 
     def __init__(self, recipe: Recipe, plane: Plane, worker_id: str, pool: str | None = None, region: str | None = None,
                  hardware: str | None = None, handles: dict[str, PolicyHandle] | None = None,
-                 workflow: Workflow | None = None) -> None:
+                 workflow: Workflow | None = None, metrics: Metrics | None = None) -> None:
         self.recipe = recipe
         self.plane = plane
         self.worker_id = worker_id
@@ -99,6 +105,34 @@ class RolloutNode:
         self._last_full_refresh = 0.0
         self._refresh_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.metrics = metrics  # Prometheus export (``--metrics-port``); None: none
+        self._exported: dict[tuple[str, str], float] = {}  # counters' values at the last export
+
+    # ------------------------------------------------------------ metrics
+    def export_metrics(self) -> None:
+        """Push the node's stats to Prometheus: cumulative stats as counters (``..._total``), the rest as gauges.
+
+        Node-wide metrics carry ``policy=""``; per-policy ones (``version``, ``weight_sync_*``) the policy."""
+        if self.metrics is None:
+            return
+        counters = {NODE_COUNTERS.get(k, k): v for k, v in self.stats.items() if k not in NODE_GAUGES}
+        self.metrics.set({k: self.stats[k] for k in NODE_GAUGES})
+        self.metrics.set({"draining": float(self.draining)})
+        self._inc(self.metrics, "", counters)
+        for p, sync in self.syncs.items():
+            m = self.metrics.child(p)
+            m.set({"version": float(sync.version), "announced_version": float(self.announced[p])})
+            totals = {**dict.fromkeys(WEIGHT_SYNC_STATS, 0.0), **sync.stats}  # every series exists from the start
+            self._inc(m, p, {f"weight_sync_{k}": float(v) for k, v in totals.items()})
+
+    def _inc(self, m: Metrics, policy: str, totals: dict[str, float]) -> None:
+        deltas = {}
+        for key, total in totals.items():
+            delta = total - self._exported.get((policy, key), 0.0)
+            if delta > 0 or (policy, key) not in self._exported:
+                deltas[key] = delta
+                self._exported[(policy, key)] = total
+        m.inc(deltas)
 
     # ------------------------------------------------------------ weights
     async def _newer_announced(self) -> list[str]:
@@ -159,6 +193,7 @@ class RolloutNode:
     # ------------------------------------------------------------ liveness
     async def beat(self) -> None:
         stats = {**self.stats, **{f"{p}.{k}": float(v) for p, s in self.syncs.items() for k, v in s.stats.items()}}
+        self.export_metrics()
         await self.plane.beat(Heartbeat(role="rollout", worker_id=self.worker_id, pool=self.pool, region=self.region,
                                         hardware=self.hardware, policy=self.recipe.primary,
                                         version=self.syncs[self.recipe.primary].version, stats=stats,
@@ -313,14 +348,19 @@ def _detect_hardware() -> str:
 
 
 async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pool: str | None = None,
-                region: str | None = None, hardware: str | None = None) -> None:
+                region: str | None = None, hardware: str | None = None, metrics_port: int | None = None) -> None:
     import torch
 
     torch.set_num_threads(recipe.rollout.threads)
+    metrics = None
+    if metrics_port is not None:
+        metrics = Metrics("rollout", worker=worker_id)
+        port = start_metrics_server(metrics_port)
+        log.info("Prometheus metrics on :%d/metrics", port)
     plane = await Plane.connect(nats, run, worker_id)
     node = None
     try:
-        node = RolloutNode(recipe, plane, worker_id, pool, region, hardware)
+        node = RolloutNode(recipe, plane, worker_id, pool, region, hardware, metrics=metrics)
         await node.run(stop_event())
     finally:
         if node is not None:

@@ -1,0 +1,72 @@
+"""Periodic evaluation: the avg@k / pass@k maths, and the evaluator's functions on a tiny real model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from astraflow.config import parse_recipe
+from astraflow.rollout.evaluator import evaluate, evaluate_with_workflow, pass_at_k, sample_metrics
+from astraflow.rollout.worker import make_handle
+from astraflow.tasks import load_split
+
+
+def test_pass_at_k_unbiased_estimator():
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 1, 4) == 1.0  # n == k: any passing sample
+    assert pass_at_k(5, 2, 1) == pytest.approx(2 / 5)  # pass@1 is the pass rate
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(5, 2))
+    assert pass_at_k(2, 1, 4) == 1.0  # fewer samples than k: clamp k to n
+    assert pass_at_k(0, 0, 1) == 0.0
+
+
+def test_sample_metrics():
+    got = sample_metrics([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.5]], k=3)
+    assert got["avg@k"] == pytest.approx(3.5 / 9)
+    assert got["pass@k"] == pytest.approx(2 / 3)
+    assert sample_metrics([[0.9, 0.99]], k=2)["pass@k"] == 0.0  # passing means reward >= 1
+    assert sample_metrics([], k=2) == {"avg@k": 0.0, "pass@k": 0.0}
+
+
+def _setup(k: int, workflow: str = "single_turn"):  # noqa: ANN202
+    recipe = parse_recipe({"name": "e", "workflow": workflow, "data": {"n_train": 4, "n_eval": 3},
+                           "rollout": {"max_new_tokens": 3}, "eval": {"k": k, "temperature": 1.0}})
+    handle = make_handle(recipe, "solver")
+    handle.engine.set_version(0)  # as after the evaluator's sync.goto(0)
+    return recipe, handle, load_split(recipe.data)[1]
+
+
+def _check(result: dict[str, float], k: int) -> None:
+    assert {"reward", "avg@k", "pass@k", "n", "k"} <= set(result)
+    assert result["n"] == 3 and result["k"] == k
+    for key in ("reward", "avg@k", "pass@k"):
+        assert 0.0 <= result[key] <= 1.0
+
+
+def test_evaluate_with_workflow_tiny_model():
+    recipe, handle, held_out = _setup(k=3)
+    _check(evaluate_with_workflow(recipe, handle, "solver", held_out), 3)
+    calls = []
+    engine_generate = handle.engine.generate
+    handle.engine.generate = lambda reqs: calls.append([r.params.temperature for r in reqs]) or engine_generate(reqs)
+    evaluate_with_workflow(recipe, handle, "solver", held_out)
+    assert calls == [[0.0] * 3, [1.0] * 9]  # greedy once per prompt, then k samples per prompt
+
+
+def test_evaluate_single_turn_tiny_model_and_k1_is_greedy():
+    recipe, handle, held_out = _setup(k=2)
+    _check(evaluate(handle, held_out, recipe.reward, 3, k=2, temperature=1.0), 2)
+    one = evaluate(handle, held_out, recipe.reward, 3)  # k = 1: the greedy answer is the only sample
+    assert one["avg@k"] == one["reward"] and one["k"] == 1.0
+
+
+def test_writing_a_workflow_example(repo_root):  # noqa: ANN001
+    """The complete example of docs/writing-a-workflow.md registers and runs as written."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (repo_root / "docs/writing-a-workflow.md").read_text(), re.S)
+    example, usage = blocks[-2], blocks[-1]
+    namespace: dict = {"__name__": "doc_example"}
+    exec(compile(example, "writing-a-workflow.md", "exec"), namespace)  # noqa: S102
+    exec(compile(usage, "writing-a-workflow.md", "exec"), namespace)  # noqa: S102
