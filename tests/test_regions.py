@@ -9,55 +9,15 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 from nats.js.errors import NotFoundError
-from transformers import Qwen2Config, Qwen2ForCausalLM
-
-from astraflow.rollout.hf_engine import HFEngine
 
 from astraflow.streams.objects import chunk_subject, count_chunks, ensure_region_mirrors, object_stream, wait_for_domain
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import nats_server_binary, start_region_pair
 from astraflow.weights.publish import WeightPublisher, keyframe_request_key, request_keyframe
-from astraflow.weights.delta import state_digest, to_bf16_state
-from astraflow.weights.sync import WeightSync
-
-TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, vocab_size=384)
+from weights_helpers import Trainer, engine_digest, node
 
 CONF = Path(__file__).resolve().parent.parent / "jetstream"
-
-
-def tiny_model(seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**TINY))
-
-
-class Trainer:
-    """Real AdamW steps on random tokens (as in test_weights_plane)."""
-
-    def __init__(self, seed: int = 0, lr: float = 1e-4) -> None:
-        self.model = tiny_model(seed)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def step(self) -> dict[str, torch.Tensor]:
-        x = torch.randint(0, TINY["vocab_size"], (2, 16), generator=self.gen)
-        self.model(input_ids=x, labels=x).loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        return self.model.state_dict()
-
-    @property
-    def digest(self) -> str:
-        return state_digest(to_bf16_state(self.model.state_dict()))
-
-
-def node(plane: Plane, **kw) -> WeightSync:
-    return WeightSync(plane, "solver", HFEngine(tiny_model(seed=123), tokenizer=None), **kw)
-
-
-def engine_digest(sync: WeightSync) -> str:
-    return state_digest(to_bf16_state(sync.engine.state_view()))
 
 
 @pytest.fixture(scope="module")

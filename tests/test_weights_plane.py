@@ -13,55 +13,18 @@ import os
 import time
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from astraflow.rollout.hf_engine import HFEngine
 from astraflow.streams.messages import ObjectRef, WeightVersion
 from astraflow.streams.objects import MissingObject, chunk_subject, count_chunks, get_object, object_stream, put_object
 from astraflow.streams.plane import Plane
-from astraflow.weights.delta import state_digest, to_bf16_state
 from astraflow.weights.publish import WeightPublisher, keyframe_request_key, request_keyframe
 from astraflow.weights.retention import chain_of, key_of, plan_retention
 from astraflow.weights.sync import WeightSync, WeightSyncError
 
-TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, vocab_size=384)
-
-
-def tiny_model(seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**TINY))
-
-
-class Trainer:
-    """Real AdamW steps on random tokens; ``only`` restricts the trained parameters (by name)."""
-
-    def __init__(self, seed: int = 0, lr: float = 1e-4, only: str | None = None) -> None:
-        self.model = tiny_model(seed)
-        params = [p for n, p in self.model.named_parameters() if only is None or n == only]
-        self.opt = torch.optim.AdamW(params, lr=lr)
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def step(self) -> dict[str, torch.Tensor]:
-        x = torch.randint(0, TINY["vocab_size"], (2, 16), generator=self.gen)
-        self.model(input_ids=x, labels=x).loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        return self.model.state_dict()
-
-    @property
-    def digest(self) -> str:
-        return state_digest(to_bf16_state(self.model.state_dict()))
-
-
-def node(plane: Plane, **kw) -> WeightSync:
-    return WeightSync(plane, "solver", HFEngine(tiny_model(seed=123), tokenizer=None), **kw)
-
-
-def engine_digest(sync: WeightSync) -> str:
-    return state_digest(to_bf16_state(sync.engine.state_view()))
+from weights_helpers import Trainer, engine_digest, node, tiny_model
 
 
 async def publish_steps(pub: WeightPublisher, trainer: Trainer, versions: range) -> list[WeightVersion]:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from astraflow.config import ModelConfig, RolloutConfig
+    from astraflow.rollout.engine import Completion, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,23 @@ class RemoteEngine:
 
     def state_view(self) -> Mapping[str, Any]:
         return self._state
+
+    def generate(self, requests: list["GenerationRequest"]) -> list["Completion"]:
+        """One server call per distinct sampling params, under the read lock (a weight update waits)."""
+        groups: dict["SamplingParams", list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.params, []).append(i)
+        out: list["Completion | None"] = [None] * len(requests)
+        with self.lock.read():
+            version = self._version
+            for params, idx in groups.items():
+                for i, completion in zip(idx, self.generate_group([requests[i].prompt_ids for i in idx], params, version)):
+                    out[i] = completion
+        return [c for c in out if c is not None]
+
+    def generate_group(self, prompts: list[list[int]], params: "SamplingParams", version: int) -> list["Completion"]:
+        """One completion per prompt, all with ``params``, tagged with ``version``; a server's own call."""
+        raise NotImplementedError
 
     def post(self, route: str, body: Any = None, timeout: float = 600.0, method: str | None = None) -> Any:
         return http_json(f"{self.url}{route}", {} if body is None and method != "GET" else body, method=method, timeout=timeout)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Mapping
 
-from astraflow.rollout.engine import Completion, GenerationRequest, SamplingParams, register_engine
+from astraflow.rollout.engine import Completion, SamplingParams, register_engine
 from astraflow.rollout.remote_engine import EngineHTTPError, RemoteEngine, ServerProcess, free_port, prepare
 
 
@@ -62,24 +62,12 @@ def parse_output(item: Mapping[str, Any], fallback_version: int) -> Completion:
 
 
 class SGLangEngine(RemoteEngine):
-    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        if not requests:
-            return []
-        groups: dict[SamplingParams, list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(r.params, []).append(i)
-        out: list[Completion | None] = [None] * len(requests)
-        with self.lock.read():
-            version = self._version
-            for params, idx in groups.items():
-                reply = self.post("/generate", {"input_ids": [requests[i].prompt_ids for i in idx],
-                                                "sampling_params": sampling_params(params), "return_logprob": True})
-                items = reply if isinstance(reply, list) else [reply]
-                if len(items) != len(idx):
-                    raise EngineHTTPError(f"{self.url}/generate", 200, f"{len(items)} outputs for {len(idx)} prompts")
-                for i, item in zip(idx, items):
-                    out[i] = parse_output(item, version)
-        return [c for c in out if c is not None]
+    def generate_group(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Completion]:
+        reply = self.post("/generate", {"input_ids": prompts, "sampling_params": sampling_params(params), "return_logprob": True})
+        items = reply if isinstance(reply, list) else [reply]
+        if len(items) != len(prompts):
+            raise EngineHTTPError(f"{self.url}/generate", 200, f"{len(items)} outputs for {len(prompts)} prompts")
+        return [parse_output(item, version) for item in items]
 
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)

@@ -93,23 +93,12 @@ class VLLMServerEngine(RemoteEngine):
         super().__init__(url, server, stager, tokenizer)
         self.model = model
 
-    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        if not requests:
-            return []
-        groups: dict[SamplingParams, list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(r.params, []).append(i)
-        out: list[Completion | None] = [None] * len(requests)
-        with self.lock.read():
-            version = self._version
-            for params, idx in groups.items():
-                reply = self.post("/v1/completions", completion_body(self.model, [requests[i].prompt_ids for i in idx], params))
-                choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
-                if len(choices) != len(idx):
-                    raise EngineHTTPError(f"{self.url}/v1/completions", 200, f"{len(choices)} choices for {len(idx)} prompts")
-                for i, choice in zip(idx, choices):
-                    out[i] = parse_choice(choice, version)
-        return [c for c in out if c is not None]
+    def generate_group(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Completion]:
+        reply = self.post("/v1/completions", completion_body(self.model, prompts, params))
+        choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
+        if len(choices) != len(prompts):
+            raise EngineHTTPError(f"{self.url}/v1/completions", 200, f"{len(choices)} choices for {len(prompts)} prompts")
+        return [parse_choice(choice, version) for choice in choices]
 
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)
