@@ -42,6 +42,7 @@ def up(
     set_: list[str] = Overrides,
     timeout: float = typer.Option(3600.0, help="Abort the run after this many seconds."),
     autoscale: bool = typer.Option(False, "--autoscale", help="Start and retire local rollout workers toward the dataflow's advised pool size."),
+    metrics_port_base: Optional[int] = typer.Option(None, help="Serve Prometheus metrics from every role: trainers on BASE+i, evaluator BASE+10, dataflow BASE+20, rollout nodes BASE+30+i (observability/prometheus.yml uses 9400)."),
 ) -> None:
     """Start the embedded server (or use --nats) and every role as a process; watch; summarise."""
     from astraflow.launcher import new_run_dir, up as run_up
@@ -50,13 +51,13 @@ def up(
     setup_logging("WARNING")
     if resume is not None:
         r = _load(str(resume / "recipe.yaml"), set_)
-        run_up(r, resume, nats, timeout, autoscale, resume=True)
+        run_up(r, resume, nats, timeout, autoscale, resume=True, metrics_port_base=metrics_port_base)
         return
     if recipe is None:
         typer.echo("give a RECIPE, or --resume RUN_DIR", err=True)
         raise typer.Exit(2)
     r = _load(recipe, set_)
-    run_up(r, run_dir or new_run_dir(r), nats, timeout, autoscale)
+    run_up(r, run_dir or new_run_dir(r), nats, timeout, autoscale, metrics_port_base=metrics_port_base)
 
 
 @app.command()
@@ -75,7 +76,7 @@ def worker(
     tls_ca: Optional[str] = None, tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
     domain: Optional[str] = typer.Option(None, help="JetStream domain to read (a region's leafnode)."),
     checkpoint_dir: Optional[Path] = typer.Option(None, help="Trainer: checkpoint directory of this policy; a restart resumes from it (default: none, start at v0)."),
-    metrics_port: Optional[int] = typer.Option(None, help="Trainer, rollout, evaluator: serve Prometheus metrics on this port (0: a free one, logged; default: none)."),
+    metrics_port: Optional[int] = typer.Option(None, help="Serve Prometheus metrics on this port (0: a free one, logged; default: none)."),
     set_: list[str] = Overrides,
 ) -> None:
     """Run one role in this process (join a run from any machine that reaches the plane)."""
@@ -89,7 +90,7 @@ def worker(
     wid = id or f"{role}-{os.getpid()}"
     if role == "dataflow":
         from astraflow.dataflow.service import serve
-        asyncio.run(serve(r, opts, run, wid))
+        asyncio.run(serve(r, opts, run, wid, metrics_port))
     elif role == "trainer":
         from astraflow.train.worker import serve as serve_trainer
         asyncio.run(serve_trainer(r, opts, run, wid, policy, checkpoint_dir, metrics_port))

@@ -315,10 +315,17 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
         w.writerows(rows)
 
 
+def metrics_args(base: int | None, offset: int) -> list[str]:
+    """``--metrics-port BASE+offset`` when the run exports Prometheus metrics (see observability/prometheus.yml)."""
+    return [] if base is None else ["--metrics-port", str(base + offset)]
+
+
 def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0, autoscale: bool = False,
-       resume: bool = False) -> dict[str, Any]:
+       resume: bool = False, metrics_port_base: int | None = None) -> dict[str, Any]:
     """Run ``recipe`` in ``run_dir``. ``resume``: continue the run kept there (same run id, same
-    JetStream store when embedded, trainers from their checkpoints, dataflow from its KV state)."""
+    JetStream store when embedded, trainers from their checkpoints, dataflow from its KV state).
+    ``metrics_port_base``: every role serves Prometheus metrics (trainers BASE+i, evaluator
+    BASE+10, dataflow BASE+20, rollout nodes BASE+30+i)."""
     run = run_dir.name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     recipe_file = run_dir / "recipe.yaml"
@@ -331,16 +338,17 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     roles: list[Role] = []
     started = time.monotonic()
     try:
-        for p in recipe.policy_names:
+        base = metrics_port_base
+        for i, p in enumerate(recipe.policy_names):
             ckpt = run_dir / "checkpoints" / p  # exact resume: `astraflow up --resume RUN_DIR`
             roles.append(Role(f"trainer-{p}", "trainer", spawn(run_dir, recipe_file, opts, run, "trainer", f"trainer-{p}",
-                                                                ["--policy", p, "--checkpoint-dir", str(ckpt)])))
-        roles.append(Role("dataflow", "dataflow", spawn(run_dir, recipe_file, opts, run, "dataflow", "dataflow")))
+                                                                ["--policy", p, "--checkpoint-dir", str(ckpt), *metrics_args(base, i)])))
+        roles.append(Role("dataflow", "dataflow", spawn(run_dir, recipe_file, opts, run, "dataflow", "dataflow", metrics_args(base, 20))))
         if recipe.eval.enabled:
-            roles.append(Role("evaluator", "evaluator", spawn(run_dir, recipe_file, opts, run, "evaluator", "evaluator")))
+            roles.append(Role("evaluator", "evaluator", spawn(run_dir, recipe_file, opts, run, "evaluator", "evaluator", metrics_args(base, 10))))
         for i in range(recipe.rollout.nodes):
             name = f"rollout-{i}"
-            roles.append(Role(name, "rollout", spawn(run_dir, recipe_file, opts, run, "rollout", name), essential=False))
+            roles.append(Role(name, "rollout", spawn(run_dir, recipe_file, opts, run, "rollout", name, metrics_args(base, 30 + i)), essential=False))
         scaler = None
         if autoscale:  # start and retire local rollout workers toward the dataflow's advice
             a = recipe.dataflow.autoscale

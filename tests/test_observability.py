@@ -7,6 +7,7 @@ import re
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
@@ -108,3 +109,40 @@ def test_prometheus_config_parses():
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
     assert {"astraflow-trainer", "astraflow-rollout", "astraflow-evaluator", "astraflow-dataflow"} <= set(jobs)
     assert jobs["astraflow-rollout"]["file_sd_configs"]
+
+
+@pytest.mark.slow
+def test_up_serves_prometheus_from_every_role(nats_server, repo_root, tmp_path):
+    """`up --metrics-port-base`: trainer, evaluator, dataflow and rollout nodes all answer a scrape mid-run."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:  # a free block of ports: base..base+31
+        s.bind(("127.0.0.1", 0))
+        base = 20000 + s.getsockname()[1] % 20000
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "arithmetic"), "--nats", nats_server.url,
+           "--run-dir", str(tmp_path / "prom-run"), "--metrics-port-base", str(base), "--timeout", "240",
+           "--set", "trainer.steps=30", "--set", "sft.steps=10", "--set", "rollout.nodes=1", "--set", "eval.every=30"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    want = {base: "astraflow_trainer_", base + 10: "astraflow_evaluator_", base + 20: "astraflow_dataflow_", base + 30: "astraflow_rollout_"}
+    seen: dict[int, bool] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while len(seen) < len(want) and time.monotonic() < deadline and proc.poll() is None:
+            for port, prefix in want.items():
+                if port in seen:
+                    continue
+                try:
+                    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                except OSError:
+                    continue
+                if prefix in body:
+                    seen[port] = True
+            time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert set(seen) == set(want), f"no metrics from {[want[p] for p in want if p not in seen]}"

@@ -39,6 +39,7 @@ from astraflow.dataflow.lane import PolicyLane
 from astraflow.dataflow.ledger import Ledger
 from astraflow.dataflow.pool import PoolAdvisor
 from astraflow.dataflow.watch import BatchFailed, TaskFailed, Trained, Watch, fetch_trajectories
+from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.runtime import every, stop_event
 from astraflow.streams.messages import Batch, Heartbeat, Task, Trajectory
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
@@ -64,6 +65,7 @@ class Dataflow:
         self.recipe = recipe
         self.cfg = recipe.dataflow
         self.plane = plane
+        self.metrics: Metrics | None = None  # set by serve() when --metrics-port is given
         self.primary = recipe.primary
         self.lanes = {p: PolicyLane(p, build_pipeline(self.cfg.algorithms), p == recipe.primary) for p in recipe.policy_names}
         self.train, _ = load_split(recipe.data)
@@ -389,18 +391,24 @@ class Dataflow:
         advice, obs = await self.pool.publish()
         now = time.time()
         acc = self.accounting()[self.primary]
-        stats: dict[str, float] = {"issued": self.ledger.issued, "in_flight": len(self.open), "buffered": acc["buffered"],
-                                   "batches": self.lanes[self.primary].batch_seq,
-                                   "overdue": sum(1 for d in self.open.values() if d is not None and d < now),
-                                   "autoscale.target": advice.target, "autoscale.nodes": obs.nodes,
-                                   "wait_frac": obs.wait_frac, "produce_rate": obs.produce_rate, "consume_rate": obs.consume_rate,
-                                   **{k: float(v) for k, v in self.stats.items()}}
+        node: dict[str, float] = {"issued": self.ledger.issued, "in_flight": len(self.open), "buffered": acc["buffered"],
+                                  "batches": self.lanes[self.primary].batch_seq,
+                                  "overdue": sum(1 for d in self.open.values() if d is not None and d < now),
+                                  "autoscale.target": advice.target, "autoscale.nodes": obs.nodes,
+                                  "wait_frac": obs.wait_frac, "produce_rate": obs.produce_rate, "consume_rate": obs.consume_rate,
+                                  **{k: float(v) for k, v in self.stats.items()}}
+        per_policy: dict[str, dict[str, float]] = {}
         for p, lane in self.lanes.items():
             a = lane.accounting(len(self.open) if lane.primary else 0)
-            stats.update({f"{p}.buffered": a["buffered"], f"{p}.awaiting": a["awaiting"], f"{p}.batches": lane.batch_seq,
-                          f"{p}.version": lane.version, f"{p}.backlog": lane.backlog, f"{p}.wait_frac": self.pool.wait_frac(p),
-                          **{f"{p}.fate.{k}": v for k, v in a["fates"].items()}, **{f"{p}.late.{k}": v for k, v in a["late"].items()},
-                          **{f"{p}.{k}": v for k, v in lane.stats.items()}})
+            per_policy[p] = {"buffered": a["buffered"], "awaiting": a["awaiting"], "batches": lane.batch_seq,
+                             "version": lane.version, "backlog": lane.backlog, "wait_frac": self.pool.wait_frac(p),
+                             **{f"fate.{k}": v for k, v in a["fates"].items()}, **{f"late.{k}": v for k, v in a["late"].items()},
+                             **{k: float(v) for k, v in lane.stats.items()}}
+        if self.metrics is not None:  # Prometheus: node-wide gauges, and per-policy ones labelled with the policy
+            self.metrics.set(node)
+            for p, values in per_policy.items():
+                self.metrics.child(p).set(values)
+        stats = {**node, **{f"{p}.{k}": v for p, values in per_policy.items() for k, v in values.items()}}
         await self.plane.beat(Heartbeat(role="dataflow", worker_id=self.plane.worker_id, policy=self.primary,
                                         version=self.lanes[self.primary].version, stats=stats), "dataflow")
 
@@ -413,10 +421,13 @@ class Dataflow:
         await self.serve()
 
 
-async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "dataflow") -> None:
+async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "dataflow", metrics_port: int | None = None) -> None:
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology())
     df = Dataflow(recipe, plane)
+    if metrics_port is not None:
+        df.metrics = Metrics("dataflow", worker=worker_id)
+        log.info("Prometheus metrics on :%d/metrics", start_metrics_server(metrics_port))
     await df.start()
     stop = stop_event()
     names = plane.names
