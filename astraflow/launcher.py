@@ -129,16 +129,25 @@ class LocalPool:
 
 
 def dashboard(recipe: Recipe, watch: Watch, lags: dict[str, int]) -> Table:
+    """Per policy: version, reward, tokens/s, trainer wait; per pool: nodes and throughput; workers; lags."""
     t = Table(title=f"AstraFlow · {recipe.name}", expand=False)
-    for col in ("worker", "role", "version", "stats"):
+    for col in ("worker", "role", "pool / region", "version", "stats"):
         t.add_column(col)
+    keys = ("tasks", "trajectories", "issued", "in_flight", "buffered", "batches", "reward_mean", "tokens_per_s", "wait_frac", "loss")
     for wid, hb in sorted(watch.beats.items()):
-        keys = ("tasks", "trajectories", "issued", "in_flight", "buffered", "batches", "reward_mean", "wait_frac", "loss")
         stats = " ".join(f"{k}={hb.stats[k]:.3g}" for k in keys if k in hb.stats)
-        t.add_row(wid, hb.role, str(hb.version), stats)
+        where = "/".join(x for x in (hb.pool, hb.region) if x)
+        t.add_row(wid, hb.role, where, str(hb.version), stats)
+    pools: dict[str, int] = {}
+    for hb in watch.beats.values():
+        if hb.role == "rollout" and time.time() - hb.ts < 10:
+            pools[hb.pool] = pools.get(hb.pool, 0) + 1
+    recent = [s for s in watch.samples if s["t"] >= watch.samples[-1]["t"] - 10] if watch.samples else []
+    rate = (recent[-1]["rollouts"] - recent[0]["rollouts"]) / max(recent[-1]["t"] - recent[0]["t"], 1e-9) if len(recent) > 1 else 0.0
+    pool_txt = " ".join(f"{p}: {n} nodes" for p, n in sorted(pools.items())) or "no nodes yet"
     lag_txt = " ".join(f"{k}={v}" for k, v in lags.items())
     evals = " ".join(f"v{v}={r:.2f}" for v, r in sorted(watch.evals.items()))
-    t.caption = f"lag: {lag_txt}   held-out reward: {evals or '—'}"
+    t.caption = f"pools: {pool_txt}, {rate:.1f} traj/s   lag: {lag_txt}   held-out reward: {evals or '—'}"
     return t
 
 
