@@ -15,7 +15,7 @@ import json
 import os
 import random
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlparse
 
@@ -27,6 +27,7 @@ from astraflow.config import ModelConfig, RolloutConfig
 from astraflow.models import build_model, load_tokenizer
 from astraflow.rollout.engine import GenerationRequest, SamplingParams, build_engine
 from astraflow.rollout.hf_engine import HFEngine, stop_at
+from astraflow.rollout.http_json import JsonHandler
 from astraflow.rollout import sglang_engine, vllm_engine
 from astraflow.rollout.remote_engine import EngineHTTPError
 
@@ -60,19 +61,8 @@ class FakeServer(ThreadingHTTPServer):
         return [(prompt[-1] + k) % 200 + 3 for k in range(1, n + 1)], [-0.1 * k for k in range(1, n + 1)]
 
 
-class _FakeHandler(BaseHTTPRequestHandler):
+class _FakeHandler(JsonHandler):
     server: FakeServer
-
-    def log_message(self, *a: Any) -> None:
-        pass
-
-    def _reply(self, code: int, body: Any) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802
         path = urlparse(self.path).path

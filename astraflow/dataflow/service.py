@@ -432,7 +432,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "d
     stop = stop_event()
     names = plane.names
     sub = await plane.subscribe(names.traj_stream, names.DATAFLOW_CONSUMER)
-    ack_wait = (await plane.jsm.consumer_info(names.traj_stream, names.DATAFLOW_CONSUMER)).config.ack_wait or 30.0
+    ack_wait = await plane.ack_wait(names.traj_stream, names.DATAFLOW_CONSUMER)
     side = [asyncio.create_task(every(2.0, df.beat, stop)), asyncio.create_task(every(ack_wait / 3, df.keep_alive, stop))]
     log.info("dataflow up for run %s (%s), policies %s", run, recipe.dataflow.mode, list(df.lanes))
     try:

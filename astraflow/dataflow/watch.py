@@ -105,8 +105,7 @@ class Watch:
     async def _on_max_deliveries(self, msg: Any) -> None:
         try:
             seq = int(json.loads(msg.data)["stream_seq"])
-            raw = await self.plane.jsm.get_msg(self.plane.names.task_stream, seq)
-            task = decode(raw.data or b"", Task)
+            task = await self.plane.get(self.plane.names.task_stream, seq, Task)
         except Exception as e:  # gone already, or not one of ours
             log.debug("max-deliveries advisory not resolved: %s", e)
             return
@@ -121,8 +120,4 @@ class Watch:
 
 async def fetch_trajectories(plane: Plane, seqs: list[int]) -> list[Trajectory]:
     """Trajectories by TRAJ stream sequence (Limits retention keeps them for replay and audit)."""
-    out = []
-    for seq in seqs:
-        raw = await plane.jsm.get_msg(plane.names.traj_stream, seq)
-        out.append(decode(raw.data or b"", Trajectory))
-    return out
+    return [await plane.get(plane.names.traj_stream, seq, Trajectory) for seq in seqs]

@@ -30,11 +30,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from astraflow.rollout.engine import Completion, GenerationRequest
+from astraflow.rollout.http_json import JsonHandler
 from astraflow.rollout.rewards import Reward
 from astraflow.rollout.workflows import Episode, PolicyHandle, by_policy, min_version, register
 from astraflow.streams.messages import Task, Trajectory
@@ -157,19 +158,8 @@ def _text(content: Any) -> str:
     return str(content)
 
 
-def _handler(facade: ChatFacade) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, fmt: str, *args: Any) -> None:
-            pass
-
-        def _reply(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+def _handler(facade: ChatFacade) -> type[JsonHandler]:
+    class Handler(JsonHandler):
         def _route(self) -> tuple[str, str]:
             """(session, path below /v1)."""
             path = self.path.split("?", 1)[0]

@@ -242,6 +242,11 @@ class Plane:
             return None
         return decode(raw.data or b"", model)
 
+    async def get(self, stream: str, seq: int, model: type[M]) -> M:
+        """The message at sequence ``seq`` of ``stream``, decoded (NotFoundError when it is gone)."""
+        raw = await self.jsm.get_msg(stream, seq)
+        return decode(raw.data or b"", model)
+
     async def ack_wait(self, stream: str, durable: str) -> float:
         """The consumer's ack_wait as the server has it (seconds)."""
         info = await self.jsm.consumer_info(stream, durable)

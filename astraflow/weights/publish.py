@@ -19,7 +19,6 @@ versions no longer need, from the bucket and from every region mirror in ``mirro
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any, Literal, Mapping
@@ -44,13 +43,8 @@ def keyframe_request_key(policy: str) -> str:
 
 async def request_keyframe(plane: Plane, policy: str, reason: str = "") -> None:
     """Ask the trainer of ``policy`` to make its next version a keyframe (from any region)."""
-    key, value = keyframe_request_key(policy), {"by": plane.worker_id, "reason": reason[:500], "ts": time.time()}
-    prefix = getattr(plane.js, "_prefix", "$JS.API")
-    if prefix == "$JS.API":
-        await plane.state_put(key, value)
-    else:  # a node on a leaf writing the hub's KV: servers do not forward $KV.> between JetStream domains,
-        # they do forward the domain's API prefix (Plane.state_put does not do this yet)
-        await plane.js.publish(f"{prefix}.$KV.{plane.names.state_bucket}.{key}", json.dumps(value).encode())
+    # Plane.state_put writes through the plane's JetStream domain, so a node on a leaf reaches the hub's KV
+    await plane.state_put(keyframe_request_key(policy), {"by": plane.worker_id, "reason": reason[:500], "ts": time.time()})
 
 
 class WeightPublisher:

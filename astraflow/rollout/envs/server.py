@@ -17,10 +17,10 @@ import argparse
 import json
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from http.server import ThreadingHTTPServer
 
 from astraflow.rollout.envs.games import GAMES, Game
+from astraflow.rollout.http_json import JsonHandler
 
 
 class EnvServer(ThreadingHTTPServer):
@@ -38,19 +38,8 @@ class EnvServer(ThreadingHTTPServer):
         return f"http://{host!s}:{port}"
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     server: EnvServer
-
-    def log_message(self, fmt: str, *args: Any) -> None:  # quiet
-        pass
-
-    def _reply(self, code: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802
         if self.path == "/health":
