@@ -25,9 +25,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from astraflow.config import Recipe, dump_recipe
-from astraflow.streams.codec import decode
-from astraflow.streams.messages import Heartbeat, WeightVersion
+from astraflow.streams.messages import Heartbeat, RolloutStats, TrainerStats, WeightVersion
 from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord
 from astraflow.streams.server import EmbeddedServer, spawn_kwargs
 
 console = Console()
@@ -55,9 +55,9 @@ class Watch:
     def sample(self, t: float) -> None:
         """Record rollouts generated, live nodes and each trainer's wait fraction at ``t`` seconds."""
         nodes = [hb for hb in self.beats.values() if hb.role == "rollout" and time.time() - hb.ts < 10]
-        row = {"t": t, "rollouts": sum(hb.stats.get("trajectories", 0.0) for hb in self.beats.values() if hb.role == "rollout"),
+        row = {"t": t, "rollouts": float(sum(hb.stats.trajectories for hb in self.beats.values() if isinstance(hb.stats, RolloutStats))),
                "nodes": float(len(nodes))}
-        row.update({f"wait.{hb.policy}": hb.stats.get("wait_frac", 0.0) for hb in self.beats.values() if hb.role == "trainer"})
+        row.update({f"wait.{hb.policy}": hb.stats.wait_frac for hb in self.beats.values() if isinstance(hb.stats, TrainerStats)})
         self.samples.append(row)
 
     def rollouts_at(self, t: float) -> float:
@@ -135,7 +135,8 @@ def dashboard(recipe: Recipe, watch: Watch, lags: dict[str, int]) -> Table:
         t.add_column(col)
     keys = ("tasks", "trajectories", "issued", "in_flight", "buffered", "batches", "reward_mean", "tokens_per_s", "wait_frac", "loss")
     for wid, hb in sorted(watch.beats.items()):
-        stats = " ".join(f"{k}={hb.stats[k]:.3g}" for k in keys if k in hb.stats)
+        summary = hb.stats.summary()
+        stats = " ".join(f"{k}={summary[k]:.3g}" for k in keys if k in summary)
         where = "/".join(x for x in (hb.pool, hb.region) if x)
         t.add_row(wid, hb.role, where, str(hb.version), stats)
     pools: dict[str, int] = {}
@@ -162,18 +163,11 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
 
     wanted_evals = set(eval_versions(recipe)) if recipe.eval.enabled else set()
 
-    async def on_beat(msg: Any) -> None:
-        try:
-            hb = decode(msg.data, Heartbeat)
-            watch.beats[hb.worker_id] = hb
-        except ValueError:
-            pass
+    def on_beat(hb: Heartbeat) -> None:
+        watch.beats[hb.worker_id] = hb
 
-    await plane.nc.subscribe(f"af.{run}.hb.>", cb=on_beat)
-    from nats.js import api  # the launcher reads announcements like any watcher
-
-    ann_sub = await plane.js.pull_subscribe(plane.names.all("weights"), stream=plane.names.weights_stream,
-                                            config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL))
+    await plane.on_heartbeats(on_beat)
+    announcements = plane.follower(plane.names.all("weights"), WeightVersion, start="all")  # like any watcher
     metrics_file = open(run_dir / "metrics.jsonl", "w")  # rebuilt from the announcements (all of them on --resume)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
     bars = {p: progress.add_task(f"{p} versions", total=n) for p, n in steps.items()}
@@ -185,20 +179,18 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
         if live:
             live.start()
         while True:
-            try:
-                for m in await ann_sub.fetch(batch=64, timeout=0.5):
-                    ann = decode(m.data, WeightVersion)
-                    row = {"policy": ann.policy, "version": ann.version, "encoding": ann.encoding, "bytes": ann.objects[0].size, "ts": ann.created_at, **ann.metrics}
-                    watch.versions.append(row)
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
+            for ann in await announcements.fetch(0.5):
+                row = {"policy": ann.policy, "version": ann.version, "encoding": ann.encoding, "bytes": ann.objects[0].size,
+                       "ts": ann.created_at, **ann.metrics}
+                watch.versions.append(row)
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+                if ann.policy in bars:
                     progress.update(bars[ann.policy], completed=ann.version)
-            except Exception:  # fetch timeout: nothing new
-                pass
             for v in wanted_evals - set(watch.evals):
-                got = await plane.state_get(f"eval.{epol}.{v}")
+                got = await plane.state.get(EvalRecord, epol, v)
                 if got is not None:
-                    watch.evals[v] = got["reward"]
+                    watch.evals[v] = got.reward
                     watch.eval_at[v] = round(time.monotonic() - started, 1)
                     watch.eval_rollouts[v] = watch.rollouts_at(watch.eval_at[v])
             watch.sample(time.monotonic() - started)
@@ -218,12 +210,12 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
                 vs = " ".join(f"{p} v{last[p]['version'] if p in last else 0}/{n} reward={last.get(p, {}).get('reward_mean', float('nan')):.3f}" for p, n in steps.items())
                 console.print(f"[{time.monotonic() - started:6.1f}s] {vs} lag={lags} held-out={watch.evals}")
             if scaler is not None:
-                advice = await plane.state_get(f"autoscale.{recipe.rollout.pool}")
-                if advice and time.time() - advice["ts"] < 30:
-                    did = scaler.act(int(advice["target"]), time.monotonic())
+                advice = await plane.state.get(AutoscaleRecord, recipe.rollout.pool)
+                if advice is not None and time.time() - advice.ts < 30:
+                    did = scaler.act(advice.target, time.monotonic())
                     if did:
-                        console.print(f"[bold]autoscale[/]: {did} — {advice['reason']}")
-            done = all([int(await plane.state_get(f"done.{p}", -1)) >= n for p, n in steps.items()])
+                        console.print(f"[bold]autoscale[/]: {did} — {advice.reason}")
+            done = all([await _done(plane, p) >= n for p, n in steps.items()])
             if done and wanted_evals <= set(watch.evals):
                 return watch
             for r in roles:
@@ -236,6 +228,11 @@ async def monitor(recipe: Recipe, opts: NatsOptions, run: str, run_dir: Path, ro
             live.stop()
         metrics_file.close()
         await plane.close()
+
+
+async def _done(plane: Plane, policy: str) -> int:
+    record = await plane.state.get(DoneRecord, policy)
+    return record.version if record is not None else -1
 
 
 def summarize(recipe: Recipe, run_dir: Path, watch: Watch, wall_s: float) -> dict[str, Any]:

@@ -41,10 +41,11 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from astraflow.streams.codec import decode
-from astraflow.streams.messages import Heartbeat, WeightVersion
+from astraflow.streams.dataflow_state import DataflowState
+from astraflow.streams.messages import Heartbeat, TrainerStats, WeightVersion
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
+from astraflow.streams.state import DoneRecord, EvalRecord
 
 NODES, CONCURRENCY, GROUP, GROUPS_PER_BATCH, TASKS_PER_PULL = 4, 8, 8, 8, 8
 EVAL_EVERY = 5
@@ -100,11 +101,8 @@ class Roles:
 
 
 async def announcements(plane: Plane, policy: str, n: int) -> list[WeightVersion]:
-    sub = await plane.js.pull_subscribe(plane.names.weights(policy), stream=plane.names.weights_stream)
-    anns: list[WeightVersion] = []
-    while len(anns) < n:
-        anns += [decode(m.data, WeightVersion) for m in await sub.fetch(n - len(anns), timeout=5)]
-    await sub.unsubscribe()
+    anns = await plane.history(plane.names.weights(policy), WeightVersion)
+    assert len(anns) >= n, f"{policy}: {len(anns)} announcements, expected {n}"
     return sorted(anns, key=lambda a: a.version)
 
 
@@ -142,12 +140,11 @@ async def run_mode(url: str, mode: str, steps: int, workdir: Path, timeout: floa
     plane = await Plane.connect(NatsOptions(url=url), run, "bench")
     waits: dict[str, list[tuple[float, float]]] = {p: [] for p in POLICIES}
 
-    async def on_beat(msg: Any) -> None:
-        hb = decode(msg.data, Heartbeat)
-        if hb.policy in waits and "wait_s" in hb.stats:
-            waits[hb.policy].append((hb.ts, hb.stats["wait_s"]))
+    def on_beat(hb: Heartbeat) -> None:
+        if hb.policy in waits and isinstance(hb.stats, TrainerStats):
+            waits[hb.policy].append((hb.ts, hb.stats.wait_s))
 
-    await plane.nc.subscribe(f"af.{run}.hb.trainer.>", cb=on_beat)
+    await plane.on_heartbeats(on_beat)
     t0 = time.monotonic()
     try:
         for p in POLICIES:
@@ -159,26 +156,26 @@ async def run_mode(url: str, mode: str, steps: int, workdir: Path, timeout: floa
         while True:
             roles.check()
             await asyncio.sleep(1.0)
-            done = [int(await plane.state_get(f"done.{p}", -1)) for p in POLICIES]
-            evaluated = await plane.state_get(f"eval.solver.{steps}")
+            done = [(d.version if (d := await plane.state.get(DoneRecord, p)) else -1) for p in POLICIES]
+            evaluated = await plane.state.get(EvalRecord, "solver", steps)
             if min(done) >= steps and evaluated is not None:
                 break
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"{mode}: not done after {timeout:.0f}s (done {done})")
         await asyncio.sleep(2.5)  # one more heartbeat from each trainer, past its last version
         figures = {p: step_figures(await announcements(plane, p, steps + 1), waits[p]) for p in POLICIES}
-        state = await plane.state_get("dataflow") or {}
-        acc = state.get("accounting", {})
-        evals = {v: (await plane.state_get(f"eval.solver.{v}"))["reward"] for v in sorted({0, steps, *range(EVAL_EVERY, steps, EVAL_EVERY)})}
+        state = await plane.state.get(DataflowState) or DataflowState()
+        acc = state.accounting
+        evals = {v: (await plane.state.get(EvalRecord, "solver", v)).reward for v in sorted({0, steps, *range(EVAL_EVERY, steps, EVAL_EVERY)})}
     finally:
         roles.stop()
         await plane.close()
-    history = state.get("lanes", {}).get("solver", {}).get("history", [])[:steps]
+    history = state.lanes["solver"].history[:steps] if "solver" in state.lanes else []
     return {"mode": mode, **{f"{p}_{k}": round(v, 3) for p, f in figures.items() for k, v in f.items()},
             "held_out": evals, "held_out_v0": evals[0], "held_out_final": evals[steps],
             "lag_mean": round(sum(h[4] for h in history) / max(1, len(history)), 2), "lag_max": max((h[3] for h in history), default=0),
-            "tasks_issued": acc.get("solver", {}).get("issued"),
-            "dropped_stale": acc.get("solver", {}).get("fates", {}).get("dropped:stale", 0), "wall_s": round(time.monotonic() - t0, 1)}
+            "tasks_issued": acc["solver"].total if "solver" in acc else None,
+            "dropped_stale": acc["solver"].fates.get("dropped:stale", 0) if "solver" in acc else 0, "wall_s": round(time.monotonic() - t0, 1)}
 
 
 async def main(steps: int, timeout: float, modes: list[str], keep: Path | None) -> dict[str, Any]:

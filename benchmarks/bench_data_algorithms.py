@@ -30,6 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
 
@@ -56,9 +57,10 @@ async def curve(url: str, run_dir: Path, group_size: int) -> list[dict[str, floa
     """Per evaluated version: held-out accuracy and trajectories received when its batch was planned."""
     summary = json.loads((run_dir / "summary.json").read_text())
     plane = await Plane.connect(NatsOptions(url=url), run_dir.name, "bench")
-    state = await plane.state_get("dataflow") or {}
+    state = await plane.state.get(DataflowState)
     await plane.close()
-    received = {int(h[0]): int(h[1]) for h in state["lanes"]["solver"]["history"]}
+    assert state is not None, f"{run_dir.name}: no dataflow state"
+    received = {int(h[0]): int(h[1]) for h in state.lanes["solver"].history}
     points = []
     for v, acc in sorted((int(k), a) for k, a in summary["held_out_reward"].items()):
         points.append({"version": v, "rollouts": received.get(v, 0) * group_size if v else 0, "accuracy": acc})

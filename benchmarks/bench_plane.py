@@ -16,6 +16,7 @@ import time
 import uuid
 
 import numpy as np
+import nats
 from nats.js import api
 from rich.console import Console
 from rich.table import Table
@@ -38,16 +39,19 @@ def trajectory_for(task: Task, i: int) -> Trajectory:
 
 
 async def raw_throughput(url: str, n: int, size: int) -> float:
-    plane = await Plane.connect(NatsOptions(url=url), "raw" + uuid.uuid4().hex[:6], "bench")
-    stream, subject = "RAW_" + plane.names.run, f"raw.{plane.names.run}"
-    await plane.jsm.add_stream(api.StreamConfig(name=stream, subjects=[subject], storage=api.StorageType.FILE))
-    await plane.jsm.add_consumer(stream, api.ConsumerConfig(durable_name="c", ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=100_000))
-    sub = await plane.js.pull_subscribe_bind("c", stream)
+    """The baseline: plain nats-py on the same server, no astraflow in the path."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    run = "raw" + uuid.uuid4().hex[:6]
+    stream, subject = "RAW_" + run, f"raw.{run}"
+    await js.add_stream(api.StreamConfig(name=stream, subjects=[subject], storage=api.StorageType.FILE))
+    await js.add_consumer(stream, api.ConsumerConfig(durable_name="c", ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=100_000))
+    sub = await js.pull_subscribe_bind("c", stream)
     payload = b"x" * size
     t0 = time.perf_counter()
 
     async def produce() -> None:
-        futs = [await plane.js.publish_async(subject, payload) for _ in range(n)]
+        futs = [await js.publish_async(subject, payload) for _ in range(n)]
         await asyncio.gather(*futs)
 
     async def consume() -> None:
@@ -63,7 +67,7 @@ async def raw_throughput(url: str, n: int, size: int) -> float:
 
     await asyncio.gather(produce(), consume())
     dt = time.perf_counter() - t0
-    await plane.close()
+    await nc.close()
     return n / dt
 
 
@@ -81,23 +85,23 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
     trained = 0
 
     async def rollout_loop() -> None:
-        sub = await rollout.subscribe(rollout.names.task_stream, "raas")
+        sub = rollout.consumer(rollout.names.task_stream, "raas", Task)
         while not done.is_set():
-            for d in await rollout.pull(sub, Task, batch=16, timeout=0.2):
+            for d in await sub.pull(batch=16, timeout=0.2):
                 await rollout.publish_many([(rollout.names.traj(d.msg.policy), t, t.traj_id) for t in (trajectory_for(d.msg, i) for i in range(d.msg.group_size))])
                 await d.ack()
 
     async def trainer_loop() -> None:
         nonlocal trained
-        sub = await trainer.subscribe(trainer.names.batch_stream, trainer.names.trainer_consumer("solver"))
+        sub = trainer.consumer(trainer.names.batch_stream, trainer.names.trainer_consumer("solver"), Batch)
         while trained < n_batches:
-            for d in await trainer.pull(sub, Batch, batch=1, timeout=0.2):
+            for d in await sub.pull(batch=1, timeout=0.2):
                 trained += 1
                 await d.ack()
         done.set()
 
     async def dataflow_loop() -> None:
-        sub = await plane.subscribe(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
+        sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
         while not done.is_set():
             await df.refresh_versions()
             await df.top_up()

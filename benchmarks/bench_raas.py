@@ -35,7 +35,7 @@ from rich.table import Table
 
 from astraflow.config import parse_recipe
 from astraflow.models import build_model, encode_prompt, load_tokenizer
-from astraflow.rollout.engine import GenerationRequest, SamplingParams
+from astraflow.rollout.engine import GenerationRequest
 from astraflow.rollout.worker import RolloutNode, make_handle
 from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.plane import NatsOptions, Plane
@@ -69,13 +69,13 @@ async def point(url: str, recipe: Any, n_nodes: int, n_tasks: int, group: int) -
     runs = [asyncio.create_task(node.run(stop)) for node in nodes]
     while not all(node.stats["joined"] for node in nodes):
         await asyncio.sleep(0.05)
-    sub = await plane.subscribe(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
+    sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
     want = n_tasks * group
     t0 = time.perf_counter()
     await plane.publish_many([(plane.names.task(t.workflow), t, t.task_id) for t in tasks_for(run, n_tasks, group)])
     got = 0
     while got < want:
-        for d in await plane.pull(sub, Trajectory, batch=256, timeout=0.5):
+        for d in await sub.pull(batch=256, timeout=0.5):
             got += 1
             await d.ack()
     wall = time.perf_counter() - t0

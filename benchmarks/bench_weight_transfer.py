@@ -33,12 +33,13 @@ import time
 import uuid
 from pathlib import Path
 
+import nats
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from astraflow.rollout.hf_engine import HFEngine
-from astraflow.streams.objects import ensure_region_mirrors, get_object, object_stream, put_object, wait_for_domain
+from astraflow.streams.objects import ensure_region_mirrors, get_object, object_stream, put_object
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import start_region_pair
 from astraflow.weights.publish import WeightPublisher
@@ -75,7 +76,7 @@ async def transfer(hub_url: str, leaf_url: str, preset: str, lr: float, reps: in
     await trainer_plane.ensure_topology(Topology(policies=("solver",)))
     hub_plane = await Plane.connect(NatsOptions(url=hub_url), run, "raas-hub")
     leaf_plane = await Plane.connect(NatsOptions(url=leaf_url, domain="hub"), run, "raas-leaf")
-    await wait_for_domain(leaf_plane.nc, "hub")
+    await leaf_plane.wait_for_domain("hub")
     streams = await ensure_region_mirrors(leaf_plane, run, hub_domain="hub")
 
     model = build_model(preset)
@@ -126,22 +127,24 @@ async def read_path(hub_url: str, leaf_url: str, size_mb: int, chunk_sizes: list
     hub = await Plane.connect(NatsOptions(url=hub_url), run, "w")
     await hub.ensure_topology(Topology(policies=("solver",)))
     leaf = await Plane.connect(NatsOptions(url=leaf_url, domain="hub"), run, "r")
-    await wait_for_domain(leaf.nc, "hub")
+    await leaf.wait_for_domain("hub")
     await ensure_region_mirrors(leaf, run, hub_domain="hub")
-    leaf_js = leaf.nc.jetstream(domain="leaf", timeout=30)
+    # the object functions themselves, on plain nats-py connections (the chunk size is what is swept)
+    hub_nc, leaf_nc = await nats.connect(hub_url), await nats.connect(leaf_url)
+    hub_js, leaf_js = hub_nc.jetstream(timeout=30), leaf_nc.jetstream(domain="leaf", timeout=30)
     bucket = hub.names.object_bucket
-    obs = await hub.js.object_store(bucket)
+    obs = await hub_js.object_store(bucket)
     data = os.urandom(size_mb << 20)
     out = []
     for cs in chunk_sizes:
         name = f"blob-{cs}"
         t0 = time.perf_counter()
-        ref = await put_object(hub.js, bucket, name, data, cs)
+        ref = await put_object(hub_js, bucket, name, data, cs)
         t_put = time.perf_counter() - t0
         times: dict[str, list[float]] = {"ours_hub": [], "ours_leaf": [], "natspy_hub": []}
         for _ in range(3):
             t0 = time.perf_counter()
-            assert len(await get_object(hub.js, bucket, ref)) == len(data)
+            assert len(await get_object(hub_js, bucket, ref)) == len(data)
             times["ours_hub"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             assert len(await get_object(leaf_js, bucket, ref, stream=object_stream(bucket), wait_missing=30)) == len(data)
@@ -152,6 +155,8 @@ async def read_path(hub_url: str, leaf_url: str, size_mb: int, chunk_sizes: list
         row = {"chunk_mib": cs / (1 << 20), "put_mbps": size_mb / t_put}
         row.update({f"{k}_mbps": size_mb / min(v) for k, v in times.items()})
         out.append(row)
+    for nc in (leaf_nc, hub_nc):
+        await nc.close()
     await leaf.close()
     await hub.close()
     return out

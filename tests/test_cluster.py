@@ -71,7 +71,7 @@ async def _sleep(s: float) -> None:
 async def test_replicated_plane_survives_a_node_loss(cluster):
     urls, procs = cluster
     plane = await connect_when_ready(",".join(urls), "clu")
-    info = await plane.jsm.stream_info(plane.names.task_stream)
+    info = await plane._jsm.stream_info(plane.names.task_stream)
     assert info.config.num_replicas == 3
     for i in range(5):
         await plane.publish(plane.names.task("math"), Task(task_id=f"k{i}", workflow="math", policy="solver", prompt_id="p", prompt="1+1", group_size=2), f"k{i}")
@@ -79,11 +79,11 @@ async def test_replicated_plane_survives_a_node_loss(cluster):
     procs[0].kill()  # lose a node (maybe the leader)
     procs[0].wait()
     survivor = await connect_when_ready(",".join(urls[1:]), "clu")
-    sub = await survivor.subscribe(survivor.names.task_stream, "raas")
+    sub = survivor.consumer(survivor.names.task_stream, "raas", Task)
     got: list[str] = []
     deadline = time.monotonic() + 30
     while len(got) < 5 and time.monotonic() < deadline:
-        for d in await survivor.pull(sub, Task, batch=5, timeout=1):
+        for d in await sub.pull(batch=5, timeout=1):
             got.append(d.msg.task_id)
             await d.ack()
     assert sorted(got) == [f"k{i}" for i in range(5)]

@@ -1,6 +1,6 @@
-"""The wire contract from outside Python: JSON Schema export, and a Node.js rollout node.
+"""The wire contract from outside Python: JSON Schema export, and a Node._js rollout node.
 
-The Node.js example (``examples/node/raas.js``, ``nats`` + ``@msgpack/msgpack`` from npm) pulls
+The Node._js example (``examples/node/raas.js``, ``nats`` + ``@msgpack/msgpack`` from npm) pulls
 real tasks from the pool's durable consumer on a real nats-server and publishes trajectories;
 the Python side must decode every one (nothing in the DLQ), assemble them into complete groups
 with the dataflow's own assembler, and find them valid against the exported schema.
@@ -58,7 +58,7 @@ def _validator(repo_root, kind: str):  # noqa: ANN202
 @pytest.fixture(scope="module")
 def node_example():
     if not NODE or not NPM:
-        pytest.skip("node and npm are needed to run the Node.js contract example (not installed here)")
+        pytest.skip("node and npm are needed to run the Node._js contract example (not installed here)")
     ex = Path(__file__).resolve().parent.parent / "examples" / "node"
     cmd = [NPM, "ci", "--prefer-offline", "--cache", str(ex / ".npm-cache"), "--no-audit", "--no-fund"]
     if not (ex / "node_modules" / "nats").exists():
@@ -80,10 +80,10 @@ async def test_node_runtime_pulls_tasks_and_publishes_valid_trajectories(node_ex
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stats["tasks"] == len(tasks) and stats["trajectories"] == 3 * len(tasks) and stats["naks"] >= 1
 
-    sub = await plane.subscribe(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
+    sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
     got = []
     while True:
-        batch = await plane.pull(sub, Trajectory, batch=64, timeout=1.0)
+        batch = await sub.pull(batch=64, timeout=1.0)
         if not batch:
             break
         got += batch
@@ -104,7 +104,7 @@ async def test_node_runtime_pulls_tasks_and_publishes_valid_trajectories(node_ex
         assert set(t.token_versions().tolist()) == {0}
         text = bytes(x - 3 for x in t.completion().tolist() if x >= 3).decode()
         assert t.reward == arithmetic(text, {"answer": next(x.meta["answer"] for x in tasks if x.task_id == t.task_id)})
-        body = msgpack.unpackb(d.raw.data[1:], raw=False)
+        body = msgpack.unpackb(d.data[1:], raw=False)
         assert body["k"] == "trajectory"
         if validate is not None:
             errors = sorted(validate.iter_errors(body["d"]), key=str)

@@ -7,7 +7,6 @@ helpers step the service loop until a condition holds, with a bound on the numbe
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Callable
 
@@ -16,10 +15,11 @@ import pytest
 
 from astraflow.config import parse_recipe
 from astraflow.dataflow.autoscale import Meter
-from astraflow.dataflow.service import STATE_KEY, Dataflow
-from astraflow.streams.codec import decode
-from astraflow.streams.messages import Batch, Heartbeat, Task, Trajectory, WeightVersion
+from astraflow.dataflow.service import Dataflow
+from astraflow.streams.dataflow_state import Accounting, DataflowState
+from astraflow.streams.messages import Batch, DataflowStats, Heartbeat, RolloutStats, Task, TrainerStats, Trajectory, WeightVersion
 from astraflow.streams.plane import NatsOptions, Plane, Topology
+from astraflow.streams.state import AutoscaleRecord, FateRecord, VersionRecord
 
 Reward = Callable[[Task, str, int], float]
 
@@ -44,9 +44,9 @@ class Harness:
     async def start(self) -> "Harness":
         self.node = await Plane.connect(NatsOptions(url=self.url), self.run, "node")
         await self.node.ensure_topology(Topology(policies=self.recipe.policy_names, task_ack_wait=2.0, traj_ack_wait=2.0))
-        self.task_sub = await self.node.subscribe(self.node.names.task_stream, "raas")
+        self.task_sub = self.node.consumer(self.node.names.task_stream, "raas", Task)
         self.trainer = await Plane.connect(NatsOptions(url=self.url), self.run, "trainer")
-        self.batch_subs = {p: await self.trainer.subscribe(self.trainer.names.batch_stream, self.trainer.names.trainer_consumer(p))
+        self.batch_subs = {p: self.trainer.consumer(self.trainer.names.batch_stream, self.trainer.names.trainer_consumer(p), Batch)
                            for p in self.recipe.policy_names}
         await self.open_dataflow()
         return self
@@ -55,12 +55,12 @@ class Harness:
         self.plane = await Plane.connect(NatsOptions(url=self.url), self.run, "dataflow")
         self.df = Dataflow(self.recipe, self.plane)
         await self.df.start()
-        self.sub = await self.plane.subscribe(self.plane.names.traj_stream, self.plane.names.DATAFLOW_CONSUMER)
+        self.sub = self.plane.consumer(self.plane.names.traj_stream, self.plane.names.DATAFLOW_CONSUMER, Trajectory)
 
     async def kill_dataflow(self) -> None:
         """Gone without a word: nothing flushed, nothing acked (like SIGKILL)."""
         await self.df.watch.stop()
-        await self.plane.nc.close()
+        await self.plane._nc.close()
 
     async def close(self) -> None:
         await self.df.watch.stop()
@@ -81,7 +81,7 @@ class Harness:
     async def rollout(self, reward: Reward = varied, policies: tuple[str, ...] | None = None, version: int | None = None,
                       limit: int = 64) -> list[Task]:
         """Serve the tasks on the pool: one group per policy, tokens of ``version`` (default: the node is current)."""
-        got = await self.node.pull(self.task_sub, Task, batch=limit, timeout=0.3)
+        got = await self.task_sub.pull(batch=limit, timeout=0.3)
         out = []
         for d in got:
             t = d.msg
@@ -99,15 +99,14 @@ class Harness:
 
     async def fail(self, reason: str = "workflow failed 20x: boom") -> list[Task]:
         """A node gives up on the tasks it pulls: DLQ with the reason, then term."""
-        got = await self.node.pull(self.task_sub, Task, batch=64, timeout=0.3)
+        got = await self.task_sub.pull(batch=64, timeout=0.3)
         for d in got:
-            await self.node.reject(d.raw.subject, d.raw.data, reason)
-            await d.term()
+            await d.reject(reason)
         return [d.msg for d in got]
 
     async def train(self, policy: str, limit: int = 64) -> list[Batch]:
         """Take what is queued for ``policy``, announce a version per batch (as a trainer does, last)."""
-        got = await self.trainer.pull(self.batch_subs[policy], Batch, batch=limit, timeout=0.3)
+        got = await self.batch_subs[policy].pull(batch=limit, timeout=0.3)
         for d in got:
             self.versions[policy] += 1
             self.batches[policy].append(d.msg)
@@ -119,13 +118,13 @@ class Harness:
         ann = WeightVersion(policy=policy, version=version, encoding="keyframe", state_digest="x", keyframe_version=version,
                             objects=[], batch_ids=batch_ids)
         await self.trainer.publish(self.trainer.names.weights(policy), ann, msg_id=f"{policy}-w{version}")
-        await self.trainer.state_put(f"version.{policy}", version)
+        await self.trainer.state.put(VersionRecord(policy=policy, version=version))
         self.versions[policy] = version
 
     async def pending_tasks(self) -> int:
         return (await self.node.lag(self.node.names.task_stream, "raas")).pending
 
-    def acc(self, policy: str = "solver") -> dict[str, Any]:
+    def acc(self, policy: str = "solver") -> Accounting:
         return self.df.accounting()[policy]
 
 
@@ -147,7 +146,7 @@ async def test_tasks_in_flight_bounded_by_the_staleness_budget(harness: Harness)
     assert await harness.pending_tasks() == 4  # (max_staleness + 1) * groups_per_batch, below max_tasks_in_flight
     await harness.rollout(limit=1)  # one comes back and waits in the buffer: still counts against the budget
     await harness.turn(5)
-    assert await harness.pending_tasks() == 3 and harness.acc()["buffered"] == 1
+    assert await harness.pending_tasks() == 3 and harness.acc().buffered == 1
 
 
 @with_recipe(max_staleness=50, max_tasks_in_flight=6)
@@ -178,23 +177,23 @@ async def test_policies_route_to_their_own_lanes_and_progress_independently(harn
     await harness.until(lambda: df.lanes["verifier"].batch_seq >= 2)
     solver_tasks = {t for b in harness.batches["solver"] for t in b.task_ids}
     assert len(solver_tasks) == 2 * len(harness.batches["solver"])  # no group trained twice
-    await harness.until(lambda: df.accounting()["verifier"]["fates"].get("trained", 0) == 2)
-    assert df.accounting()["solver"]["adds_up"] and df.accounting()["verifier"]["adds_up"]
+    await harness.until(lambda: df.accounting()["verifier"].fates.get("trained", 0) == 2)
+    assert df.accounting()["solver"].adds_up and df.accounting()["verifier"].adds_up
 
 
 @with_recipe(max_staleness=1, max_tasks_in_flight=4)
 async def test_stale_groups_are_dropped_at_serving_and_counted(harness: Harness):
     await harness.turn(2)
     await harness.rollout(limit=1, version=0)  # one group of v0 tokens waits (a batch needs two)
-    await harness.until(lambda: harness.acc()["buffered"] == 1)
+    await harness.until(lambda: harness.acc().buffered == 1)
     await harness.announce("solver", 2, [])  # the trainer moved on (another dataflow's batches, say)
     await harness.until(lambda: harness.df.lanes["solver"].version == 2)
     await harness.rollout(limit=2, version=2)
-    await harness.until(lambda: harness.acc()["fates"].get("dropped:stale") == 1)
+    await harness.until(lambda: harness.acc().fates.get("dropped:stale") == 1)
     acc = harness.acc()
-    assert acc["adds_up"] and acc["fates"]["dropped:stale"] == 1
-    record = await harness.plane.state_get("fate.solver.t00000001")
-    assert record["fate"] == "dropped:stale"
+    assert acc.adds_up and acc.fates["dropped:stale"] == 1
+    record = await harness.plane.state.get(FateRecord, "solver", "t00000001")
+    assert record is not None and record.fate == "dropped:stale"
 
 
 @pytest.mark.parametrize("policy", ["keep", "downweight", "drop"])
@@ -206,9 +205,9 @@ async def test_late_results_follow_the_late_policy(nats_server, run_id, policy: 
         await h.turn(2)
         assert all(t.deadline and t.deadline > t.created_at for t in await h.rollout())
         await h.turn(3)
-        late = h.acc()["late"]
+        late = h.acc().late
         if policy == "drop":
-            assert late == {"dropped": 2} and h.acc()["fates"] == {"dropped:expired": 2}
+            assert late == {"dropped": 2} and h.acc().fates == {"dropped:expired": 2}
             return
         await h.until(lambda: h.df.lanes["solver"].batch_seq == 1)
         (batch,) = await h.train("solver")
@@ -227,25 +226,26 @@ async def test_every_task_has_a_fate_and_the_counts_add_up(harness: Harness):
     await harness.turn(2)
     solved_all: Reward = lambda t, p, i: 1.0  # noqa: E731  zero variance -> filtered
     await harness.rollout(reward=solved_all, limit=2)
-    await harness.until(lambda: harness.acc()["fates"].get("failed:rollout") == 4)
+    await harness.until(lambda: harness.acc().fates.get("failed:rollout") == 4)
     for _ in range(6):
         await harness.turn(2)
         await harness.rollout()
         await harness.turn(2)
         await harness.train("solver")
-    await harness.until(lambda: harness.acc()["fates"].get("trained", 0) >= 4)
+    await harness.until(lambda: harness.acc().fates.get("trained", 0) >= 4)
     acc = harness.acc()
-    assert acc["fates"]["failed:rollout"] == 4 and acc["fates"]["filtered:zero_variance"] == 2
-    assert acc["adds_up"], acc
-    in_states = acc["in_flight"] + acc["buffered"] + acc["awaiting"] + sum(acc["fates"].values())
-    assert in_states == acc["issued"] == harness.df.ledger.issued
-    failed = await harness.plane.state_get("fate.solver.t00000001")
-    assert failed["fate"] == "failed:rollout" and "boom" in failed["error"]
+    assert acc.fates["failed:rollout"] == 4 and acc.fates["filtered:zero_variance"] == 2
+    assert acc.adds_up, acc
+    in_states = acc.in_flight + acc.buffered + acc.awaiting + sum(acc.fates.values())
+    assert in_states == acc.total == harness.df.ledger.issued
+    failed = await harness.plane.state.get(FateRecord, "solver", "t00000001")
+    assert failed is not None and failed.fate == "failed:rollout" and failed.error and "boom" in failed.error
     batch = harness.batches["solver"][0]
-    trained = await harness.plane.state_get(f"fate.solver.{batch.task_ids[0]}")
-    assert trained == {**trained, "fate": "trained", "batch": batch.batch_id, "version": 1}
+    trained = await harness.plane.state.get(FateRecord, "solver", batch.task_ids[0])
+    assert trained is not None and (trained.fate, trained.batch, trained.version) == ("trained", batch.batch_id, 1)
     await harness.df.persist()
-    assert (await harness.plane.state_get(STATE_KEY))["accounting"]["solver"] == acc  # what `astraflow status` shows
+    state = await harness.plane.state.get(DataflowState)
+    assert state is not None and state.accounting["solver"] == acc  # what `astraflow status` shows
 
 
 @with_recipe(mode="sync", max_tasks_in_flight=8, max_staleness=3)
@@ -265,32 +265,29 @@ async def test_sync_mode_releases_one_batch_per_version(harness: Harness):
 @with_recipe(autoscale={"hi": 0.3, "lo": 0.05, "max_step": 1, "window_s": 60})
 async def test_autoscale_advice_is_published(harness: Harness):
     for i in range(2):  # two live nodes of the pool
-        await harness.node.beat(Heartbeat(role="rollout", worker_id=f"n{i}", pool="raas", stats={"gen_s": 0.0}), "rollout")
+        await harness.node.beat(Heartbeat(worker_id=f"n{i}", pool="raas", stats=RolloutStats(gen_s=0.0)))
     await harness.until(lambda: len(harness.df.pool.nodes.live_ids(time.time())) == 2)
     for _ in range(3):  # no trainer has had a batch: it waits all the time
         await harness.df.measure(every_s=0)
     got: list[Heartbeat] = []
 
-    async def on_beat(msg: Any) -> None:
-        got.append(decode(msg.data, Heartbeat))
-
-    sub = await harness.node.nc.subscribe(f"af.{harness.run}.hb.dataflow.>", cb=on_beat)
-    await harness.node.nc.flush()
+    sub = await harness.node.on_heartbeats(lambda hb: got.append(hb) if hb.role == "dataflow" else None)
     await harness.df.beat()
-    advice = await harness.plane.state_get("autoscale.raas")
-    assert advice["nodes"] == 2 and advice["target"] == 3 and advice["action"] == "up" and advice["wait_frac"] == 1.0
+    advice = await harness.plane.state.get(AutoscaleRecord, "raas")
+    assert advice is not None
+    assert (advice.nodes, advice.target, advice.action, advice.wait_frac) == (2, 3, "up", 1.0)
     await harness.until(lambda: bool(got))
-    assert got[0].stats["autoscale.target"] == 3 and got[0].stats["autoscale.nodes"] == 2
-    await sub.unsubscribe()
+    stats = got[0].stats
+    assert isinstance(stats, DataflowStats) and stats.autoscale_target == 3 and stats.autoscale_nodes == 2
+    await sub.stop()
     # once the trainer reports its own waiting (cumulative wait_s), its slope is the wait fraction
     for ts, wait_s in [(1000.0, 0.0), (1010.0, 0.2)]:
-        await harness.trainer.beat(Heartbeat(role="trainer", worker_id="trainer-solver", policy="solver", ts=ts,
-                                             stats={"wait_s": wait_s}), "trainer")
+        await harness.trainer.beat(Heartbeat(worker_id="trainer-solver", policy="solver", ts=ts, stats=TrainerStats(wait_s=wait_s)))
     await harness.until(lambda: len(harness.df.pool.trainer_wait.get("solver", Meter(1)).samples) == 2)
     assert harness.df.pool.wait_frac("solver") == pytest.approx(0.02)
     await harness.df.beat()
-    advice = await harness.plane.state_get("autoscale.raas")
-    assert advice["action"] == "hold" and advice["target"] == 2, json.dumps(advice)  # below lo, but nothing measured says the pool is too big
+    advice = await harness.plane.state.get(AutoscaleRecord, "raas")
+    assert advice is not None and (advice.action, advice.target) == ("hold", 2), advice  # below lo, but nothing measured says the pool is too big
 
 
 @with_recipe(max_tasks_in_flight=8, max_staleness=3,
@@ -312,13 +309,15 @@ async def test_restart_restores_state_and_rebuilds_a_planned_batch(harness: Harn
     with pytest.raises(ConnectionError):  # the next batch is planned (written ahead), then the dataflow dies publishing it
         await harness.until(lambda: False, turns=20)
     harness.plane.publish = publish  # type: ignore[method-assign]
-    saved = (await harness.plane.state_get(STATE_KEY))["lanes"]["solver"]
-    (batch_id,) = saved["plans"]
-    assert saved["pipeline"]["curators"][0]["state"]["window"]["solver"]["n"] > 0  # GRESO has seen groups
+    state = await harness.plane.state.get(DataflowState)
+    assert state is not None
+    saved = state.lanes["solver"]
+    (batch_id,) = saved.plans
+    assert saved.pipeline["curators"][0]["state"]["window"]["solver"]["n"] > 0  # GRESO has seen groups
     await harness.kill_dataflow()
     await harness.open_dataflow()  # restores, then publishes the planned batch under its id
     after = harness.df.lanes["solver"]
-    assert after.pipeline.state() == saved["pipeline"]  # plug-in state restored exactly
+    assert after.pipeline.state() == saved.pipeline  # plug-in state restored exactly
     assert after.batch_seq == 3 and not after.plans and batch_id in after.awaiting
     trained = await harness.train("solver")
     assert [b.batch_id for b in trained] == [batch_id] and len(trained[0].trajectories) == 4  # 1 fresh + 1 replayed group
@@ -332,7 +331,7 @@ async def test_restart_restores_state_and_rebuilds_a_planned_batch(harness: Harn
     assert len(ids) == len(set(ids))
     fresh = [t for b in harness.batches["solver"] for t in b.task_ids[:1]]  # replay appends; fresh groups come first
     assert len(fresh) == len(set(fresh))
-    assert harness.acc()["adds_up"]
+    assert harness.acc().adds_up
 
 
 @with_recipe(max_tasks_in_flight=4, max_staleness=1)
@@ -346,14 +345,14 @@ async def test_status_shows_the_accounting_and_the_advice(harness: Harness):
         await harness.rollout()
         await harness.turn(2)
         await harness.train("solver")
-    await harness.until(lambda: harness.acc()["fates"].get("trained", 0) >= 2)
+    await harness.until(lambda: harness.acc().fates.get("trained", 0) >= 2)
     await harness.df.beat()
     await harness.df.persist()
     info = await collect(harness.url, harness.run, "solver", listen=0.2)
     acc = info["accounting"]["solver"]
-    assert acc == harness.acc() and acc["adds_up"]
-    assert info["autoscale"]["pool"] == "raas" and "target" in info["autoscale"]
+    assert acc == harness.acc() and acc.adds_up
+    assert info["autoscale"].pool == "raas" and info["autoscale"].target >= 0
     console = Console(record=True, width=120)
     console.print(accounting_table("solver", acc))
     text = console.export_text()
-    assert "adds up" in text and f"issued │ {acc['issued']}".replace(" ", "") in text.replace(" ", "")
+    assert "adds up" in text and f"issued │ {acc.total}".replace(" ", "") in text.replace(" ", "")

@@ -10,7 +10,6 @@ batch exactly once, no task may appear in two batches, and the accounting must a
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -25,7 +24,9 @@ import yaml
 from astraflow.streams.codec import decode
 from astraflow.streams.messages import Batch, WeightVersion
 from astraflow.config import parse_recipe
+from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.state import DoneRecord
 
 STEPS = 8
 RECIPE = {
@@ -95,11 +96,11 @@ async def test_dataflow_survives_sigkill_without_losing_or_rebatching(nats_serve
     async def on_batch(msg: Any) -> None:  # every publication, including a republished copy the stream drops
         published.append(decode(msg.data, Batch))
 
-    await plane.nc.subscribe(f"af.{run_id}.batch.>", cb=on_batch)
+    await plane._nc.subscribe(f"af.{run_id}.batch.>", cb=on_batch)
     roles = Roles(nats_server.url, run_id, recipe_file, tmp_path / "logs")
 
-    async def state() -> dict[str, Any]:
-        return await plane.state_get("dataflow") or {}
+    async def state() -> DataflowState:
+        return await plane.state.get(DataflowState) or DataflowState()
 
     try:
         roles.start("trainer", "trainer-solver")
@@ -111,13 +112,14 @@ async def test_dataflow_survives_sigkill_without_losing_or_rebatching(nats_serve
 
         await wait_for(first_died, "the first dataflow to kill itself after publishing batch 2", 150, roles)
         assert first.returncode == -signal.SIGKILL
-        planned = (await state())["lanes"]["solver"]["plans"]
+        planned = (await state()).lanes["solver"].plans
         assert list(planned) == ["solver-b000002"]  # published, never confirmed
 
         second = roles.start("dataflow", "dataflow-2")
 
         async def four_batches() -> bool:
-            return (await state()).get("lanes", {}).get("solver", {}).get("batch_seq", 0) >= 4
+            lane = (await state()).lanes.get("solver")
+            return lane is not None and lane.batch_seq >= 4
 
         await wait_for(four_batches, "four batches", 90, roles)
         second.send_signal(signal.SIGKILL)  # mid-run, wherever it is
@@ -125,20 +127,20 @@ async def test_dataflow_survives_sigkill_without_losing_or_rebatching(nats_serve
         roles.start("dataflow", "dataflow-3")
 
         async def trained_all() -> bool:
-            return int(await plane.state_get("done.solver", -1)) >= STEPS
+            done = await plane.state.get(DoneRecord, "solver")
+            return done is not None and done.version >= STEPS
 
         await wait_for(trained_all, f"{STEPS} training steps", 120, roles)
 
-        async def settled() -> dict[str, Any] | None:
-            acc = (await state()).get("accounting", {}).get("solver")
-            return acc if acc and acc["fates"].get("trained") == STEPS * 2 and acc["adds_up"] else None
+        async def settled() -> Accounting | None:
+            acc = (await state()).accounting.get("solver")
+            return acc if acc and acc.fates.get("trained") == STEPS * 2 and acc.adds_up else None
 
         acc = await wait_for(settled, "the accounting of every trained batch", 30, roles)
     finally:
         roles.stop()
 
-    weights = await plane.js.pull_subscribe(plane.names.weights("solver"), stream=plane.names.weights_stream)
-    anns = [decode(m.data, WeightVersion) for m in await weights.fetch(STEPS + 1, timeout=5)]
+    anns = await plane.history(plane.names.weights("solver"), WeightVersion)
     trained = [b for a in anns for b in a.batch_ids]
     assert [a.version for a in anns] == list(range(STEPS + 1))
     assert len(trained) == STEPS and len(set(trained)) == STEPS, trained  # every batch trained exactly once
@@ -148,7 +150,7 @@ async def test_dataflow_survives_sigkill_without_losing_or_rebatching(nats_serve
     by_id = {b.batch_id: b.task_ids for b in published}
     tasks = [t for ids in by_id.values() for t in ids]
     assert len(tasks) == len(set(tasks)), by_id  # no group in two batches
-    assert acc["issued"] == acc["in_flight"] + acc["buffered"] + acc["awaiting"] + sum(acc["fates"].values())
+    assert acc.total == acc.in_flight + acc.buffered + acc.awaiting + sum(acc.fates.values())
     log = (tmp_path / "logs" / "dataflow-2.log").read_text()
-    assert "solver-b000002 was planned before the restart" in log and json.dumps(acc)
+    assert "solver-b000002 was planned before the restart" in log, acc
     await plane.close()

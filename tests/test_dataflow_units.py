@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from astraflow.dataflow.autoscale import AutoscaleConfig, Meter, Nodes, Observation, Starvation, advise
+from astraflow.config import AutoscaleConfig
+from astraflow.dataflow.autoscale import Meter, Nodes, Observation, Starvation, advise
 from astraflow.dataflow.groups import Assembler
 from astraflow.dataflow.ledger import IdSet, Ledger, account
 from astraflow.launcher import LocalPool, Role
@@ -40,7 +41,7 @@ def test_idset_is_compact_for_contiguous_ids():
     ids = IdSet()
     for n in [5, 3, 4, 1, 2, 10]:
         ids.add(f"t{n:08d}")
-    assert ids.state()["ranges"] == [[1, 5], [10, 10]]
+    assert ids.state().ranges == [(1, 5), (10, 10)]
 
 
 def traj(task: str, i: int, n: int = 3, traj_id: str | None = None) -> Trajectory:
@@ -64,11 +65,11 @@ def test_assembler_completes_groups_and_spots_duplicates():
 def test_accounting_adds_up_only_when_every_task_is_somewhere():
     ledger = Ledger(issued=10, received=7)
     ledger.fates.update({"trained": 4, "filtered:zero_variance": 1, "failed:rollout": 1})
-    assert account(ledger, True, in_flight=2, buffered=1, awaiting=1)["adds_up"]
-    assert not account(ledger, True, in_flight=1, buffered=1, awaiting=1)["adds_up"]
+    assert account(ledger, True, in_flight=2, buffered=1, awaiting=1).adds_up
+    assert not account(ledger, True, in_flight=1, buffered=1, awaiting=1).adds_up
     side = Ledger(received=6)
     side.fates.update({"trained": 4, "dropped:stale": 1})
-    assert account(side, False, in_flight=0, buffered=1, awaiting=0)["adds_up"]
+    assert account(side, False, in_flight=0, buffered=1, awaiting=0).adds_up
 
 
 CFG = AutoscaleConfig(hi=0.3, lo=0.05, min_nodes=1, max_nodes=8, max_step=2)

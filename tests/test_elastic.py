@@ -24,7 +24,6 @@ import yaml
 from astraflow.config import load_recipe
 from astraflow.dataflow.groups import Assembler
 from astraflow.models import build_model, load_tokenizer
-from astraflow.streams.codec import decode
 from astraflow.streams.messages import Heartbeat, Task, Trajectory
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.weights.publish import WeightPublisher
@@ -110,19 +109,18 @@ async def test_nodes_join_die_and_leave_and_every_task_is_trained_once(nats_serv
 
     beats: dict[str, Heartbeat] = {}
 
-    async def on_beat(msg) -> None:  # noqa: ANN001
-        hb = decode(msg.data, Heartbeat)
+    def on_beat(hb: Heartbeat) -> None:
         beats[hb.worker_id] = hb
 
-    await plane.nc.subscribe(f"af.{run_id}.hb.rollout.>", cb=on_beat)
+    await plane.on_heartbeats(on_beat)
     assembler, trained, duplicates, seen = Assembler(), {}, [], []
-    sub = await plane.subscribe(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
+    sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
 
     async def collect() -> None:
         while True:
-            for d in await plane.pull(sub, Trajectory, batch=64, timeout=0.5):
+            for d in await sub.pull(batch=64, timeout=0.5):
                 seen.append(d.msg.traj_id)
-                held = assembler.add(d.msg, d.raw.metadata.sequence.stream)
+                held = assembler.add(d.msg, d.stream_seq)
                 if held is False:
                     duplicates.append(d.msg.traj_id)
                 elif held is not None:
@@ -145,7 +143,7 @@ async def test_nodes_join_die_and_leave_and_every_task_is_trained_once(nats_serv
         # 2. from now on B and C hold the next tasks they take (the gate plugin), until the test decides
         (tmp_path / "hold-B").touch()
         (tmp_path / "hold-C").touch()
-        await wait_for(lambda: all(beats.get(n) and beats[n].stats.get("joined") for n in "BC"), "B and C to join the pool")
+        await wait_for(lambda: all(beats.get(n) and getattr(beats[n].stats, "joined", False) for n in "BC"), "B and C to join the pool")
         assert beats["B"].region == "r-B" and beats["C"].hardware == "cpu-test" and beats["B"].pool == "raas"
         await plane.publish_many([(plane.names.task(t.workflow), t, t.task_id) for t in tasks[4:]])
         await wait_for(lambda: (tmp_path / "holding-B").exists() and (tmp_path / "holding-C").exists(), "B and C to hold tasks")

@@ -15,6 +15,7 @@ import pytest
 from astraflow.streams.codec import encode
 from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.plane import NatsOptions, Plane, Topology
+from astraflow.streams.state import VersionRecord
 from astraflow.streams.server import nats_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +53,7 @@ async def as_role(url: str, role: str, run: str) -> Plane:
 
 async def refused(plane: Plane, subject: str, payload: bytes) -> bool:
     try:
-        await plane.js.publish(subject, payload, timeout=1.0)
+        await plane._js.publish(subject, payload, timeout=1.0)
     except Exception:  # the server answers a permissions violation: no ack ever comes
         return True
     return False
@@ -64,18 +65,18 @@ async def test_roles_do_their_job_and_nothing_more(secured_server):
     await dataflow.ensure_topology(topo)  # the dataflow may create the run's streams
     task = Task(task_id="t1", workflow="math", policy="solver", prompt_id="p", prompt="1+1", group_size=1)
     await dataflow.publish(dataflow.names.task("math"), task, "t1")
-    await dataflow.state_put("version.solver", 0)
+    await dataflow.state.put(VersionRecord(policy="solver", version=0))
 
     rollout = await as_role(secured_server, "rollout", run)
     await rollout.ensure_topology(topo)  # read-only: everything exists already
-    sub = await rollout.subscribe(rollout.names.task_stream, "raas")
-    (d,) = await rollout.pull(sub, Task, timeout=2)
+    sub = rollout.consumer(rollout.names.task_stream, "raas", Task)
+    (d,) = await sub.pull(timeout=2)
     traj = Trajectory(traj_id="t1.solver.0", task_id="t1", prompt_id="p", policy="solver", index=0, group_size=1,
                       prompt_ids=np.arange(3), completion_ids=np.arange(2), logprobs=np.zeros(2), versions=np.zeros(2),
                       loss_mask=np.ones(2), reward=1.0)
     await rollout.publish(rollout.names.traj("solver"), traj, traj.traj_id)
     await d.ack()
-    assert await rollout.state_get("version.solver") == 0  # may read the run state
+    assert (await rollout.state.get(VersionRecord, "solver")).version == 0  # may read the run state
     assert await refused(rollout, rollout.names.weights("solver"), b"x")
     assert await refused(rollout, rollout.names.task("math"), encode(task))
     assert await refused(rollout, rollout.names.batch("solver"), b"x")

@@ -77,14 +77,14 @@ async def test_redelivery_when_consumer_dies_without_ack(nats_server, plane: Pla
     task = Task(task_id="r1", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2)
     await plane.publish(plane.names.task("math"), task, task.task_id)
     dying = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "dying")
-    sub = await dying.subscribe(dying.names.task_stream, "raas")
-    got = await dying.pull(sub, Task, timeout=2)
+    sub = dying.consumer(dying.names.task_stream, "raas", Task)
+    got = await sub.pull(timeout=2)
     assert [d.msg.task_id for d in got] == ["r1"]
-    await dying.nc.close()  # dies holding the task, never acks
-    sub2 = await plane.subscribe(plane.names.task_stream, "raas")
+    await dying._nc.close()  # dies holding the task, never acks
+    sub2 = plane.consumer(plane.names.task_stream, "raas", Task)
     again: list = []
     for _ in range(10):  # ack_wait is 2 s in the fixture
-        again = await plane.pull(sub2, Task, timeout=1)
+        again = await sub2.pull(timeout=1)
         if again:
             break
     assert [d.msg.task_id for d in again] == ["r1"] and again[0].num_delivered == 2
@@ -93,13 +93,13 @@ async def test_redelivery_when_consumer_dies_without_ack(nats_server, plane: Pla
 
 async def test_malformed_message_goes_to_dlq_and_worker_keeps_running(plane: Plane):
     subj = plane.names.task("math")
-    await plane.js.publish(subj, b"\x01not msgpack \xc1")
+    await plane._js.publish(subj, b"\x01not msgpack \xc1")
     await plane.publish(subj, Task(task_id="ok", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2), "ok")
-    sub = await plane.subscribe(plane.names.task_stream, "raas")
-    got = await plane.pull(sub, Task, batch=2, timeout=2)
+    sub = plane.consumer(plane.names.task_stream, "raas", Task)
+    got = await sub.pull(batch=2, timeout=2)
     assert [d.msg.task_id for d in got] == ["ok"]
     await got[0].ack()
-    dlq = await plane.js.pull_subscribe(plane.names.dlq("task"), stream=plane.names.dlq_stream)
+    dlq = await plane._js.pull_subscribe(plane.names.dlq("task"), stream=plane.names.dlq_stream)
     (raw,) = await dlq.fetch(1, timeout=2)
     rej = decode(raw.data, Rejected)
     assert rej.subject == subj and "undecodable" in rej.reason and rej.payload == b"\x01not msgpack \xc1"
@@ -109,27 +109,27 @@ async def test_malformed_message_goes_to_dlq_and_worker_keeps_running(plane: Pla
 async def test_object_round_trip_and_corrupt_chunk_refused(plane: Plane):
     bucket = plane.names.object_bucket
     data = os.urandom(3 * 1024 * 1024 + 123)
-    ref = await put_object(plane.js, bucket, "w/v1", data, chunk_size=256 * 1024)
+    ref = await put_object(plane._js, bucket, "w/v1", data, chunk_size=256 * 1024)
     assert len(ref.digests) == 13
-    assert bytes(await get_object(plane.js, bucket, ref)) == data
+    assert bytes(await get_object(plane._js, bucket, ref)) == data
     # corrupt one chunk: rewrite the chunk subject with a flipped byte and a wrong order
     bad = ref.model_copy(update={"digests": ref.digests[:5] + ["0" * 64] + ref.digests[6:]})
     with pytest.raises(CorruptObject, match="chunk 5"):
-        await get_object(plane.js, bucket, bad)
+        await get_object(plane._js, bucket, bad)
     # a tampered payload on the server is refused too
-    await plane.jsm.purge_stream(object_stream(bucket), subject=f"$O.{bucket}.C.{ref.nuid}")
+    await plane._jsm.purge_stream(object_stream(bucket), subject=f"$O.{bucket}.C.{ref.nuid}")
     for i in range(len(ref.digests)):
         chunk = bytearray(data[i * ref.chunk_size : (i + 1) * ref.chunk_size])
         if i == 3:
             chunk[10] ^= 0xFF
-        await plane.js.publish(f"$O.{bucket}.C.{ref.nuid}", bytes(chunk))
+        await plane._js.publish(f"$O.{bucket}.C.{ref.nuid}", bytes(chunk))
     with pytest.raises(CorruptObject, match="chunk 3"):
-        await get_object(plane.js, bucket, ref)
+        await get_object(plane._js, bucket, ref)
 
 
 async def test_object_readable_by_standard_object_store(plane: Plane):
     data = os.urandom(300_000)
-    await put_object(plane.js, plane.names.object_bucket, "compat", data, chunk_size=128 * 1024)
-    obs = await plane.js.object_store(plane.names.object_bucket)
+    await put_object(plane._js, plane.names.object_bucket, "compat", data, chunk_size=128 * 1024)
+    obs = await plane._js.object_store(plane.names.object_bucket)
     res = await obs.get("compat")
     assert res.data == data

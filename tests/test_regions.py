@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from nats.js.errors import NotFoundError
 
-from astraflow.streams.objects import chunk_subject, count_chunks, ensure_region_mirrors, object_stream, wait_for_domain
+from astraflow.streams.objects import chunk_subject, count_chunks, ensure_region_mirrors, object_stream
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import nats_server_binary, start_region_pair
-from astraflow.weights.publish import WeightPublisher, keyframe_request_key, request_keyframe
+from astraflow.streams.state import KeyframeRequest, VersionRecord
+from astraflow.weights.publish import WeightPublisher, request_keyframe
 from weights_helpers import Trainer, engine_digest, node
 
 CONF = Path(__file__).resolve().parent.parent / "jetstream"
@@ -36,7 +37,7 @@ async def planes(region):
     trainer = await Plane.connect(NatsOptions(url=hub.url), run, "trainer")
     await trainer.ensure_topology(Topology(policies=("solver",)))
     remote = await Plane.connect(NatsOptions(url=leaf.url, domain="hub"), run, "raas-eu")
-    await wait_for_domain(remote.nc, "hub")
+    await remote.wait_for_domain("hub")
     yield trainer, remote
     await remote.close()
     await trainer.close()
@@ -55,7 +56,7 @@ async def test_node_on_the_leaf_applies_versions_published_on_the_hub(planes):
     run = remote.names.run
     streams = await ensure_region_mirrors(remote, run, hub_domain="hub")
     assert await ensure_region_mirrors(remote, run, hub_domain="hub") == streams  # idempotent
-    leaf_js = remote.nc.jetstream(domain="leaf")
+    leaf_js = remote._nc.jetstream(domain="leaf")
     info = await leaf_js.stream_info(streams.object_stream)
     assert info.config.mirror.name == object_stream(remote.names.object_bucket) and info.config.mirror.external.api == "$JS.hub.API"
 
@@ -72,13 +73,13 @@ async def test_node_on_the_leaf_applies_versions_published_on_the_hub(planes):
     # retention ran on the hub and on the leaf's mirror alike: v0..v5 are gone from both
     await pub.wait_retention()
     bucket = remote.names.object_bucket
-    for js in (trainer_plane.js, leaf_js):
+    for js in (trainer_plane._js, leaf_js):
         counts = [await count_chunks(js, object_stream(bucket), chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
         assert counts == [0] * 6 + [1] * 2
 
     # the node reads the leaf's mirror, not the hub: with the hub's copy gone, a late joiner on the leaf still syncs
     for a in anns[6:]:
-        await trainer_plane.js.purge_stream(object_stream(bucket), subject=chunk_subject(bucket, a.objects[0].nuid))
+        await trainer_plane._js.purge_stream(object_stream(bucket), subject=chunk_subject(bucket, a.objects[0].nuid))
     late = node(remote, domain="leaf")
     await late.wait_for(7, timeout=20)
     assert engine_digest(late) == trainer.digest and late.stats["joins"] == 1
@@ -93,13 +94,13 @@ async def test_keyframe_request_from_the_leaf_reaches_the_hub_trainer(planes):
     await pub.publish(trainer.model.state_dict(), 0)
     assert (await pub.publish(trainer.step(), 1)).encoding == "delta"
     await request_keyframe(remote, "solver", "region eu lost its chain")
-    assert (await trainer_plane.state_get(keyframe_request_key("solver")))["by"] == "raas-eu"
+    assert (await trainer_plane.state.get(KeyframeRequest, "solver")).by == "raas-eu"
     assert (await pub.publish(trainer.step(), 2)).encoding == "keyframe"
 
 
 async def test_mirror_over_an_existing_plain_stream_is_refused(planes):
     _, remote = planes
-    leaf_jsm = remote.nc.jsm()
+    leaf_jsm = remote._nc.jsm()
     name = remote.names.weights_stream
     with pytest.raises(NotFoundError):
         await leaf_jsm.stream_info(name)
@@ -111,10 +112,10 @@ async def test_mirror_over_an_existing_plain_stream_is_refused(planes):
 async def test_run_state_read_and_written_from_the_leaf(planes):
     trainer_plane, remote = planes
     await remote.ensure_topology(Topology(policies=("solver",)))  # read-only: lands in the hub domain
-    await remote.state_put("probe.from-leaf", {"ok": 1})
-    assert await trainer_plane.state_get("probe.from-leaf") == {"ok": 1}
-    await trainer_plane.state_put("version.solver", 7)
-    assert await remote.state_get("version.solver") == 7
-    leaf_only = remote.nc.jsm(prefix="$JS.leaf.API")
+    await remote.state.put(KeyframeRequest(policy="solver", by="raas-eu", reason="probe"))
+    assert (await trainer_plane.state.get(KeyframeRequest, "solver")).reason == "probe"
+    await trainer_plane.state.put(VersionRecord(policy="solver", version=7))
+    assert (await remote.state.get(VersionRecord, "solver")).version == 7
+    leaf_only = remote._nc.jsm(prefix="$JS.leaf.API")
     with pytest.raises(NotFoundError):
         await leaf_only.stream_info(remote.names.task_stream)  # nothing of the run was created on the leaf

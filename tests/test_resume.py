@@ -10,6 +10,7 @@ import torch
 
 from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.state import DoneRecord
 from astraflow.train.torch_backend import TorchBackend
 from astraflow.weights.delta import state_digest
 from astraflow.weights.sync import WeightSync
@@ -41,7 +42,7 @@ async def test_kill_at_every_crash_point_resumes_exactly(nats_server, run_id, tm
         proc = spawn_trainer(recipe_file, nats_server.url, run_id, "solver", log, ckpt)
         assert await wait_exit(proc) == 0, log.read_text()[-3000:]
 
-        assert await plane.state_get("done.solver") == steps
+        assert (await plane.state.get(DoneRecord, "solver")).version == steps
         record = await anns.settle("solver", steps)
         check_record(record, batches, steps)
         assert "was trained before the restart" in log.read_text()  # the redelivered batches were acked untrained

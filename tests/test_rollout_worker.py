@@ -39,12 +39,12 @@ def task(i: int, **kw: Any) -> Task:
 
 
 async def trajectories(plane: Plane, n: int, timeout: float = 30.0) -> list[Trajectory]:
-    sub = await plane.subscribe(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
+    sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
     got: list[Trajectory] = []
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while len(got) < n and loop.time() < deadline:
-        for d in await plane.pull(sub, Trajectory, batch=64, timeout=0.5):
+        for d in await sub.pull(batch=64, timeout=0.5):
             got.append(d.msg)
             await d.ack()
     return got

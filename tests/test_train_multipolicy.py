@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
-from astraflow.streams.codec import decode
-from astraflow.streams.messages import Heartbeat
+from astraflow.streams.messages import Heartbeat, TrainerStats
 from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.state import DoneRecord
 from astraflow.streams.server import free_port
 from test_train_support import Announcements, make_batches, publish_batches, spawn_trainer, wait_exit, write_recipe
 
@@ -32,13 +32,14 @@ async def test_one_trainer_per_policy_none_waits_for_another(nats_server, run_id
     beats: dict[str, Heartbeat] = {}
     beat_seen = asyncio.Event()
 
-    async def on_beat(msg) -> None:  # noqa: ANN001
-        hb = decode(msg.data, Heartbeat)
+    def on_beat(hb: Heartbeat) -> None:
+        if not isinstance(hb.stats, TrainerStats):
+            return
         beats[hb.policy] = hb
-        if "solver" in beats and "loss" in beats["solver"].stats:
+        if "solver" in beats and "loss" in hb.stats.step and hb.policy == "solver":
             beat_seen.set()
 
-    await plane.nc.subscribe(f"af.{run_id}.hb.trainer.>", cb=on_beat)
+    await plane.on_heartbeats(on_beat)
     solver_batches = make_batches(recipe, "solver", 4, seed=1)
     verifier_batches = make_batches(recipe, "verifier", 4, seed=2)
     await publish_batches(plane, solver_batches[:1] + verifier_batches)
@@ -61,7 +62,7 @@ async def test_one_trainer_per_policy_none_waits_for_another(nats_server, run_id
         assert 'astraflow_trainer_version{policy="solver",worker="trainer-solver"} 1.0' in text
         assert "astraflow_trainer_wait_seconds_total" in text and "astraflow_trainer_trained_tokens_total" in text
         stats = beats["solver"].stats
-        assert {"loss", "grad_norm", "tokens_per_s", "wait_frac", "wait_s"} <= set(stats) and 0 < stats["wait_frac"] <= 1
+        assert isinstance(stats, TrainerStats) and {"loss", "grad_norm", "tokens_per_s"} <= set(stats.step) and 0 < stats.wait_frac <= 1
 
         await publish_batches(plane, solver_batches[1:])
         assert await wait_exit(solver) == 0, (tmp_path / "solver.log").read_text()[-3000:]
@@ -69,7 +70,7 @@ async def test_one_trainer_per_policy_none_waits_for_another(nats_server, run_id
             record = await anns.settle(policy, 4)
             assert [a.version for a in record] == [0, 1, 2, 3, 4]
             assert sorted(b for a in record for b in a.batch_ids) == sorted(b.batch_id for b in batches)
-            assert await plane.state_get(f"done.{policy}") == 4
+            assert (await plane.state.get(DoneRecord, policy)).version == 4
     finally:
         for p in (solver, verifier):
             if p.poll() is None:

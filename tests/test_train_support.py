@@ -10,14 +10,11 @@ import sys
 from pathlib import Path
 
 import yaml
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js import api
 
 from astraflow.config import Recipe, load_recipe
 from astraflow.models import build_model, load_tokenizer
-from astraflow.streams.codec import decode
 from astraflow.streams.messages import Batch, WeightVersion
-from astraflow.streams.plane import Plane
+from astraflow.streams.plane import Follower, Plane
 from astraflow.tasks import load_split
 from astraflow.train.synthetic import sample_batches
 
@@ -76,19 +73,15 @@ class Announcements:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> "Announcements":
-        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL, inactive_threshold=600.0)
-        sub = await self.plane.js.pull_subscribe(self.plane.names.all("weights"), stream=self.plane.names.weights_stream, config=cfg)
-        self._task = asyncio.create_task(self._follow(sub))
+        follower = self.plane.follower(self.plane.names.all("weights"), WeightVersion, start="all")
+        self._task = asyncio.create_task(self._follow(follower))
         return self
 
-    async def _follow(self, sub) -> None:  # noqa: ANN001
+    async def _follow(self, follower: Follower[WeightVersion]) -> None:
         while True:
-            try:
-                msgs = await sub.fetch(batch=64, timeout=1.0)
-            except (NatsTimeout, asyncio.TimeoutError):
-                continue
+            got = await follower.fetch(1.0)
             async with self.changed:
-                self.seen.extend(decode(m.data, WeightVersion) for m in msgs)
+                self.seen.extend(got)
                 self.changed.notify_all()
 
     async def close(self) -> None:

@@ -20,7 +20,8 @@ from astraflow.rollout.hf_engine import HFEngine
 from astraflow.streams.messages import ObjectRef, WeightVersion
 from astraflow.streams.objects import MissingObject, chunk_subject, count_chunks, get_object, object_stream, put_object
 from astraflow.streams.plane import Plane
-from astraflow.weights.publish import WeightPublisher, keyframe_request_key, request_keyframe
+from astraflow.streams.state import KeyframeRequest, VersionRecord
+from astraflow.weights.publish import WeightPublisher, request_keyframe
 from astraflow.weights.retention import chain_of, key_of, plan_retention
 from astraflow.weights.sync import WeightSync, WeightSyncError
 
@@ -34,15 +35,15 @@ async def publish_steps(pub: WeightPublisher, trainer: Trainer, versions: range)
 async def rewrite_chunks(plane: Plane, ref: ObjectRef, corrupt: int | None = None, drop: int | None = None) -> None:
     """Tamper with an object on the server: flip a byte of chunk ``corrupt``, leave out chunk ``drop``."""
     bucket = plane.names.object_bucket
-    data = bytes(await get_object(plane.js, bucket, ref))
+    data = bytes(await plane.objects().get(ref))
     subject = chunk_subject(bucket, ref.nuid)
-    await plane.jsm.purge_stream(object_stream(bucket), subject=subject)
+    await plane._jsm.purge_stream(object_stream(bucket), subject=subject)
     for i in range(len(ref.digests)):
         chunk = bytearray(data[i * ref.chunk_size : (i + 1) * ref.chunk_size])
         if i == corrupt:
             chunk[len(chunk) // 2] ^= 0xFF
         if i != drop:
-            await plane.js.publish(subject, bytes(chunk))
+            await plane._js.publish(subject, bytes(chunk))
 
 
 # ------------------------------------------------------------------------------ trainer side
@@ -62,10 +63,10 @@ async def test_keyframe_delta_decisions_and_announcements(plane: Plane):
     assert anns[-1].state_digest == trainer.digest
     for a in anns:  # the announced refs describe what the server holds, chunk by chunk
         (ref,) = a.objects
-        data = await get_object(plane.js, plane.names.object_bucket, ref)
+        data = await plane.objects().get(ref)
         assert len(data) == ref.size and hashlib.sha256(data).hexdigest() == ref.digest
     assert sum(a.objects[0].size for a in anns[1:4]) < anns[0].objects[0].size  # deltas are small
-    assert await plane.state_get("version.solver") == 5
+    assert (await plane.state.get(VersionRecord, "solver")).version == 5
     # a version that does not follow the image is a keyframe, whatever the schedule says
     assert (await pub.publish(trainer.step(), 7)).encoding == "keyframe"
 
@@ -86,7 +87,7 @@ async def test_keyframe_on_request(plane: Plane):
     anns = await publish_steps(pub, trainer, range(3))  # v0 is a keyframe and serves it
     assert [a.encoding for a in anns] == ["keyframe", "delta", "delta"]
     await request_keyframe(plane, "solver", "node n1 lost its chain")
-    assert (await plane.state_get(keyframe_request_key("solver")))["reason"] == "node n1 lost its chain"
+    assert (await plane.state.get(KeyframeRequest, "solver")).reason == "node n1 lost its chain"
     assert (await pub.publish(trainer.step(), 3)).encoding == "keyframe"
     assert (await pub.publish(trainer.step(), 4)).encoding == "delta"  # served once
     await request_keyframe(plane, "solver")
@@ -99,11 +100,11 @@ async def test_announcement_is_the_commit_point(plane: Plane):
     await publish_steps(pub, trainer, range(2))
     stream = object_stream(plane.names.object_bucket)
     before = await plane.stream_msgs(stream)
-    await plane.jsm.delete_stream(plane.names.weights_stream)  # the announcement cannot be stored
+    await plane._jsm.delete_stream(plane.names.weights_stream)  # the announcement cannot be stored
     with pytest.raises(Exception):
         await pub.publish(trainer.step(), 2)
     assert await plane.stream_msgs(stream) == before  # the unannounced chunks and metadata were purged
-    assert pub.image_version == 1 and await plane.state_get("version.solver") == 1
+    assert pub.image_version == 1 and (await plane.state.get(VersionRecord, "solver")).version == 1
 
 
 # ------------------------------------------------------------------------------ RaaS side
@@ -192,7 +193,7 @@ async def test_damaged_chunk_is_never_applied(plane: Plane, damage: str):
     assert sync.version == 1 and sync.digest == good == engine_digest(sync)
     assert sync.stats[damage] == 4 and sync.stats["refetches"] == 2
     assert sync.stats["fallbacks"] == 1 and sync.stats["failures"] == 1 and sync.stats["keyframe_requests"] == 1
-    assert "cannot reach v2" in (await plane.state_get(keyframe_request_key("solver")))["reason"]
+    assert "cannot reach v2" in (await plane.state.get(KeyframeRequest, "solver")).reason
     ann = await pub.publish(trainer.step(), 3)
     assert ann.encoding == "keyframe"  # the trainer served the request
     assert await sync.refresh(wait=2.0)
@@ -216,16 +217,16 @@ async def test_goto_steps_to_chosen_versions(plane: Plane):
 async def test_missing_chunk_is_reported_at_once_and_a_lagging_one_is_awaited(plane: Plane):
     bucket = plane.names.object_bucket
     data = os.urandom(3 * 100_000 + 7)
-    ref = await put_object(plane.js, bucket, "lag", data, chunk_size=100_000)
+    ref = await put_object(plane._js, bucket, "lag", data, chunk_size=100_000)
     await rewrite_chunks(plane, ref, drop=3)
     t0 = time.monotonic()
     with pytest.raises(MissingObject, match="3 of 4 chunks"):
-        await get_object(plane.js, bucket, ref)
+        await get_object(plane._js, bucket, ref)
     assert time.monotonic() - t0 < 2.0
     # a mirror that lags: the last chunk lands while the reader waits for it
-    reader = asyncio.create_task(get_object(plane.js, bucket, ref, wait_missing=10.0))
+    reader = asyncio.create_task(get_object(plane._js, bucket, ref, wait_missing=10.0))
     await asyncio.sleep(0.3)
-    await plane.js.publish(chunk_subject(bucket, ref.nuid), data[3 * 100_000 :])
+    await plane._js.publish(chunk_subject(bucket, ref.nuid), data[3 * 100_000 :])
     assert bytes(await reader) == data
 
 
@@ -292,7 +293,7 @@ async def test_retention_purges_old_objects_and_a_late_joiner_still_syncs(plane:
     anns = await publish_steps(pub, trainer, range(9))  # keyframes 0, 3, 6; the last two versions (7, 8) need 6..8
     await pub.wait_retention()
     bucket, stream = plane.names.object_bucket, object_stream(plane.names.object_bucket)
-    counts = [await count_chunks(plane.js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
+    counts = [await count_chunks(plane._js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
     assert counts == [0] * 6 + [1] * 3
     assert pub.deleted == 6 and sorted(v for v, _ in pub.history) == [6, 7, 8]
     late = node(plane)
@@ -310,7 +311,7 @@ async def test_a_restarted_trainer_collects_what_its_predecessor_left(plane: Pla
     pub = WeightPublisher(plane, "solver", keyframe_every=100, keep_versions=2)  # starts again at v0, lower numbers
     new = await publish_steps(pub, trainer, range(3))
     await pub.wait_retention()
-    counts = [await count_chunks(plane.js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in old + new]
+    counts = [await count_chunks(plane._js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in old + new]
     assert counts == [0] * 5 + [1] * 3  # "last" is by publication: the old v4 is older than the new v0
     late = node(plane)
     await late.wait_for(2, timeout=10)
@@ -323,6 +324,6 @@ async def test_an_unreachable_mirror_does_not_stop_publishing_or_hub_retention(p
     anns = await publish_steps(pub, trainer, range(5))  # keyframes 0, 2, 4
     await pub.wait_retention()
     bucket, stream = plane.names.object_bucket, object_stream(plane.names.object_bucket)
-    counts = [await count_chunks(plane.js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
+    counts = [await count_chunks(plane._js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
     assert counts == [0, 0, 0, 0, 1]  # deleted from the hub all the same
     assert pub.deleted == 0 and len(pub.history) == 5  # but kept in the plan until the mirror is reachable again

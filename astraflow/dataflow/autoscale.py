@@ -30,34 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-
-class AutoscaleConfig(BaseModel):
-    """Autoscale advice for the rollout pool (``dataflow.autoscale`` in a recipe)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    hi: float = Field(0.25, ge=0, le=1)
-    """Grow the pool while the trainers wait for batches more than this share of the time."""
-    lo: float = Field(0.05, ge=0, le=1)
-    """Shrink it while they wait less than this share (between lo and hi: hold)."""
-    min_nodes: int = Field(1, ge=0)
-    """Never advise fewer rollout nodes than this."""
-    max_nodes: int = Field(8, ge=1)
-    """Never advise more rollout nodes than this."""
-    max_step: int = Field(2, ge=1)
-    """Nodes added or removed per decision at most."""
-    window_s: float = Field(30.0, gt=0)
-    """Seconds over which wait fraction, rates and node busy time are measured."""
-
-    @model_validator(mode="after")
-    def _bands(self) -> "AutoscaleConfig":
-        if self.lo > self.hi:
-            raise ValueError(f"autoscale.lo ({self.lo}) must not exceed autoscale.hi ({self.hi}): they bound the dead band")
-        if self.min_nodes > self.max_nodes:
-            raise ValueError(f"autoscale.min_nodes ({self.min_nodes}) must not exceed autoscale.max_nodes ({self.max_nodes})")
-        return self
+from astraflow.config import AutoscaleConfig
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ continue exactly where this one stopped is in ``state()``:
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
 
 from astraflow.algorithms import Pipeline
 from astraflow.dataflow.groups import HeldGroup
 from astraflow.dataflow.ledger import IdSet, Ledger, account
+from astraflow.streams.dataflow_state import Accounting, BatchPlan, LaneState
 
 RECENT = 512  # batched groups remembered for replay
 HISTORY = 1024  # batches whose data cost and staleness the state keeps
@@ -41,7 +41,7 @@ class PolicyLane:
         self.buffer: dict[str, HeldGroup] = {}  # kept groups in memory, in completion order
         self.kept: dict[str, float] = {}  # task -> advantage weight of every kept group (persisted)
         self.closed = IdSet()
-        self.plans: dict[str, dict[str, Any]] = {}
+        self.plans: dict[str, BatchPlan] = {}
         self.awaiting: dict[str, list[str]] = {}
         self.recent: OrderedDict[str, HeldGroup] = OrderedDict()  # batched groups held in memory
         self.recent_seqs: OrderedDict[str, list[int]] = OrderedDict()
@@ -65,10 +65,10 @@ class PolicyLane:
         self.closed.add(task_id)
         self.ledger.record(fate)
 
-    def plan(self, batch_id: str, held: list[HeldGroup], taken: list[str], advantages: list[float], created_at: float) -> dict[str, Any]:
+    def plan(self, batch_id: str, held: list[HeldGroup], taken: list[str], advantages: list[float], created_at: float) -> BatchPlan:
         """Write the batch ahead: its taken groups leave the buffer and count as awaiting training."""
-        plan = {"tasks": taken, "groups": [h.task_id for h in held], "seqs": [s for h in held for s in h.seqs],
-                "advantages": advantages, "created_at": created_at}
+        plan = BatchPlan(batch_id=batch_id, tasks=taken, groups=[h.task_id for h in held], seqs=[s for h in held for s in h.seqs],
+                         advantages=advantages, created_at=created_at)
         self.plans[batch_id] = plan
         self.awaiting[batch_id] = list(taken)
         lags = [self.version - h.group.min_version for h in held]
@@ -99,23 +99,23 @@ class PolicyLane:
         return tasks
 
     # ------------------------------------------------------------ views
-    def accounting(self, in_flight: int) -> dict[str, Any]:
+    def accounting(self, in_flight: int) -> Accounting:
         return account(self.ledger, self.primary, in_flight, len(self.kept), sum(len(t) for t in self.awaiting.values()))
 
     # ------------------------------------------------------------ state
-    def state(self) -> dict[str, Any]:
-        return {"batch_seq": self.batch_seq, "ledger": self.ledger.state(), "pipeline": self.pipeline.state(),
-                "kept": dict(self.kept), "closed": self.closed.state(), "plans": dict(self.plans),
-                "awaiting": dict(self.awaiting), "recent": dict(self.recent_seqs), "history": list(self.history)}
+    def state(self) -> LaneState:
+        return LaneState(batch_seq=self.batch_seq, ledger=self.ledger.state(), pipeline=self.pipeline.state(), kept=dict(self.kept),
+                         closed=self.closed.state(), plans=dict(self.plans), awaiting={b: list(t) for b, t in self.awaiting.items()},
+                         recent={k: list(v) for k, v in self.recent_seqs.items()}, history=[list(h) for h in self.history])
 
-    def load_state(self, s: dict[str, Any]) -> list[str]:
+    def load_state(self, s: LaneState) -> list[str]:
         """Restore; returns the plug-ins that start fresh (no saved state matched them)."""
-        self.batch_seq = int(s.get("batch_seq", 0))
-        self.ledger.load_state(s.get("ledger", {}))
-        self.kept = {k: float(w) for k, w in s.get("kept", {}).items()}
-        self.closed.load_state(s.get("closed", {}))
-        self.plans = dict(s.get("plans", {}))
-        self.awaiting = {b: list(t) for b, t in s.get("awaiting", {}).items()}
-        self.recent_seqs = OrderedDict((k, list(v)) for k, v in s.get("recent", {}).items())
-        self.history = [list(h) for h in s.get("history", [])]
-        return self.pipeline.load_state(s.get("pipeline", {}))
+        self.batch_seq = s.batch_seq
+        self.ledger.load_state(s.ledger)
+        self.kept = dict(s.kept)
+        self.closed.load_state(s.closed)
+        self.plans = dict(s.plans)
+        self.awaiting = {b: list(t) for b, t in s.awaiting.items()}
+        self.recent_seqs = OrderedDict((k, list(v)) for k, v in s.recent.items())
+        self.history = [list(h) for h in s.history]
+        return self.pipeline.load_state(s.pipeline)

@@ -22,7 +22,8 @@ import bisect
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+
+from astraflow.streams.dataflow_state import Accounting, IdSetState, LedgerState
 
 _SEQ = re.compile(r"^t(\d{1,12})$")
 
@@ -71,13 +72,13 @@ class IdSet:
     def __len__(self) -> int:
         return sum(h - lo + 1 for lo, h in zip(self.los, self.his)) + len(self.other)
 
-    def state(self) -> dict[str, Any]:
-        return {"ranges": [[lo, h] for lo, h in zip(self.los, self.his)], "other": sorted(self.other)}
+    def state(self) -> IdSetState:
+        return IdSetState(ranges=list(zip(self.los, self.his)), other=sorted(self.other))
 
-    def load_state(self, s: dict[str, Any]) -> None:
-        self.los = [int(lo) for lo, _ in s.get("ranges", [])]
-        self.his = [int(h) for _, h in s.get("ranges", [])]
-        self.other = set(s.get("other", []))
+    def load_state(self, s: IdSetState) -> None:
+        self.los = [lo for lo, _ in s.ranges]
+        self.his = [h for _, h in s.ranges]
+        self.other = set(s.other)
 
 
 @dataclass
@@ -94,29 +95,25 @@ class Ledger:
     def record(self, fate: str, n: int = 1) -> None:
         self.fates[fate] += n
 
-    def state(self) -> dict[str, Any]:
-        return {"issued": self.issued, "received": self.received, "skipped": dict(self.skipped),
-                "fates": dict(self.fates), "late": dict(self.late), "replayed": self.replayed}
+    def state(self) -> LedgerState:
+        return LedgerState(issued=self.issued, received=self.received, skipped=dict(self.skipped), fates=dict(self.fates),
+                           late=dict(self.late), replayed=self.replayed)
 
-    def load_state(self, s: dict[str, Any]) -> None:
-        self.issued = int(s.get("issued", 0))
-        self.received = int(s.get("received", 0))
-        self.skipped = Counter(s.get("skipped", {}))
-        self.fates = Counter(s.get("fates", {}))
-        self.late = Counter(s.get("late", {}))
-        self.replayed = int(s.get("replayed", 0))
+    def load_state(self, s: LedgerState) -> None:
+        self.issued, self.received, self.replayed = s.issued, s.received, s.replayed
+        self.skipped, self.fates, self.late = Counter(s.skipped), Counter(s.fates), Counter(s.late)
 
     def settled(self) -> int:
         return sum(self.fates.values())
 
 
-def account(ledger: Ledger, primary: bool, in_flight: int, buffered: int, awaiting: int) -> dict[str, Any]:
+def account(ledger: Ledger, primary: bool, in_flight: int, buffered: int, awaiting: int) -> Accounting:
     """The accounting table of one lane; ``adds_up`` says whether the states sum to the total."""
-    total_name, total = ("issued", ledger.issued) if primary else ("received", ledger.received)
+    total = ledger.issued if primary else ledger.received
     fates = dict(sorted(ledger.fates.items()))
     counted = (in_flight if primary else 0) + buffered + awaiting + sum(fates.values())
     if not primary:  # a failed task never delivers a group to a secondary lane
         counted -= sum(n for f, n in fates.items() if f.startswith("failed:"))
-    return {total_name: total, "in_flight": in_flight if primary else 0, "buffered": buffered, "awaiting": awaiting,
-            "fates": fates, "late": dict(ledger.late), "skipped": dict(ledger.skipped), "replayed": ledger.replayed,
-            "adds_up": counted == total}
+    return Accounting(basis="issued" if primary else "received", total=total, in_flight=in_flight if primary else 0,
+                      buffered=buffered, awaiting=awaiting, fates=fates, late=dict(ledger.late), skipped=dict(ledger.skipped),
+                      replayed=ledger.replayed, adds_up=counted == total)

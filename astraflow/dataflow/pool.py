@@ -13,9 +13,11 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from astraflow.dataflow.autoscale import Advice, AutoscaleConfig, Meter, Nodes, Observation, Starvation, advise
-from astraflow.streams.messages import Heartbeat
+from astraflow.config import AutoscaleConfig
+from astraflow.dataflow.autoscale import Advice, Meter, Nodes, Observation, Starvation, advise
+from astraflow.streams.messages import Heartbeat, RolloutStats, TrainerStats
 from astraflow.streams.plane import Plane
+from astraflow.streams.state import AutoscaleRecord
 
 if TYPE_CHECKING:
     from astraflow.dataflow.lane import PolicyLane
@@ -33,10 +35,10 @@ class PoolAdvisor:
         self.measured = 0.0
 
     def seen(self, hb: Heartbeat, now: float) -> None:
-        if hb.role == "rollout" and hb.pool == self.pool:
-            self.nodes.seen(hb.worker_id, now, hb.state == "running", hb.stats.get("gen_s"))
-        elif hb.role == "trainer" and hb.policy in self.starved and "wait_s" in hb.stats:
-            self.trainer_wait.setdefault(hb.policy, Meter(self.cfg.window_s)).add(hb.ts, hb.stats["wait_s"])
+        if isinstance(hb.stats, RolloutStats) and hb.pool == self.pool:
+            self.nodes.seen(hb.worker_id, now, hb.state == "running", hb.stats.gen_s)
+        elif isinstance(hb.stats, TrainerStats) and hb.policy in self.starved:
+            self.trainer_wait.setdefault(hb.policy, Meter(self.cfg.window_s)).add(hb.ts, hb.stats.wait_s)
 
     async def measure(self, lanes: dict[str, "PolicyLane"], produced: float, consumed: float, every_s: float = 0.25) -> None:
         """Sample each trainer's batch consumer (nothing queued nor in hand: that trainer waits) and the rates."""
@@ -70,8 +72,7 @@ class PoolAdvisor:
         now = time.time()
         changed = before is None or (before.target, before.action) != (self.advice.target, self.advice.action)
         if changed or self.advice.action != "hold" or now - self.put_at > 10:
-            await self.plane.state_put(f"autoscale.{self.pool}", {"pool": self.pool, **asdict(self.advice), "nodes": obs.nodes,
-                                                                   "wait_frac": obs.wait_frac, "produce_rate": obs.produce_rate,
-                                                                   "consume_rate": obs.consume_rate, "busy": obs.busy, "ts": now})
+            await self.plane.state.put(AutoscaleRecord(pool=self.pool, **asdict(self.advice), nodes=obs.nodes, wait_frac=obs.wait_frac,
+                                                       produce_rate=obs.produce_rate, consume_rate=obs.consume_rate, busy=obs.busy))
             self.put_at = now
         return self.advice, obs

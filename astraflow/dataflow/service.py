@@ -41,12 +41,13 @@ from astraflow.dataflow.pool import PoolAdvisor
 from astraflow.dataflow.watch import BatchFailed, TaskFailed, Trained, Watch, fetch_trajectories
 from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.runtime import every, stop_event
-from astraflow.streams.messages import Batch, Heartbeat, Task, Trajectory
-from astraflow.streams.plane import Delivery, NatsOptions, Plane
+from astraflow.streams.dataflow_state import Accounting, BatchPlan, DataflowState
+from astraflow.streams.messages import Batch, DataflowStats, Heartbeat, Task, Trajectory
+from astraflow.streams.plane import Consumer, Delivery, NatsOptions, Plane
+from astraflow.streams.state import FateRecord, VersionRecord
 from astraflow.tasks import Problem, load_split
 
 log = logging.getLogger(__name__)
-STATE_KEY = "dataflow"
 _crossed: Counter[str] = Counter()
 
 
@@ -75,10 +76,10 @@ class Dataflow:
         self.cursor = 0
         self.open: dict[str, float | None] = {}  # issued, primary group not complete: task -> deadline
         self.deadlines: OrderedDict[str, float] = OrderedDict()  # recent tasks' deadlines, for every lane
-        self.issuing: list[dict[str, Any]] = []  # tasks written ahead of their publication
+        self.issuing: list[Task] = []  # tasks written ahead of their publication
         self.handles: dict[str, Delivery[Trajectory]] = {}  # held trajectories: traj_id -> latest delivery
         self.to_ack: list[Delivery[Trajectory]] = []  # settled; acked after the next durable write
-        self.records: list[tuple[str, dict[str, Any]]] = []  # per-task fate records, written before the state
+        self.records: list[FateRecord] = []  # per-task fate records, written before the state
         self.dirty = False
         self.stats: Counter[str] = Counter()
         self.watch = Watch(plane, recipe.rollout.pool)
@@ -89,47 +90,47 @@ class Dataflow:
         """Task accounting of the primary policy (the one tasks are issued for)."""
         return self.lanes[self.primary].ledger
 
-    def accounting(self) -> dict[str, dict[str, Any]]:
+    def accounting(self) -> dict[str, Accounting]:
         return {p: lane.accounting(len(self.open) if lane.primary else 0) for p, lane in self.lanes.items()}
 
     # ------------------------------------------------------------ state
-    def _state(self) -> dict[str, Any]:
-        return {"task_seq": self.task_seq, "cursor": self.cursor, "open": dict(self.open), "deadlines": dict(self.deadlines),
-                "issuing": list(self.issuing), "lanes": {p: lane.state() for p, lane in self.lanes.items()},
-                "accounting": self.accounting(), "pool": self.recipe.rollout.pool, "mode": self.cfg.mode, "ts": time.time()}
+    def _state(self) -> DataflowState:
+        return DataflowState(task_seq=self.task_seq, cursor=self.cursor, open=dict(self.open), deadlines=dict(self.deadlines),
+                             issuing=list(self.issuing), lanes={p: lane.state() for p, lane in self.lanes.items()},
+                             accounting=self.accounting(), pool=self.recipe.rollout.pool, mode=self.cfg.mode)
 
     async def persist(self) -> None:
-        await self.plane.state_put(STATE_KEY, self._state())
+        await self.plane.state.put(self._state())
         self.dirty = False
 
     async def start(self) -> None:
         """Follow the plane, restore the last state, finish what the last dataflow left half done."""
         await self.watch.start()
-        s = await self.plane.state_get(STATE_KEY)
-        if not s:
+        s = await self.plane.state.get(DataflowState)  # a failed read raises: never mistaken for a new run
+        if s is None:
             return
-        self.task_seq, self.cursor = int(s["task_seq"]), int(s["cursor"])
-        self.open = {t: d for t, d in s.get("open", {}).items()}
-        self.deadlines = OrderedDict((t, float(d)) for t, d in s.get("deadlines", {}).items())
-        for p, lane_state in s.get("lanes", {}).items():
+        self.task_seq, self.cursor = s.task_seq, s.cursor
+        self.open = dict(s.open)
+        self.deadlines = OrderedDict(s.deadlines)
+        for p, lane_state in s.lanes.items():
             if p in self.lanes:
                 fresh = self.lanes[p].load_state(lane_state)
                 if fresh:
                     log.warning("lane %s: plug-ins without saved state start fresh: %s", p, fresh)
-        for t in s.get("issuing", []):  # written ahead, maybe never published: publish again (deduplicated)
-            task = Task.model_validate(t)
+        for task in s.issuing:  # written ahead, maybe never published: publish again (deduplicated)
             await self.plane.publish(self.plane.names.task(task.workflow), task, msg_id=task.task_id)
         for lane in self.lanes.values():
-            for batch_id, plan in list(lane.plans.items()):
-                await self._republish(lane, batch_id, plan)
+            for plan in list(lane.plans.values()):
+                await self._republish(lane, plan)
         await self.persist()
         log.info("dataflow restored: %d tasks issued, %d in flight, %s", self.ledger.issued, len(self.open),
                  {p: lane.batch_seq for p, lane in self.lanes.items()})
 
-    async def _republish(self, lane: PolicyLane, batch_id: str, plan: dict[str, Any]) -> None:
-        trajs = await fetch_trajectories(self.plane, plan["seqs"])
-        batch = Batch(batch_id=batch_id, policy=lane.name, trajectories=trajs, advantages=np.asarray(plan["advantages"], "<f4").tobytes(),
-                      task_ids=plan["groups"], created_at=plan["created_at"])
+    async def _republish(self, lane: PolicyLane, plan: BatchPlan) -> None:
+        batch_id = plan.batch_id
+        trajs = await fetch_trajectories(self.plane, plan.seqs)
+        batch = Batch(batch_id=batch_id, policy=lane.name, trajectories=trajs, advantages=np.asarray(plan.advantages, "<f4").tobytes(),
+                      task_ids=plan.groups, created_at=plan.created_at)
         await self.plane.publish(self.plane.names.batch(lane.name), batch, msg_id=batch_id)
         del lane.plans[batch_id]
         self.stats["republished_batches"] += 1
@@ -141,7 +142,8 @@ class Dataflow:
     async def refresh_versions(self) -> None:
         """Read each trainer's version from the KV (a driver that does not run ``start``'s watch)."""
         for p, lane in self.lanes.items():
-            lane.version = max(lane.version, int(await self.plane.state_get(f"version.{p}", 0)))
+            record = await self.plane.state.get(VersionRecord, p)
+            lane.version = max(lane.version, record.version if record is not None else 0)
 
     # ------------------------------------------------------------ plane events
     def apply_events(self) -> None:
@@ -172,7 +174,7 @@ class Dataflow:
             self.pool.seen(hb, now)
 
     def _record(self, policy: str, task_id: str, fate: str, **extra: Any) -> None:
-        self.records.append((f"fate.{policy}.{task_id}", {"fate": fate, **extra, "ts": time.time()}))
+        self.records.append(FateRecord(policy=policy, task_id=task_id, fate=fate, **extra))
         self.dirty = True
 
     def _release(self, traj_ids: list[str]) -> None:
@@ -237,21 +239,20 @@ class Dataflow:
         while len(self.deadlines) > 4096:
             self.deadlines.popitem(last=False)
         lane.ledger.issued += len(tasks)
-        self.issuing = [t.model_dump(mode="json") for t in tasks]
+        self.issuing = tasks
         await self.persist()  # write-ahead: a successor publishes these again under the same ids
         await self.plane.publish_many([(self.plane.names.task(t.workflow), t, t.task_id) for t in tasks])
         self.issuing = []
         self.dirty = True
 
     # ------------------------------------------------------------ trajectories
-    async def ingest(self, sub: Any, timeout: float = 0.1) -> int:
-        deliveries = await self.plane.pull(sub, Trajectory, batch=256, timeout=timeout)
+    async def ingest(self, trajectories: Consumer[Trajectory], timeout: float = 0.1) -> int:
+        deliveries = await trajectories.pull(batch=256, timeout=timeout)
         for d in deliveries:
             t = d.msg
             lane = self.lanes.get(t.policy)
             if lane is None:
-                await self.plane.reject(d.raw.subject, d.raw.data, f"unknown policy {t.policy!r}; run has {list(self.lanes)}")
-                await d.term()
+                await d.reject(f"unknown policy {t.policy!r}; run has {list(self.lanes)}")
                 continue
             if t.task_id in lane.closed:  # settled or batched before (a redelivery after a restart, a late copy)
                 self.to_ack.append(d)
@@ -266,7 +267,7 @@ class Dataflow:
                 self.stats["duplicates"] += 1
                 continue
             deadline = self.deadlines.get(t.task_id) if self.cfg.late_policy == "drop" else None
-            held = self.assembler.add(t, d.raw.metadata.sequence.stream, deadline)
+            held = self.assembler.add(t, d.stream_seq, deadline)
             if held is False:
                 self.to_ack.append(d)
                 self.stats["duplicates"] += 1
@@ -373,7 +374,7 @@ class Dataflow:
         """Fate records, then the state, then the acks they explain."""
         if self.records:
             records, self.records = self.records, []
-            await asyncio.gather(*(self.plane.state_put(key, value) for key, value in records))
+            await self.plane.state.put_many(list(records))
         if self.dirty:
             await self.persist()
         if self.to_ack:
@@ -390,33 +391,32 @@ class Dataflow:
     async def beat(self) -> None:
         advice, obs = await self.pool.publish()
         now = time.time()
-        acc = self.accounting()[self.primary]
-        node: dict[str, float] = {"issued": self.ledger.issued, "in_flight": len(self.open), "buffered": acc["buffered"],
-                                  "batches": self.lanes[self.primary].batch_seq,
-                                  "overdue": sum(1 for d in self.open.values() if d is not None and d < now),
-                                  "autoscale.target": advice.target, "autoscale.nodes": obs.nodes,
-                                  "wait_frac": obs.wait_frac, "produce_rate": obs.produce_rate, "consume_rate": obs.consume_rate,
-                                  **{k: float(v) for k, v in self.stats.items()}}
+        acc = self.accounting()
         per_policy: dict[str, dict[str, float]] = {}
         for p, lane in self.lanes.items():
-            a = lane.accounting(len(self.open) if lane.primary else 0)
-            per_policy[p] = {"buffered": a["buffered"], "awaiting": a["awaiting"], "batches": lane.batch_seq,
+            a = acc[p]
+            per_policy[p] = {"buffered": a.buffered, "awaiting": a.awaiting, "batches": lane.batch_seq,
                              "version": lane.version, "backlog": lane.backlog, "wait_frac": self.pool.wait_frac(p),
-                             **{f"fate.{k}": v for k, v in a["fates"].items()}, **{f"late.{k}": v for k, v in a["late"].items()},
+                             **{f"fate.{k}": v for k, v in a.fates.items()}, **{f"late.{k}": v for k, v in a.late.items()},
                              **{k: float(v) for k, v in lane.stats.items()}}
+        stats = DataflowStats(issued=self.ledger.issued, in_flight=len(self.open), buffered=acc[self.primary].buffered,
+                              batches=self.lanes[self.primary].batch_seq,
+                              overdue=sum(1 for d in self.open.values() if d is not None and d < now),
+                              wait_frac=obs.wait_frac, produce_rate=obs.produce_rate, consume_rate=obs.consume_rate,
+                              autoscale_target=advice.target, autoscale_nodes=obs.nodes,
+                              counters={k: float(v) for k, v in self.stats.items()}, policies=per_policy)
         if self.metrics is not None:  # Prometheus: node-wide gauges, and per-policy ones labelled with the policy
-            self.metrics.set(node)
+            self.metrics.set({**stats.summary(), **stats.counters})
             for p, values in per_policy.items():
                 self.metrics.child(p).set(values)
-        stats = {**node, **{f"{p}.{k}": v for p, values in per_policy.items() for k, v in values.items()}}
-        await self.plane.beat(Heartbeat(role="dataflow", worker_id=self.plane.worker_id, policy=self.primary,
-                                        version=self.lanes[self.primary].version, stats=stats), "dataflow")
+        await self.plane.beat(Heartbeat(worker_id=self.plane.worker_id, policy=self.primary,
+                                        version=self.lanes[self.primary].version, stats=stats))
 
     # ------------------------------------------------------------ the loop
-    async def step(self, sub: Any) -> None:
+    async def step(self, trajectories: Consumer[Trajectory]) -> None:
         self.apply_events()
         await self.top_up()
-        await self.ingest(sub)
+        await self.ingest(trajectories)
         await self.measure()
         await self.serve()
 
@@ -431,13 +431,13 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "d
     await df.start()
     stop = stop_event()
     names = plane.names
-    sub = await plane.subscribe(names.traj_stream, names.DATAFLOW_CONSUMER)
-    ack_wait = await plane.ack_wait(names.traj_stream, names.DATAFLOW_CONSUMER)
+    trajectories = plane.consumer(names.traj_stream, names.DATAFLOW_CONSUMER, Trajectory)
+    ack_wait = (await trajectories.settings()).ack_wait
     side = [asyncio.create_task(every(2.0, df.beat, stop)), asyncio.create_task(every(ack_wait / 3, df.keep_alive, stop))]
     log.info("dataflow up for run %s (%s), policies %s", run, recipe.dataflow.mode, list(df.lanes))
     try:
         while not stop.is_set():
-            await df.step(sub)
+            await df.step(trajectories)
     finally:
         stop.set()
         await asyncio.gather(*side, return_exceptions=True)

@@ -14,14 +14,12 @@ a task fails only while it is still in flight).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from astraflow.streams.codec import DecodeError, decode
 from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, Trajectory, WeightVersion
-from astraflow.streams.plane import Plane
+from astraflow.streams.plane import Plane, Subscription
 
 log = logging.getLogger(__name__)
 
@@ -48,49 +46,43 @@ class BatchFailed:
     detail: str = ""
 
 
+Event = Trained | TaskFailed | BatchFailed
+
+
 class Watch:
     """Subscriptions that turn plane events into a list the service drains once per loop."""
 
     def __init__(self, plane: Plane, pool: str) -> None:
         self.plane = plane
         self.pool = pool
-        self.events: list[Trained | TaskFailed | BatchFailed] = []
+        self.events: list[Event] = []
         self.beats: list[Heartbeat] = []
-        self.subs: list[Any] = []
+        self.subs: list[Subscription] = []
 
     async def start(self) -> None:
-        n, js, nc = self.plane.names, self.plane.js, self.plane.nc
-        self.subs.append(await js.subscribe(n.all("weights"), ordered_consumer=True, cb=self._on_weights))
+        n, plane = self.plane.names, self.plane
+        self.subs.append(await plane.follow(n.all("weights"), WeightVersion, self._on_weights))
         for kind in ("task", "batch"):
-            self.subs.append(await js.subscribe(n.dlq(kind), ordered_consumer=True, cb=self._on_dlq))
-        advisory = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{n.task_stream}.{n.pool_consumer(self.pool)}"
-        self.subs.append(await nc.subscribe(advisory, cb=self._on_max_deliveries))
-        self.subs.append(await nc.subscribe(f"af.{n.run}.hb.>", cb=self._on_beat))
+            self.subs.append(await plane.follow(n.dlq(kind), Rejected, self._on_dlq))
+        self.subs.append(await plane.on_max_deliveries(n.task_stream, n.pool_consumer(self.pool), self._on_max_deliveries))
+        self.subs.append(await plane.on_heartbeats(self._on_beat))
 
     async def stop(self) -> None:
         for sub in self.subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # the connection may be gone already
-                pass
+            await sub.stop()
 
-    def drain(self) -> tuple[list[Trained | TaskFailed | BatchFailed], list[Heartbeat]]:
+    def drain(self) -> tuple[list[Event], list[Heartbeat]]:
         events, beats = self.events, self.beats
         self.events, self.beats = [], []
         return events, beats
 
-    async def _on_weights(self, msg: Any) -> None:
-        try:
-            ann = decode(msg.data, WeightVersion)
-        except DecodeError:
-            return
+    def _on_beat(self, hb: Heartbeat) -> None:
+        self.beats.append(hb)  # not ``self.beats.append`` bound once: ``drain`` swaps the list
+
+    async def _on_weights(self, ann: WeightVersion) -> None:
         self.events.append(Trained(ann.policy, ann.version, tuple(ann.batch_ids)))
 
-    async def _on_dlq(self, msg: Any) -> None:
-        try:
-            rej = decode(msg.data, Rejected)
-        except DecodeError:
-            return
+    async def _on_dlq(self, rej: Rejected) -> None:
         family = rej.subject.split(".")[2] if rej.subject.count(".") >= 2 else ""
         try:
             if family == "task":
@@ -102,20 +94,13 @@ class Watch:
         except DecodeError:
             pass  # the original itself was malformed: never one of our tasks or batches
 
-    async def _on_max_deliveries(self, msg: Any) -> None:
+    async def _on_max_deliveries(self, seq: int) -> None:
         try:
-            seq = int(json.loads(msg.data)["stream_seq"])
             task = await self.plane.get(self.plane.names.task_stream, seq, Task)
         except Exception as e:  # gone already, or not one of ours
-            log.debug("max-deliveries advisory not resolved: %s", e)
+            log.debug("max-deliveries advisory for seq %d not resolved: %s", seq, e)
             return
         self.events.append(TaskFailed(task.task_id, task.policy, "max_deliver", "no node could serve it"))
-
-    async def _on_beat(self, msg: Any) -> None:
-        try:
-            self.beats.append(decode(msg.data, Heartbeat))
-        except DecodeError:
-            pass
 
 
 async def fetch_trajectories(plane: Plane, seqs: list[int]) -> list[Trajectory]:

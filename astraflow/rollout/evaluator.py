@@ -30,6 +30,7 @@ from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.worker import load_plugins, make_handle
 from astraflow.runtime import stop_event
 from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.state import EvalRecord, VersionRecord
 from astraflow.tasks import load_split
 from astraflow.weights.sync import WeightSync
 
@@ -135,6 +136,11 @@ def export_eval(metrics: Metrics, result: dict[str, float], version: int, held: 
     metrics.inc({"evaluations": 1, "eval_seconds": seconds})
 
 
+async def _announced(plane: Plane, policy: str) -> int:
+    record = await plane.state.get(VersionRecord, policy)
+    return record.version if record is not None else -1
+
+
 async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "evaluator",
                 metrics_port: int | None = None) -> None:
     torch.set_num_threads(recipe.rollout.threads)
@@ -154,11 +160,11 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
     ev = recipe.eval
     try:
         for v in eval_versions(recipe):
-            while not stop.is_set() and int(await plane.state_get(f"version.{policy}", -1)) < v:
+            while not stop.is_set() and await _announced(plane, policy) < v:
                 await asyncio.sleep(0.5)
             if stop.is_set():
                 break
-            if await plane.state_get(f"eval.{policy}.{v}") is not None:
+            if await plane.state.get(EvalRecord, policy, v) is not None:
                 continue  # already evaluated (a restarted evaluator)
             await sync.goto(v)
             t0 = time.perf_counter()
@@ -168,7 +174,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
                 result = await asyncio.to_thread(evaluate, handle, held_out, recipe.reward, recipe.rollout.max_new_tokens,
                                                  ev.k, ev.temperature, recipe.rollout.top_p)
             elapsed = time.perf_counter() - t0
-            await plane.state_put(f"eval.{policy}.{v}", {**result, "version": v, "ts": time.time()})
+            await plane.state.put(EvalRecord(policy=policy, version=v, **result))
             if metrics is not None:
                 export_eval(metrics, result, v, sync.version, elapsed)
             log.info("eval %s v%d: held-out reward %.3f, avg@%d %.3f, pass@%d %.3f", policy, v, result["reward"],

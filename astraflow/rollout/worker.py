@@ -35,8 +35,9 @@ from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows import PolicyHandle, Workflow, get_workflow
 from astraflow.runtime import every, stop_event
 from astraflow.streams.codec import MessageTooLarge
-from astraflow.streams.messages import Heartbeat, Task, Trajectory
+from astraflow.streams.messages import Heartbeat, RolloutStats, Task, Trajectory
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
+from astraflow.streams.state import StateReadError, VersionRecord
 from astraflow.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class RolloutNode:
         self.workflow = workflow or get_workflow(recipe.workflow, get_reward(recipe.reward), recipe.rollout)
         domain = recipe.rollout.weights_domain
         self.syncs = {p: WeightSync(plane, p, h.engine, domain=domain) for p, h in self.handles.items()}
-        self.stats: dict[str, float] = {"tasks": 0.0, "trajectories": 0.0, "gen_s": 0.0, "pull_s": 0.0, "publish_s": 0.0,
+        self.stats: dict[str, float] = {"tasks": 0.0, "trajectories": 0.0, "tokens": 0.0, "gen_s": 0.0, "pull_s": 0.0, "publish_s": 0.0,
                                         "failed": 0.0, "stale_naks": 0.0, "drained_naks": 0.0, "held": 0.0, "refreshes": 0.0,
                                         "refresh_s": 0.0, "refresh_errors": 0.0, "joined": 0.0}
         self.announced = {p: -1 for p in self.handles}  # newest version seen announced, per policy
@@ -142,9 +143,10 @@ class RolloutNode:
         out = []
         for p, sync in self.syncs.items():
             try:
-                latest = int(await self.plane.state_get(f"version.{p}", -1))
-            except Exception:  # unreadable: the periodic full refresh covers it
+                record = await self.plane.state.get(VersionRecord, p)
+            except StateReadError:  # unreadable: the periodic full refresh covers it
                 continue
+            latest = record.version if record is not None else -1
             self.announced[p] = max(self.announced[p], latest)
             if self.announced[p] > sync.version:
                 out.append(p)
@@ -192,12 +194,17 @@ class RolloutNode:
 
     # ------------------------------------------------------------ liveness
     async def beat(self) -> None:
-        stats = {**self.stats, **{f"{p}.{k}": float(v) for p, s in self.syncs.items() for k, v in s.stats.items()}}
         self.export_metrics()
-        await self.plane.beat(Heartbeat(role="rollout", worker_id=self.worker_id, pool=self.pool, region=self.region,
-                                        hardware=self.hardware, policy=self.recipe.primary,
-                                        version=self.syncs[self.recipe.primary].version, stats=stats,
-                                        state="draining" if self.draining else "running"), "rollout")
+        await self.plane.beat(Heartbeat(worker_id=self.worker_id, pool=self.pool, region=self.region, hardware=self.hardware,
+                                        policy=self.recipe.primary, version=self.syncs[self.recipe.primary].version,
+                                        stats=self.heartbeat_stats(), state="draining" if self.draining else "running"))
+
+    def heartbeat_stats(self) -> RolloutStats:
+        typed = set(RolloutStats.model_fields) - {"role", "counters", "weights", "joined"}
+        s = self.stats
+        return RolloutStats(**{k: s[k] for k in typed}, joined=bool(s["joined"]),
+                            counters={k: v for k, v in s.items() if k not in typed and k != "joined"},
+                            weights={p: {k: float(v) for k, v in sync.stats.items()} for p, sync in self.syncs.items()})
 
     # ------------------------------------------------------------ main loop
     async def run(self, stop: asyncio.Event) -> None:
@@ -212,16 +219,15 @@ class RolloutNode:
                 await sync.wait_for(0, timeout=600)
             self._last_full_refresh = time.monotonic()
             names = self.plane.names
-            info = await self.plane.jsm.consumer_info(names.task_stream, names.pool_consumer(self.pool))
-            ack_wait = float(info.config.ack_wait or topo.task_ack_wait)  # the server's, not our default
-            max_deliver = int(info.config.max_deliver or topo.max_deliver)
-            sub = await self.plane.subscribe(names.task_stream, names.pool_consumer(self.pool))
+            tasks = self.plane.consumer(names.task_stream, names.pool_consumer(self.pool), Task)
+            settings = await tasks.settings()  # the server's, not our defaults
+            ack_wait, max_deliver = settings.ack_wait, settings.max_deliver
             self.stats["joined"] = 1.0
             log.info("rollout node %s joined pool %s (region %r, %s) at %s", self.worker_id, self.pool, self.region,
                      self.hardware, {p: s.version for p, s in self.syncs.items()})
             while not stop.is_set():
                 t0 = time.perf_counter()
-                got = await self.plane.pull(sub, Task, batch=self.recipe.rollout.tasks_per_generate, timeout=1.0)
+                got = await tasks.pull(batch=self.recipe.rollout.tasks_per_generate, timeout=1.0)
                 if got:
                     self.stats["pull_s"] += time.perf_counter() - t0
                 await self.refresh()  # a safe point: between generations
@@ -263,8 +269,7 @@ class RolloutNode:
             self.stats["failed"] += len(ready)
             for d in ready:
                 if d.num_delivered >= max_deliver - 1:
-                    await self.plane.reject(d.raw.subject, d.raw.data, f"workflow failed {d.num_delivered}x: {e}")
-                    await d.term()
+                    await d.reject(f"workflow failed {d.num_delivered}x: {e}")
                 else:
                     await d.nak(delay=2.0)
             return
@@ -283,8 +288,7 @@ class RolloutNode:
             await self.plane.publish_many([(self.plane.names.traj(t.policy), t, t.traj_id) for t in trajs])
         except MessageTooLarge as e:  # will never fit: dead-letter the tasks rather than retry them forever
             for d in ready:
-                await self.plane.reject(d.raw.subject, d.raw.data, f"trajectory too large to publish: {e}")
-                await d.term()
+                await d.reject(f"trajectory too large to publish: {e}")
             self.stats["failed"] += len(ready)
             return
         except Exception as e:  # a server hiccup: give the tasks back (published ones are deduplicated on retry)
@@ -296,6 +300,7 @@ class RolloutNode:
         self.stats["publish_s"] += time.perf_counter() - t1
         self.stats["tasks"] += len(ready)
         self.stats["trajectories"] += len(trajs)
+        self.stats["tokens"] += sum(len(t.completion_ids) // 4 for t in trajs)
 
     async def _run_workflow(self, ready: list[Delivery[Task]], stop: asyncio.Event) -> list[Trajectory] | None:
         """The workflow's trajectories; None if the node was told to stop and the work outlived the drain timeout."""

@@ -154,20 +154,91 @@ class WeightVersion(Message):
     created_at: float = Field(default_factory=time.time)
 
 
+class _Stats(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def summary(self) -> dict[str, float]:
+        """The headline figures, for dashboards (``status``, the live view of ``up``)."""
+        return {k: float(v) for k, v in self.model_dump().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class RolloutStats(_Stats):
+    """A RaaS node's cumulative counters. Read by the dataflow (``gen_s``: autoscale) and the launcher (``trajectories``)."""
+
+    role: Literal["rollout"] = "rollout"
+    tasks: int = 0  # tasks served (their trajectories published, then acked)
+    trajectories: int = 0
+    tokens: int = 0  # completion tokens generated
+    gen_s: float = 0.0  # seconds spent generating (busy time)
+    pull_s: float = 0.0
+    publish_s: float = 0.0
+    refresh_s: float = 0.0  # seconds spent fetching and applying weights
+    failed: int = 0  # tasks whose workflow failed (nak'ed or dead-lettered)
+    held: int = 0  # tasks in hand now
+    joined: bool = False  # holds weights and pulls tasks
+    counters: dict[str, float] = {}  # other diagnostics (stale_naks, drained_naks, refresh_errors, …)
+    weights: dict[str, dict[str, float]] = {}  # per policy: weight-sync counters (deltas, keyframes, fallbacks, …)
+
+
+class TrainerStats(_Stats):
+    """A trainer's waiting and its last step. Read by the dataflow (``wait_s``: autoscale) and the launcher."""
+
+    role: Literal["trainer"] = "trainer"
+    wait_s: float = 0.0  # cumulative seconds spent waiting for a batch
+    wait_frac: float = 0.0  # wait_s over the trainer's wall time
+    bytes_sent: int = 0  # weight payload bytes published
+    step: dict[str, float] = {}  # the last step's metrics (loss, reward_mean, tokens_per_s, grad_norm, …)
+
+    def summary(self) -> dict[str, float]:
+        return {**self.step, "wait_frac": self.wait_frac, "wait_s": self.wait_s}
+
+
+class DataflowStats(_Stats):
+    """The dataflow's regulation at a glance. Read by the launcher and ``status``."""
+
+    role: Literal["dataflow"] = "dataflow"
+    issued: int = 0
+    in_flight: int = 0
+    buffered: int = 0
+    batches: int = 0
+    overdue: int = 0  # tasks in flight past their deadline
+    wait_frac: float = 0.0  # the most-starved trainer's waiting share (autoscale input)
+    produce_rate: float = 0.0  # groups completed per second
+    consume_rate: float = 0.0  # groups trained per second
+    autoscale_target: int = 0
+    autoscale_nodes: int = 0
+    counters: dict[str, float] = {}  # other diagnostics (duplicates, redelivered_settled, …)
+    policies: dict[str, dict[str, float]] = {}  # per policy: lane figures (buffered, awaiting, fates, lag, …)
+
+
+class EvaluatorStats(_Stats):
+    role: Literal["evaluator"] = "evaluator"
+    evaluated: int = 0  # versions evaluated by this process
+    last_version: int = -1
+    last_reward: float = 0.0
+
+
+HeartbeatStats = Annotated[RolloutStats | TrainerStats | DataflowStats | EvaluatorStats, Field(discriminator="role")]
+
+
 class Heartbeat(Message):
-    """Liveness and live stats of a worker. Written by every worker, read by dataflow and `status`."""
+    """Liveness and live stats of a worker, every 2 s on core NATS. Written by every worker, read by dataflow,
+    the launcher and ``status``. A worker silent for 3 beats is gone."""
 
     kind: ClassVar[str] = "heartbeat"
-    role: Literal["dataflow", "rollout", "trainer", "launcher"]
     worker_id: str
     pool: str = ""
     region: str = ""
     hardware: str = ""
     policy: str = ""
     version: int = -1
-    stats: dict[str, float] = {}
+    stats: HeartbeatStats
     state: Literal["starting", "running", "draining", "stopped"] = "running"
     ts: float = Field(default_factory=time.time)
+
+    @property
+    def role(self) -> str:
+        return self.stats.role
 
 
 class Rejected(Message):
@@ -183,3 +254,4 @@ class Rejected(Message):
 
 
 KINDS: dict[str, type[Message]] = {m.kind: m for m in (Task, Trajectory, Batch, WeightVersion, Heartbeat, Rejected)}
+HEARTBEAT_PERIOD_S = 2.0

@@ -29,15 +29,18 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js import api
+from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, NotFoundError
 
 from astraflow.streams.messages import ObjectRef
 from astraflow.streams.subjects import Names
+
+if TYPE_CHECKING:
+    from astraflow.streams.plane import Plane
 
 DEFAULT_CHUNK = 2 * 1024 * 1024  # measured (benchmarks/bench_weight_transfer.py): 2-4 MiB read fastest
 _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="af-objects-sha")  # one thread: chunks hash in order
@@ -75,7 +78,7 @@ def chunk_size_for(max_payload: int, wanted: int = DEFAULT_CHUNK) -> int:
 # ------------------------------------------------------------------------------ write
 
 
-async def put_object(js: Any, bucket: str, name: str, data: bytes | bytearray | memoryview, chunk_size: int = DEFAULT_CHUNK,
+async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes | bytearray | memoryview, chunk_size: int = DEFAULT_CHUNK,
                      timeout: float = 60.0) -> ObjectRef:
     """Write ``data`` under a fresh nuid (chunks pipelined, metadata last); purge the chunks on
     failure, including chunk acks not all back within ``timeout`` seconds."""
@@ -112,7 +115,7 @@ async def put_object(js: Any, bucket: str, name: str, data: bytes | bytearray | 
     return ObjectRef(name=name, nuid=nuid, size=len(view), chunk_size=chunk_size, digests=digests, digest=whole.hexdigest())
 
 
-async def delete_object(js: Any, bucket: str, ref: ObjectRef, stream: str | None = None) -> None:
+async def delete_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None) -> None:
     """Purge the object's chunks and metadata from ``stream`` (default the bucket's own; a mirror works too)."""
     stream = stream or object_stream(bucket)
     try:
@@ -125,7 +128,7 @@ async def delete_object(js: Any, bucket: str, ref: ObjectRef, stream: str | None
 # ------------------------------------------------------------------------------ read
 
 
-async def count_chunks(js: Any, stream: str, subject: str) -> int:
+async def count_chunks(js: JetStreamContext, stream: str, subject: str) -> int:
     """How many messages ``stream`` holds on ``subject`` (one request; works on mirrors)."""
     info = await js.stream_info(stream, subjects_filter=subject)
     return int((info.state.subjects or {}).get(subject, 0))
@@ -151,7 +154,7 @@ def _expected_chunks(ref: ObjectRef) -> int:
     return n
 
 
-async def get_object(js: Any, bucket: str, ref: ObjectRef, stream: str | None = None, timeout: float = 10.0, wait_missing: float = 0.0) -> bytearray:
+async def get_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None, timeout: float = 10.0, wait_missing: float = 0.0) -> bytearray:
     """Read ``ref`` whole from ``stream`` (default: the bucket's own; pass a mirror's name, with a
     ``js`` of the mirror's domain, to read a mirror).
 
@@ -194,72 +197,33 @@ async def get_object(js: Any, bucket: str, ref: ObjectRef, stream: str | None = 
     return out
 
 
-# ------------------------------------------------------------------------------ stream history (announcements)
+class ObjectStore:
+    """The run's payload bucket as one JetStream domain sees it: the hub's own stream, or a
+    region's mirror of it (``stream``: the mirror's name; ``wait_missing``: how long a chunk may
+    lag its announcement there). Made by :meth:`Plane.objects`."""
 
+    def __init__(self, js: JetStreamContext, bucket: str, stream: str | None = None, wait_missing: float = 0.0,
+                 max_payload: int = 8 << 20) -> None:
+        self._js, self.bucket = js, bucket
+        self.stream = stream or object_stream(bucket)
+        self.wait_missing = wait_missing
+        self.chunk_size = chunk_size_for(max_payload)
 
-async def read_subject(js: Any, stream: str, subject: str, last_only: bool = False, timeout: float = 5.0) -> list[Any]:
-    """Every message (or only the last) ``stream`` holds on ``subject``, oldest first. Binds the
-    stream by name, so it reads mirrors too; returns at once when there is nothing."""
-    cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, mem_storage=True, num_replicas=1, inactive_threshold=30.0,
-                             deliver_policy=api.DeliverPolicy.LAST if last_only else api.DeliverPolicy.ALL)
-    sub = await js.pull_subscribe(subject, stream=stream, config=cfg)
-    try:
-        pending = (await sub.consumer_info()).num_pending or 0
-        out: list[Any] = []
-        while len(out) < pending:
-            try:
-                out += await sub.fetch(batch=min(256, pending - len(out)), timeout=timeout)
-            except (NatsTimeout, asyncio.TimeoutError):
-                break  # trimmed meanwhile
-        return out
-    finally:
-        await sub.unsubscribe()
+    async def put(self, name: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+        return await put_object(self._js, self.bucket, name, data, self.chunk_size)
 
+    async def get(self, ref: ObjectRef, timeout: float = 10.0) -> bytearray:
+        return await get_object(self._js, self.bucket, ref, stream=self.stream, timeout=timeout, wait_missing=self.wait_missing)
 
-class Follower:
-    """Ephemeral pull consumer that follows one subject of a stream bound by name (mirrors too),
-    starting at the last message; ``fetch`` returns what arrived since, oldest first.
+    async def delete(self, ref: ObjectRef) -> None:
+        await delete_object(self._js, self.bucket, ref, stream=self.stream)
 
-    The server drops an ephemeral consumer left idle for ``INACTIVE`` seconds (a node that died
-    leaves nothing behind); a follower idle for half of that (a long generation) opens a fresh
-    one from the last message, so it never waits on a consumer that is gone.
-    """
-
-    INACTIVE = 300.0
-    BATCH = 64
-
-    def __init__(self, js: Any, stream: str, subject: str) -> None:
-        self.js, self.stream, self.subject = js, stream, subject
-        self._sub: Any = None
-        self._used = 0.0
-
-    async def fetch(self, wait: float) -> list[Any]:
-        if self._sub is not None and time.monotonic() - self._used > self.INACTIVE / 2:
-            await self.close()
-        if self._sub is None:
-            cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.LAST,
-                                     inactive_threshold=self.INACTIVE, mem_storage=True, num_replicas=1)
-            self._sub = await self.js.pull_subscribe(self.subject, stream=self.stream, config=cfg)
-        out: list[Any] = []
+    async def chunks(self, ref: ObjectRef) -> int:
+        """How many chunks of ``ref`` the stream holds (0 when the stream is gone)."""
         try:
-            while True:  # a fetch returns what is there at once (up to a full batch) or waits up to ``wait``
-                try:
-                    got = await self._sub.fetch(batch=self.BATCH, timeout=wait)
-                except (NatsTimeout, asyncio.TimeoutError):
-                    return out
-                out += got
-                if len(got) < self.BATCH:
-                    return out
-        finally:
-            self._used = time.monotonic()
-
-    async def close(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                pass
-            self._sub = None
+            return await count_chunks(self._js, self.stream, chunk_subject(self.bucket, ref.nuid))
+        except NotFoundError:
+            return 0
 
 
 # ------------------------------------------------------------------------------ regions
@@ -280,7 +244,7 @@ def region_streams(run: str, domain: str | None) -> RegionStreams:
     return RegionStreams(domain, object_stream(names.object_bucket), names.weights_stream)
 
 
-async def ensure_region_mirrors(plane_on_leaf: Any, run: str, hub_domain: str, leaf_domain: str | None = None,
+async def ensure_region_mirrors(plane_on_leaf: Plane, run: str, hub_domain: str, leaf_domain: str | None = None,
                                 weights_history: int = 64) -> RegionStreams:
     """Create (idempotently) on the leaf the mirrors of the hub's weights object stream and
     announcement stream, sourced through ``$JS.{hub_domain}.API`` over the leafnode link.
@@ -288,7 +252,7 @@ async def ensure_region_mirrors(plane_on_leaf: Any, run: str, hub_domain: str, l
     ``plane_on_leaf`` is a :class:`~astraflow.streams.plane.Plane` connected to the leaf server;
     ``leaf_domain`` (default: the leaf server's own JetStream) is where the mirrors are made.
     """
-    jsm = plane_on_leaf.nc.jetstream(domain=leaf_domain) if leaf_domain else plane_on_leaf.nc.jsm()
+    jsm = plane_on_leaf._jsm_for(leaf_domain)
     streams = region_streams(run, leaf_domain)
     external = api.ExternalStream(api=f"$JS.{hub_domain}.API")
     for name, per_subject in ((streams.object_stream, -1), (streams.weights_stream, weights_history)):
@@ -303,17 +267,3 @@ async def ensure_region_mirrors(plane_on_leaf: Any, run: str, hub_domain: str, l
                 raise RuntimeError(f"stream {name} exists on the leaf but is not a mirror of {name} in domain {hub_domain}; "
                                    "delete it or use another leaf domain") from None
     return streams
-
-
-async def wait_for_domain(nc: Any, domain: str, timeout: float = 20.0) -> None:
-    """Return once JetStream of ``domain`` answers on this connection (e.g. the hub, through a leafnode)."""
-    js = nc.jetstream(domain=domain, timeout=1.0)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            await js.account_info()
-            return
-        except Exception as e:  # no responders / timeout until the leafnode link is up
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"JetStream domain {domain!r} unreachable after {timeout:.0f}s: {type(e).__name__}") from None
-            await asyncio.sleep(0.1)

@@ -1,7 +1,8 @@
-"""The message plane: connect, ensure topology, typed publish / pull / ack, lag, DLQ, run state.
+"""The message plane: connect, ensure topology, typed publish / consume / follow, lag, DLQ, run state.
 
-This module (with ``objects.py``) is the only place that talks to NATS. Roles get a
-:class:`Plane` and see typed messages; malformed ones never reach them: they go to the
+This package is the only place that talks to NATS, and :class:`Plane` is its whole surface: roles
+get typed messages, typed deliveries to settle, typed run-state records and object stores, and
+never a NATS object. Malformed messages never reach them: from a work stream they go to the
 dead-letter stream with the reason and are terminated so they are not redelivered.
 """
 
@@ -11,22 +12,29 @@ import asyncio
 import json
 import logging
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Literal, TypeVar
 
 import nats
+from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js import api
+from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import BadRequestError, NotFoundError
 from pydantic import BaseModel, ConfigDict
 
 from astraflow.streams.codec import DecodeError, decode, encode
-from astraflow.streams.messages import Message, Rejected
+from astraflow.streams.consuming import (
+    Consumer, ConsumerSettings, Delivery, Follower, Lag, OnBad, Subscription, log_bad, read_history,
+)
+from astraflow.streams.kv import RunState
+from astraflow.streams.messages import Heartbeat, Message, Rejected
+from astraflow.streams.objects import ObjectStore, object_stream
 from astraflow.streams.subjects import Names
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
+__all__ = ["Consumer", "ConsumerSettings", "Delivery", "Follower", "Lag", "NatsOptions", "Plane", "Subscription", "Topology"]
 
 
 class NatsOptions(BaseModel):
@@ -60,39 +68,6 @@ class NatsOptions(BaseModel):
 
 
 @dataclass(frozen=True)
-class Lag:
-    """Consumer lag as the server reports it."""
-
-    pending: int  # not yet delivered
-    ack_pending: int  # delivered, not yet acked
-    redelivered: int
-
-
-@dataclass
-class Delivery(Generic[M]):
-    """A decoded message plus the handle to settle it. Every delivery is acked, nak'ed or termed on purpose."""
-
-    msg: M
-    raw: Msg
-
-    @property
-    def num_delivered(self) -> int:
-        return self.raw.metadata.num_delivered
-
-    async def ack(self) -> None:
-        await self.raw.ack()
-
-    async def nak(self, delay: float | None = None) -> None:
-        await self.raw.nak(delay=delay)
-
-    async def in_progress(self) -> None:
-        await self.raw.in_progress()
-
-    async def term(self) -> None:
-        await self.raw.term()
-
-
-@dataclass(frozen=True)
 class Topology:
     """What a run needs on the server. ``ensure`` is idempotent: running it twice changes nothing."""
 
@@ -106,22 +81,25 @@ class Topology:
     traj_max_age: float = 7 * 24 * 3600
     weights_history: int = 64
     dedup_window: float = 600.0
+    fate_ttl: float = 24 * 3600
 
 
 class Plane:
     """A connection to the plane for one run."""
 
-    def __init__(self, nc: nats.NATS, names: Names, worker_id: str, domain: str | None = None) -> None:
-        self.nc = nc
+    def __init__(self, nc: Client, names: Names, worker_id: str, domain: str | None = None) -> None:
+        self._nc = nc
         self.names = names
         self.worker_id = worker_id
         self.domain = domain
-        self.js = nc.jetstream(domain=domain, timeout=10.0)
-        self.jsm = nc.jsm(prefix=f"$JS.{domain}.API") if domain else nc.jsm()  # manage streams in that domain
-        self.kv: Any = None
+        self._js = nc.jetstream(domain=domain, timeout=10.0)
+        self._jsm = self._jsm_for(domain)  # manage streams in that domain
+        self._js_by_domain: dict[str | None, JetStreamContext] = {domain: self._js}
+        self._consumers: dict[tuple[str, str], api.ConsumerConfig] = {}  # what ensure_topology made, to remake it
+        self.state = RunState(self._js, names, domain)
 
     @classmethod
-    async def connect(cls, opts: NatsOptions, run: str, worker_id: str) -> "Plane":
+    async def connect(cls, opts: NatsOptions, run: str, worker_id: str) -> Plane:
         nc = await nats.connect(
             **opts.connect_kwargs(), name=f"astraflow:{run}:{worker_id}", max_reconnect_attempts=-1, reconnect_time_wait=0.5
         )
@@ -129,17 +107,29 @@ class Plane:
 
     @property
     def max_payload(self) -> int:
-        return self.nc.max_payload
+        return int(self._nc.max_payload)
+
+    @property
+    def connected(self) -> bool:
+        return bool(self._nc.is_connected)
 
     async def close(self) -> None:
         """Flush what was published or acked, then close (no drain: open pull requests would stall it)."""
-        if self.nc.is_closed:
+        if self._nc.is_closed:
             return
         try:
-            await self.nc.flush(timeout=5)
-        except Exception:
+            await self._nc.flush(timeout=5)
+        except Exception:  # closing anyway
             pass
-        await self.nc.close()
+        await self._nc.close()
+
+    def _jsm_for(self, domain: str | None) -> JetStreamManager:
+        return self._nc.jsm(prefix=f"$JS.{domain}.API") if domain else self._nc.jsm()
+
+    def _js_for(self, domain: str | None) -> JetStreamContext:
+        if domain not in self._js_by_domain:
+            self._js_by_domain[domain] = self._nc.jetstream(domain=domain, timeout=10.0)
+        return self._js_by_domain[domain]
 
     # ---------------------------------------------------------------- topology
     async def _stream(self, cfg: api.StreamConfig) -> None:
@@ -148,134 +138,216 @@ class Plane:
         Looking first means a role whose account may not create streams (a rollout node under
         ``jetstream/accounts.conf``) still starts, once an operator or the dataflow created them.
         """
+        assert cfg.name is not None
         try:
-            have = (await self.jsm.stream_info(cfg.name)).config
+            have = (await self._jsm.stream_info(cfg.name)).config
         except NotFoundError:
-            await self.jsm.add_stream(cfg)
+            await self._jsm.add_stream(cfg)
             return
         fields = ("subjects", "retention", "max_age", "max_msgs_per_subject", "num_replicas", "duplicate_window")
         wanted = {f: getattr(cfg, f) for f in fields if getattr(cfg, f) not in (None, 0)}  # 0 / None: server default
         if any(getattr(have, f) != v for f, v in wanted.items()):
             try:
-                await self.jsm.update_stream(cfg)
+                await self._jsm.update_stream(cfg)
             except BadRequestError as e:
-                raise RuntimeError(f"stream {cfg.name} exists with an incompatible config ({e.description}); delete it or use another run id") from None
+                raise RuntimeError(f"stream {cfg.name} exists with an incompatible config ({e.description}); "
+                                   "delete it or use another run id") from None
 
     async def _consumer(self, stream: str, cfg: api.ConsumerConfig) -> None:
+        assert cfg.durable_name is not None
+        self._consumers[(stream, cfg.durable_name)] = cfg
         try:
-            await self.jsm.consumer_info(stream, cfg.durable_name)
+            await self._jsm.consumer_info(stream, cfg.durable_name)
         except NotFoundError:
-            await self.jsm.add_consumer(stream, cfg)
+            await self._jsm.add_consumer(stream, cfg)
+
+    async def recreate_consumer(self, stream: str, durable: str) -> None:
+        """Make a durable consumer this plane's topology made before again (the server forgot it)."""
+        cfg = self._consumers.get((stream, durable))
+        if cfg is None:
+            raise NotFoundError(description=f"consumer {durable} on {stream} is gone and this role does not own it")
+        log.warning("consumer %s on %s is gone from the server: creating it again", durable, stream)
+        await self._consumer(stream, cfg)
+
+    async def _bucket(self, name: str, cfg: api.KeyValueConfig) -> None:
+        try:
+            await self._js.key_value(name)
+        except NotFoundError:
+            await self._js.create_key_value(cfg)
 
     async def ensure_topology(self, topo: Topology) -> None:
         n, dedup, r = self.names, topo.dedup_window, topo.replicas
-        file = api.StorageType.FILE
-        await self._stream(api.StreamConfig(name=n.task_stream, subjects=[n.all("task")], retention=api.RetentionPolicy.WORK_QUEUE, storage=file, num_replicas=r, duplicate_window=dedup))
-        await self._stream(api.StreamConfig(name=n.traj_stream, subjects=[n.all("traj")], retention=api.RetentionPolicy.LIMITS, storage=file, max_age=topo.traj_max_age, num_replicas=r, duplicate_window=dedup))
-        await self._stream(api.StreamConfig(name=n.batch_stream, subjects=[n.all("batch")], retention=api.RetentionPolicy.WORK_QUEUE, storage=file, num_replicas=r, duplicate_window=dedup))
-        await self._stream(api.StreamConfig(name=n.weights_stream, subjects=[n.all("weights")], retention=api.RetentionPolicy.LIMITS, storage=file, max_msgs_per_subject=topo.weights_history, num_replicas=r, duplicate_window=dedup))
-        await self._stream(api.StreamConfig(name=n.dlq_stream, subjects=[n.all("dlq")], retention=api.RetentionPolicy.LIMITS, storage=file, num_replicas=r, max_age=topo.traj_max_age))
+        file, limits, work = api.StorageType.FILE, api.RetentionPolicy.LIMITS, api.RetentionPolicy.WORK_QUEUE
+        streams = (
+            (n.task_stream, "task", work, {}),
+            (n.traj_stream, "traj", limits, {"max_age": topo.traj_max_age}),
+            (n.batch_stream, "batch", work, {}),
+            (n.weights_stream, "weights", limits, {"max_msgs_per_subject": topo.weights_history}),
+            (n.dlq_stream, "dlq", limits, {"max_age": topo.traj_max_age}),
+        )
+        for name, family, retention, extra in streams:
+            dup = {} if family == "dlq" else {"duplicate_window": dedup}
+            await self._stream(api.StreamConfig(name=name, subjects=[n.all(family)], retention=retention, storage=file,
+                                                num_replicas=r, **dup, **extra))
         explicit = api.AckPolicy.EXPLICIT
         for pool in topo.pools:
-            await self._consumer(n.task_stream, api.ConsumerConfig(durable_name=n.pool_consumer(pool), filter_subject=n.all("task"), ack_policy=explicit, ack_wait=topo.task_ack_wait, max_deliver=topo.max_deliver, max_ack_pending=100_000))
-        await self._consumer(n.traj_stream, api.ConsumerConfig(durable_name=n.DATAFLOW_CONSUMER, filter_subject=n.all("traj"), ack_policy=explicit, ack_wait=topo.traj_ack_wait, max_deliver=-1, max_ack_pending=1_000_000))
+            await self._consumer(n.task_stream, api.ConsumerConfig(
+                durable_name=n.pool_consumer(pool), filter_subject=n.all("task"), ack_policy=explicit, ack_wait=topo.task_ack_wait,
+                max_deliver=topo.max_deliver, max_ack_pending=100_000))
+        await self._consumer(n.traj_stream, api.ConsumerConfig(
+            durable_name=n.DATAFLOW_CONSUMER, filter_subject=n.all("traj"), ack_policy=explicit, ack_wait=topo.traj_ack_wait,
+            max_deliver=-1, max_ack_pending=1_000_000))
         for policy in topo.policies:
-            await self._consumer(n.batch_stream, api.ConsumerConfig(durable_name=n.trainer_consumer(policy), filter_subject=n.batch(policy), ack_policy=explicit, ack_wait=topo.batch_ack_wait, max_deliver=topo.max_deliver))
+            await self._consumer(n.batch_stream, api.ConsumerConfig(
+                durable_name=n.trainer_consumer(policy), filter_subject=n.batch(policy), ack_policy=explicit,
+                ack_wait=topo.batch_ack_wait, max_deliver=topo.max_deliver))
+        await self._bucket(n.state_bucket, api.KeyValueConfig(bucket=n.state_bucket, history=1, storage=file, replicas=r))
+        await self._bucket(n.fates_bucket, api.KeyValueConfig(bucket=n.fates_bucket, history=1, storage=file, replicas=r,
+                                                              ttl=topo.fate_ttl))
         try:
-            self.kv = await self.js.key_value(n.state_bucket)
+            await self._js.object_store(n.object_bucket)
         except NotFoundError:
-            self.kv = await self.js.create_key_value(api.KeyValueConfig(bucket=n.state_bucket, history=1, storage=file, replicas=r))
-        try:
-            await self.js.object_store(n.object_bucket)
-        except NotFoundError:
-            await self.js.create_object_store(n.object_bucket, api.ObjectStoreConfig(storage=file, replicas=r))
+            await self._js.create_object_store(n.object_bucket, api.ObjectStoreConfig(storage=file, replicas=r))
+        self.state.forget()
 
     # ---------------------------------------------------------------- publish
     async def publish(self, subject: str, msg: Message, msg_id: str | None = None) -> None:
         """Publish and wait for the server's ack; ``msg_id`` deduplicates retries server-side."""
         data = encode(msg, self.max_payload)
-        await self.js.publish(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None)
+        await self._js.publish(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None)
 
     async def publish_many(self, items: list[tuple[str, Message, str | None]]) -> None:
         """Pipelined publish of several messages (``publish_async``), waiting for every ack."""
         futs = []
         for subject, msg, msg_id in items:
             data = encode(msg, self.max_payload)
-            futs.append(await self.js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None))
+            futs.append(await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None))
         if futs:
             await asyncio.gather(*futs)
 
     async def reject(self, subject: str, payload: bytes, reason: str, headers: dict[str, str] | None = None) -> None:
+        """Dead-letter ``payload`` (first published on ``subject``) with ``reason`` on ``dlq.{family of subject}``."""
         kind = subject.split(".")[2] if subject.count(".") >= 2 else "unknown"
         rej = Rejected(subject=subject, reason=reason[:2000], worker_id=self.worker_id, headers=dict(headers or {}), payload=payload)
-        await self.js.publish(self.names.dlq(kind), encode(rej))
+        await self._js.publish(self.names.dlq(kind), encode(rej))
         log.warning("rejected message on %s: %s", subject, reason[:300])
 
-    # ---------------------------------------------------------------- pull
-    async def subscribe(self, stream: str, durable: str) -> Any:
-        return await self.js.pull_subscribe_bind(durable=durable, stream=stream)
-
-    async def pull(self, sub: Any, model: type[M], batch: int = 1, timeout: float = 1.0) -> list[Delivery[M]]:
-        """Fetch up to ``batch`` messages; an empty list on timeout. Bad ones go to the DLQ."""
-        try:
-            raws = await sub.fetch(batch=batch, timeout=timeout)
-        except (NatsTimeout, asyncio.TimeoutError):
-            return []
-        out: list[Delivery[M]] = []
-        for raw in raws:
-            try:
-                out.append(Delivery(decode(raw.data, model), raw))
-            except DecodeError as e:
-                await self.reject(raw.subject, raw.data, str(e), raw.headers)
-                await raw.term()
-        return out
+    # ---------------------------------------------------------------- consume
+    def consumer(self, stream: str, durable: str, model: type[M]) -> Consumer[M]:
+        """The durable pull consumer ``durable`` of ``stream``, handing out ``model`` deliveries."""
+        return Consumer(self, stream, durable, model)
 
     async def lag(self, stream: str, durable: str) -> Lag:
-        info = await self.jsm.consumer_info(stream, durable)
+        info = await self._jsm.consumer_info(stream, durable)
         return Lag(info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0)
+
+    async def consumer_settings(self, stream: str, durable: str) -> ConsumerSettings:
+        cfg = (await self._jsm.consumer_info(stream, durable)).config
+        return ConsumerSettings(float(cfg.ack_wait or 30.0), int(cfg.max_deliver or -1))
+
+    async def stream_msgs(self, stream: str) -> int | None:
+        """Messages ``stream`` holds; None when it does not exist."""
+        try:
+            return int((await self._jsm.stream_info(stream)).state.messages)
+        except NotFoundError:
+            return None
 
     async def last(self, stream: str, subject: str, model: type[M]) -> M | None:
         """The newest message on ``subject`` in ``stream``, decoded; None when there is none."""
         try:
-            raw = await self.jsm.get_last_msg(stream, subject)
+            raw = await self._jsm.get_last_msg(stream, subject)
         except NotFoundError:
             return None
         return decode(raw.data or b"", model)
 
     async def get(self, stream: str, seq: int, model: type[M]) -> M:
         """The message at sequence ``seq`` of ``stream``, decoded (NotFoundError when it is gone)."""
-        raw = await self.jsm.get_msg(stream, seq)
+        raw = await self._jsm.get_msg(stream, seq)
         return decode(raw.data or b"", model)
 
-    async def ack_wait(self, stream: str, durable: str) -> float:
-        """The consumer's ack_wait as the server has it (seconds)."""
-        info = await self.jsm.consumer_info(stream, durable)
-        return float(info.config.ack_wait or 30.0)
+    def follower(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
+                 start: Literal["last", "all"] = "last", on_bad: OnBad = log_bad) -> Follower[M]:
+        """Follow ``subject`` of ``stream`` (default: the family's own stream; a mirror's name in ``domain``)."""
+        return Follower(self._js_for(domain or self.domain), stream or self._stream_of(subject), subject, model, start, on_bad)
 
-    async def stream_msgs(self, stream: str) -> int:
-        info = await self.jsm.stream_info(stream)
-        return info.state.messages
+    async def history(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
+                      last_only: bool = False, on_bad: OnBad = log_bad) -> list[M]:
+        """Every message ``stream`` still holds on ``subject`` (or only the last), decoded, oldest first."""
+        js = self._js_for(domain or self.domain)
+        return await read_history(js, stream or self._stream_of(subject), subject, model, last_only, on_bad=on_bad)
 
-    # ---------------------------------------------------------------- run state (KV)
-    async def _kv(self) -> Any:
-        if self.kv is None:
-            self.kv = await self.js.key_value(self.names.state_bucket)
-        return self.kv
+    async def follow(self, subject: str, model: type[M], cb: Callable[[M], Awaitable[None]], history: bool = True,
+                     on_bad: OnBad = log_bad) -> Subscription:
+        """Call ``cb`` with every message on ``subject`` (from the start of its stream when ``history``), in order."""
 
-    async def state_put(self, key: str, value: Any) -> None:
-        data = json.dumps(value).encode()
-        if self.domain:  # nats-py puts on $KV.…, which is not forwarded across JetStream domains
-            await self.js.publish(f"$JS.{self.domain}.API.$KV.{self.names.state_bucket}.{key}", data)
-        else:
-            await (await self._kv()).put(key, data)
+        async def handle(msg: Msg) -> None:
+            try:
+                decoded = decode(msg.data, model)
+            except DecodeError as e:
+                on_bad(msg.subject, str(e))
+                return
+            await cb(decoded)
 
-    async def state_get(self, key: str, default: Any = None) -> Any:
-        try:
-            entry = await (await self._kv()).get(key)
-        except Exception:  # KeyNotFoundError / KeyDeletedError
-            return default
-        return json.loads(entry.value) if entry.value else default
+        deliver = api.DeliverPolicy.ALL if history else api.DeliverPolicy.NEW
+        sub = await self._js.subscribe(subject, ordered_consumer=True, deliver_policy=deliver, cb=handle)
+        return Subscription(sub.unsubscribe)
 
-    # ---------------------------------------------------------------- heartbeats (core NATS)
-    async def beat(self, hb: Message, role: str) -> None:
-        await self.nc.publish(self.names.hb(role, self.worker_id), encode(hb))
+    def _stream_of(self, subject: str) -> str:
+        family = subject.split(".")[2]
+        return {"task": self.names.task_stream, "traj": self.names.traj_stream, "batch": self.names.batch_stream,
+                "weights": self.names.weights_stream, "dlq": self.names.dlq_stream}[family]
+
+    # ---------------------------------------------------------------- objects
+    def objects(self, domain: str | None = None, stream: str | None = None, wait_missing: float = 0.0) -> ObjectStore:
+        """The run's weight-payload bucket, as read in ``domain`` (a region's mirror: the same stream name there)."""
+        bucket = self.names.object_bucket
+        return ObjectStore(self._js_for(domain or self.domain), bucket, stream or object_stream(bucket), wait_missing,
+                           self.max_payload)
+
+    async def wait_for_domain(self, domain: str, timeout: float = 20.0, on_wait: Callable[[str], None] | None = None) -> None:
+        """Return once JetStream of ``domain`` answers on this connection (the hub, through a leafnode)."""
+        js = self._nc.jetstream(domain=domain, timeout=1.0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                await js.account_info()
+                return
+            except Exception as e:  # no responders / timeout until the leafnode link is up
+                if loop.time() > deadline:
+                    raise TimeoutError(f"JetStream domain {domain!r} unreachable after {timeout:.0f}s: {type(e).__name__}") from None
+                if on_wait is not None:
+                    on_wait(f"waiting for JetStream domain {domain!r}: {type(e).__name__}")
+                await asyncio.sleep(0.1)
+
+    # ---------------------------------------------------------------- core NATS: heartbeats, advisories
+    async def beat(self, hb: Heartbeat) -> None:
+        await self._nc.publish(self.names.hb(hb.role, hb.worker_id), encode(hb))
+
+    async def on_heartbeats(self, cb: Callable[[Heartbeat], None]) -> Subscription:
+        """Call ``cb`` with every heartbeat of the run (undecodable ones are dropped: they are only liveness)."""
+
+        async def handle(msg: Msg) -> None:
+            try:
+                cb(decode(msg.data, Heartbeat))
+            except DecodeError as e:
+                log.debug("undecodable heartbeat on %s: %s", msg.subject, e)
+
+        sub = await self._nc.subscribe(f"af.{self.names.run}.hb.>", cb=handle)
+        await self._nc.flush()  # the server knows the interest before this returns
+        return Subscription(sub.unsubscribe)
+
+    async def on_max_deliveries(self, stream: str, durable: str, cb: Callable[[int], Awaitable[None]]) -> Subscription:
+        """Call ``cb(stream_seq)`` when the server gives up on a message of ``durable`` (it ran out of deliveries)."""
+
+        async def handle(msg: Msg) -> None:
+            try:
+                seq = int(json.loads(msg.data)["stream_seq"])
+            except (ValueError, KeyError, TypeError) as e:
+                log.debug("max-deliveries advisory not understood: %s", e)
+                return
+            await cb(seq)
+
+        sub = await self._nc.subscribe(self.names.max_deliveries_advisory(stream, durable), cb=handle)
+        await self._nc.flush()
+        return Subscription(sub.unsubscribe)

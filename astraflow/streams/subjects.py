@@ -39,7 +39,7 @@ class Names:
         return f"af.{self.run}.weights.{check_token('policy', policy)}"
 
     def hb(self, role: str, worker_id: str) -> str:
-        return f"af.{self.run}.hb.{role}.{worker_id}"
+        return f"af.{self.run}.hb.{role}.{check_token('worker id', worker_id)}"
 
     def dlq(self, kind: str) -> str:
         return f"af.{self.run}.dlq.{kind}"
@@ -85,5 +85,13 @@ class Names:
         return f"af_{self.run}_state"
 
     @property
+    def fates_bucket(self) -> str:
+        return f"af_{self.run}_fates"
+
+    @property
     def object_bucket(self) -> str:
         return f"af_{self.run}_weights"
+
+    def max_deliveries_advisory(self, stream: str, durable: str) -> str:
+        """Where the server announces a message that ran out of deliveries on ``durable``."""
+        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"

@@ -29,8 +29,9 @@ from astraflow.config import Recipe
 from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.models import build_model, load_tokenizer
 from astraflow.runtime import every, stop_event
-from astraflow.streams.messages import Batch, Heartbeat
+from astraflow.streams.messages import Batch, Heartbeat, TrainerStats
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
+from astraflow.streams.state import DoneRecord
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
@@ -102,17 +103,17 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
 
     async def beat() -> None:
         elapsed = max(time.monotonic() - started, 1e-9)
-        stats = {**last, "wait_frac": waited / elapsed, "wait_s": waited, "bytes_sent": publisher.bytes_sent}
-        await plane.beat(Heartbeat(role="trainer", worker_id=worker_id, policy=policy, version=version, stats=stats), "trainer")
+        stats = TrainerStats(wait_s=waited, wait_frac=waited / elapsed, bytes_sent=publisher.bytes_sent, step=last)
+        await plane.beat(Heartbeat(worker_id=worker_id, policy=policy, version=version, stats=stats))
 
     beats = asyncio.create_task(every(2.0, beat, stop))
-    sub = await plane.subscribe(plane.names.batch_stream, plane.names.trainer_consumer(policy))
-    keepalive_s = max(await plane.ack_wait(plane.names.batch_stream, plane.names.trainer_consumer(policy)) / 3, 0.2)
+    batches = plane.consumer(plane.names.batch_stream, plane.names.trainer_consumer(policy), Batch)
+    keepalive_s = max((await batches.settings()).ack_wait / 3, 0.2)
     log.info("trainer %s at v%d, training to v%d (%s backend, %s loss)", policy, version, cfg.steps, cfg.backend, cfg.loss)
     try:
         while version < cfg.steps and not stop.is_set():
             t0 = time.monotonic()
-            got = await plane.pull(sub, Batch, batch=1, timeout=1.0)
+            got = await batches.pull(batch=1, timeout=1.0)
             wait = time.monotonic() - t0
             waited += wait
             metrics.inc({"wait_seconds": wait})
@@ -130,8 +131,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                     step = await asyncio.to_thread(run_op, "step", d.msg)
                 except Exception as e:
                     log.exception("step on %s failed", d.msg.batch_id)
-                    await plane.reject(d.raw.subject, d.raw.data, f"training step failed: {e}")
-                    await d.term()
+                    await d.reject(f"training step failed: {e}")
                     continue
                 crash_point("after_step", version + 1)
                 version += 1
@@ -154,7 +154,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
             metrics.inc({"trained_tokens": step["tokens"], "trained_batches": 1})
             log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (%s)", version, d.msg.batch_id, step["loss"],
                      step["reward_mean"], 100 * last["wait_frac"], ann.encoding)
-        await plane.state_put(f"done.{policy}", version)
+        await plane.state.put(DoneRecord(policy=policy, version=version))
     finally:
         stop.set()
         await asyncio.gather(beats, return_exceptions=True)

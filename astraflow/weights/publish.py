@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import Any, Literal, Mapping
+from typing import Literal, Mapping
 
 import torch
 
-from astraflow.streams.codec import DecodeError, decode
-from astraflow.streams.messages import WeightVersion
-from astraflow.streams.objects import chunk_size_for, delete_object, object_stream, put_object, read_subject
+from astraflow.streams.messages import ObjectRef, WeightVersion
 from astraflow.streams.plane import Plane
+from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.delta import encode_delta, encode_keyframe, state_digest, to_bf16_state
 from astraflow.weights.retention import Key, execute_retention, key_of, plan_retention
 
@@ -36,15 +34,10 @@ log = logging.getLogger(__name__)
 Encoding = Literal["keyframe", "delta"]
 
 
-def keyframe_request_key(policy: str) -> str:
-    """Run-KV key a node or operator writes to ask for a keyframe of ``policy``."""
-    return f"keyframe_request.{policy}"
-
-
 async def request_keyframe(plane: Plane, policy: str, reason: str = "") -> None:
-    """Ask the trainer of ``policy`` to make its next version a keyframe (from any region)."""
-    # Plane.state_put writes through the plane's JetStream domain, so a node on a leaf reaches the hub's KV
-    await plane.state_put(keyframe_request_key(policy), {"by": plane.worker_id, "reason": reason[:500], "ts": time.time()})
+    """Ask the trainer of ``policy`` to make its next version a keyframe (from any region: the
+    run state is written through the plane's JetStream domain, so a node on a leaf reaches the hub)."""
+    await plane.state.put(KeyframeRequest(policy=policy, by=plane.worker_id, reason=reason[:500]))
 
 
 class WeightPublisher:
@@ -72,20 +65,13 @@ class WeightPublisher:
         self.history: dict[Key, WeightVersion] = {}  # announcements whose objects are stored, in publication order
         self._seeded = False  # history holds what earlier trainers of this run announced
         self.deleted = 0  # versions garbage-collected
-        self._kv: Any = None
         self._request_rev = 0  # KV revision of the last keyframe request served
         self._gc: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ decisions
     async def _keyframe_request_rev(self) -> int:
-        """Revision of the current keyframe request in the run KV (0 if none)."""
-        try:
-            if self._kv is None:
-                self._kv = await self.plane.js.key_value(self.plane.names.state_bucket)
-            entry = await self._kv.get(keyframe_request_key(self.policy))
-        except Exception:  # no bucket / no key / deleted key: no request
-            return 0
-        return int(entry.revision or 0) if entry.value else 0
+        """Revision of the current keyframe request in the run KV (0 if none; a failed read is an error)."""
+        return await self.plane.state.revision(KeyframeRequest, self.policy)
 
     def _encode(self, new: dict[str, torch.Tensor], version: int, force_keyframe: bool) -> tuple[Encoding, bytes, str]:
         """(encoding, payload, why) — the decision and its reason, for logs and metrics."""
@@ -119,9 +105,8 @@ class WeightPublisher:
             asyncio.to_thread(self._encode, new, version, force_keyframe or requested), asyncio.to_thread(state_digest, new))
         if requested and why == "forced" and not force_keyframe:
             why = "requested"
-        bucket = self.plane.names.object_bucket
         name = f"{self.policy}/v{version}-{digest[:12]}.{encoding}"
-        ref = await put_object(self.plane.js, bucket, name, payload, chunk_size_for(self.plane.max_payload))
+        ref = await self.plane.objects().put(name, payload)
         is_key = encoding == "keyframe"
         ann = WeightVersion(
             policy=self.policy, version=version, encoding=encoding,
@@ -143,7 +128,7 @@ class WeightPublisher:
         self.history.pop(key_of(ann), None)  # a re-announced state moves to the end: publication order
         self.history[key_of(ann)] = ann
         log.debug("weights %s v%d: %s (%s), %d bytes", self.policy, version, encoding, why, len(payload))
-        await self.plane.state_put(f"version.{self.policy}", version)
+        await self.plane.state.put(VersionRecord(policy=self.policy, version=version))
         if self._gc is None or self._gc.done():  # off the training path: a slow or unreachable mirror never stalls a step
             self._gc = asyncio.create_task(self._collect_logged())
         return ann
@@ -164,23 +149,18 @@ class WeightPublisher:
     async def _seed_history(self) -> None:
         """Adopt the announcements a previous trainer of this run left on the stream, so retention
         collects their objects too (a restarted or resumed trainer)."""
-        names = self.plane.names
         try:
-            msgs = await read_subject(self.plane.js, names.weights_stream, names.weights(self.policy))
+            anns = await self.plane.history(self.plane.names.weights(self.policy), WeightVersion)
         except Exception as e:  # retention of older objects is best effort; publishing is not
             log.warning("weights %s: could not read earlier announcements: %s", self.policy, e)
             return
-        for m in msgs:
-            try:
-                ann = decode(m.data, WeightVersion)
-            except DecodeError:
-                continue
+        for ann in anns:
             self.history.setdefault(key_of(ann), ann)
         self._seeded = True
 
-    async def _discard(self, ref: Any) -> None:
+    async def _discard(self, ref: ObjectRef) -> None:
         try:
-            await delete_object(self.plane.js, self.plane.names.object_bucket, ref)
+            await self.plane.objects().delete(ref)
         except Exception as e:  # the announcement never went out: nothing references the chunks
             log.warning("weights %s: could not purge unannounced %s: %s", self.policy, ref.name, e)
 
@@ -191,10 +171,8 @@ class WeightPublisher:
         plan = plan_retention(self.history.values(), self.keep_versions)
         if not plan.delete:
             return 0
-        bucket = self.plane.names.object_bucket
-        targets: list[tuple[Any, str | None]] = [(self.plane.js, None)]
-        targets += [(self.plane.nc.jetstream(domain=d, timeout=5.0), object_stream(bucket)) for d in self.mirror_domains]
-        gone = await execute_retention(plan, bucket, targets)
+        targets = [self.plane.objects(), *(self.plane.objects(domain=d) for d in self.mirror_domains)]
+        gone = await execute_retention(plan, targets)
         for ann in gone:
             self.history.pop(key_of(ann), None)
         self.deleted += len(gone)

@@ -22,10 +22,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from astraflow.streams.messages import WeightVersion
-from astraflow.streams.objects import ObjectError, delete_object
+from astraflow.streams.objects import ObjectError, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -88,22 +87,22 @@ def plan_retention(history: Iterable[WeightVersion], keep_last: int) -> Retentio
     return RetentionPlan(tuple(sorted(keep.values(), key=lambda a: order[key_of(a)])), tuple(delete), tuple(broken))
 
 
-async def execute_retention(plan: RetentionPlan, bucket: str, targets: Iterable[tuple[Any, str | None]]) -> list[WeightVersion]:
-    """Delete the objects of ``plan.delete`` from each ``(js, stream)`` target (``stream`` None:
-    the bucket's own; a region's ``js`` and mirror name for a mirror). Returns the announcements
-    whose objects are gone from every target; failures are logged and retried next time."""
+async def execute_retention(plan: RetentionPlan, targets: Iterable[ObjectStore]) -> list[WeightVersion]:
+    """Delete the objects of ``plan.delete`` from each target (the hub's bucket, each region's
+    mirror). Returns the announcements whose objects are gone from every target; failures are
+    logged and retried next time."""
     targets = list(targets)
     down: set[int] = set()  # targets that failed in this pass are not tried again until the next one
     done: list[WeightVersion] = []
     for ann in plan.delete:
         ok = True
-        for i, (js, stream) in enumerate(targets):
+        for i, store in enumerate(targets):
             if i in down:
                 ok = False
                 continue
             for ref in ann.objects:
                 try:
-                    await delete_object(js, bucket, ref, stream=stream)
+                    await store.delete(ref)
                 except ObjectError as e:
                     ok = False
                     down.add(i)

@@ -33,9 +33,8 @@ from typing import Any, Mapping, Protocol, cast
 
 import torch
 
-from astraflow.streams.codec import DecodeError, decode
 from astraflow.streams.messages import WeightVersion
-from astraflow.streams.objects import CorruptObject, Follower, MissingObject, ObjectError, get_object, object_stream, read_subject
+from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError
 from astraflow.streams.plane import Plane
 from astraflow.weights import delta as _delta
 from astraflow.weights.delta import DeltaError, apply_delta, decode_keyframe, state_digest
@@ -113,11 +112,11 @@ class WeightSync:
         self.plane = plane
         self.policy = policy
         self.engine = engine
-        self.bucket = plane.names.object_bucket
-        self.js = plane.nc.jetstream(domain=domain, timeout=10.0) if domain else plane.js
-        self.obj_stream = object_stream_name or object_stream(self.bucket)
+        self.domain = domain
+        self.subject = plane.names.weights(policy)
         self.ann_stream = weights_stream_name or plane.names.weights_stream
-        self.mirror_wait = (10.0 if domain else 0.0) if mirror_wait is None else mirror_wait
+        wait = (10.0 if domain else 0.0) if mirror_wait is None else mirror_wait
+        self.objects = plane.objects(domain=domain, stream=object_stream_name, wait_missing=wait)
         self.request_keyframes = request_keyframes
         self.image: dict[str, torch.Tensor] | None = None  # bf16 image of image_version
         self.image_version = -1
@@ -125,7 +124,7 @@ class WeightSync:
         self.stats: Counter[str] = Counter()
         self.last_error = ""
         self.known: dict[Key, WeightVersion] = {}
-        self._follower = Follower(self.js, self.ann_stream, plane.names.weights(policy))
+        self._follower = plane.follower(self.subject, WeightVersion, stream=self.ann_stream, domain=domain, on_bad=self._bad)
 
     @property
     def version(self) -> int:
@@ -134,7 +133,7 @@ class WeightSync:
     # ------------------------------------------------------------------ public
     async def refresh(self, wait: float = 0.05) -> bool:
         """Apply whatever was announced since the last call; True if the version changed."""
-        anns = self._decode(await self._follower.fetch(wait))
+        anns = await self._follower.fetch(wait)
         for a in anns:
             self.known[key_of(a)] = a
         if len(self.known) > 4 * KNOWN:  # keep the newest announcements: older chains come from the history
@@ -174,19 +173,13 @@ class WeightSync:
             log.warning("weights %s: keyframe request failed: %s", self.policy, e)
 
     # ------------------------------------------------------------------ planning
-    def _decode(self, msgs: list[Any]) -> list[WeightVersion]:
-        out = []
-        for m in msgs:
-            try:
-                out.append(decode(m.data, WeightVersion))
-            except DecodeError as e:
-                self.stats["rejected"] += 1
-                log.warning("weights %s: undecodable announcement on %s: %s", self.policy, m.subject, e)
-        return out
+    def _bad(self, subject: str, reason: str) -> None:
+        self.stats["rejected"] += 1
+        log.warning("weights %s: undecodable announcement on %s: %s", self.policy, subject, reason)
 
     async def _history(self) -> dict[Key, WeightVersion]:
-        msgs = await read_subject(self.js, self.ann_stream, self.plane.names.weights(self.policy))
-        history = {key_of(a): a for a in self._decode(msgs)}
+        anns = await self.plane.history(self.subject, WeightVersion, stream=self.ann_stream, domain=self.domain, on_bad=self._bad)
+        history = {key_of(a): a for a in anns}
         self.known.update(history)
         return history
 
@@ -250,7 +243,7 @@ class WeightSync:
         (ref,) = ann.objects
         for attempt in (1, 2):
             try:
-                return await get_object(self.js, self.bucket, ref, stream=self.obj_stream, wait_missing=self.mirror_wait)
+                return await self.objects.get(ref)
             except ObjectError as e:
                 self.stats["corrupt" if isinstance(e, CorruptObject) else "missing" if isinstance(e, MissingObject) else "object_errors"] += 1
                 if attempt == 2:

@@ -1,0 +1,249 @@
+"""Typed consuming: deliveries to settle, durable pull consumers, followers of one subject.
+
+Everything a role reads from a stream comes through here already decoded. A message that does
+not decode is never handed over: from a work stream it goes to the dead-letter stream with the
+reason and is terminated (:class:`Consumer`); from a history (announcements), it is counted,
+logged and skipped, and the messages after it are still read (:class:`Follower`,
+:func:`read_history`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar
+
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+
+from astraflow.streams.codec import DecodeError, decode
+from astraflow.streams.messages import Message
+
+if TYPE_CHECKING:
+    from astraflow.streams.plane import Plane
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+OnBad = Callable[[str, str], None]  # (subject, reason) of a message that did not decode
+
+
+def log_bad(subject: str, reason: str) -> None:
+    log.warning("undecodable message on %s skipped: %s", subject, reason[:300])
+
+
+@dataclass(frozen=True)
+class Lag:
+    """Consumer lag as the server reports it."""
+
+    pending: int  # not yet delivered
+    ack_pending: int  # delivered, not yet acked
+    redelivered: int
+
+
+@dataclass(frozen=True)
+class ConsumerSettings:
+    """A durable consumer's settings as the server has them (not our defaults)."""
+
+    ack_wait: float  # seconds before an unacked delivery is redelivered
+    max_deliver: int  # deliveries before the server gives up (-1: never)
+
+
+class Delivery(Generic[M]):
+    """A decoded message plus the handle to settle it. Every delivery is acked, nak'ed or termed on purpose."""
+
+    def __init__(self, msg: M, raw: Msg, plane: Plane) -> None:
+        self.msg = msg
+        self._raw = raw
+        self._plane = plane
+
+    @property
+    def num_delivered(self) -> int:
+        return int(self._raw.metadata.num_delivered or 1)
+
+    @property
+    def stream_seq(self) -> int:
+        """Sequence of the message in its stream (trajectories are read back by it)."""
+        return int(self._raw.metadata.sequence.stream)
+
+    @property
+    def subject(self) -> str:
+        return self._raw.subject
+
+    @property
+    def data(self) -> bytes:
+        """The original bytes, as published."""
+        return self._raw.data
+
+    async def ack(self) -> None:
+        await self._raw.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        await self._raw.nak(delay=delay)
+
+    async def in_progress(self) -> None:
+        await self._raw.in_progress()
+
+    async def term(self) -> None:
+        await self._raw.term()
+
+    async def reject(self, reason: str) -> None:
+        """Dead-letter it with ``reason`` (the original bytes kept), then terminate it: never redelivered."""
+        await self._plane.reject(self._raw.subject, self._raw.data, reason, self._raw.headers)
+        await self._raw.term()
+
+
+class Consumer(Generic[M]):
+    """A durable pull consumer, bound by name, that hands out typed deliveries."""
+
+    def __init__(self, plane: Plane, stream: str, durable: str, model: type[M]) -> None:
+        self._plane = plane
+        self.stream, self.durable, self.model = stream, durable, model
+        self._sub: JetStreamContext.PullSubscription | None = None
+
+    async def _bound(self) -> JetStreamContext.PullSubscription:
+        if self._sub is None:
+            self._sub = await self._plane._js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
+        return self._sub
+
+    async def pull(self, batch: int = 1, timeout: float = 1.0) -> list[Delivery[M]]:
+        """Fetch up to ``batch`` messages; an empty list on timeout. Bad ones go to the DLQ."""
+        sub = await self._bound()
+        try:
+            raws = await sub.fetch(batch=batch, timeout=timeout)
+        except (NatsTimeout, asyncio.TimeoutError):
+            return []
+        except NotFoundError:  # the server forgot the consumer (a restart without its store): make it again
+            self._sub = None
+            await self._plane.recreate_consumer(self.stream, self.durable)
+            return []
+        out: list[Delivery[M]] = []
+        for raw in raws:
+            try:
+                out.append(Delivery(decode(raw.data, self.model), raw, self._plane))
+            except DecodeError as e:
+                await self._plane.reject(raw.subject, raw.data, str(e), raw.headers)
+                await raw.term()
+        return out
+
+    async def lag(self) -> Lag:
+        return await self._plane.lag(self.stream, self.durable)
+
+    async def settings(self) -> ConsumerSettings:
+        return await self._plane.consumer_settings(self.stream, self.durable)
+
+
+class Follower(Generic[M]):
+    """An ephemeral pull consumer that follows one subject of a stream bound by name (mirrors
+    too); ``fetch`` returns what arrived since, decoded, oldest first. ``start``: ``last`` (the
+    newest message and what follows) or ``all`` (the stream's whole history of the subject).
+
+    The server drops an ephemeral consumer left idle for ``INACTIVE`` seconds (a node that died
+    leaves nothing behind); a follower idle for half of that (a long generation), or whose
+    consumer the server forgot (a restart), opens a fresh one from where it stopped.
+    """
+
+    INACTIVE = 300.0
+    BATCH = 64
+
+    def __init__(self, js: JetStreamContext, stream: str, subject: str, model: type[M], start: Literal["last", "all"] = "last",
+                 on_bad: OnBad = log_bad) -> None:
+        self._js, self.stream, self.subject, self.model = js, stream, subject, model
+        self._start, self._on_bad = start, on_bad
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._used = 0.0
+        self._next_seq = 0  # stream sequence to resume from after a re-open (0: use ``start``)
+        self.rejected = 0
+
+    def _config(self) -> api.ConsumerConfig:
+        if self._next_seq:
+            policy, seq = api.DeliverPolicy.BY_START_SEQUENCE, self._next_seq
+        else:
+            policy, seq = (api.DeliverPolicy.LAST if self._start == "last" else api.DeliverPolicy.ALL), None
+        return api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=policy, opt_start_seq=seq,
+                                  inactive_threshold=self.INACTIVE, mem_storage=True, num_replicas=1)
+
+    async def fetch(self, wait: float) -> list[M]:
+        if self._sub is not None and time.monotonic() - self._used > self.INACTIVE / 2:
+            await self.close()
+        if self._sub is None:
+            self._sub = await self._js.pull_subscribe(self.subject, stream=self.stream, config=self._config())
+        raws: list[Msg] = []
+        try:
+            while True:  # a fetch returns what is there at once (up to a full batch) or waits up to ``wait``
+                try:
+                    got = await self._sub.fetch(batch=self.BATCH, timeout=wait)
+                except (NatsTimeout, asyncio.TimeoutError):
+                    break
+                except NotFoundError:  # the consumer is gone (server restart): re-open from where we were
+                    await self.close()
+                    break
+                raws += got
+                if len(got) < self.BATCH:
+                    break
+        finally:
+            self._used = time.monotonic()
+        if raws:
+            self._next_seq = int(raws[-1].metadata.sequence.stream) + 1
+        return self._decode(raws)
+
+    def _decode(self, raws: list[Msg]) -> list[M]:
+        out = []
+        for m in raws:
+            try:
+                out.append(decode(m.data, self.model))
+            except DecodeError as e:
+                self.rejected += 1
+                self._on_bad(m.subject, str(e))
+        return out
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # the connection or consumer may be gone already
+                pass
+            self._sub = None
+
+
+async def read_history(js: JetStreamContext, stream: str, subject: str, model: type[M], last_only: bool = False,
+                       timeout: float = 5.0, on_bad: OnBad = log_bad) -> list[M]:
+    """Every message (or only the last) ``stream`` holds on ``subject``, decoded, oldest first.
+    Binds the stream by name, so it reads mirrors too; returns at once when there is nothing."""
+    cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, mem_storage=True, num_replicas=1, inactive_threshold=30.0,
+                             deliver_policy=api.DeliverPolicy.LAST if last_only else api.DeliverPolicy.ALL)
+    sub = await js.pull_subscribe(subject, stream=stream, config=cfg)
+    try:
+        pending = (await sub.consumer_info()).num_pending or 0
+        raws: list[Msg] = []
+        while len(raws) < pending:
+            try:
+                raws += await sub.fetch(batch=min(256, pending - len(raws)), timeout=timeout)
+            except (NatsTimeout, asyncio.TimeoutError):
+                break  # trimmed meanwhile
+    finally:
+        await sub.unsubscribe()
+    out = []
+    for m in raws:
+        try:
+            out.append(decode(m.data, model))
+        except DecodeError as e:
+            on_bad(m.subject, str(e))
+    return out
+
+
+class Subscription:
+    """A running subscription (push consumer or core NATS); ``stop`` ends it."""
+
+    def __init__(self, stop: Callable[[], Awaitable[None]]) -> None:
+        self._stop = stop
+
+    async def stop(self) -> None:
+        try:
+            await self._stop()
+        except Exception:  # the connection may be gone already
+            pass

@@ -1,0 +1,86 @@
+"""The dataflow's durable state: one record (KV key ``dataflow``) that a restarted dataflow resumes from.
+
+Written by the dataflow before every publication it must be able to repeat (tasks, batches) and
+before every ack it explains; read by its successor and by ``astraflow status``
+(``accounting``). Everything is plain data: ids, counters, stream sequences, plug-in state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from astraflow.streams.messages import Task
+from astraflow.streams.state import Record
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BatchPlan(_Frozen):
+    """A batch written ahead of its publication; rebuilt from the TRAJ stream after a crash."""
+
+    batch_id: str
+    tasks: list[str]  # groups taken fresh from the buffer (their fate becomes "batched", then "trained")
+    groups: list[str]  # every group in the batch, replayed ones included, in batch order
+    seqs: list[int]  # TRAJ stream sequence of every trajectory, in batch order
+    advantages: list[float]  # one per trajectory, aligned with ``seqs``
+    created_at: float
+
+
+class LedgerState(_Frozen):
+    issued: int = 0
+    received: int = 0
+    skipped: dict[str, int] = {}
+    fates: dict[str, int] = {}
+    late: dict[str, int] = {}
+    replayed: int = 0
+
+
+class IdSetState(_Frozen):
+    ranges: list[tuple[int, int]] = []  # inclusive ranges of our own task numbers (``t%08d``)
+    other: list[str] = []  # foreign-looking ids
+
+
+class LaneState(_Frozen):
+    """One policy lane (see ``dataflow/lane.py`` for what each part means)."""
+
+    batch_seq: int = 0
+    ledger: LedgerState = LedgerState()
+    pipeline: dict[str, Any] = {}  # plug-in name -> its own JSON-able state
+    kept: dict[str, float] = {}  # buffered task -> advantage weight
+    closed: IdSetState = IdSetState()
+    plans: dict[str, BatchPlan] = {}
+    awaiting: dict[str, list[str]] = {}  # published batch -> its fresh tasks
+    recent: dict[str, list[int]] = {}  # recently batched task -> TRAJ stream sequences (replay)
+    history: list[list[float]] = []  # per batch: [seq, groups received, tasks issued, max lag, mean lag]
+
+
+class Accounting(_Frozen):
+    """Where every task of one lane is; ``adds_up`` says whether the parts sum to ``total``."""
+
+    basis: Literal["issued", "received"]  # the primary lane counts tasks issued, the others groups received
+    total: int
+    in_flight: int = 0
+    buffered: int = 0
+    awaiting: int = 0
+    fates: dict[str, int] = {}
+    late: dict[str, int] = {}
+    skipped: dict[str, int] = {}
+    replayed: int = 0
+    adds_up: bool
+
+
+class DataflowState(Record):
+    family: ClassVar[str] = "dataflow"
+    task_seq: int = Field(0, ge=0)  # the last task number issued (``t%08d``)
+    cursor: int = Field(0, ge=0)  # position in the prompt order
+    open: dict[str, float | None] = {}  # issued, group not complete: task -> deadline
+    deadlines: dict[str, float] = {}  # recent tasks' deadlines
+    issuing: list[Task] = []  # tasks written ahead of their publication
+    lanes: dict[str, LaneState] = {}
+    accounting: dict[str, Accounting] = {}
+    pool: str = "raas"
+    mode: Literal["async", "sync"] = "async"

@@ -1,0 +1,61 @@
+"""The house rules, checked on the source: ``streams/`` is the only door to NATS, and the packages
+keep their dependency direction (``docs/architecture.md``, "Dependency direction")."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "astraflow"
+NATS_HANDLES = {"_nc", "_js", "_jsm", "_raw", "_sub", "nc", "js", "jsm", "raw"}  # what a Plane or Delivery wraps
+
+
+def modules(under: str = "") -> list[Path]:
+    return sorted(p for p in (PKG / under).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(PKG.parent))
+
+
+@pytest.mark.parametrize("path", [p for p in modules() if "streams" not in p.relative_to(PKG).parts[:1]], ids=rel)
+def test_only_streams_touches_nats(path: Path):
+    nats = sorted(m for m in imports(path) if m == "nats" or m.startswith("nats."))
+    assert not nats, f"{rel(path)} imports {nats}: go through astraflow.streams (Plane, Delivery, RunState, ObjectStore)"
+    handles = sorted({f"{ast.unparse(n.value)}.{n.attr}" for n in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(n, ast.Attribute) and n.attr in NATS_HANDLES})
+    assert not handles, f"{rel(path)} reaches through the plane to NATS objects: {handles}"
+
+
+ROLE_PACKAGES = ("dataflow", "rollout", "train")
+
+
+@pytest.mark.parametrize("package", ROLE_PACKAGES)
+def test_roles_never_import_each_other(package: str):
+    others = [f"astraflow.{p}" for p in ROLE_PACKAGES if p != package]
+    for path in modules(package):
+        bad = sorted(m for m in imports(path) if any(m == o or m.startswith(o + ".") for o in others))
+        assert not bad, f"{rel(path)} imports {bad}: roles meet only on the plane"
+
+
+@pytest.mark.parametrize("path", modules("algorithms") + [PKG / "weights" / "delta.py"], ids=rel)
+def test_pure_parts_import_nothing_with_io(path: Path):
+    ours = sorted(m for m in imports(path) if m.startswith("astraflow.") and not m.startswith("astraflow.algorithms"))
+    assert not ours, f"{rel(path)} is pure but imports {ours}"
+
+
+def test_config_does_not_pull_in_a_role():
+    bad = sorted(m for m in imports(PKG / "config.py") if m.startswith(tuple(f"astraflow.{p}" for p in ROLE_PACKAGES)))
+    assert not bad, f"config.py imports {bad}: every role would import that package"
