@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 SCHEMA_VERSION = 1
 
 
-def _packer(dtype: str):
+def _packer(dtype: str) -> BeforeValidator:
     def pack(value: Any) -> bytes:
         if isinstance(value, (bytes, bytearray, memoryview)):
             raw = bytes(value)

@@ -178,17 +178,14 @@ class Plane:
     async def ensure_topology(self, topo: Topology) -> None:
         n, dedup, r = self.names, topo.dedup_window, topo.replicas
         file, limits, work = api.StorageType.FILE, api.RetentionPolicy.LIMITS, api.RetentionPolicy.WORK_QUEUE
-        streams = (
-            (n.task_stream, "task", work, {}),
-            (n.traj_stream, "traj", limits, {"max_age": topo.traj_max_age}),
-            (n.batch_stream, "batch", work, {}),
-            (n.weights_stream, "weights", limits, {"max_msgs_per_subject": topo.weights_history}),
-            (n.dlq_stream, "dlq", limits, {"max_age": topo.traj_max_age}),
-        )
-        for name, family, retention, extra in streams:
-            dup = {} if family == "dlq" else {"duplicate_window": dedup}
-            await self._stream(api.StreamConfig(name=name, subjects=[n.all(family)], retention=retention, storage=file,
-                                                num_replicas=r, **dup, **extra))
+        def stream(family: str, retention: api.RetentionPolicy, dedup: float = dedup, max_age: float | None = None,
+                   per_subject: int = -1) -> api.StreamConfig:
+            return api.StreamConfig(name=n.stream(family), subjects=[n.all(family)], retention=retention, storage=file,
+                                    num_replicas=r, duplicate_window=dedup, max_age=max_age, max_msgs_per_subject=per_subject)
+
+        for cfg in (stream("task", work), stream("traj", limits, max_age=topo.traj_max_age), stream("batch", work),
+                    stream("weights", limits, per_subject=topo.weights_history), stream("dlq", limits, 0, max_age=topo.traj_max_age)):
+            await self._stream(cfg)
         explicit = api.AckPolicy.EXPLICIT
         for pool in topo.pools:
             await self._consumer(n.task_stream, api.ConsumerConfig(
@@ -293,9 +290,7 @@ class Plane:
         return Subscription(sub.unsubscribe)
 
     def _stream_of(self, subject: str) -> str:
-        family = subject.split(".")[2]
-        return {"task": self.names.task_stream, "traj": self.names.traj_stream, "batch": self.names.batch_stream,
-                "weights": self.names.weights_stream, "dlq": self.names.dlq_stream}[family]
+        return self.names.stream(subject.split(".")[2])
 
     # ---------------------------------------------------------------- objects
     def objects(self, domain: str | None = None, stream: str | None = None, wait_missing: float = 0.0) -> ObjectStore:

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+FAMILIES = ("task", "traj", "batch", "weights", "dlq")  # subject families that have a stream
 
 
 def check_token(kind: str, value: str) -> str:
@@ -48,6 +49,12 @@ class Names:
         return f"af.{self.run}.{family}.>"
 
     # streams
+    def stream(self, family: str) -> str:
+        """The stream of a subject family: ``task``, ``traj``, ``batch``, ``weights`` or ``dlq``."""
+        if family not in FAMILIES:
+            raise ValueError(f"no stream for subject family {family!r}; families: {FAMILIES}")
+        return f"AF_{self.run}_{family.upper()}"
+
     @property
     def task_stream(self) -> str:
         return f"AF_{self.run}_TASK"
