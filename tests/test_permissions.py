@@ -1,93 +1,207 @@
-"""jetstream/accounts.conf: each role can do its job and nothing the design forbids."""
+"""Per-role permissions on a real nats-server: every role does its job and nothing more.
+
+The run-scoped table is what ``astraflow up`` gives its embedded server; the shipped
+``jetstream/accounts.conf`` is the same table for any run. The expectations below are written
+out by hand (who may touch what), not derived from ``permissions.py``, so a loosened rule fails.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import socket
-import subprocess
+import uuid
 from pathlib import Path
 
+import nats
 import numpy as np
 import pytest
 
-from astraflow.streams.codec import encode
+from astraflow.streams.credentials import issue, server_users
 from astraflow.streams.messages import Task, Trajectory
+from astraflow.streams.permissions import Scope, inbox_prefix, render_accounts, shipped_accounts_conf
 from astraflow.streams.plane import NatsOptions, Plane, Topology
-from astraflow.streams.state import VersionRecord
-from astraflow.streams.server import nats_server_binary
+from astraflow.streams.server import EmbeddedServer, adapt_config
+from astraflow.streams.state import EvalRecord, KeyframeRequest, VersionRecord
 
 ROOT = Path(__file__).resolve().parent.parent
-PASSWORDS = {"admin": "pw-a", "rollout": "pw-r", "trainer": "pw-t", "dataflow": "pw-d"}
+RUN, POLICIES = "sec" + uuid.uuid4().hex[:6], ("solver", "verifier")
+USERS = ("admin", "dataflow", "trainer-solver", "trainer-verifier", "rollout", "evaluator", "observer")
 
 
 @pytest.fixture(scope="module")
-def secured_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("acct")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    conf = (ROOT / "jetstream" / "accounts.conf").read_text()
-    conf = re.sub(r"listen: 127.0.0.1:\d+", f"listen: 127.0.0.1:{port}", conf).replace('"./nats-store"', f'"{tmp}"')
-    path = tmp / "accounts.conf"
-    path.write_text(conf)
-    env = {**os.environ, **{f"ASTRA_{k.upper()}_PASSWORD": v for k, v in PASSWORDS.items()}}
-    proc = subprocess.Popen([nats_server_binary(), "-c", str(path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            import time
-
-            time.sleep(0.05)
-    yield f"nats://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(10)
+def secured(tmp_path_factory):
+    """An embedded server with the run's generated credentials and permissions (as ``up`` starts it)."""
+    tmp = tmp_path_factory.mktemp("sec")
+    creds = issue(tmp / "credentials", RUN, POLICIES)
+    server = EmbeddedServer(tmp, render_accounts(server_users(creds, POLICIES), Scope(RUN, POLICIES, ("raas",)))).start()
+    yield server, creds
+    server.stop()
 
 
-async def as_role(url: str, role: str, run: str) -> Plane:
-    return await Plane.connect(NatsOptions(url=url, user=role, password=PASSWORDS[role]), run, role)
+async def as_user(secured, user: str) -> Plane:
+    server, creds = secured
+    return await Plane.connect(NatsOptions(url=server.url, user=user, password=creds[user].password), RUN, user)
 
 
-async def refused(plane: Plane, subject: str, payload: bytes) -> bool:
-    try:
-        await plane._js.publish(subject, payload, timeout=1.0)
-    except Exception:  # the server answers a permissions violation: no ack ever comes
-        return True
-    return False
+class Probe:
+    """A raw connection as ``user`` that records the server's permission violations."""
+
+    def __init__(self, url: str, user: str, password: str) -> None:
+        self.url, self.user, self.password = url, user, password
+        self.errors: list[str] = []
+
+    async def __aenter__(self) -> "Probe":
+        async def on_error(e: Exception) -> None:
+            self.errors.append(str(e))
+
+        self.nc = await nats.connect(self.url, user=self.user, password=self.password, inbox_prefix=inbox_prefix(self.user),
+                                     error_cb=on_error, max_reconnect_attempts=0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+
+    async def denied(self, op: str, subject: str) -> bool:
+        before = len(self.errors)
+        if op == "pub":
+            await self.nc.publish(subject, b"probe")
+        else:
+            sub = await self.nc.subscribe(subject)
+        await self.nc.flush(timeout=5)
+        await asyncio.sleep(0.05)  # the -ERR comes before the PONG; give the callback a turn
+        if op == "sub":
+            await sub.unsubscribe()
+        return any(subject.lower() in e.lower() for e in self.errors[before:])  # nats-py lowercases -ERR texts
 
 
-async def test_roles_do_their_job_and_nothing_more(secured_server):
-    run, topo = "secure1", Topology(policies=("solver",))
-    dataflow = await as_role(secured_server, "dataflow", run)
-    await dataflow.ensure_topology(topo)  # the dataflow may create the run's streams
+R = RUN
+API = "$JS.API"
+# operation -> the users allowed to do it (everything else must be refused)
+EXPECT: dict[tuple[str, str], set[str]] = {
+    ("pub", f"af.{R}.task.single_turn"): {"admin", "dataflow"},
+    ("pub", f"af.{R}.traj.solver"): {"admin", "rollout"},
+    ("pub", f"af.{R}.batch.solver"): {"admin", "dataflow"},
+    ("pub", f"af.{R}.weights.solver"): {"admin", "trainer-solver"},
+    ("pub", f"af.{R}.weights.verifier"): {"admin", "trainer-verifier"},
+    ("pub", f"af.{R}.dlq.batch"): {"admin", "trainer-solver", "trainer-verifier"},
+    ("pub", f"af.{R}.dlq.task"): {"admin", "rollout"},
+    ("pub", f"af.{R}.dlq.traj"): {"admin", "dataflow"},
+    ("pub", f"af.{R}.hb.trainer.x"): {"admin", "trainer-solver", "trainer-verifier"},
+    ("pub", f"af.{R}.hb.dataflow.x"): {"admin", "dataflow"},
+    ("pub", f"$KV.af_{R}_state.version.solver"): {"admin", "trainer-solver"},
+    ("pub", f"$KV.af_{R}_state.done.verifier"): {"admin", "trainer-verifier"},
+    ("pub", f"$KV.af_{R}_state.dataflow"): {"admin", "dataflow"},
+    ("pub", f"$KV.af_{R}_state.eval.solver.3"): {"admin", "evaluator"},
+    ("pub", f"$KV.af_{R}_state.keyframe_request.solver"): {"admin", "rollout", "evaluator"},
+    ("pub", f"$KV.af_{R}_fates.fate.solver.t1"): {"admin", "dataflow"},
+    ("pub", f"$O.af_{R}_weights.C.abc"): {"admin", "trainer-solver", "trainer-verifier"},
+    # the trainers' and the pool's durable consumers: only their own role pulls, acks or inspects them
+    ("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{R}_BATCH.trainer-solver"): {"admin", "trainer-solver"},
+    ("pub", f"$JS.ACK.AF_{R}_BATCH.trainer-solver.1.1.1.1.1"): {"admin", "trainer-solver"},
+    ("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{R}_TASK.raas"): {"admin", "rollout"},
+    ("pub", f"$JS.ACK.AF_{R}_TASK.raas.1.1.1.1.1"): {"admin", "rollout"},
+    ("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{R}_TRAJ.dataflow"): {"admin", "dataflow"},
+    # nobody but admin deletes consumers or streams; only the dataflow makes durables
+    ("pub", f"{API}.CONSUMER.DELETE.AF_{R}_BATCH.trainer-solver"): {"admin"},
+    ("pub", f"{API}.CONSUMER.DELETE.AF_{R}_TASK.raas"): {"admin"},
+    ("pub", f"{API}.CONSUMER.DELETE.AF_{R}_TRAJ.dataflow"): {"admin"},
+    ("pub", f"{API}.STREAM.DELETE.AF_{R}_TASK"): {"admin"},
+    ("pub", f"{API}.STREAM.PURGE.AF_{R}_BATCH"): {"admin"},
+    ("pub", f"{API}.STREAM.PURGE.OBJ_af_{R}_weights"): {"admin", "trainer-solver", "trainer-verifier"},
+    ("pub", f"{API}.CONSUMER.CREATE.AF_{R}_BATCH.evil"): {"admin", "dataflow"},
+    ("pub", f"{API}.CONSUMER.DURABLE.CREATE.AF_{R}_TASK.evil"): {"admin", "dataflow"},
+    ("pub", f"{API}.CONSUMER.CREATE.AF_{R}_BATCH"): {"admin"},  # an ephemeral over the trainers' work queue
+    ("pub", f"{API}.STREAM.CREATE.AF_{R}_TASK"): {"admin", "dataflow"},
+    # reads
+    ("pub", f"{API}.CONSUMER.CREATE.AF_{R}_WEIGHTS"): set(USERS) - {"observer"} | {"observer"},
+    ("pub", f"{API}.STREAM.MSG.GET.AF_{R}_TRAJ"): {"admin", "dataflow", "trainer-solver", "trainer-verifier"},
+    ("sub", f"af.{R}.hb.>"): {"admin", "dataflow", "observer"},
+    ("sub", f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.AF_{R}_TASK.raas"): {"admin", "dataflow"},
+    ("sub", "_INBOX_dataflow.x"): {"admin", "dataflow"},
+    ("sub", "_INBOX.x"): {"admin"},
+}
+
+
+async def test_every_role_is_refused_what_it_must_not_touch(secured):
+    server, creds = secured
+    wrong: list[str] = []
+    for user in USERS:
+        async with Probe(server.url, user, creds[user].password) as probe:
+            for (op, subject), allowed in EXPECT.items():
+                denied = await probe.denied(op, subject)
+                if denied == (user in allowed):
+                    wrong.append(f"{user} {op} {subject}: {'refused' if denied else 'allowed'}, expected the opposite")
+    assert not wrong, "\n".join(wrong)
+
+
+async def test_no_credentials_no_access(secured):
+    server, _ = secured
+    with pytest.raises(Exception):  # noqa: B017 - the server closes the connection: authorization violation
+        await nats.connect(server.url, allow_reconnect=False, connect_timeout=2)
+    with pytest.raises(Exception):  # noqa: B017
+        await nats.connect(server.url, user="rollout", password="guess", allow_reconnect=False, connect_timeout=2)
+    with pytest.raises(PermissionError, match="refused rollout: authorization violation"):  # a role fails at once, and says why
+        await Plane.connect(NatsOptions(url=server.url, user="rollout", password="guess"), RUN, "rollout")
+
+
+async def test_roles_do_their_job(secured):
+    topo = Topology(policies=POLICIES)
+    admin = await as_user(secured, "admin")
+    await admin.ensure_topology(topo)
+    dataflow = await as_user(secured, "dataflow")
+    await dataflow.ensure_topology(topo)  # everything exists: read-only
     task = Task(task_id="t1", workflow="math", policy="solver", prompt_id="p", prompt="1+1", group_size=1)
     await dataflow.publish(dataflow.names.task("math"), task, "t1")
-    await dataflow.state.put(VersionRecord(policy="solver", version=0))
 
-    rollout = await as_role(secured_server, "rollout", run)
-    await rollout.ensure_topology(topo)  # read-only: everything exists already
-    sub = rollout.consumer(rollout.names.task_stream, "raas", Task)
-    (d,) = await sub.pull(timeout=2)
+    trainer = await as_user(secured, "trainer-solver")
+    await trainer.ensure_topology(topo)
+    await trainer.state.put(VersionRecord(policy="solver", version=0))
+    ref = await trainer.objects().put("solver/v0", b"weights" * 1000)
+
+    rollout = await as_user(secured, "rollout")
+    await rollout.ensure_topology(topo)
+    (d,) = await rollout.consumer(rollout.names.task_stream, "raas", Task).pull(timeout=2)
     traj = Trajectory(traj_id="t1.solver.0", task_id="t1", prompt_id="p", policy="solver", index=0, group_size=1,
                       prompt_ids=np.arange(3), completion_ids=np.arange(2), logprobs=np.zeros(2), versions=np.zeros(2),
                       loss_mask=np.ones(2), reward=1.0)
     await rollout.publish(rollout.names.traj("solver"), traj, traj.traj_id)
     await d.ack()
-    assert (await rollout.state.get(VersionRecord, "solver")).version == 0  # may read the run state
-    assert await refused(rollout, rollout.names.weights("solver"), b"x")
-    assert await refused(rollout, rollout.names.task("math"), encode(task))
-    assert await refused(rollout, rollout.names.batch("solver"), b"x")
+    assert (await rollout.state.get(VersionRecord, "solver")).version == 0
+    assert bytes(await rollout.objects().get(ref)) == b"weights" * 1000  # an ordered consumer on the object stream
+    await rollout.state.put(KeyframeRequest(policy="solver", by="rollout", reason="probe"))
+    assert await rollout.history(rollout.names.weights("solver"), Trajectory) == []
 
-    trainer = await as_role(secured_server, "trainer", run)
-    assert await refused(trainer, trainer.names.task("math"), encode(task))
-    assert await refused(trainer, trainer.names.traj("solver"), encode(traj))
-    assert not await refused(trainer, trainer.names.weights("solver"), b"announcement")
-    assert await refused(dataflow, dataflow.names.weights("solver"), b"x")
-
-    assert await dataflow.stream_msgs(dataflow.names.traj_stream) == 1
-    for p in (dataflow, rollout, trainer):
+    evaluator = await as_user(secured, "evaluator")
+    await evaluator.state.put(EvalRecord(policy="solver", version=0, reward=0.5))
+    (got,) = await dataflow.consumer(dataflow.names.traj_stream, "dataflow", Trajectory).pull(timeout=2)
+    assert await dataflow.get(dataflow.names.traj_stream, got.stream_seq, Trajectory) == traj
+    await got.ack()
+    observer = await as_user(secured, "observer")
+    assert (await observer.lag(observer.names.task_stream, "raas")).pending == 0
+    assert (await observer.state.get(EvalRecord, "solver", 0)).reward == 0.5
+    for p in (admin, dataflow, trainer, rollout, evaluator, observer):
         await p.close()
-    await asyncio.sleep(0)
+
+
+def test_shipped_accounts_conf_is_current():
+    assert (ROOT / "jetstream" / "accounts.conf").read_text() == shipped_accounts_conf(), \
+        "regenerate it: python -m astraflow.streams.permissions"
+
+
+async def test_shipped_accounts_conf_runs_a_pool_and_keeps_rollout_off_the_trainer(tmp_path, monkeypatch):
+    users = ("admin", "dataflow", "trainer-solver", "trainer-verifier", "rollout", "evaluator", "observer")
+    for u in users:  # the server reads the passwords from its environment
+        monkeypatch.setenv(f"ASTRA_{u.upper().replace('-', '_')}_PASSWORD", f"pw-{u}")
+    conf = adapt_config((ROOT / "jetstream" / "accounts.conf").read_text(), tmp_path / "store", {4222: -1})
+    server = EmbeddedServer(tmp_path, config_text=conf).start()
+    try:
+        run = "shipped1"
+        dataflow = await Plane.connect(NatsOptions(url=server.url, user="dataflow", password="pw-dataflow"), run, "dataflow")
+        await dataflow.ensure_topology(Topology(policies=("solver",)))
+        async with Probe(server.url, "rollout", "pw-rollout") as probe:
+            for subject in (f"{API}.CONSUMER.MSG.NEXT.AF_{run}_BATCH.trainer-solver", f"{API}.CONSUMER.DELETE.AF_{run}_BATCH.trainer-solver",
+                            f"$JS.ACK.AF_{run}_BATCH.trainer-solver.1.1.1.1.1", f"af.{run}.batch.solver", f"af.{run}.weights.solver"):
+                assert await probe.denied("pub", subject), subject
+            assert not await probe.denied("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{run}_TASK.raas")
+        await dataflow.close()
+    finally:
+        server.stop()

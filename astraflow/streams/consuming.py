@@ -10,8 +10,8 @@ logged and skipped, and the messages after it are still read (:class:`Follower`,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
@@ -138,57 +138,40 @@ class Consumer(Generic[M]):
 
 
 class Follower(Generic[M]):
-    """An ephemeral pull consumer that follows one subject of a stream bound by name (mirrors
-    too); ``fetch`` returns what arrived since, decoded, oldest first. ``start``: ``last`` (the
-    newest message and what follows) or ``all`` (the stream's whole history of the subject).
+    """Follows one subject of a stream bound by name (mirrors too) through an ordered push
+    consumer; ``fetch`` returns what arrived since the last call, decoded, oldest first.
+    ``start``: ``last`` (the newest message and what follows) or ``all`` (the whole history).
 
-    The server drops an ephemeral consumer left idle for ``INACTIVE`` seconds (a node that died
-    leaves nothing behind); a follower idle for half of that (a long generation), or whose
-    consumer the server forgot (a restart), opens a fresh one from where it stopped.
+    An ordered consumer is ephemeral and flow-controlled: the server pushes into this
+    process's own inbox (no pull request per window, no permission to pull anyone's durable),
+    and the client remakes it from the next sequence when a heartbeat or a sequence is missed
+    (a server restart, a lost message), so the follower never waits on a consumer that is gone.
     """
-
-    INACTIVE = 300.0
-    BATCH = 64
 
     def __init__(self, js: JetStreamContext, stream: str, subject: str, model: type[M], start: Literal["last", "all"] = "last",
                  on_bad: OnBad = log_bad) -> None:
         self._js, self.stream, self.subject, self.model = js, stream, subject, model
         self._start, self._on_bad = start, on_bad
-        self._sub: JetStreamContext.PullSubscription | None = None
-        self._used = 0.0
-        self._next_seq = 0  # stream sequence to resume from after a re-open (0: use ``start``)
+        self._sub: JetStreamContext.PushSubscription | None = None
+        self._got: list[Msg] = []
+        self._arrived = asyncio.Event()
         self.rejected = 0
 
-    def _config(self) -> api.ConsumerConfig:
-        if self._next_seq:
-            policy, seq = api.DeliverPolicy.BY_START_SEQUENCE, self._next_seq
-        else:
-            policy, seq = (api.DeliverPolicy.LAST if self._start == "last" else api.DeliverPolicy.ALL), None
-        return api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=policy, opt_start_seq=seq,
-                                  inactive_threshold=self.INACTIVE, mem_storage=True, num_replicas=1)
+    async def _on_msg(self, msg: Msg) -> None:
+        self._got.append(msg)
+        self._arrived.set()
 
     async def fetch(self, wait: float) -> list[M]:
-        if self._sub is not None and time.monotonic() - self._used > self.INACTIVE / 2:
-            await self.close()
+        """What arrived since the last call; waits up to ``wait`` seconds when nothing has."""
         if self._sub is None:
-            self._sub = await self._js.pull_subscribe(self.subject, stream=self.stream, config=self._config())
-        raws: list[Msg] = []
-        try:
-            while True:  # a fetch returns what is there at once (up to a full batch) or waits up to ``wait``
-                try:
-                    got = await self._sub.fetch(batch=self.BATCH, timeout=wait)
-                except (NatsTimeout, asyncio.TimeoutError):
-                    break
-                except NotFoundError:  # the consumer is gone (server restart): re-open from where we were
-                    await self.close()
-                    break
-                raws += got
-                if len(got) < self.BATCH:
-                    break
-        finally:
-            self._used = time.monotonic()
-        if raws:
-            self._next_seq = int(raws[-1].metadata.sequence.stream) + 1
+            deliver = api.DeliverPolicy.LAST if self._start == "last" else api.DeliverPolicy.ALL
+            self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, deliver_policy=deliver,
+                                                 cb=self._on_msg, idle_heartbeat=2.0)
+        if not self._got:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), wait)
+        raws, self._got = self._got, []
+        self._arrived.clear()
         return self._decode(raws)
 
     def _decode(self, raws: list[Msg]) -> list[M]:
@@ -205,7 +188,7 @@ class Follower(Generic[M]):
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
-            except Exception:  # the connection or consumer may be gone already
+            except Exception:  # the connection may be gone already
                 pass
             self._sub = None
 
@@ -213,18 +196,25 @@ class Follower(Generic[M]):
 async def read_history(js: JetStreamContext, stream: str, subject: str, model: type[M], last_only: bool = False,
                        timeout: float = 5.0, on_bad: OnBad = log_bad) -> list[M]:
     """Every message (or only the last) ``stream`` holds on ``subject``, decoded, oldest first.
-    Binds the stream by name, so it reads mirrors too; returns at once when there is nothing."""
-    cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, mem_storage=True, num_replicas=1, inactive_threshold=30.0,
-                             deliver_policy=api.DeliverPolicy.LAST if last_only else api.DeliverPolicy.ALL)
-    sub = await js.pull_subscribe(subject, stream=stream, config=cfg)
+    Binds the stream by name, so it reads mirrors too; returns at once when there is nothing.
+    Reads through an ordered push consumer until the server says nothing is pending."""
+    subjects = (await js.stream_info(stream, subjects_filter=subject)).state.subjects or {}
+    if not sum(subjects.values()):
+        return []
+    raws: list[Msg] = []
+    done = asyncio.Event()
+
+    async def on_msg(msg: Msg) -> None:
+        raws.append(msg)
+        if msg.metadata.num_pending == 0 or last_only:
+            done.set()
+
+    deliver = api.DeliverPolicy.LAST if last_only else api.DeliverPolicy.ALL
+    sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, deliver_policy=deliver, cb=on_msg)
     try:
-        pending = (await sub.consumer_info()).num_pending or 0
-        raws: list[Msg] = []
-        while len(raws) < pending:
-            try:
-                raws += await sub.fetch(batch=min(256, pending - len(raws)), timeout=timeout)
-            except (NatsTimeout, asyncio.TimeoutError):
-                break  # trimmed meanwhile
+        await asyncio.wait_for(done.wait(), timeout)
+    except asyncio.TimeoutError:  # trimmed meanwhile: what came is all there is
+        pass
     finally:
         await sub.unsubscribe()
     out = []

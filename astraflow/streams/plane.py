@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import Client
@@ -27,9 +30,11 @@ from astraflow.streams.codec import DecodeError, decode, encode
 from astraflow.streams.consuming import (
     Consumer, ConsumerSettings, Delivery, Follower, Lag, OnBad, Subscription, log_bad, read_history,
 )
+from astraflow.streams.credentials import Credential, redact
 from astraflow.streams.kv import RunState
 from astraflow.streams.messages import Heartbeat, Message, Rejected
 from astraflow.streams.objects import ObjectStore, object_stream
+from astraflow.streams.permissions import inbox_prefix
 from astraflow.streams.subjects import Names
 
 log = logging.getLogger(__name__)
@@ -38,29 +43,53 @@ __all__ = ["Consumer", "ConsumerSettings", "Delivery", "Follower", "Lag", "NatsO
 
 
 class NatsOptions(BaseModel):
-    """How to reach the server: an URL (or several, comma-separated) plus optional auth and TLS."""
+    """How to reach the server: an URL (or several, comma-separated) plus optional auth and TLS.
+
+    ``credential``: a file written by ``astraflow up`` (user, password, run, URL, CA) — the way
+    to join a run without a secret on the command line. A ``user`` without a ``password`` takes
+    it from ``$NATS_PASSWORD``. Authenticated clients use their own inbox prefix
+    (``_INBOX_{user}``), the only reply subjects the per-role permissions let them read.
+    """
 
     model_config = ConfigDict(extra="forbid")
     url: str = "nats://127.0.0.1:4222"
     user: str | None = None
     password: str | None = None
+    credential: str | None = None  # path of an astraflow credential file (``RUN_DIR/credentials/ROLE.json``)
     creds: str | None = None  # path of a .creds file (JWT + nkey)
     nkey_seed: str | None = None  # path of an nkey seed file
     tls_ca: str | None = None
+    tls_ca_pem: str | None = None  # the CA itself (from a credential file)
     tls_cert: str | None = None
     tls_key: str | None = None
     domain: str | None = None  # JetStream domain (a leafnode region reads its own mirror)
 
+    @classmethod
+    def from_credential(cls, path: str, url: str | None = None, **kw: Any) -> NatsOptions:
+        cred = Credential.read(path)
+        return cls(url=url or cred.url, user=cred.user, password=cred.password, credential=path, tls_ca_pem=cred.tls_ca_pem, **kw)
+
+    @property
+    def run(self) -> str | None:
+        """The run id a credential file names (None without one)."""
+        return Credential.read(self.credential).run if self.credential else None
+
+    def redacted(self) -> str:
+        return redact(self.url)
+
     def connect_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"servers": [u.strip() for u in self.url.split(",")]}
+        user = self.user or urlsplit(kw["servers"][0]).username
         if self.user:
-            kw["user"], kw["password"] = self.user, self.password
+            kw["user"], kw["password"] = self.user, self.password if self.password is not None else os.environ.get("NATS_PASSWORD")
+        if user:
+            kw["inbox_prefix"] = inbox_prefix(user)
         if self.creds:
             kw["user_credentials"] = self.creds
         if self.nkey_seed:
             kw["nkeys_seed"] = self.nkey_seed
-        if self.tls_ca or self.tls_cert:
-            ctx = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_ca or self.tls_ca_pem or self.tls_cert:
+            ctx = ssl.create_default_context(cafile=self.tls_ca, cadata=self.tls_ca_pem)
             if self.tls_cert:
                 ctx.load_cert_chain(self.tls_cert, self.tls_key)
             kw["tls"] = ctx
@@ -84,6 +113,26 @@ class Topology:
     fate_ttl: float = 24 * 3600
 
 
+class _Gone:
+    """When the connection went down (nats-py callbacks), so a role can bound how long it waits for its server."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    async def down(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+
+    async def up(self) -> None:
+        self.since = None
+
+    async def error(self, e: Exception) -> None:
+        log.debug("nats: %s", e)
+
+    def seconds(self) -> float:
+        return 0.0 if self.since is None else time.monotonic() - self.since
+
+
 class Plane:
     """A connection to the plane for one run."""
 
@@ -97,13 +146,42 @@ class Plane:
         self._js_by_domain: dict[str | None, JetStreamContext] = {domain: self._js}
         self._consumers: dict[tuple[str, str], api.ConsumerConfig] = {}  # what ensure_topology made, to remake it
         self.state = RunState(self._js, names, domain)
+        self._gone = _Gone()
 
     @classmethod
-    async def connect(cls, opts: NatsOptions, run: str, worker_id: str) -> Plane:
-        nc = await nats.connect(
-            **opts.connect_kwargs(), name=f"astraflow:{run}:{worker_id}", max_reconnect_attempts=-1, reconnect_time_wait=0.5
-        )
-        return cls(nc, Names(run), worker_id, opts.domain)
+    async def connect(cls, opts: NatsOptions, run: str, worker_id: str, wait: float | None = None) -> Plane:
+        """Connect, waiting up to ``wait`` seconds (None: as long as it takes) for a server that is not
+        there yet, with a log line now and then; a refused credential fails at once."""
+        kw = {**opts.connect_kwargs(), "name": f"astraflow:{run}:{worker_id}", "connect_timeout": 2.0}
+        loop = asyncio.get_running_loop()
+        start = last_note = loop.time()
+        gone = _Gone()
+        while True:
+            try:  # the first connection without client-side retries: we decide here what is worth waiting for
+                nc = await nats.connect(**kw, allow_reconnect=False, disconnected_cb=gone.down, reconnected_cb=gone.up,
+                                        error_cb=gone.error)
+                break
+            except Exception as e:  # nats-py raises OSError, TimeoutError or its own errors, by cause
+                if "authorization violation" in str(e).lower():
+                    raise PermissionError(f"nats-server at {opts.redacted()} refused {opts.user or 'this client'}: authorization "
+                                          "violation (wrong or stale credential?)") from None
+                waited = loop.time() - start
+                if wait is not None and waited >= wait:
+                    raise ConnectionError(f"no nats-server at {opts.redacted()} after {waited:.0f}s: {type(e).__name__}: {e}") from None
+                if loop.time() - last_note >= 10 or waited == 0:
+                    log.warning("waiting for nats-server at %s (%s); retrying", opts.redacted(), type(e).__name__)
+                    last_note = loop.time()
+                await asyncio.sleep(0.5)
+        nc.options["allow_reconnect"] = True  # from now on, ride through server restarts
+        nc.options["max_reconnect_attempts"] = -1
+        nc.options["reconnect_time_wait"] = 0.5
+        plane = cls(nc, Names(run), worker_id, opts.domain)
+        plane._gone = gone
+        return plane
+
+    def disconnected_for(self) -> float:
+        """Seconds since the connection to the server was lost (0 while connected)."""
+        return self._gone.seconds()
 
     @property
     def max_payload(self) -> int:

@@ -40,9 +40,9 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
-def render_config(store_dir: Path, ports_dir: Path, extra: str = "") -> str:
+def render_config(store_dir: Path, ports_dir: Path, extra: str = "", listen: str = "127.0.0.1:-1") -> str:
     return (
-        "listen: 127.0.0.1:-1\n"
+        f"listen: {listen}\n"
         f"max_payload: {MAX_PAYLOAD}\n"
         "max_pending: 256MB\n"
         f'ports_file_dir: "{ports_dir}"\n'
@@ -83,18 +83,26 @@ class EmbeddedServer:
     server's client port is found the same way.
     """
 
-    def __init__(self, run_dir: Path | str, extra_config: str = "", *, config_text: str | None = None) -> None:
+    def __init__(self, run_dir: Path | str, extra_config: str = "", *, config_text: str | None = None, listen: str = "127.0.0.1:-1",
+                 scheme: str = "nats") -> None:
         self.run_dir = Path(run_dir)
         self.extra_config = extra_config
         self.config_text = config_text
+        self.listen = listen
+        self.scheme = scheme  # ``tls`` when the server requires TLS
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
+
+    @property
+    def host(self) -> str:
+        host = self.listen.rsplit(":", 1)[0]
+        return "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
 
     @property
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("server not started")
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 20.0) -> "EmbeddedServer":
         base = self.run_dir / "nats"
@@ -105,7 +113,8 @@ class EmbeddedServer:
             stale.unlink()
         conf = base / "nats-server.conf"
         if self.config_text is None:
-            conf.write_text(render_config(store, ports, self.extra_config))
+            conf.write_text(render_config(store, ports, self.extra_config, self.listen))
+            conf.chmod(0o600)  # it may hold the run's passwords
         else:
             conf.write_text(f'{self.config_text}\nports_file_dir: "{ports}"\n{self.extra_config}')
         log = open(base / "nats-server.log", "ab")
@@ -133,7 +142,7 @@ class EmbeddedServer:
                 try:
                     url = json.loads(ports_file.read_text())["nats"][0]
                     port = int(url.rsplit(":", 1)[1])
-                    with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                    with socket.create_connection((self.host, port), timeout=1.0):
                         return port
                 except (ValueError, KeyError, IndexError, OSError):
                     pass
