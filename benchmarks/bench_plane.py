@@ -104,9 +104,7 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
         sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
         while not done.is_set():
             await df.refresh_versions()
-            await df.top_up()
-            await df.ingest(sub)
-            await df.serve()
+            await df.step(sub)
 
     t0 = time.perf_counter()
     await asyncio.gather(rollout_loop(), trainer_loop(), dataflow_loop())

@@ -243,7 +243,7 @@ async def test_every_task_has_a_fate_and_the_counts_add_up(harness: Harness):
     batch = harness.batches["solver"][0]
     trained = await harness.plane.state.get(FateRecord, "solver", batch.task_ids[0])
     assert trained is not None and (trained.fate, trained.batch, trained.version) == ("trained", batch.batch_id, 1)
-    await harness.df.persist()
+    await harness.df.journal.commit()
     state = await harness.plane.state.get(DataflowState)
     assert state is not None and state.accounting["solver"] == acc  # what `astraflow status` shows
 
@@ -347,7 +347,7 @@ async def test_status_shows_the_accounting_and_the_advice(harness: Harness):
         await harness.train("solver")
     await harness.until(lambda: harness.acc().fates.get("trained", 0) >= 2)
     await harness.df.beat()
-    await harness.df.persist()
+    await harness.df.journal.commit()
     info = await collect(harness.url, harness.run, "solver", listen=0.2)
     acc = info["accounting"]["solver"]
     assert acc == harness.acc() and acc.adds_up

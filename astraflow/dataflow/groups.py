@@ -1,6 +1,6 @@
-"""Assembling trajectories into groups. Pure bookkeeping (no I/O).
+"""Assembling trajectories into groups, and remembering batched groups for replay. Pure bookkeeping (no I/O).
 
-The service feeds accepted trajectories in (with their TRAJ stream sequence) and gets complete
+Ingest feeds accepted trajectories in (with their TRAJ stream sequence) and gets complete
 groups out. Deliveries stay unacked while their trajectories are held, so a dataflow that dies
 loses nothing: the server redelivers them to the next one. A group remembers the stream
 sequence of each trajectory, so a batch can be rebuilt from the stream after a restart.
@@ -77,8 +77,45 @@ class Assembler:
                       samples=tuple(to_sample(t, deadline) for t in trajs))
         return HeldGroup(group, trajs, [s for _, s in items])
 
-    def holds(self, task_id: str, policy: str) -> bool:
-        return (task_id, policy) in self.partial
+    @property
+    def assembling(self) -> bool:
+        """Some group is partly back."""
+        return bool(self.partial)
 
-    def held_traj_ids(self) -> list[str]:
-        return [t.traj_id for slot in self.partial.values() for t, _ in slot.values()]
+    def drop(self, task_id: str) -> list[str]:
+        """Forget the partial groups of ``task_id`` (every policy's); returns their trajectory ids."""
+        keys = [k for k in self.partial if k[0] == task_id]
+        return [t.traj_id for k in keys for t, _ in self.partial.pop(k).values()]
+
+
+RECENT = 512  # batched groups remembered for replay
+
+
+class Recent:
+    """Recently batched groups, for replay: in memory while this process holds them, and by TRAJ
+    stream sequences (what the state keeps) so a successor can read them back."""
+
+    def __init__(self, size: int = RECENT) -> None:
+        self.size = size
+        self.held: OrderedDict[str, HeldGroup] = OrderedDict()
+        self.seqs: OrderedDict[str, list[int]] = OrderedDict()
+
+    def remember(self, held: HeldGroup) -> None:
+        self.held[held.task_id] = held
+        self.seqs[held.task_id] = list(held.seqs)
+        for memory in (self.held, self.seqs):
+            while len(memory) > self.size:
+                memory.popitem(last=False)
+
+    def get(self, task_id: str) -> HeldGroup | None:
+        return self.held.get(task_id)
+
+    def seqs_of(self, task_id: str) -> list[int] | None:
+        return self.seqs.get(task_id)
+
+    def state(self) -> dict[str, list[int]]:
+        return {k: list(v) for k, v in self.seqs.items()}
+
+    def load_state(self, seqs: dict[str, list[int]]) -> None:
+        self.held.clear()
+        self.seqs = OrderedDict((k, list(v)) for k, v in seqs.items())

@@ -40,7 +40,7 @@ class PoolAdvisor:
         elif isinstance(hb.stats, TrainerStats) and hb.policy in self.starved:
             self.trainer_wait.setdefault(hb.policy, Meter(self.cfg.window_s)).add(hb.ts, hb.stats.wait_s)
 
-    async def measure(self, lanes: dict[str, "PolicyLane"], produced: float, consumed: float, every_s: float = 0.25) -> None:
+    async def measure(self, lanes: dict[str, PolicyLane], produced: float, consumed: float, every_s: float = 0.25) -> None:
         """Sample each trainer's batch consumer (nothing queued nor in hand: that trainer waits) and the rates."""
         now = time.time()
         if now - self.measured < every_s:
@@ -49,7 +49,7 @@ class PoolAdvisor:
         names = self.plane.names
         for p, lane in lanes.items():
             lag = await self.plane.lag(names.batch_stream, names.trainer_consumer(p))
-            lane.backlog = lag.pending
+            lane.note_backlog(lag.pending)
             self.starved[p].sample(now, lag.pending == 0 and lag.ack_pending == 0)
         self.produced.add(now, produced)
         self.consumed.add(now, consumed)

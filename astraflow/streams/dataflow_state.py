@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from astraflow.streams.messages import Task
+from astraflow.streams.messages import Batch, Task, Trajectory
 from astraflow.streams.state import Record
 
 
@@ -28,6 +29,13 @@ class BatchPlan(_Frozen):
     seqs: list[int]  # TRAJ stream sequence of every trajectory, in batch order
     advantages: list[float]  # one per trajectory, aligned with ``seqs``
     created_at: float
+
+    def to_batch(self, policy: str, trajectories: list[Trajectory]) -> Batch:
+        """The batch this plan describes; ``trajectories`` in plan order (held in memory, or read back by ``seqs``)."""
+        if len(trajectories) != len(self.seqs):
+            raise ValueError(f"batch {self.batch_id}: {len(trajectories)} trajectories for {len(self.seqs)} planned")
+        return Batch(batch_id=self.batch_id, policy=policy, trajectories=trajectories, task_ids=list(self.groups),
+                     advantages=np.asarray(self.advantages, "<f4").tobytes(), created_at=self.created_at)
 
 
 class LedgerState(_Frozen):
@@ -73,13 +81,19 @@ class Accounting(_Frozen):
     adds_up: bool
 
 
-class DataflowState(Record):
-    family: ClassVar[str] = "dataflow"
+class TaskState(_Frozen):
+    """The task side (see ``dataflow/issuing.py``): what was issued, what is still out, where the prompt order stands."""
+
     task_seq: int = Field(0, ge=0)  # the last task number issued (``t%08d``)
     cursor: int = Field(0, ge=0)  # position in the prompt order
-    open: dict[str, float | None] = {}  # issued, group not complete: task -> deadline
-    deadlines: dict[str, float] = {}  # recent tasks' deadlines
+    in_flight: dict[str, float | None] = {}  # issued, primary group not complete: task -> deadline
+    deadlines: dict[str, float] = {}  # recent tasks' deadlines (every lane's late policy reads them)
     issuing: list[Task] = []  # tasks written ahead of their publication
+
+
+class DataflowState(Record):
+    family: ClassVar[str] = "dataflow"
+    tasks: TaskState = TaskState(task_seq=0, cursor=0)
     lanes: dict[str, LaneState] = {}
     accounting: dict[str, Accounting] = {}
     pool: str = "raas"

@@ -1,0 +1,116 @@
+"""Durability: the one place that orders fate records, then the state, then the acks they explain.
+
+The dataflow's effects are of three kinds, and a ``kill -9`` between any two of them must lose
+nothing and repeat nothing:
+
+- **publications a successor must be able to repeat** (tasks, batches): the state that
+  describes them (``issuing``, a lane's ``plans``) is committed first (``commit``), and they
+  are published with ``Nats-Msg-Id`` = their id, so a repetition is dropped by the server;
+- **fates and state changes** (a group filtered, batched, trained, failed): queued as fate
+  records and a "changed" mark, written by ``flush`` — the records before the state, so the
+  state never counts a fate whose record is missing;
+- **acks**: a trajectory's delivery is held unacked (kept alive with ``in_progress``) until its
+  fate is decided, then ``release``d, and acked only after the next durable write of the state
+  that explains it. A delivery that is a copy of something settled is acked the same way.
+
+Nothing else in the dataflow writes the state or acks a trajectory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from astraflow.streams.dataflow_state import DataflowState
+from astraflow.streams.state import FateRecord, Record
+
+_crossed: Counter[str] = Counter()
+
+
+def crash_point(name: str) -> None:
+    """Fault injection for durability tests: ``ASTRAFLOW_DATAFLOW_CRASH=name:n`` SIGKILLs this
+    process the n-th time it passes ``name`` (``batch_planned``, ``batch_published``)."""
+    point, _, nth = os.environ.get("ASTRAFLOW_DATAFLOW_CRASH", "").partition(":")
+    if point == name:
+        _crossed[name] += 1
+        if _crossed[name] == int(nth or 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StateWriter(Protocol):
+    """Where the journal writes (``Plane.state``)."""
+
+    async def put(self, record: Record) -> None: ...
+
+    async def put_many(self, records: list[Record]) -> None: ...
+
+
+class Ackable(Protocol):
+    """A held delivery (``Delivery[Trajectory]``)."""
+
+    async def ack(self) -> None: ...
+
+    async def in_progress(self) -> None: ...
+
+
+class Journal:
+    """Queues fates, state changes and acks; makes them durable in the one safe order."""
+
+    def __init__(self, store: StateWriter, snapshot: Callable[[], DataflowState]) -> None:
+        self.store = store
+        self.snapshot = snapshot  # the whole state as it stands now
+        self.records: list[FateRecord] = []  # per-task fates, written before the state
+        self.held: dict[str, Ackable] = {}  # traj_id -> its latest delivery, unacked while the fate is open
+        self.to_ack: list[Ackable] = []  # settled; acked after the next durable write
+        self.dirty = False  # the state changed since it was last written
+
+    # ------------------------------------------------------------ queueing
+    def record(self, policy: str, task_id: str, fate: str, **extra: Any) -> None:
+        self.records.append(FateRecord(policy=policy, task_id=task_id, fate=fate, **extra))
+        self.dirty = True
+
+    def changed(self) -> None:
+        self.dirty = True
+
+    def hold(self, traj_id: str, delivery: Ackable) -> bool:
+        """Hold the delivery unacked until the trajectory's fate is decided; True if it was held already
+        (a redelivery while held: the newer delivery is the live one)."""
+        again = traj_id in self.held
+        self.held[traj_id] = delivery
+        return again
+
+    def holds(self, traj_id: str) -> bool:
+        return traj_id in self.held
+
+    def release(self, traj_ids: Iterable[str]) -> None:
+        """These trajectories' fate is decided: ack them once it is durable."""
+        self.to_ack.extend(self.held.pop(t) for t in traj_ids if t in self.held)
+
+    def ack_later(self, delivery: Ackable) -> None:
+        """A copy of something settled or complete already: nothing to hold; ack it after the next durable write."""
+        self.to_ack.append(delivery)
+
+    # ------------------------------------------------------------ durable writes
+    async def commit(self) -> None:
+        """Fate records, then the state, now. Before a publication a successor must be able to repeat."""
+        if self.records:
+            records, self.records = self.records, []
+            await self.store.put_many(list(records))
+        await self.store.put(self.snapshot())
+        self.dirty = False
+
+    async def flush(self) -> None:
+        """Make what changed durable, then ack what it explains."""
+        if self.records or self.dirty:
+            await self.commit()
+        if self.to_ack:
+            acks, self.to_ack = self.to_ack, []
+            await asyncio.gather(*(d.ack() for d in acks))
+
+    async def keep_alive(self) -> None:
+        """``in_progress`` on every held delivery, so the server does not redeliver it while its group fills."""
+        await asyncio.gather(*(d.in_progress() for d in list(self.held.values())), return_exceptions=True)

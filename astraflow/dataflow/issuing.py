@@ -1,0 +1,147 @@
+"""Issuing tasks: prompt order, curator selection, the budget, and the write-ahead of what is published.
+
+Tasks are issued for the primary policy (a multi-policy workflow feeds the other lanes from the
+same tasks). Each turn the issuer computes how many it may publish:
+
+    async:  min(max_tasks_in_flight, (max_staleness + 1) · groups_per_batch) − in_flight − buffered,
+            and at most max_tasks_in_flight − pending (the pool consumer's lag, read from the server)
+    sync:   groups_per_batch − buffered, once every task released before is back, settled and
+            its batch trained; else nothing
+
+then draws prompts in order, lets the curators skip some, and writes the tasks ahead (the
+journal commits them as ``issuing``) before publishing them with ``Nats-Msg-Id`` = task id, so
+a successor that finds them publishes them again and the server keeps one copy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+
+from astraflow.algorithms import Context, PromptItem
+from astraflow.config import DataflowConfig, Recipe
+from astraflow.dataflow.durability import Journal
+from astraflow.dataflow.inflight import InFlight
+from astraflow.dataflow.lane import PolicyLane
+from astraflow.streams.dataflow_state import TaskState
+from astraflow.streams.messages import Task
+from astraflow.streams.plane import Plane
+from astraflow.tasks import Problem
+
+
+def staleness_budget(cfg: DataflowConfig, in_flight: int, buffered: int) -> int:
+    """async: (max_staleness + 1) batches' worth in flight or buffered, never above max_tasks_in_flight."""
+    cap = min(cfg.max_tasks_in_flight, (cfg.max_staleness + 1) * cfg.groups_per_batch)
+    return cap - in_flight - buffered
+
+
+def lag_budget(cfg: DataflowConfig, pending: int) -> int:
+    """async: the pool's measured backlog of tasks (ours or anyone's) stays under max_tasks_in_flight."""
+    return cfg.max_tasks_in_flight - pending
+
+
+def sync_budget(cfg: DataflowConfig, buffered: int, drained: bool) -> int:
+    """sync: a batch worth (less what is buffered) once everything released before is back and trained."""
+    return max(0, cfg.groups_per_batch - buffered) if drained else 0
+
+
+def min_versions(versions: Mapping[str, int], allowed_lag: int) -> dict[str, int]:
+    """The oldest weights a node may roll a task out with: each policy's version − allowed lag, at least 0."""
+    return {p: max(0, v - allowed_lag) for p, v in versions.items()}
+
+
+class PromptOrder:
+    """An endless order over ``n`` prompts: epoch ``e`` is a permutation seeded by ``seed + e``,
+    computed once per epoch. ``cursor`` counts the prompts drawn, so a restarted dataflow that
+    restores it continues the same order."""
+
+    def __init__(self, n: int, seed: int, cursor: int = 0) -> None:
+        if n < 1:
+            raise ValueError("the prompt order needs at least one prompt")
+        self.n, self.seed, self.cursor = n, seed, cursor
+        self._epoch = -1
+        self._order: list[int] = []
+
+    def next(self) -> int:
+        epoch, i = divmod(self.cursor, self.n)
+        if epoch != self._epoch:
+            self._order = list(range(self.n))
+            random.Random(self.seed + epoch).shuffle(self._order)
+            self._epoch = epoch
+        self.cursor += 1
+        return self._order[i]
+
+
+class TaskIssuer:
+    def __init__(self, recipe: Recipe, plane: Plane, lane: PolicyLane, problems: list[Problem], in_flight: InFlight,
+                 journal: Journal, rng: random.Random) -> None:
+        self.cfg = recipe.dataflow
+        self.workflow, self.pool = recipe.workflow, recipe.rollout.pool
+        self.plane = plane
+        self.lane = lane  # the primary policy's
+        self.problems = problems
+        self.order = PromptOrder(len(problems), recipe.data.seed)
+        self.in_flight = in_flight
+        self.journal = journal
+        self.rng = rng
+        self.task_seq = 0
+        self.issuing: list[Task] = []  # written ahead, not confirmed published yet
+
+    async def top_up(self, ctx: Context, drained: bool) -> None:
+        """Issue what the budget allows; ``drained``: no group partly back, every batch published and trained."""
+        budget = await self.budget(drained)
+        tasks = self.draw(budget, ctx) if budget > 0 else []
+        if tasks:
+            await self.publish(tasks)
+
+    async def budget(self, drained: bool) -> int:
+        if self.cfg.mode == "sync":
+            return sync_budget(self.cfg, self.lane.buffered(), drained and not self.in_flight and not self.issuing)
+        budget = staleness_budget(self.cfg, len(self.in_flight), self.lane.buffered())
+        if budget <= 0:
+            return budget
+        names = self.plane.names
+        lag = await self.plane.lag(names.task_stream, names.pool_consumer(self.pool))
+        return min(budget, lag_budget(self.cfg, lag.pending))
+
+    def draw(self, budget: int, ctx: Context) -> list[Task]:
+        """Up to ``budget`` tasks in prompt order, each prompt past the curators; one pass over the prompts at most."""
+        floors = min_versions(ctx.versions, 0 if self.cfg.mode == "sync" else self.cfg.max_staleness)
+        timeout = self.cfg.task_timeout_s
+        tasks: list[Task] = []
+        for _ in range(len(self.problems)):
+            if len(tasks) >= budget:
+                break
+            p = self.problems[self.order.next()]
+            if not self.lane.select(PromptItem(p.prompt_id, self.lane.name, meta=p.meta), ctx, self.rng):
+                continue
+            self.task_seq += 1
+            tasks.append(Task(task_id=f"t{self.task_seq:08d}", workflow=self.workflow, policy=self.lane.name, prompt_id=p.prompt_id,
+                              prompt=p.prompt, group_size=self.cfg.group_size, meta=p.meta, min_versions=floors,
+                              deadline=ctx.now + timeout if timeout else None))
+        return tasks
+
+    async def publish(self, tasks: list[Task]) -> None:
+        for t in tasks:
+            self.in_flight.issue(t.task_id, t.deadline)
+        self.lane.note_issued(len(tasks))
+        self.issuing = tasks
+        await self.journal.commit()  # write-ahead: a successor publishes these again under the same ids
+        await self.republish(tasks)
+        self.issuing = []
+        self.journal.changed()
+
+    async def republish(self, tasks: list[Task]) -> None:
+        """Publish under the task ids: a copy of one that landed before is dropped by the server."""
+        await self.plane.publish_many([(self.plane.names.task(t.workflow), t, t.task_id) for t in tasks])
+
+    # ------------------------------------------------------------ state
+    def state(self) -> TaskState:
+        in_flight, deadlines = self.in_flight.state()
+        return TaskState(task_seq=self.task_seq, cursor=self.order.cursor, in_flight=in_flight, deadlines=deadlines,
+                         issuing=list(self.issuing))
+
+    def load_state(self, s: TaskState) -> None:
+        """Restore; the tasks it was issuing are the caller's to publish again."""
+        self.task_seq, self.order.cursor = s.task_seq, s.cursor
+        self.in_flight.load_state(s.in_flight, s.deadlines)

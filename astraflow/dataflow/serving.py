@@ -1,0 +1,113 @@
+"""Serving batches, per lane, while that policy's trainer has room.
+
+For each lane, as long as its buffer holds a batch worth of groups:
+
+1. read the trainer consumer's backlog from the server; at ``max_batch_backlog`` the lane waits
+   (counted as ``backpressure``); one slow trainer never holds back another policy's lane;
+2. let the server plug-in choose (it may drop stale or expired groups: fate ``dropped:R``);
+3. plan the batch (``PolicyLane.plan``: id, groups, TRAJ stream sequences, advantages), commit
+   the plan (write-ahead), publish the batch with ``Nats-Msg-Id`` = batch id, clear the plan,
+   and release the fresh groups' trajectories to be acked after the next durable write.
+
+A plan found at restart is rebuilt from the TRAJ stream into the identical batch and published
+again under its id (``republish``); the server drops it if the first publication had landed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Mapping
+
+from astraflow.algorithms import Group
+from astraflow.config import DataflowConfig
+from astraflow.dataflow.durability import Journal, crash_point
+from astraflow.dataflow.groups import HeldGroup
+from astraflow.dataflow.lane import PolicyLane, context
+from astraflow.dataflow.watch import fetch_trajectories
+from astraflow.streams.dataflow_state import BatchPlan
+from astraflow.streams.messages import Batch
+from astraflow.streams.plane import Plane
+
+log = logging.getLogger(__name__)
+
+
+class BatchServer:
+    def __init__(self, plane: Plane, lanes: Mapping[str, PolicyLane], journal: Journal, cfg: DataflowConfig, stats: Counter[str],
+                 rng: random.Random) -> None:
+        self.plane = plane
+        self.lanes = lanes
+        self.journal = journal
+        self.cfg = cfg
+        self.stats = stats  # the dataflow's heartbeat counters
+        self.rng = rng
+
+    async def serve(self) -> None:
+        for lane in self.lanes.values():
+            await self.serve_lane(lane)
+
+    async def serve_lane(self, lane: PolicyLane) -> None:
+        n = self.cfg.groups_per_batch
+        while lane.ready(n):
+            if not await self.trainer_has_room(lane):
+                return
+            result = lane.choose(n, context(self.lanes, self.cfg.max_staleness), self.rng)
+            for task_id, reason in result.dropped:
+                self.settle(lane, task_id, f"dropped:{reason}")
+            if not result.batch:
+                if result.dropped:
+                    continue
+                return
+            chosen = [h for g in result.batch if (h := await self.held(lane, g)) is not None]
+            plan = lane.plan(chosen, list(result.taken), created_at=time.time())
+            for task_id in plan.tasks:
+                self.journal.record(lane.name, task_id, "batched", batch=plan.batch_id)
+            await self.journal.commit()  # write-ahead: the plan is durable before the batch exists
+            crash_point("batch_planned")
+            await self.publish(plan.to_batch(lane.name, [t for h in chosen for t in h.trajectories]))
+            crash_point("batch_published")
+            lane.published(plan.batch_id)
+            fresh = set(plan.tasks)
+            self.journal.release(t for h in chosen if h.task_id in fresh for t in h.traj_ids)
+            self.journal.changed()
+
+    async def trainer_has_room(self, lane: PolicyLane) -> bool:
+        names = self.plane.names
+        lag = await self.plane.lag(names.batch_stream, names.trainer_consumer(lane.name))
+        lane.note_backlog(lag.pending)
+        if lag.pending >= self.cfg.max_batch_backlog:
+            lane.backpressured()
+            return False
+        return True
+
+    def settle(self, lane: PolicyLane, task_id: str, fate: str) -> None:
+        held = lane.settle(task_id, fate)
+        if held is not None:
+            self.journal.release(held.traj_ids)
+        self.journal.record(lane.name, task_id, fate)
+
+    async def held(self, lane: PolicyLane, group: Group) -> HeldGroup | None:
+        """A batch group: fresh from the buffer, or replayed from memory (read back from the stream after a restart)."""
+        held = lane.find(group.task_id)
+        if held is not None:
+            return held
+        seqs = lane.replay_seqs(group.task_id)
+        if seqs is None:  # a replay memory larger than what the lane remembers: serve the batch without it
+            log.warning("lane %s: replayed group %s is no longer remembered; left out of the batch", lane.name, group.task_id)
+            self.stats["replay_missing"] += 1
+            return None
+        held = HeldGroup(group, await fetch_trajectories(self.plane, seqs), seqs)
+        lane.remember(held)
+        return held
+
+    async def publish(self, batch: Batch) -> None:
+        await self.plane.publish(self.plane.names.batch(batch.policy), batch, msg_id=batch.batch_id)
+
+    async def republish(self, lane: PolicyLane, plan: BatchPlan) -> None:
+        """A batch planned before a restart: rebuilt from the stream, published again under its id."""
+        await self.publish(plan.to_batch(lane.name, await fetch_trajectories(self.plane, plan.seqs)))
+        lane.published(plan.batch_id)
+        self.stats["republished_batches"] += 1
+        log.info("batch %s was planned before the restart: published again (the server keeps one copy)", plan.batch_id)

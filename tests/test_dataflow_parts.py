@@ -1,0 +1,272 @@
+"""The dataflow's collaborators without a server: budgets, prompt order, tasks in flight, ingest
+decisions, batch plans, lane accounting and the journal's ordering of records, state and acks.
+
+The transport is replaced only where its effect is the thing under test: an in-memory state
+writer and in-memory deliveries that write what they were asked to do into one shared log.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+
+from astraflow.algorithms import AlgorithmsConfig, Context, build_pipeline
+from astraflow.config import DataflowConfig
+from astraflow.dataflow.durability import Journal
+from astraflow.dataflow.groups import Assembler, HeldGroup
+from astraflow.dataflow.inflight import DEADLINES, InFlight
+from astraflow.dataflow.ingest import Landing, TrajectoryIngest, land
+from astraflow.dataflow.issuing import PromptOrder, lag_budget, min_versions, staleness_budget, sync_budget
+from astraflow.dataflow.lane import PolicyLane, plan_batch
+from astraflow.streams.dataflow_state import DataflowState
+from astraflow.streams.messages import Trajectory
+from astraflow.streams.state import FateRecord, Record
+
+CFG = DataflowConfig(group_size=2, groups_per_batch=2, max_tasks_in_flight=10, max_staleness=1)
+
+
+def traj(task: str, i: int, reward: float, policy: str = "solver", n: int = 2, traj_id: str | None = None, version: int = 4) -> Trajectory:
+    return Trajectory(traj_id=traj_id or f"{task}.{policy}.{i}", task_id=task, prompt_id=f"p-{task}", policy=policy, index=i, group_size=n,
+                      prompt_ids=np.arange(3), completion_ids=np.arange(2), logprobs=np.zeros(2, np.float32),
+                      versions=np.full(2, version, np.int32), loss_mask=np.ones(2, np.uint8), reward=reward)
+
+
+def group_of(task: str, rewards: list[float], seq0: int = 1, version: int = 4) -> HeldGroup:
+    a = Assembler()
+    out = [a.add(traj(task, i, r, n=len(rewards), version=version), seq=seq0 + i) for i, r in enumerate(rewards)]
+    held = out[-1]
+    assert isinstance(held, HeldGroup)
+    return held
+
+
+def pipeline(**algorithms: Any):
+    return build_pipeline(AlgorithmsConfig.model_validate(algorithms))
+
+
+# ------------------------------------------------------------ issuing
+def test_async_budget_is_the_staleness_window_less_what_is_out_or_buffered():
+    assert staleness_budget(CFG, in_flight=0, buffered=0) == 4  # (1 + 1) batches of 2, under the cap of 10
+    assert staleness_budget(CFG, in_flight=2, buffered=1) == 1
+    assert staleness_budget(CFG, in_flight=4, buffered=1) == -1  # over: nothing is issued
+    assert staleness_budget(CFG.model_copy(update={"max_staleness": 9}), in_flight=3, buffered=0) == 7  # the cap binds
+    assert lag_budget(CFG, pending=7) == 3  # the pool's measured backlog, whoever issued it
+
+
+def test_sync_budget_releases_a_batch_only_when_drained():
+    assert sync_budget(CFG, buffered=0, drained=True) == 2
+    assert sync_budget(CFG, buffered=1, drained=True) == 1  # a filter left the buffer short: the shortfall only
+    assert sync_budget(CFG, buffered=3, drained=True) == 0
+    assert sync_budget(CFG, buffered=0, drained=False) == 0
+
+
+def test_min_versions_lag_the_trainers_by_the_allowed_staleness():
+    assert min_versions({"solver": 5, "verifier": 1}, 2) == {"solver": 3, "verifier": 0}
+    assert min_versions({"solver": 5}, 0) == {"solver": 5}  # sync: on-policy
+
+
+def test_prompt_order_is_a_fresh_permutation_per_epoch_and_resumes_from_its_cursor():
+    order = PromptOrder(7, seed=3)
+    drawn = [order.next() for _ in range(21)]
+    for epoch in range(3):
+        reference = list(range(7))
+        random.Random(3 + epoch).shuffle(reference)  # the order every earlier build used: a resumed run continues it
+        assert drawn[7 * epoch: 7 * (epoch + 1)] == reference
+    assert drawn[:7] != drawn[7:14]
+    resumed = PromptOrder(7, seed=3, cursor=10)
+    assert [resumed.next() for _ in range(11)] == drawn[10:]
+    with pytest.raises(ValueError, match="at least one prompt"):
+        PromptOrder(0, seed=3)
+
+
+def test_in_flight_tasks_land_or_fail_once_and_deadlines_outlive_them():
+    f = InFlight()
+    f.issue("t1", 100.0)
+    f.issue("t2", None)
+    f.issue("t3", 300.0)
+    assert len(f) == 3 and f.overdue(now=200.0) == 1
+    f.land("t1")
+    assert "t1" not in f and f.deadline("t1") == 100.0  # a secondary lane's group may still come back late
+    assert f.fail("t2") and not f.fail("t2") and not f.fail("t1")
+    back = InFlight()
+    back.load_state(*f.state())
+    assert back.state() == f.state() == ({"t3": 300.0}, {"t1": 100.0, "t3": 300.0})
+    for i in range(DEADLINES + 5):
+        f.issue(f"x{i}", float(i))
+    assert f.deadline("t1") is None and f.deadline(f"x{DEADLINES + 4}") is not None  # bounded memory, oldest first out
+
+
+# ------------------------------------------------------------ landing a complete group
+def test_landing_runs_curator_feedback_then_the_late_policy_then_the_filters():
+    p = pipeline(curators=[{"type": "greso"}], filters=[{"type": "dynamic_sampling"}])
+    ctx = Context(now=50.0, versions={"solver": 4}, max_staleness=2)
+    varied, solved = group_of("t1", [0.0, 1.0]).group, group_of("t2", [1.0, 1.0]).group
+    assert land(varied, p, ctx, deadline=None, cfg=CFG) == Landing()
+    assert land(varied, p, ctx, deadline=60.0, cfg=CFG) == Landing()  # before its deadline
+    assert land(solved, p, ctx, deadline=None, cfg=CFG) == Landing(fate="filtered:zero_variance")
+    late = {"keep": Landing(late="kept"), "downweight": Landing(weight=0.25, late="downweighted"),
+            "drop": Landing(fate="dropped:expired", late="dropped")}
+    for policy, expected in late.items():
+        cfg = CFG.model_copy(update={"late_policy": policy, "late_weight": 0.25})
+        assert land(varied, p, ctx, deadline=40.0, cfg=cfg) == expected
+        dropped_first = "dropped:expired" if policy == "drop" else "filtered:zero_variance"
+        assert land(solved, p, ctx, deadline=40.0, cfg=cfg).fate == dropped_first  # a late drop precedes the filters
+    assert p.state()["curators"][0]["state"]["window"]["solver"]["n"] == 9  # every completed group was observed, dropped or not
+
+
+# ------------------------------------------------------------ the journal and ingest, on in-memory transport
+class MemoryStore:
+    def __init__(self, log: list[tuple[Any, ...]]) -> None:
+        self.log = log
+
+    async def put(self, record: Record) -> None:
+        assert isinstance(record, DataflowState)
+        self.log.append(("state", record.tasks.task_seq))
+
+    async def put_many(self, records: list[Record]) -> None:
+        self.log.append(("fates", [(r.task_id, r.fate) for r in records if isinstance(r, FateRecord)]))
+
+
+class MemoryDelivery:
+    def __init__(self, msg: Trajectory, seq: int, log: list[tuple[Any, ...]]) -> None:
+        self.msg, self.seq, self.log = msg, seq, log
+
+    @property
+    def stream_seq(self) -> int:
+        return self.seq
+
+    async def ack(self) -> None:
+        self.log.append(("ack", self.seq))
+
+    async def in_progress(self) -> None:
+        self.log.append(("in_progress", self.seq))
+
+    async def reject(self, reason: str) -> None:
+        self.log.append(("reject", self.seq, reason))
+
+
+async def test_the_journal_writes_fates_then_the_state_then_acks():
+    log: list[tuple[Any, ...]] = []
+    seq = iter(range(100))
+    journal = Journal(MemoryStore(log), lambda: DataflowState.model_validate({"tasks": {"task_seq": next(seq)}}))
+    a, b, c = (MemoryDelivery(traj("t1", i, 0.0), 10 + i, log) for i in range(3))
+    assert not journal.hold("a", a) and not journal.hold("b", b)
+    journal.ack_later(c)
+    journal.record("solver", "t1", "filtered:zero_variance")
+    journal.release(["a", "unknown"])
+    await journal.commit()  # write-ahead: durable, nothing acked
+    assert log == [("fates", [("t1", "filtered:zero_variance")]), ("state", 0)]
+    journal.record("solver", "t2", "batched", batch="solver-b000001")
+    await journal.flush()
+    assert log[2:] == [("fates", [("t2", "batched")]), ("state", 1), ("ack", 12), ("ack", 10)]
+    await journal.flush()  # nothing changed, nothing to ack: nothing written
+    assert len(log) == 6
+    await journal.keep_alive()
+    assert log[6:] == [("in_progress", 11)] and journal.holds("b") and not journal.holds("a")
+    journal.changed()
+    await journal.flush()
+    assert log[7:] == [("state", 2)]
+
+
+def ingest_setup(**cfg: Any) -> tuple[TrajectoryIngest, PolicyLane, InFlight, Journal, list[tuple[Any, ...]]]:
+    log: list[tuple[Any, ...]] = []
+    lane = PolicyLane("solver", pipeline(filters=[{"type": "dynamic_sampling"}]), primary=True)
+    in_flight = InFlight()
+    journal = Journal(MemoryStore(log), DataflowState)
+    return TrajectoryIngest({"solver": lane}, in_flight, journal, CFG.model_copy(update=cfg), Counter()), lane, in_flight, journal, log
+
+
+async def test_ingest_admits_assembles_and_acks_copies_only_after_a_durable_write():
+    ingest, lane, in_flight, journal, log = ingest_setup()
+    in_flight.issue("t1", None)
+    await ingest.take(MemoryDelivery(traj("t1", 0, 0.0, policy="critic"), 1, log))
+    assert log == [("reject", 1, "unknown policy 'critic'; run has ['solver']")]
+    first = MemoryDelivery(traj("t1", 0, 0.0), 2, log)
+    await ingest.take(first)
+    assert journal.holds("t1.solver.0") and ingest.assembling
+    again = MemoryDelivery(traj("t1", 0, 0.0), 3, log)  # redelivered while held: the newer delivery is the live one
+    await ingest.take(again)
+    assert journal.held["t1.solver.0"] is again and ingest.stats == {"redelivered_held": 1}
+    await ingest.take(MemoryDelivery(traj("t1", 1, 1.0), 4, log))
+    assert lane.is_buffered("t1") and "t1" not in in_flight and not ingest.assembling
+    assert lane.accounting(len(in_flight)).buffered == 1 and lane.ledger.received == 1
+    await ingest.take(MemoryDelivery(traj("t1", 1, 1.0, traj_id="copy"), 5, log))  # another sample for a complete group
+    assert ingest.stats["duplicates"] == 1
+    lane.settle("t0", "failed:rollout")
+    await ingest.take(MemoryDelivery(traj("t0", 0, 1.0), 6, log))  # a task settled before a restart
+    assert ingest.stats["redelivered_settled"] == 1
+    assert log == [("reject", 1, "unknown policy 'critic'; run has ['solver']")]  # nothing acked before the state is written
+    await journal.flush()
+    assert log[1:] == [("state", 0), ("ack", 5), ("ack", 6)]  # the buffered group's deliveries stay held
+
+
+async def test_a_filtered_group_is_settled_and_its_trajectories_acked_after_its_fate_is_written():
+    ingest, lane, in_flight, journal, log = ingest_setup()
+    in_flight.issue("t1", None)
+    for i in range(2):
+        await ingest.take(MemoryDelivery(traj("t1", i, 1.0), 10 + i, log))
+    assert lane.is_closed("t1") and lane.ledger.fates == {"filtered:zero_variance": 1}
+    await journal.flush()
+    assert log == [("fates", [("t1", "filtered:zero_variance")]), ("state", 0), ("ack", 10), ("ack", 11)]
+
+
+async def test_a_group_kept_before_a_restart_goes_back_into_the_buffer_without_the_hooks():
+    ingest, lane, in_flight, journal, log = ingest_setup(late_policy="drop")
+    lane.kept["t1"] = 0.5  # what a restored state says
+    in_flight.issue("t1", 1.0)  # long past its deadline: the late policy would drop it
+    for i in range(2):
+        await ingest.take(MemoryDelivery(traj("t1", i, float(i)), 10 + i, log))
+    assert lane.is_buffered("t1") and lane.kept == {"t1": 0.5} and lane.ledger.received == 0 and not lane.ledger.late
+
+
+async def test_a_failed_task_releases_what_came_back_of_it():
+    ingest, lane, in_flight, journal, log = ingest_setup()
+    in_flight.issue("t1", None)
+    await ingest.take(MemoryDelivery(traj("t1", 0, 0.0), 10, log))
+    ingest.abandon("t1")
+    await journal.flush()
+    assert log == [("ack", 10)] and not ingest.assembling
+
+
+# ------------------------------------------------------------ batch plans and the lane's accounting
+def test_a_plan_scales_advantages_by_group_weight_and_rebuilds_the_same_batch():
+    p = pipeline()  # GRPO: (r - mean) / std
+    fresh, replayed = group_of("t1", [0.0, 1.0], seq0=10), group_of("t2", [1.0, 3.0], seq0=20)
+    fresh.weight = 0.5
+    plan = plan_batch("solver-b000001", [fresh, replayed], ["t1"], p.advantages, created_at=7.0)
+    grpo = 1 / np.sqrt(2)
+    assert plan.tasks == ["t1"] and plan.groups == ["t1", "t2"] and plan.seqs == [10, 11, 20, 21]
+    assert np.allclose(plan.advantages, [-0.5 * grpo, 0.5 * grpo, -grpo, grpo])
+    batch = plan.to_batch("solver", fresh.trajectories + replayed.trajectories)
+    assert batch.task_ids == ["t1", "t2"] and batch.created_at == 7.0 and batch.batch_id == plan.batch_id
+    assert np.allclose(batch.advantage_array(), plan.advantages)
+    with pytest.raises(ValueError, match="3 trajectories for 4 planned"):
+        plan.to_batch("solver", fresh.trajectories + replayed.trajectories[:1])
+
+
+def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
+    lane = PolicyLane("solver", pipeline(), primary=True)
+    lane.note_issued(3)
+    groups = [group_of(f"t{i}", [0.0, 1.0], seq0=10 * i, version=1) for i in range(3)]
+    for h in groups:
+        lane.receive()
+    lane.keep(groups[0])
+    lane.keep(groups[1])
+    lane.settle("t2", "filtered:zero_variance")
+    assert lane.accounting(in_flight=0).adds_up and lane.ready(2) and not lane.ready(3)
+    lane.advance(3)
+    plan = lane.plan(groups[:2], ["t0", "t1"], created_at=1.0)
+    acc = lane.accounting(in_flight=0)
+    assert plan.batch_id == "solver-b000001" and acc.awaiting == 2 and acc.buffered == 0 and acc.adds_up
+    assert lane.is_closed("t0") and lane.find("t0") is groups[0] and lane.replay_seqs("t1") == [10, 11]
+    assert lane.stats["lag_max"] == 2 and not lane.drained()
+    restored = PolicyLane("solver", pipeline(), primary=True)
+    restored.load_state(lane.state())
+    assert restored.state() == lane.state() and restored.planned() == [plan]
+    lane.published(plan.batch_id)
+    assert lane.trained(plan.batch_id) == ["t0", "t1"] and lane.trained(plan.batch_id) == []  # counted once
+    assert lane.drained() and lane.accounting(in_flight=0).fates == {"filtered:zero_variance": 1, "trained": 2}
+    assert lane.failed("solver-b000009") == [] and "failed:train" not in lane.ledger.fates
