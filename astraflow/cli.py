@@ -25,54 +25,79 @@ def _load(recipe: str, overrides: list[str]):  # noqa: ANN202
         raise typer.Exit(2) from None
 
 
-def _opts(nats: str, user: str | None, password: str | None, creds: str | None, nkey: str | None,
-          tls_ca: str | None, tls_cert: str | None, tls_key: str | None, domain: str | None):  # noqa: ANN202
+def _opts(nats: str | None, credential: str | None, user: str | None = None, password: str | None = None, creds: str | None = None,
+          nkey: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+          domain: str | None = None):  # noqa: ANN202
     from astraflow.streams.plane import NatsOptions
 
-    return NatsOptions(url=nats, user=user, password=password, creds=creds, nkey_seed=nkey, tls_ca=tls_ca,
-                       tls_cert=tls_cert, tls_key=tls_key, domain=domain)
+    tls = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key, "domain": domain, "creds": creds, "nkey_seed": nkey}
+    if credential:
+        return NatsOptions.from_credential(credential, url=nats, **tls)
+    if not nats:
+        typer.echo("give --nats URL (or --credential FILE, which names the server)", err=True)
+        raise typer.Exit(2)
+    return NatsOptions(url=nats, user=user, password=password, **tls)
+
+
+Credential = typer.Option(None, "--credential", help="Credential file written by `astraflow up` (RUN_DIR/credentials/ROLE.json): "
+                                                     "user, password, run id, server URL and CA; no secret on the command line.")
 
 
 @app.command()
 def up(
-    recipe: Optional[str] = typer.Argument(None, help="Recipe YAML or folder (e.g. recipes/arithmetic)."),
+    recipe: Optional[str] = typer.Argument(None, help="Recipe YAML or folder (e.g. recipes/arithmetic). With --resume: applied, "
+                                                      "the differences shown."),
     nats: Optional[str] = NatsUrl,
     run_dir: Optional[Path] = typer.Option(None, help="Run directory (default runs/NAME-TIMESTAMP)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run kept in this run directory."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run kept in this run directory (same address, "
+                                                                "credentials, checkpoints, state and history)."),
     set_: list[str] = Overrides,
     timeout: float = typer.Option(3600.0, help="Abort the run after this many seconds."),
-    autoscale: bool = typer.Option(False, "--autoscale", help="Start and retire local rollout workers toward the dataflow's advised pool size."),
-    metrics_port_base: Optional[int] = typer.Option(None, help="Serve Prometheus metrics from every role: trainers on BASE+i, evaluator BASE+10, dataflow BASE+20, rollout nodes BASE+30+i (observability/prometheus.yml uses 9400)."),
+    autoscale: bool = typer.Option(False, "--autoscale", is_flag=True, show_default=False,
+                                   help="Start and retire local rollout workers toward the dataflow's advised pool size."),
+    metrics_port_base: Optional[int] = typer.Option(None, help="Serve Prometheus metrics from every role: trainers on BASE+i, "
+                                                               "evaluator BASE+10, dataflow BASE+20, rollout nodes BASE+30+i."),
+    listen: Optional[str] = typer.Option(None, help="Where the embedded server listens, HOST:PORT (default 127.0.0.1, a free port). "
+                                                    "Beyond loopback, TLS is on and the credential files carry the CA."),
+    credentials: Optional[Path] = typer.Option(None, help="With --nats: a directory of role credential files for that server."),
 ) -> None:
-    """Start the embedded server (or use --nats) and every role as a process; watch; summarise."""
-    from astraflow.launcher import new_run_dir, up as run_up
+    """Start the embedded server (or use --nats) and every role as a supervised process; watch; summarise."""
+    from astraflow.launch import RunFailed, new_run_dir, up as run_up
     from astraflow.runtime import setup_logging
 
     setup_logging("WARNING")
-    if resume is not None:
-        r = _load(str(resume / "recipe.yaml"), set_)
-        run_up(r, resume, nats, timeout, autoscale, resume=True, metrics_port_base=metrics_port_base)
-        return
-    if recipe is None:
-        typer.echo("give a RECIPE, or --resume RUN_DIR", err=True)
-        raise typer.Exit(2)
-    r = _load(recipe, set_)
-    run_up(r, run_dir or new_run_dir(r), nats, timeout, autoscale, metrics_port_base=metrics_port_base)
+    try:
+        if resume is not None:
+            r = _load(recipe or str(resume / "recipe.yaml"), set_)
+            run_up(r, resume, nats, timeout, autoscale, resume=True, metrics_port_base=metrics_port_base, listen=listen,
+                   credentials=credentials)
+            return
+        if recipe is None:
+            typer.echo("give a RECIPE, or --resume RUN_DIR", err=True)
+            raise typer.Exit(2)
+        r = _load(recipe, set_)
+        run_up(r, run_dir or new_run_dir(r), nats, timeout, autoscale, metrics_port_base=metrics_port_base, listen=listen,
+               credentials=credentials)
+    except (RunFailed, FileNotFoundError, PermissionError, ConnectionError) as e:
+        typer.echo(f"astraflow up: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()
 def worker(
     role: str = typer.Argument(..., help="dataflow | rollout | trainer | evaluator"),
     recipe: str = typer.Option(..., help="Recipe YAML (the run directory's recipe.yaml)."),
-    nats: str = typer.Option(..., help="nats URL(s) of the run's plane."),
-    run: str = typer.Option(..., help="Run id (subject scope)."),
+    nats: Optional[str] = typer.Option(None, help="nats URL(s) of the run's plane (default: the credential's)."),
+    run: Optional[str] = typer.Option(None, help="Run id (subject scope; default: the credential's)."),
+    credential: Optional[str] = Credential,
     id: Optional[str] = typer.Option(None, "--id", help="Worker id (default: ROLE-PID)."),
     policy: Optional[str] = typer.Option(None, help="Trainer: the policy to train (default: the first)."),
     pool: Optional[str] = typer.Option(None, help="Rollout pool (shared durable consumer)."),
     region: Optional[str] = typer.Option(None, help="Rollout: region label of this node (default: rollout.region)."),
     hardware: Optional[str] = typer.Option(None, help="Rollout: hardware label of this node (default: rollout.hardware, else cuda/cpu as detected)."),
     weights_domain: Optional[str] = typer.Option(None, help="Rollout: read weights from the mirrors in this JetStream domain (a region's leaf)."),
-    user: Optional[str] = None, password: Optional[str] = None, creds: Optional[str] = None, nkey: Optional[str] = None,
+    user: Optional[str] = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD (never put it on a command line)."),
+    creds: Optional[str] = None, nkey: Optional[str] = None,
     tls_ca: Optional[str] = None, tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
     domain: Optional[str] = typer.Option(None, help="JetStream domain to read (a region's leafnode)."),
     checkpoint_dir: Optional[Path] = typer.Option(None, help="Trainer: checkpoint directory of this policy; a restart resumes from it (default: none, start at v0)."),
@@ -86,7 +111,11 @@ def worker(
 
     setup_logging()
     r = _load(recipe, set_)
-    opts = _opts(nats, user, password, creds, nkey, tls_ca, tls_cert, tls_key, domain)
+    opts = _opts(nats, credential, user, None, creds, nkey, tls_ca, tls_cert, tls_key, domain)
+    run = run or opts.run
+    if not run:
+        typer.echo("give --run RUN (or --credential FILE, which names the run)", err=True)
+        raise typer.Exit(2)
     wid = id or f"{role}-{os.getpid()}"
     if role == "dataflow":
         from astraflow.dataflow.service import serve
@@ -109,14 +138,29 @@ def worker(
 
 @app.command()
 def status(
-    nats: str = typer.Option(..., help="nats URL of the run's plane."),
-    run: str = typer.Option(..., help="Run id."),
-    policy: str = typer.Option("solver", help="Policy to report."),
+    nats: Optional[str] = typer.Option(None, help="nats URL of the run's plane (default: the credential's)."),
+    run: Optional[str] = typer.Option(None, help="Run id (default: the credential's)."),
+    credential: Optional[str] = Credential,
+    user: Optional[str] = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD."),
+    policy: Optional[str] = typer.Option(None, help="Policy to report (default: the first with a version)."),
+    timeout: float = typer.Option(5.0, help="Give up on an unreachable server after this many seconds."),
 ) -> None:
-    """Streams, lag, workers, policy version and task accounting of a live run."""
-    from astraflow.status import show
+    """Streams, lag, workers (dead ones marked), policy version and task accounting of a live run."""
+    from astraflow.status import NoSuchRun, show
 
-    asyncio.run(show(nats, run, policy))
+    opts = _opts(nats, credential, user)
+    run = run or opts.run
+    if not run:
+        typer.echo("give --run RUN (or --credential FILE, which names the run)", err=True)
+        raise typer.Exit(2)
+    try:
+        asyncio.run(show(opts, run, policy, timeout))
+    except NoSuchRun as e:
+        typer.echo(f"astraflow status: {e}", err=True)
+        raise typer.Exit(3) from None
+    except (ConnectionError, PermissionError) as e:
+        typer.echo(f"astraflow status: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def main() -> None:

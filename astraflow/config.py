@@ -271,6 +271,10 @@ class PlaneConfig(Strict):
     """Deliveries of a task before it is dead-lettered."""
     weights_history: int = Field(64, ge=2)
     """Weight announcements kept per policy (retention of payloads follows them)."""
+    server_gone_timeout: float = Field(120.0, gt=0)
+    """A role whose server has been unreachable this long leaves (shorter outages are ridden through)."""
+    fate_ttl: float = Field(24 * 3600, gt=0)
+    """Seconds a per-task fate record stays in the run's fates bucket."""
 
 
 class PolicyConfig(Strict):
@@ -366,7 +370,7 @@ class Recipe(Strict):
         p = self.plane
         return Topology(policies=self.policy_names, pools=(self.rollout.pool,), replicas=p.replicas, task_ack_wait=p.task_ack_wait,
                         traj_ack_wait=p.traj_ack_wait, batch_ack_wait=p.batch_ack_wait, max_deliver=p.max_deliver,
-                        weights_history=p.weights_history)
+                        weights_history=p.weights_history, fate_ttl=p.fate_ttl)
 
 
 class RecipeError(ValueError):

@@ -6,18 +6,50 @@ import asyncio
 import contextlib
 import logging
 import signal
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from astraflow.streams.plane import Plane
 
 log = logging.getLogger(__name__)
 
 
-def stop_event() -> asyncio.Event:
-    """An event set by SIGTERM or SIGINT: roles finish what they hold and leave."""
-    stop = asyncio.Event()
+class Stop(asyncio.Event):
+    """Set when a role must leave. ``urgent``: leave now, without draining (the launcher died, or
+    the server has been gone too long: nothing held could be handed back anyway)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urgent = False
+        self.why = ""
+
+    def now(self, why: str) -> None:
+        self.urgent, self.why = True, why
+        self.set()
+
+
+def stop_event() -> Stop:
+    """SIGTERM / SIGINT: finish what you hold and leave. SIGHUP (sent by the kernel when the launcher
+    dies, ``PR_SET_PDEATHSIG``): leave now."""
+    stop = Stop()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, stop.now, "the launcher is gone (SIGHUP)")
     return stop
+
+
+async def watch_server(plane: Plane, stop: Stop, bound_s: float) -> None:
+    """Leave (urgently) once the server has been unreachable for ``bound_s`` seconds; shorter outages
+    (a restart, a leaf region's link) are ridden through by the client's reconnects."""
+    while not stop.is_set():
+        gone = plane.disconnected_for()
+        if gone > bound_s:
+            log.error("nats-server unreachable for %.0fs (bound %.0fs): leaving", gone, bound_s)
+            stop.now(f"server gone for {gone:.0f}s")
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
 
 
 async def every(seconds: float, fn: Callable[[], Awaitable[None]], stop: asyncio.Event) -> None:

@@ -3,64 +3,85 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from astraflow.streams.dataflow_state import Accounting, DataflowState
-from astraflow.streams.messages import Heartbeat
+from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import AutoscaleRecord, VersionRecord
 
-
-async def collect(nats: str, run: str, policy: str, listen: float = 2.5) -> dict[str, Any]:
-    plane = await Plane.connect(NatsOptions(url=nats), run, "status")
-    names = plane.names
-    beats: dict[str, Heartbeat] = {}
-
-    def on_beat(hb: Heartbeat) -> None:
-        beats[hb.worker_id] = hb
-
-    await plane.on_heartbeats(on_beat)
-    streams = {}
-    for s in (names.task_stream, names.traj_stream, names.batch_stream, names.weights_stream, names.dlq_stream):
-        streams[s] = await plane.stream_msgs(s)
-    lags = {}
-    for label, stream, durable in (("tasks→raas", names.task_stream, "raas"), ("traj→dataflow", names.traj_stream, names.DATAFLOW_CONSUMER),
-                                   (f"batch→trainer-{policy}", names.batch_stream, names.trainer_consumer(policy))):
-        try:
-            lags[label] = (await plane.lag(stream, durable)).__dict__
-        except Exception:
-            lags[label] = None
-    version = await plane.state.get(VersionRecord, policy)
-    dataflow = await plane.state.get(DataflowState)
-    accounting = dataflow.accounting if dataflow else {}  # per policy: states that add up to the tasks issued
-    autoscale = await plane.state.get(AutoscaleRecord, dataflow.pool if dataflow else "raas")
-    await asyncio.sleep(listen)
-    await plane.close()
-    return {"streams": streams, "lags": lags, "version": version.version if version else None, "accounting": accounting,
-            "autoscale": autoscale, "mode": dataflow.mode if dataflow else None, "workers": beats}
+STALE_BEATS = 3
 
 
-async def show(nats: str, run: str, policy: str) -> None:
-    info = await collect(nats, run, policy)
+class NoSuchRun(LookupError):
+    """The server answers, but holds no run by that id."""
+
+
+async def collect(opts: NatsOptions, run: str, policy: str | None = None, listen: float = 2.5, timeout: float = 5.0) -> dict[str, Any]:
+    """Everything ``status`` shows, read from the plane; raises ConnectionError after ``timeout`` without a
+    server, :class:`NoSuchRun` when the run's streams are not there."""
+    plane = await Plane.connect(opts, run, "status", wait=timeout)
+    try:
+        names = plane.names
+        streams = {s: await plane.stream_msgs(s) for s in (names.task_stream, names.traj_stream, names.batch_stream,
+                                                            names.weights_stream, names.dlq_stream)}
+        if all(n is None for n in streams.values()):
+            raise NoSuchRun(f"no run {run!r} on {opts.redacted()} (none of its streams exist)")
+        received: dict[str, tuple[Heartbeat, float]] = {}
+
+        def on_beat(hb: Heartbeat) -> None:
+            received[hb.worker_id] = (hb, time.time())
+
+        await plane.on_heartbeats(on_beat)
+        dataflow = await plane.state.get(DataflowState)
+        policies = list(dataflow.lanes) if dataflow else []
+        policy = policy or (policies[0] if policies else "solver")
+        lags = {}
+        for label, stream, durable in (("tasks→raas", names.task_stream, "raas"), ("traj→dataflow", names.traj_stream, names.DATAFLOW_CONSUMER),
+                                       (f"batch→trainer-{policy}", names.batch_stream, names.trainer_consumer(policy))):
+            try:
+                lags[label] = (await plane.lag(stream, durable)).__dict__
+            except Exception:  # the consumer does not exist (yet)
+                lags[label] = None
+        version = await plane.state.get(VersionRecord, policy)
+        autoscale = await plane.state.get(AutoscaleRecord, dataflow.pool if dataflow else "raas")
+        await asyncio.sleep(listen)
+    finally:
+        await plane.close()
+    return {"streams": streams, "lags": lags, "policy": policy, "version": version.version if version else None,
+            "accounting": dataflow.accounting if dataflow else {}, "autoscale": autoscale, "mode": dataflow.mode if dataflow else None,
+            "workers": received}
+
+
+async def show(opts: NatsOptions, run: str, policy: str | None = None, timeout: float = 5.0) -> None:
+    info = await collect(opts, run, policy, timeout=timeout)
     console = Console()
-    console.print(f"[bold]run {run}[/] · policy {policy} at version {info['version']}")
+    console.print(f"[bold]run {run}[/] · policy {info['policy']} at version {info['version']}")
     t = Table(title="streams and lag")
     for c in ("stream / consumer", "messages / pending", "ack pending", "redelivered"):
         t.add_column(c)
     for s, n in info["streams"].items():
-        t.add_row(s, str(n), "", "")
+        t.add_row(s, "—" if n is None else str(n), "", "")
     for label, lag in info["lags"].items():
         t.add_row(label, *(str(lag[k]) if lag else "—" for k in ("pending", "ack_pending", "redelivered")))
     console.print(t)
     w = Table(title="workers (heartbeats)")
     for c in ("worker", "role", "pool", "region", "version", "state", "stats"):
         w.add_column(c)
-    for wid, hb in sorted(info["workers"].items()):
+    now = time.time()
+    for wid, (hb, _) in sorted(info["workers"].items()):
+        age = now - hb.ts
         stats = " ".join(f"{k}={v:.3g}" for k, v in list(hb.stats.summary().items())[:8])
-        w.add_row(wid, hb.role, hb.pool, hb.region, str(hb.version), hb.state, stats)
+        state = hb.state
+        if age > STALE_BEATS * HEARTBEAT_PERIOD_S:  # its last beat is old: a worker that died just now
+            state, stats = f"[red]gone {age:.0f}s[/]", f"[dim]stale: {stats}[/]"
+        w.add_row(wid, hb.role, hb.pool, hb.region, str(hb.version), state, stats)
+    if not info["workers"]:
+        w.caption = "no heartbeat in the last few seconds: no live worker"
     console.print(w)
     for p, acc in info["accounting"].items():
         console.print(accounting_table(p, acc))

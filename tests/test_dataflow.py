@@ -348,7 +348,7 @@ async def test_status_shows_the_accounting_and_the_advice(harness: Harness):
     await harness.until(lambda: harness.acc().fates.get("trained", 0) >= 2)
     await harness.df.beat()
     await harness.df.journal.commit()
-    info = await collect(harness.url, harness.run, "solver", listen=0.2)
+    info = await collect(NatsOptions(url=harness.url), harness.run, "solver", listen=0.2)
     acc = info["accounting"]["solver"]
     assert acc == harness.acc() and acc.adds_up
     assert info["autoscale"].pool == "raas" and info["autoscale"].target >= 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-import subprocess
 
 import numpy as np
 import pytest
@@ -14,7 +13,6 @@ from astraflow.config import AutoscaleConfig
 from astraflow.dataflow.autoscale import Meter, Nodes, Observation, Starvation, advise
 from astraflow.dataflow.groups import Assembler
 from astraflow.dataflow.ledger import IdSet, Ledger, account
-from astraflow.launcher import LocalPool, Role
 from astraflow.rollout.scripted_engine import Latency
 from astraflow.streams.messages import Trajectory
 
@@ -129,29 +127,3 @@ def test_latency_distributions_have_the_configured_median(dist: str, sigma: floa
     if dist == "lognormal":  # sigma 1: the 99th percentile is e^2.33 ≈ 10x the median
         assert np.percentile(draws, 99) == pytest.approx(0.5 * np.exp(2.326), rel=0.25)
     assert Latency(dist, 0.5, sigma=sigma, seed=1).draw() == Latency(dist, 0.5, sigma=sigma, seed=1).draw()  # seeded
-
-
-class FakeProc:
-    def __init__(self) -> None:
-        self.signals: list[int] = []
-        self.code: int | None = None
-
-    def poll(self) -> int | None:
-        return self.code
-
-    def send_signal(self, sig: int) -> None:
-        self.signals.append(sig)
-
-
-def test_local_pool_moves_one_node_at_a_time_toward_the_target():
-    roles = [Role("trainer-solver", "trainer", FakeProc()), Role("rollout-0", "rollout", FakeProc(), essential=False)]  # type: ignore[arg-type]
-    pool = LocalPool(roles, lambda name: Role(name, "rollout", FakeProc(), essential=False), cooldown_s=10)  # type: ignore[arg-type]
-    assert pool.act(3, now=0.0) == "started rollout-1 (2/3)"
-    assert pool.act(3, now=5.0) is None  # cooldown
-    assert pool.act(3, now=10.0) == "started rollout-2 (3/3)"
-    assert pool.act(3, now=30.0) is None  # at target
-    assert pool.act(1, now=40.0) == "retiring rollout-2 (2/1)"
-    assert roles[-1].proc.signals == [subprocess.signal.SIGTERM]  # type: ignore[attr-defined]
-    assert [r.name for r in pool.live()] == ["rollout-0", "rollout-1"]
-    roles[1].proc.code = 1  # a node died on its own: counted out, replaced toward the target
-    assert pool.act(2, now=60.0) == "started rollout-3 (2/2)"

@@ -42,7 +42,7 @@ from astraflow.dataflow.pool import PoolAdvisor
 from astraflow.dataflow.serving import BatchServer
 from astraflow.dataflow.watch import BatchFailed, TaskFailed, Trained, Watch
 from astraflow.metrics import Metrics, start_metrics_server
-from astraflow.runtime import every, stop_event
+from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.messages import DataflowStats, Heartbeat, Trajectory
 from astraflow.streams.plane import Consumer, NatsOptions, Plane
@@ -182,6 +182,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "d
     df = Dataflow(recipe, plane, metrics)
     await df.start()
     stop = stop_event()
+    watchdog = asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))
     names = plane.names
     trajectories = plane.consumer(names.traj_stream, names.DATAFLOW_CONSUMER, Trajectory)
     ack_wait = (await trajectories.settings()).ack_wait
@@ -192,7 +193,8 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "d
             await df.step(trajectories)
     finally:
         stop.set()
-        await asyncio.gather(*side, return_exceptions=True)
-        await df.journal.flush()
+        await asyncio.gather(*side, watchdog, return_exceptions=True)
+        if not stop.urgent:  # without a server there is nothing to flush to; the next dataflow redoes it
+            await df.journal.flush()
         await df.watch.stop()
         await plane.close()  # held trajectories stay unacked: the next dataflow gets them again

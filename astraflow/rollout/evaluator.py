@@ -151,7 +151,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
         port = start_metrics_server(metrics_port)
         log.info("Prometheus metrics on :%d/metrics", port)
     plane = await Plane.connect(nats, run, worker_id)
-    await plane.ensure_topology(recipe.topology())
+    await plane.ensure_topology(recipe.topology(), create=False)
     load_plugins(recipe.rollout.plugins)  # the recipe's reward may live in a plugin
     handle = make_handle(recipe, policy)
     sync = WeightSync(plane, policy, handle.engine)

@@ -33,7 +33,7 @@ from astraflow.models import load_tokenizer
 from astraflow.rollout.engine import SamplingParams, StaleWeights, build_engine, close_engine
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows import PolicyHandle, Workflow, get_workflow
-from astraflow.runtime import every, stop_event
+from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.codec import MessageTooLarge
 from astraflow.streams.messages import Heartbeat, RolloutStats, Task, Trajectory
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
@@ -212,8 +212,9 @@ class RolloutNode:
         for h in self.handles.values():
             h.safe_point_fn = self._safe_point
         topo = dataclasses.replace(self.recipe.topology(), pools=(self.pool,))
-        await self.plane.ensure_topology(topo)
+        await self.plane.ensure_topology(topo, create=False)
         beats = asyncio.create_task(every(2.0, self.beat, stop))
+        watchdog = asyncio.create_task(watch_server(self.plane, stop, self.recipe.plane.server_gone_timeout))
         try:
             for sync in self.syncs.values():  # joining: the current weights first
                 await sync.wait_for(0, timeout=600)
@@ -241,7 +242,7 @@ class RolloutNode:
         finally:
             self.draining = True
             stop.set()
-            await asyncio.gather(beats, return_exceptions=True)
+            await asyncio.gather(beats, watchdog, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self.beat()
             log.info("rollout node %s left: %s", self.worker_id, {k: v for k, v in self.stats.items() if v})
@@ -278,8 +279,8 @@ class RolloutNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
             self.stats["held"] = 0
-        if trajs is None:  # drained: not finished in time, handed back
-            await asyncio.gather(*(d.nak() for d in ready))
+        if trajs is None:  # drained: not finished in time, handed back (after an urgent stop, ack_wait redelivers them)
+            await asyncio.wait_for(asyncio.gather(*(d.nak() for d in ready), return_exceptions=True), 5)
             self.stats["drained_naks"] += len(ready)
             return
         self.stats["gen_s"] += time.perf_counter() - t0
@@ -310,8 +311,9 @@ class RolloutNode:
             await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
                 self.draining = True
-                log.info("stopping: waiting up to %.0fs for %d held tasks", self.recipe.rollout.drain_timeout, len(ready))
-                done, _ = await asyncio.wait({work}, timeout=self.recipe.rollout.drain_timeout)
+                drain = 0.0 if getattr(stop, "urgent", False) else self.recipe.rollout.drain_timeout
+                log.info("stopping: waiting up to %.0fs for %d held tasks", drain, len(ready))
+                done, _ = await asyncio.wait({work}, timeout=drain) if drain > 0 else (set(), None)
                 if not done:
                     work.add_done_callback(lambda f: f.exception())  # the thread ends on its own; its result is dropped
                     return None

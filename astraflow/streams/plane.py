@@ -9,6 +9,7 @@ dead-letter stream with the reason and are terminated so they are not redelivere
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -192,14 +193,17 @@ class Plane:
         return bool(self._nc.is_connected)
 
     async def close(self) -> None:
-        """Flush what was published or acked, then close (no drain: open pull requests would stall it)."""
+        """Flush what was published or acked, then close (no drain: open pull requests would stall it).
+        Without a server there is nothing to flush to: close at once."""
         if self._nc.is_closed:
             return
-        try:
-            await self._nc.flush(timeout=5)
-        except Exception:  # closing anyway
-            pass
-        await self._nc.close()
+        if self._nc.is_connected:
+            try:
+                await self._nc.flush(timeout=5)
+            except Exception:  # closing anyway
+                pass
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._nc.close(), 5)
 
     def _jsm_for(self, domain: str | None) -> JetStreamManager:
         return self._nc.jsm(prefix=f"$JS.{domain}.API") if domain else self._nc.jsm()
@@ -253,7 +257,35 @@ class Plane:
         except NotFoundError:
             await self._js.create_key_value(cfg)
 
-    async def ensure_topology(self, topo: Topology) -> None:
+    async def wait_for_topology(self, topo: Topology, note_every: float = 10.0) -> None:
+        """For roles that may not create the run's streams: wait until whoever does (the dataflow,
+        ``astraflow up``) has made them, saying so now and then."""
+        n = self.names
+        loop = asyncio.get_running_loop()
+        start = last = loop.time()
+        needed = [(n.stream(f), None) for f in ("task", "traj", "batch", "weights", "dlq")]
+        needed += [(n.task_stream, n.pool_consumer(p)) for p in topo.pools] + [(n.batch_stream, n.trainer_consumer(p)) for p in topo.policies]
+        while True:
+            missing = []
+            for stream, durable in needed:
+                try:
+                    await (self._jsm.consumer_info(stream, durable) if durable else self._jsm.stream_info(stream))
+                except NotFoundError:
+                    missing.append(f"{stream}/{durable}" if durable else stream)
+            if not missing:
+                self.state.forget()
+                return
+            if loop.time() - last >= note_every or last == start:
+                log.warning("waiting for the run's streams (%s missing): start the dataflow or `astraflow up` for run %s",
+                            ", ".join(missing[:3]), n.run)
+                last = loop.time() + 1e-3
+            await asyncio.sleep(1.0)
+
+    async def ensure_topology(self, topo: Topology, create: bool = True) -> None:
+        """Create what the run needs (idempotent), or with ``create=False`` wait until it exists."""
+        if not create:
+            await self.wait_for_topology(topo)
+            return
         n, dedup, r = self.names, topo.dedup_window, topo.replicas
         file, limits, work = api.StorageType.FILE, api.RetentionPolicy.LIMITS, api.RetentionPolicy.WORK_QUEUE
         def stream(family: str, retention: api.RetentionPolicy, dedup: float = dedup, max_age: float | None = None,

@@ -33,11 +33,14 @@ def nats_server_binary() -> str:
     return found
 
 
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
+
+
 def _die_with_parent() -> None:
-    """preexec hook: ask the kernel to SIGTERM this child when its parent dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    """preexec hook: ask the kernel to SIGTERM this child when its parent dies (Linux). Only a call
+    into the already loaded libc runs between fork and exec: safe in a threaded parent."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 def render_config(store_dir: Path, ports_dir: Path, extra: str = "", listen: str = "127.0.0.1:-1") -> str:

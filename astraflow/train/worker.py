@@ -28,7 +28,7 @@ import torch
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.models import build_model, load_tokenizer
-from astraflow.runtime import every, stop_event
+from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.messages import Batch, Heartbeat, TrainerStats
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.streams.state import DoneRecord
@@ -91,7 +91,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
         port = start_metrics_server(metrics_port)
         log.info("Prometheus metrics on :%d/metrics", port)
     plane = await Plane.connect(nats, run, worker_id)
-    await plane.ensure_topology(recipe.topology())
+    await plane.ensure_topology(recipe.topology(), create=False)
     publisher = WeightPublisher(plane, policy, keyframe_every=cfg.keyframe_every)
     stop = stop_event()
     at = await start(plane, publisher, run_op, ckpt, policy)
@@ -107,6 +107,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
         await plane.beat(Heartbeat(worker_id=worker_id, policy=policy, version=version, stats=stats))
 
     beats = asyncio.create_task(every(2.0, beat, stop))
+    watchdog = asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))
     batches = plane.consumer(plane.names.batch_stream, plane.names.trainer_consumer(policy), Batch)
     keepalive_s = max((await batches.settings()).ack_wait / 3, 0.2)
     log.info("trainer %s at v%d, training to v%d (%s backend, %s loss)", policy, version, cfg.steps, cfg.backend, cfg.loss)
@@ -154,10 +155,11 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
             metrics.inc({"trained_tokens": step["tokens"], "trained_batches": 1})
             log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (%s)", version, d.msg.batch_id, step["loss"],
                      step["reward_mean"], 100 * last["wait_frac"], ann.encoding)
-        await plane.state.put(DoneRecord(policy=policy, version=version))
+        if version >= cfg.steps:
+            await plane.state.put(DoneRecord(policy=policy, version=version))
     finally:
         stop.set()
-        await asyncio.gather(beats, return_exceptions=True)
+        await asyncio.gather(beats, watchdog, return_exceptions=True)
         await plane.close()
 
 

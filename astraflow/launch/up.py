@@ -1,0 +1,227 @@
+"""``astraflow up``: the embedded server (or ``--nats``), every role as a supervised process, a live view, the summary.
+
+The embedded server is secure by default: the run gets per-role credentials (owner-only files in
+``RUN_DIR/credentials``) and the server enforces the per-role permissions of
+``streams/permissions.py``; a process without a credential can publish nothing. Beyond
+loopback (``--listen 0.0.0.0:4222``) TLS is on. On ``--resume`` the server comes back on the same
+address, with the same credentials, so hand-joined nodes reconnect by themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from astraflow.config import Recipe, dump_recipe
+from astraflow.launch.report import summarize
+from astraflow.launch.rundir import RunDir
+from astraflow.launch.supervisor import CrashLoop, LocalPool, RoleSpec, Supervisor
+from astraflow.launch.view import View
+from astraflow.launch.watcher import RunWatcher
+from astraflow.streams.credentials import Credential, is_loopback, issue, make_tls, redact, server_users
+from astraflow.streams.permissions import Scope, render_accounts
+from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.server import EmbeddedServer
+
+console = Console()
+
+
+class RunFailed(RuntimeError):
+    """The run stopped without finishing (a crash loop, a timeout); the message says why."""
+
+
+def recipe_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Fields that differ between two resolved recipes, as ``a.b: old -> new``."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += recipe_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def start_server(rundir: RunDir, recipe: Recipe, listen: str | None) -> tuple[EmbeddedServer, dict[str, Credential]]:
+    """The run's embedded server with authentication, on the address it had before when it can."""
+    address_file = rundir.nats / "address"
+    host, _, port = (listen or "127.0.0.1:-1").rpartition(":")
+    if address_file.exists() and port == "-1":
+        old_host, _, old_port = address_file.read_text().strip().rpartition(":")
+        if port_free(old_host, int(old_port)):
+            host, port = old_host, old_port
+        else:
+            console.print(f"[yellow]port {old_port} of the previous session is taken: the server moves to a new port; "
+                          "nodes joined by hand must be given the new address[/]")
+    policies = recipe.policy_names
+    tls = None if is_loopback(host) else make_tls(rundir.credentials / "tls", [host if host not in ("0.0.0.0", "::") else socket.gethostname()])
+    creds = issue(rundir.credentials, rundir.run, policies, tls_ca_pem=tls.ca_pem if tls else None)
+    extra = render_accounts(server_users(creds, policies), Scope(rundir.run, policies, (recipe.rollout.pool,)))
+    if tls:
+        extra += f'tls {{ cert_file: "{tls.cert_file}", key_file: "{tls.key_file}" }}\n'
+    server = EmbeddedServer(rundir.path, extra, listen=f"{host}:{port}", scheme="tls" if tls else "nats").start()
+    address_file.write_text(f"{host}:{server.port}")
+    url = server.url
+    creds = issue(rundir.credentials, rundir.run, policies, url=url, tls_ca_pem=tls.ca_pem if tls else None)
+    return server, creds
+
+
+def worker_command(rundir: RunDir, url: str, creds: dict[str, Credential] | None, spec: RoleSpec) -> list[str]:
+    """The command line of a role process: no secret on it, only the path of its credential file."""
+    cmd = [sys.executable, "-m", "astraflow.cli", "worker", spec.role, "--recipe", str(rundir.recipe), "--nats", url,
+           "--run", rundir.run, "--id", spec.name]
+    if creds is not None:
+        user = spec.name if spec.role == "trainer" else spec.role
+        cmd += ["--credential", str(rundir.credentials / f"{user}.json")]
+    return [*cmd, *spec.args]
+
+
+def join_command(rundir: RunDir, url: str, secured: bool) -> str:
+    if secured:
+        return f"astraflow worker rollout --credential {rundir.credentials / 'rollout.json'} --recipe {rundir.recipe}"
+    return f"astraflow worker rollout --recipe {rundir.recipe} --nats {redact(url)} --run {rundir.run}"
+
+
+def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None) -> list[RoleSpec]:
+    def metrics(offset: int) -> tuple[str, ...]:
+        return () if metrics_port_base is None else ("--metrics-port", str(metrics_port_base + offset))
+
+    specs = [RoleSpec(f"trainer-{p}", "trainer", ("--policy", p, "--checkpoint-dir", str(rundir.checkpoints(p)), *metrics(i)),
+                      finishes=True) for i, p in enumerate(recipe.policy_names)]
+    specs.append(RoleSpec("dataflow", "dataflow", metrics(20)))
+    if recipe.eval.enabled:
+        specs.append(RoleSpec("evaluator", "evaluator", metrics(10), finishes=True))
+    specs += [RoleSpec(f"rollout-{i}", "rollout", metrics(30 + i)) for i in range(recipe.rollout.nodes)]
+    return specs
+
+
+def prepare(recipe: Recipe, rundir: RunDir, resume: bool) -> Recipe:
+    """Write the resolved recipe; on resume show what changed against the stored one (and apply it)."""
+    rundir.prepare()
+    if resume:
+        if not rundir.exists():
+            raise FileNotFoundError(f"{rundir.path} holds no recipe.yaml: not a run directory")
+        old = yaml.safe_load(rundir.recipe.read_text())
+        changes = recipe_diff(old, recipe.model_dump(mode="json"))
+        if changes:
+            console.print("[bold]resuming with a changed recipe[/] (applied):\n  " + "\n  ".join(changes))
+    dump_recipe(recipe, rundir.recipe)
+    return recipe
+
+
+async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supervisor, specs: list[RoleSpec], timeout: float,
+                    autoscale: bool, join: str) -> str:
+    """Start the roles and watch the run until it finishes; returns how it ended."""
+    plane = await Plane.connect(opts, rundir.run, "launcher", wait=30)
+    await plane.ensure_topology(recipe.topology())  # before any role: they only look for it
+    from astraflow.rollout.evaluator import eval_versions  # lazy: pulls in the model stack
+
+    watcher = RunWatcher(plane, recipe, rundir, set(eval_versions(recipe)) if recipe.eval.enabled else set())
+    await watcher.start()
+    for spec in specs:
+        sup.start(spec)
+    pool = None
+    if autoscale:
+        rollout_spec = next((s for s in specs if s.role == "rollout"), RoleSpec("rollout-0", "rollout"))
+        pool = LocalPool(sup, lambda name: RoleSpec(name, "rollout", rollout_spec.args), max_nodes=recipe.dataflow.autoscale.max_nodes)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    try:
+        with View(recipe, console, join) as view:
+            while not stop.is_set():
+                await watcher.poll(0.5)
+                for event in sup.poll():
+                    view.note(f"[bold]supervisor[/]: {event}")
+                advice = watcher.live.advice
+                if pool is not None and advice is not None and time.time() - advice.ts < 30:
+                    did = pool.act(advice.target, time.monotonic())
+                    if did:
+                        view.note(f"[bold]autoscale[/]: {did} — {advice.reason}")
+                view.update(watcher.live, sup.restarts, watcher.run_time())
+                if await watcher.finished():
+                    return "finished"
+                if time.monotonic() - started > timeout:
+                    raise RunFailed(f"run did not finish in {timeout:.0f}s")
+            return "stopped"
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await watcher.stop()
+        await plane.close()
+
+
+def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0, autoscale: bool = False,
+       resume: bool = False, metrics_port_base: int | None = None, listen: str | None = None,
+       credentials: Path | None = None) -> dict[str, Any]:
+    """Run ``recipe`` in ``run_dir`` (or continue it: ``resume``); returns the summary.
+
+    ``nats_url``: an existing server or cluster instead of the embedded one (``credentials``: a
+    directory of role credential files for it, as ``up`` writes them). ``listen``: where the
+    embedded server listens (default loopback, a free port; beyond loopback, TLS)."""
+    rundir = RunDir(Path(run_dir))
+    recipe = prepare(recipe, rundir, resume)
+    session = rundir.begin_session()
+    server = None
+    creds: dict[str, Credential] | None = None
+    if nats_url is None:
+        server, creds = start_server(rundir, recipe, listen)
+        url = server.url
+        opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"))
+    else:
+        url = nats_url
+        if credentials is not None:
+            creds = {p.stem: Credential.read(p) for p in credentials.glob("*.json")}
+            rundir.credentials.mkdir(parents=True, exist_ok=True, mode=0o700)
+            for name, c in creds.items():
+                c.write(rundir.credentials / f"{name}.json")
+        opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"), url=url) if creds else NatsOptions(url=url)
+    where = "embedded, authenticated" if server else "external"
+    console.print(f"[bold]AstraFlow[/] run [cyan]{rundir.run}[/] (session {session}) on {redact(url)} ({where} nats-server)")
+    sup = Supervisor(lambda spec: worker_command(rundir, url, creds, spec), lambda name: rundir.log(name, session),
+                     env={k: v for k, v in os.environ.items() if k != "NATS_PASSWORD"})
+    specs = role_specs(recipe, rundir, metrics_port_base)
+    outcome, summary = "failed", {}
+    try:
+        outcome = asyncio.run(supervise(recipe, rundir, opts, sup, specs, timeout, autoscale,
+                                        join_command(rundir, url, creds is not None)))
+    except CrashLoop as e:
+        outcome = f"crash loop: {e.child.name}"
+        raise RunFailed(str(e)) from None
+    except RunFailed as e:
+        outcome = str(e)
+        raise
+    finally:
+        sup.stop(timeout=recipe.rollout.drain_timeout + 5)
+        if server is not None:
+            server.stop()
+        rundir.end_session(session, outcome, sup.restarts)
+        with contextlib.suppress(Exception):  # the summary is best effort on the way out of a failure
+            summary = summarize(recipe, rundir, console, outcome)
+    return summary
+
+
+def new_run_dir(recipe: Recipe, base: Path = Path("runs")) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return base / f"{recipe.name}-{stamp}-{os.getpid() % 10000}"

@@ -1,0 +1,145 @@
+"""What the launcher sees on the plane, written to the run directory as it happens.
+
+Like any operator, the launcher reads only the plane: heartbeats, weight announcements, the run
+state. Every weight version becomes a line of ``metrics.jsonl`` (once, however often a session
+restarts), every held-out evaluation a line of ``evals.jsonl``, and the pool is sampled into
+``pool.jsonl``. Counts come from the server (trajectories stored in the TRAJ stream), not from
+heartbeats, so they survive restarts and never go stale.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from astraflow.config import Recipe
+from astraflow.launch.rundir import RunDir
+from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat, RolloutStats, TrainerStats, WeightVersion
+from astraflow.streams.plane import Plane, Subscription
+from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord
+
+STALE_BEATS = 3  # a worker silent for this many heartbeat periods is gone
+SAMPLE_EVERY_S = 2.0
+
+
+@dataclass
+class Live:
+    """The latest of everything, for the view."""
+
+    beats: dict[str, tuple[Heartbeat, float]] = field(default_factory=dict)  # worker -> (heartbeat, monotonic time received)
+    versions: dict[str, int] = field(default_factory=dict)
+    rewards: dict[str, float] = field(default_factory=dict)  # batch-mean train reward of the last version, per policy
+    evals: dict[int, float] = field(default_factory=dict)
+    lags: dict[str, int] = field(default_factory=dict)
+    trajectories: int = 0
+    rate: float = 0.0  # trajectories per second over the last sampling window
+    advice: AutoscaleRecord | None = None
+    events: list[str] = field(default_factory=list)
+
+    def alive(self, now: float | None = None) -> dict[str, Heartbeat]:
+        now = time.monotonic() if now is None else now
+        return {w: hb for w, (hb, at) in self.beats.items() if now - at < STALE_BEATS * HEARTBEAT_PERIOD_S}
+
+    def nodes(self) -> int:
+        return sum(1 for hb in self.alive().values() if isinstance(hb.stats, RolloutStats) and hb.state != "draining")
+
+
+class RunWatcher:
+    def __init__(self, plane: Plane, recipe: Recipe, rundir: RunDir, wanted_evals: set[int]) -> None:
+        self.plane, self.recipe, self.rundir = plane, recipe, rundir
+        self.wanted_evals = wanted_evals
+        self.live = Live()
+        self.subs: list[Subscription] = []
+        self._recorded = {(r["policy"], r["version"], r.get("state_digest")) for r in rundir.rows("metrics.jsonl")}
+        for r in rundir.rows("metrics.jsonl"):
+            self._seen_version(r)
+        self._evals = {int(r["version"]) for r in rundir.rows("evals.jsonl") if r.get("policy") == recipe.eval_policy}
+        self.live.evals = {int(r["version"]): float(r["reward"]) for r in rundir.rows("evals.jsonl")
+                           if r.get("policy") == recipe.eval_policy}
+        self._offset = rundir.wall_s()  # run time before this session
+        self._start = time.time()
+        self._sampled: tuple[float, int] | None = None
+        self._announcements = plane.follower(plane.names.all("weights"), WeightVersion, start="all")
+
+    async def start(self) -> None:
+        self.subs.append(await self.plane.on_heartbeats(self._on_beat))
+
+    async def stop(self) -> None:
+        for s in self.subs:
+            await s.stop()
+        await self._announcements.close()
+
+    def _on_beat(self, hb: Heartbeat) -> None:
+        self.live.beats[hb.worker_id] = (hb, time.monotonic())
+
+    def run_time(self) -> float:
+        """Seconds of this run, every session included."""
+        return self._offset + time.time() - self._start
+
+    def _seen_version(self, row: dict[str, Any]) -> None:
+        p = row["policy"]
+        if row["version"] >= self.live.versions.get(p, -1):
+            self.live.versions[p] = row["version"]
+            if "reward_mean" in row:
+                self.live.rewards[p] = row["reward_mean"]
+
+    async def poll(self, wait: float) -> None:
+        """One turn: announcements, evaluations, lags and a pool sample."""
+        traj = await self.plane.stream_msgs(self.plane.names.traj_stream)
+        self.live.trajectories = traj or 0
+        for ann in await self._announcements.fetch(wait):
+            key = (ann.policy, ann.version, ann.state_digest)
+            if key in self._recorded:
+                continue
+            self._recorded.add(key)
+            row = {"policy": ann.policy, "version": ann.version, "encoding": ann.encoding, "bytes": ann.objects[0].size if ann.objects else 0,
+                   "state_digest": ann.state_digest, "ts": ann.created_at, "run_s": round(self.run_time(), 2),
+                   "trajectories": self.live.trajectories, **ann.metrics}
+            self.rundir.append("metrics.jsonl", row)
+            self._seen_version(row)
+        await self._poll_evals()
+        await self._sample()
+
+    async def _poll_evals(self) -> None:
+        epol = self.recipe.eval_policy
+        for v in sorted(self.wanted_evals - self._evals):
+            got = await self.plane.state.get(EvalRecord, epol, v)
+            if got is None:
+                continue
+            self._evals.add(v)
+            self.live.evals[v] = got.reward
+            at = [r for r in self.rundir.rows("metrics.jsonl") if r["policy"] == epol and r["version"] == v]
+            rollouts = at[-1]["trajectories"] if at else self.live.trajectories  # generated when v was trained
+            self.rundir.append("evals.jsonl", {"policy": epol, "version": v, "reward": got.reward, "avg@k": got.avg_at_k,
+                                               "pass@k": got.pass_at_k, "k": got.k, "rollouts": rollouts, "run_s": round(self.run_time(), 2)})
+
+    async def _sample(self) -> None:
+        now = time.time()
+        if self._sampled is not None and now - self._sampled[0] < SAMPLE_EVERY_S:
+            return
+        n = self.plane.names
+        lags = {"task": (n.task_stream, n.pool_consumer(self.recipe.rollout.pool)), "traj": (n.traj_stream, n.DATAFLOW_CONSUMER),
+                **{f"batch.{p}": (n.batch_stream, n.trainer_consumer(p)) for p in self.recipe.policy_names}}
+        for label, (stream, durable) in lags.items():
+            lag = await self.plane.lag(stream, durable)
+            self.live.lags[label] = lag.pending + lag.ack_pending
+        if self._sampled is not None:
+            t0, c0 = self._sampled
+            self.live.rate = max(0.0, (self.live.trajectories - c0) / max(now - t0, 1e-9))
+        self._sampled = (now, self.live.trajectories)
+        alive = self.live.alive()
+        row: dict[str, Any] = {"wall_ts": now, "run_s": round(self.run_time(), 2), "trajectories": self.live.trajectories,
+                               "rate": round(self.live.rate, 3), "nodes": self.live.nodes()}
+        for hb in alive.values():  # a trainer's wait exists only once the trainer does
+            if isinstance(hb.stats, TrainerStats):
+                row[f"wait.{hb.policy}"] = round(hb.stats.wait_frac, 4)
+        self.rundir.append("pool.jsonl", row)
+        self.live.advice = await self.plane.state.get(AutoscaleRecord, self.recipe.rollout.pool)
+
+    async def finished(self) -> bool:
+        for p, c in self.recipe.policies.items():
+            done = await self.plane.state.get(DoneRecord, p)
+            if done is None or done.version < c.trainer.steps:
+                return False
+        return self.wanted_evals <= self._evals

@@ -1,0 +1,141 @@
+"""The supervisor of ``astraflow up`` with real child processes: restarts with backoff, crash loops,
+finished roles, retired nodes, the local pool, and children that die with the launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from astraflow.launch.supervisor import CrashLoop, LocalPool, RoleSpec, Supervisor
+
+PY = sys.executable
+
+
+def command(spec: RoleSpec) -> list[str]:
+    """Each test role is a tiny Python program named by its args: ``sleep``, ``exit N`` or ``flaky PATH``."""
+    kind, *rest = spec.args
+    if kind == "sleep":
+        return [PY, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+    if kind == "exit":
+        return [PY, "-c", f"print('failing on purpose', flush=True); raise SystemExit({rest[0]})"]
+    # flaky: dies until its marker file exists, then sleeps
+    return [PY, "-c", f"import os, time, sys; sys.exit(3) if not os.path.exists({rest[0]!r}) else time.sleep(60)"]
+
+
+def poll_until(sup: Supervisor, cond, timeout: float = 20.0) -> list[str]:  # noqa: ANN001
+    events: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not reached; events so far: {events}"
+        events += sup.poll()
+        time.sleep(0.02)
+    return events
+
+
+@pytest.fixture
+def sup(tmp_path: Path):
+    s = Supervisor(command, lambda name: tmp_path / f"{name}.log", backoff_base_s=0.05, backoff_max_s=0.2, max_crashes=3, window_s=60)
+    yield s
+    s.stop(timeout=5)
+
+
+def test_a_killed_role_is_restarted_and_counted(sup: Supervisor, tmp_path: Path):
+    child = sup.start(RoleSpec("dataflow", "dataflow", ("sleep",)))
+    log = tmp_path / "dataflow.log"
+    poll_until(sup, lambda: "up\n" in log.read_text())
+    first = child.proc.pid
+    os.kill(first, signal.SIGKILL)
+    events = poll_until(sup, lambda: child.restarts == 1 and child.alive())
+    assert child.proc.pid != first and sup.restarts == {"dataflow": 1}
+    assert any("killed by SIGKILL" in e for e in events)
+    poll_until(sup, lambda: log.read_text().count("up\n") == 2)  # one log, both lives
+    assert "restart 1 of dataflow after killed by SIGKILL" in log.read_text()
+
+
+def test_a_crash_loop_stops_with_the_log_tail(sup: Supervisor):
+    sup.start(RoleSpec("trainer-solver", "trainer", ("exit", "1"), finishes=True))
+    with pytest.raises(CrashLoop, match="trainer-solver crashed 4 times") as e:
+        poll_until(sup, lambda: False)
+    assert "failing on purpose" in e.value.tail
+
+
+def test_a_role_that_recovers_is_not_a_crash_loop(tmp_path: Path):
+    sup = Supervisor(command, lambda name: tmp_path / f"{name}.log", backoff_base_s=0.05, backoff_max_s=0.2, max_crashes=20)
+    marker = tmp_path / "ready"
+    child = sup.start(RoleSpec("rollout-0", "rollout", ("flaky", str(marker))))
+    try:
+        poll_until(sup, lambda: child.restarts >= 2)
+        marker.touch()  # this life or the next finds it and stays up
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            sup.poll()
+            time.sleep(0.02)
+        settled = child.restarts
+        time.sleep(0.5)
+        sup.poll()
+        assert child.alive() and child.state == "running" and child.restarts == settled
+    finally:
+        sup.stop(timeout=5)
+
+
+def test_finished_and_retired_roles_stay_down(sup: Supervisor):
+    done = sup.start(RoleSpec("evaluator", "evaluator", ("exit", "0"), finishes=True))
+    node = sup.start(RoleSpec("rollout-0", "rollout", ("sleep",)))
+    sup.retire("rollout-0")
+    poll_until(sup, lambda: done.state == "done" and not node.alive())
+    time.sleep(0.3)
+    sup.poll()
+    assert (done.state, node.state, done.restarts, node.restarts) == ("done", "retired", 0, 0)
+
+
+def test_local_pool_moves_one_node_at_a_time_toward_the_target(sup: Supervisor):
+    sup.start(RoleSpec("trainer-solver", "trainer", ("sleep",), finishes=True))
+    sup.start(RoleSpec("rollout-0", "rollout", ("sleep",)))
+    pool = LocalPool(sup, lambda name: RoleSpec(name, "rollout", ("sleep",)), cooldown_s=10)
+    assert pool.act(3, now=0.0) == "started rollout-1 (2/3)"
+    assert pool.act(3, now=5.0) is None  # cooldown
+    assert pool.act(3, now=10.0) == "started rollout-2 (3/3)"
+    assert pool.act(3, now=30.0) is None  # at target
+    assert pool.act(1, now=40.0) == "retiring rollout-2 (2/1)"
+    poll_until(sup, lambda: not sup.children["rollout-2"].alive())
+    assert [c.name for c in sup.live("rollout")] == ["rollout-0", "rollout-1"]
+
+
+def test_children_die_with_the_launcher(tmp_path: Path):
+    """A launcher killed with SIGKILL: its children get SIGHUP from the kernel and are gone at once."""
+    script = tmp_path / "launcher.py"
+    pids = tmp_path / "pids"
+    script.write_text(
+        "import sys, time\n"
+        "from astraflow.launch.supervisor import RoleSpec, Supervisor\n"
+        f"sup = Supervisor(lambda s: [{PY!r}, '-c', 'import time; time.sleep(120)'], lambda n: __import__('pathlib').Path({str(tmp_path)!r}) / n)\n"
+        "kids = [sup.start(RoleSpec(f'r{i}', 'rollout')) for i in range(3)]\n"
+        f"open({str(pids)!r}, 'w').write(' '.join(str(k.proc.pid) for k in kids))\n"
+        "time.sleep(120)\n")
+    launcher = subprocess.Popen([PY, str(script)])
+    deadline = time.monotonic() + 20
+    while not pids.exists() or not pids.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    children = [int(p) for p in pids.read_text().split()]
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in children):
+        assert time.monotonic() < deadline, "children outlived the launcher by 5 s"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its (dead) parent is gone for our purpose
+        return f.read().split()[2] != "Z"
