@@ -15,7 +15,7 @@ from astraflow.dataflow.autoscale import Meter, Nodes, Observation, Starvation, 
 from astraflow.dataflow.groups import Assembler
 from astraflow.dataflow.ledger import IdSet, Ledger, account
 from astraflow.launcher import LocalPool, Role
-from astraflow.rollout.scripted_engine import Latency
+from astraflow.rollout.engines.scripted import Latency
 from astraflow.streams.messages import Trajectory
 
 
