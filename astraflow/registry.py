@@ -89,7 +89,9 @@ class OptionRegistry:
     def parse(self, value: Any) -> Any:
         """A name or a mapping with ``type`` -> that type's option model, validated (its errors keep their location)."""
         if isinstance(value, Options):
-            return value
+            if self._models.get(value.type) is type(value):
+                return value
+            value = value.model_dump()  # an option model of another kind, or replaced since: checked afresh
         if isinstance(value, str):
             value = {"type": value}
         if not isinstance(value, Mapping) or not isinstance(value.get("type"), str):
