@@ -124,7 +124,7 @@ def worker(
         from astraflow.train.worker import serve as serve_trainer
         asyncio.run(serve_trainer(r, opts, run, wid, policy, checkpoint_dir, metrics_port))
     elif role == "rollout":
-        from astraflow.rollout.worker import serve as serve_rollout
+        from astraflow.rollout.node import serve as serve_rollout
         if weights_domain:
             r = r.model_copy(update={"rollout": r.rollout.model_copy(update={"weights_domain": weights_domain})})
         asyncio.run(serve_rollout(r, opts, run, wid, pool, region, hardware, metrics_port))

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from astraflow.algorithms.config import AlgorithmsConfig
+from astraflow.registry import EngineOptions, LossOptions, Options, WorkflowOptions, load_plugins
 from astraflow.streams.subjects import check_token
 
 if TYPE_CHECKING:
@@ -74,12 +75,11 @@ class SFTConfig(Strict):
 
 
 class RolloutConfig(Strict):
+    """What every rollout node does: sampling, placement, and the engine that generates (with its own options)."""
+
     nodes: int = Field(1, ge=0)
     """Rollout workers `astraflow up` starts in the default pool."""
     pool: str = "raas"
-    engine: Literal["hf", "sglang", "vllm", "scripted"] = "hf"
-    """Generation runtime: ``hf`` (transformers in-process, the embedded default), ``sglang`` or ``vllm``
-    (their servers, launched or attached with ``engine_url``), ``scripted`` (benchmarks)."""
     tasks_per_generate: int = Field(4, gt=0)
     """Tasks a node pulls and generates together (one batched generate call)."""
     max_new_tokens: int = Field(8, gt=0)
@@ -97,44 +97,18 @@ class RolloutConfig(Strict):
     drain_timeout: float = Field(30.0, ge=0)
     """A node told to stop waits this long for the tasks it holds to finish, then naks them back to the pool."""
     plugins: list[str] = []
-    """Modules (``pkg.mod``) or ``.py`` files a rollout node imports at start, to register the recipe's own
-    workflows, rewards, tools or engines."""
-    engine_url: str | None = None
-    """sglang / vllm: URL of a running server to attach to (``http://host:port``); None launches one."""
-    engine_args: list[str] = []
-    """sglang / vllm: extra command-line arguments for a launched server (``["--tp", "2"]``)."""
-    engine_mode: Literal["server", "inprocess"] = "server"
-    """vllm: talk to its OpenAI-compatible server, or run ``vllm.LLM`` inside the node."""
-    engine_startup_timeout: float = Field(600.0, gt=0)
-    """sglang / vllm: seconds to wait for a launched server to report healthy."""
-    weight_staging_dir: str | None = None
-    """sglang / vllm: where a node writes each weight version for the server to load (default: a temp
-    dir under /dev/shm when it exists). The server must see the same path (same host)."""
-    max_turns: int = Field(4, ge=1)
-    """Multi-turn workflows: generation turns per episode (tool calls, environment steps)."""
-    tools: list[str] = ["calculator", "search"]
-    """multi_turn_tools: tools the model may call, by registered name."""
-    env_url: str | None = None
-    """env_http: base URL of an environment server with POST /start, /step, /close."""
-    env: str = "rooms"
-    """env_http: environment name sent to /start (the bundled server has ``rooms`` and ``shop``)."""
-    agent: str | None = None
-    """openai_agent: ``module:function`` of agent code called as ``agent(base_url, prompt, meta) -> answer``;
-    it talks to the node's OpenAI-compatible endpoint at ``base_url``."""
-    agent_concurrency: int = Field(4, ge=1)
-    """openai_agent: agent episodes a node runs at once."""
-    concurrency: int = Field(8, ge=1)
-    """scripted: requests a node serves at once (their latencies overlap up to this many)."""
-    latency: Literal["lognormal", "pareto", "constant"] = "lognormal"
-    """scripted: distribution of each request's latency (a benchmark engine; see ``rollout/scripted_engine.py``)."""
-    latency_median_s: float = Field(0.5, ge=0)
-    """scripted: median request latency in seconds (the value itself for ``constant``)."""
-    latency_sigma: float = Field(1.0, ge=0)
-    """scripted, lognormal: standard deviation of the log latency (1.0: a long tail)."""
-    latency_alpha: float = Field(1.5, gt=0)
-    """scripted, pareto: tail index (smaller = heavier tail; the mean is infinite at or below 1)."""
-    latency_seed: int = 0
-    """scripted: seed of the latency draws (mixed with the process id, so nodes draw independent streams)."""
+    """Modules (``pkg.mod``) or ``.py`` files that register the recipe's own workflows, rewards, tools or engines.
+    They are imported when the recipe is loaded (before ``engine`` and ``workflow`` are resolved), in every role."""
+    engine: EngineOptions = Field("hf", validate_default=True)
+    """Generation runtime by registered name, with its options: ``hf`` (transformers in-process, the default),
+    ``sglang`` / ``vllm`` (their servers, launched or attached with ``url``), ``scripted`` (benchmarks), or a
+    plug-in's. The option models live beside the engines (``astraflow/rollout/engines/options.py``)."""
+
+    @field_validator("plugins")
+    @classmethod
+    def _import_plugins(cls, paths: list[str]) -> list[str]:
+        load_plugins(paths)
+        return paths
 
 
 class AutoscaleConfig(BaseModel):
@@ -196,22 +170,16 @@ class TrainerConfig(Strict):
     """Optimizer steps (= weight versions after version 0) before the run ends."""
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    loss: Literal["ppo", "decoupled_ppo", "m2po"] = "ppo"
-    """``ppo``: PPO-clip against the behaviour logprobs (clip-higher, dual-clip); ``decoupled_ppo``: trust
-    region around π_prox, truncated IS against π_behave; ``m2po``: second-moment mask, no ratio clip."""
+    plugins: list[str] = []
+    """Modules (``pkg.mod``) or ``.py`` files that register the recipe's own losses; imported when the recipe is
+    loaded, before ``loss`` is resolved."""
+    loss: LossOptions = Field("ppo", validate_default=True)
+    """Policy loss by registered name, with its options: ``ppo`` (PPO-clip against the behaviour logprobs,
+    clip-higher, dual-clip), ``decoupled_ppo`` (trust region around π_prox, truncated IS against π_behave),
+    ``m2po`` (second-moment mask, no ratio clip), or a plug-in's. The option models live beside the losses
+    (``astraflow/train/losses/options.py``)."""
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses reduce to a scalar (token-mean: DAPO; seq-mean-token-mean: original GRPO)."""
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.28, ge=0)
-    dual_clip: float | None = Field(3.0, gt=1)
-    """ppo: bound on the loss of A < 0 tokens with a huge ratio (Ye et al.); null disables it."""
-    tis_cap: float | None = Field(2.0, gt=0)
-    """decoupled_ppo: truncation of the IS weight π_prox/π_behave; null: untruncated."""
-    recompute_prox: bool = False
-    """decoupled_ppo: π_prox = the trainer's policy before this step (its own logprobs, detached), instead of
-    π_behave. With one optimizer step per batch this costs no extra forward pass."""
-    tau: float = Field(0.01, gt=0)
-    """m2po: bound on the mean (log π_θ/π_behave)² of the kept tokens, over the whole batch."""
+    """How per-token losses (and the KL penalty) reduce to a scalar (token-mean: DAPO; seq-mean-token-mean: original GRPO)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to a frozen reference policy (the version-0 weights); 0: no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -236,11 +204,11 @@ class TrainerConfig(Strict):
     threads: int = Field(1, gt=0)
     seed: int = 0
 
-    @model_validator(mode="after")
-    def _loss_options(self) -> "TrainerConfig":
-        if self.recompute_prox and self.loss != "decoupled_ppo":
-            raise ValueError("recompute_prox applies to loss: decoupled_ppo only; set loss: decoupled_ppo or drop it")
-        return self
+    @field_validator("plugins")
+    @classmethod
+    def _import_plugins(cls, paths: list[str]) -> list[str]:
+        load_plugins(paths)
+        return paths
 
 
 class EvalConfig(Strict):
@@ -292,18 +260,24 @@ class PolicyConfig(Strict):
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, mapping by mapping. An option mapping naming another ``type`` replaces the
+    base's (``loss: {type: ppo}`` over ``{type: m2po, tau: 0.01}`` drops ``tau``); a bare name is ``{type: name}``."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        b = out.get(k)
+        if isinstance(v, dict) and isinstance(b, str):
+            b = {"type": b}
+        if isinstance(v, dict) and isinstance(b, dict) and v.get("type", b.get("type")) == b.get("type"):
+            out[k] = _merge(b, v)
+        else:
+            out[k] = v
     return out
 
 
 class Recipe(Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
     name: str
-    workflow: str = "single_turn"
-    """Registered workflow (see ``astraflow.rollout.workflows``)."""
-    reward: str = "arithmetic"
-    """Registered reward (see ``astraflow.rollout.rewards``)."""
     model: ModelConfig = ModelConfig()
     """Default model of every policy."""
     sft: SFTConfig = SFTConfig()
@@ -315,6 +289,13 @@ class Recipe(Strict):
     (``policies: {solver: {}, verifier: {trainer: {lr: 1e-4}}}``); a list of names takes them as is."""
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
+    workflow_options: WorkflowOptions = Field("single_turn", alias="workflow", validate_default=True)
+    """``workflow:`` in YAML. The registered workflow a task is played with, and its options
+    (``{type: multi_turn_tools, max_turns: 3, tools: [bm25]}``; a bare name takes the defaults). Validated after
+    ``rollout``, whose plugins may register it. The option models live beside the workflows
+    (``astraflow/rollout/workflows/options.py``)."""
+    reward: str = "arithmetic"
+    """Registered reward (see ``astraflow.rollout.rewards``)."""
     dataflow: DataflowConfig = DataflowConfig()
     eval: EvalConfig = EvalConfig()
     plane: PlaneConfig = PlaneConfig()
@@ -338,10 +319,16 @@ class Recipe(Strict):
             resolved[name] = {"name": name, **{k: _merge(defaults[k], over.pop(k, {}) or {}) for k in defaults}, **over}
         return {**data, "policies": resolved}
 
-    @field_validator("name", "workflow")
+    @field_validator("name")
     @classmethod
     def _token(cls, v: str) -> str:
         return check_token("name", v)
+
+    @field_validator("workflow_options")
+    @classmethod
+    def _workflow_token(cls, v: Options) -> Options:
+        check_token("workflow", v.type)  # tasks travel on task.{workflow}
+        return v
 
     @model_validator(mode="after")
     def _fits(self) -> "Recipe":
@@ -350,6 +337,11 @@ class Recipe(Strict):
         if self.eval.policy is not None and self.eval.policy not in self.policies:
             raise ValueError(f"eval.policy {self.eval.policy!r} is not one of the policies {list(self.policies)}")
         return self
+
+    @property
+    def workflow(self) -> str:
+        """The workflow's registered name (the subject token of its tasks)."""
+        return self.workflow_options.type
 
     @property
     def primary(self) -> str:
@@ -410,10 +402,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
+            if isinstance(node.get(part), str):  # a bare name (engine: hf) opened for its options
+                node[part] = {"type": node[part]}
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
     return parse_recipe(data, str(p))
 
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:
-    path.write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    path.write_text(yaml.safe_dump(recipe.model_dump(mode="json", by_alias=True), sort_keys=False))

@@ -35,8 +35,8 @@ from rich.table import Table
 
 from astraflow.config import parse_recipe
 from astraflow.models import build_model, encode_prompt, load_tokenizer
-from astraflow.rollout.engine import GenerationRequest
-from astraflow.rollout.worker import RolloutNode, make_handle
+from astraflow.rollout.engines.base import GenerationRequest
+from astraflow.rollout.node import RolloutNode, make_handle
 from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
@@ -47,7 +47,8 @@ def recipe_for(latency_s: float, group: int, tasks_per_generate: int) -> Any:
     return parse_recipe({
         "name": "bench-raas", "model": {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
         "dataflow": {"group_size": group},
-        "rollout": {"engine": "scripted", "latency": "constant", "latency_median_s": latency_s, "concurrency": group * tasks_per_generate,
+        "rollout": {"engine": {"type": "scripted", "latency": "constant", "latency_median_s": latency_s,
+                               "concurrency": group * tasks_per_generate},
                     "tasks_per_generate": tasks_per_generate, "max_new_tokens": 4},
     })
 

@@ -38,7 +38,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from astraflow.rollout.hf_engine import HFEngine
+from astraflow.rollout.engines.hf import HFEngine
 from astraflow.streams.objects import ensure_region_mirrors, get_object, object_stream, put_object
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import start_region_pair

@@ -18,7 +18,8 @@ import torch
 
 from astraflow.config import ModelConfig, RolloutConfig
 from astraflow.models import build_model, load_tokenizer
-from astraflow.rollout.engine import GenerationRequest, SamplingParams, build_engine, close_engine
+from astraflow.rollout.engines.base import GenerationRequest, SamplingParams, close_engine
+from astraflow.rollout.engines.registry import build_engine
 
 
 def recompute(model: torch.nn.Module, prompt: list[int], ids: list[int], temperature: float) -> list[float]:
@@ -36,8 +37,10 @@ def main() -> dict[str, object]:
     args = ap.parse_args()
     tok = load_tokenizer("byt5")
     mcfg = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=256)
-    rcfg = RolloutConfig(engine=args.engine, engine_mode=args.mode, engine_url=args.url)
-    engine = build_engine(args.engine, mcfg, rcfg, tok)
+    options: dict[str, object] = {"type": args.engine, "url": args.url}
+    if args.engine == "vllm":
+        options["mode"] = args.mode
+    engine = build_engine(mcfg, RolloutConfig(engine=options), tok)
     model = build_model(mcfg, tok).eval()
     out: dict[str, object] = {"engine": args.engine, "mode": args.mode}
     try:

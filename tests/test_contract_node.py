@@ -17,8 +17,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from astraflow import schema
 from astraflow.dataflow.groups import Assembler
-from astraflow.rollout import schema
 from astraflow.rollout.rewards import arithmetic
 from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.plane import Plane
@@ -27,8 +27,8 @@ NODE, NPM = shutil.which("node"), shutil.which("npm")
 
 
 def test_committed_schemas_are_up_to_date(repo_root):
-    assert schema.stale(repo_root / "schemas") == [], "run `python -m astraflow.rollout.schema`"
-    proc = subprocess.run([sys.executable, "-m", "astraflow.rollout.schema", "--check"], capture_output=True, text=True, timeout=60)
+    assert schema.stale(repo_root / "schemas") == [], "run `python -m astraflow.schema`"
+    proc = subprocess.run([sys.executable, "-m", "astraflow.schema", "--check"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 

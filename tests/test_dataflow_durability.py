@@ -34,7 +34,8 @@ RECIPE = {
     "model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
     "data": {"n_train": 60, "n_eval": 10},
     "trainer": {"steps": STEPS, "keyframe_every": 4},
-    "rollout": {"engine": "scripted", "latency": "constant", "latency_median_s": 0.05, "tasks_per_generate": 2, "max_new_tokens": 3},
+    "rollout": {"engine": {"type": "scripted", "latency": "constant", "latency_median_s": 0.05}, "tasks_per_generate": 2,
+                "max_new_tokens": 3},
     "dataflow": {"group_size": 4, "groups_per_batch": 2, "max_tasks_in_flight": 6, "max_staleness": 2},
     "eval": {"enabled": False},
     "plane": {"task_ack_wait": 5.0, "traj_ack_wait": 3.0},  # redelivery after a death takes seconds

@@ -13,7 +13,7 @@ from astraflow.config import AutoscaleConfig
 from astraflow.dataflow.autoscale import Meter, Nodes, Observation, Starvation, advise
 from astraflow.dataflow.groups import Assembler
 from astraflow.dataflow.ledger import IdSet, Ledger, account
-from astraflow.rollout.scripted_engine import Latency
+from astraflow.rollout.engines.scripted import Latency
 from astraflow.streams.messages import Trajectory
 
 

@@ -31,10 +31,11 @@ from astraflow.weights.publish import WeightPublisher
 PLUGIN = '''
 """Test plugin: a node with a hold-{node} file holds its first tasks until release-{node} appears."""
 import json, os, pathlib, time
-from astraflow.rollout.workflows import SingleTurn, register
+from astraflow.rollout.workflows.registry import register_workflow
+from astraflow.rollout.workflows.single_turn import SingleTurn
 
 
-@register("gated_single_turn")
+@register_workflow("gated_single_turn")
 class GatedSingleTurn(SingleTurn):
     def run(self, tasks, policies, node_id):
         gate = pathlib.Path(os.environ["AF_TEST_GATE_DIR"])
@@ -54,8 +55,8 @@ def write_recipe(tmp: Path) -> Path:
     recipe = {
         "name": "elastic", "workflow": "gated_single_turn", "reward": "arithmetic", "policies": ["solver"],
         "model": {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
-        "rollout": {"engine": "scripted", "latency": "constant", "latency_median_s": 0.2, "concurrency": 4, "tasks_per_generate": 2,
-                    "max_new_tokens": 3, "drain_timeout": 1.0, "plugins": [str(tmp / "gate_plugin.py")]},
+        "rollout": {"engine": {"type": "scripted", "latency": "constant", "latency_median_s": 0.2, "concurrency": 4},
+                    "tasks_per_generate": 2, "max_new_tokens": 3, "drain_timeout": 1.0, "plugins": [str(tmp / "gate_plugin.py")]},
         "plane": {"task_ack_wait": 3.0},
         "eval": {"enabled": False},
     }

@@ -8,7 +8,7 @@ import pytest
 
 from astraflow.config import parse_recipe
 from astraflow.rollout.evaluator import evaluate, evaluate_with_workflow, pass_at_k, sample_metrics
-from astraflow.rollout.worker import make_handle
+from astraflow.rollout.node import make_handle
 from astraflow.tasks import load_split
 
 
@@ -64,9 +64,15 @@ def test_evaluate_single_turn_tiny_model_and_k1_is_greedy():
 def test_writing_a_workflow_example(repo_root):  # noqa: ANN001
     """The complete example of docs/writing-a-workflow.md registers and runs as written."""
     import re
+    import sys
+    import types
 
     blocks = re.findall(r"```python\n(.*?)```", (repo_root / "docs/writing-a-workflow.md").read_text(), re.S)
     example, usage = blocks[-2], blocks[-1]
-    namespace: dict = {"__name__": "doc_example"}
-    exec(compile(example, "writing-a-workflow.md", "exec"), namespace)  # noqa: S102
-    exec(compile(usage, "writing-a-workflow.md", "exec"), namespace)  # noqa: S102
+    module = types.ModuleType("doc_example")  # the example is a plug-in module: imported, so its annotations resolve
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(example, "writing-a-workflow.md", "exec", dont_inherit=True), module.__dict__)  # noqa: S102
+        exec(compile(usage, "writing-a-workflow.md", "exec", dont_inherit=True), module.__dict__)  # noqa: S102
+    finally:
+        del sys.modules[module.__name__]

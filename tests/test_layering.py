@@ -56,6 +56,27 @@ def test_pure_parts_import_nothing_with_io(path: Path):
     assert not ours, f"{rel(path)} is pure but imports {ours}"
 
 
-def test_config_does_not_pull_in_a_role():
-    bad = sorted(m for m in imports(PKG / "config.py") if m.startswith(tuple(f"astraflow.{p}" for p in ROLE_PACKAGES)))
-    assert not bad, f"config.py imports {bad}: every role would import that package"
+@pytest.mark.parametrize("name", ["config.py", "registry.py"])
+def test_config_does_not_pull_in_a_role(name: str):
+    bad = sorted(m for m in imports(PKG / name) if m.startswith(tuple(f"astraflow.{p}" for p in ROLE_PACKAGES)))
+    assert not bad, f"{name} imports {bad}: every role would import that package"
+
+
+OPTION_MODULES = ["rollout/engines/options.py", "rollout/workflows/options.py", "train/losses/options.py"]
+LIGHT = {"__future__", "typing", "pydantic", "astraflow.registry"}
+
+
+@pytest.mark.parametrize("module", OPTION_MODULES)
+def test_option_models_are_light(module: str):
+    """Every role validates a recipe against these (``registry`` imports them by name): pydantic only, and the
+    packages they sit in import nothing either."""
+    from astraflow import registry
+
+    assert f"astraflow.{module[:-3].replace('/', '.')}" in {r.home for r in (registry.ENGINE_OPTIONS, registry.WORKFLOW_OPTIONS,
+                                                                              registry.LOSS_OPTIONS)}
+    heavy = sorted(imports(PKG / module) - LIGHT)
+    assert not heavy, f"{module} imports {heavy}: loading a recipe would import them in every role"
+    parts = module.split("/")[:-1]
+    for depth in range(1, len(parts) + 1):
+        init = PKG.joinpath(*parts[:depth], "__init__.py")
+        assert not imports(init), f"{rel(init)} imports {sorted(imports(init))}: importing the option models runs it"

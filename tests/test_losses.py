@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from astraflow.train.losses import (
-    LOSSES,
+from astraflow.registry import LOSS_OPTIONS
+from astraflow.train.batching import Tensors
+from astraflow.train.losses.functional import (
     LossOutput,
     aggregate,
     decoupled_ppo_loss,
@@ -19,6 +20,7 @@ from astraflow.train.losses import (
     ppo_clip_loss,
     token_entropy,
 )
+from astraflow.train.losses.registry import POLICY_LOSSES, build_loss
 
 F64 = torch.float64
 
@@ -392,6 +394,38 @@ def test_gather_logprobs_matches_log_softmax_in_float32():
     assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
 
 
-def test_registry_names():
-    assert LOSSES == {"ppo": ppo_clip_loss, "decoupled_ppo": decoupled_ppo_loss,
-                      "m2po": m2po_loss}
+def test_every_registered_loss_has_an_option_model():
+    assert {"ppo", "decoupled_ppo", "m2po"} <= set(POLICY_LOSSES) <= set(LOSS_OPTIONS.names())  # plug-ins may add more
+
+
+def _micro_batch(lp_behave: list[list[float]], adv: list[float], mask: list[list[int]]) -> Tensors:
+    b, T = len(mask), len(mask[0])
+    zeros = torch.zeros(b, T, dtype=torch.long)
+    return Tensors(input_ids=zeros, attention_mask=zeros, logit_index=zeros, targets=zeros, behave_logprobs=t(lp_behave),
+                   mask=torch.tensor(mask), advantages=t(adv), rewards=t(adv), versions=zeros, comp_lens=torch.tensor([T] * b),
+                   rows=torch.arange(b))
+
+
+@pytest.mark.parametrize("options", [
+    {"type": "ppo", "clip_low": 0.1, "clip_high": 0.15, "dual_clip": 2.0},
+    {"type": "decoupled_ppo", "clip_low": 0.1, "tis_cap": 1.2, "recompute_prox": True},
+    {"type": "m2po", "tau": 0.005},
+])
+def test_registry_dispatches_to_the_loss_with_its_options(options):
+    """``trainer.loss`` picks the function and passes its options: the registered loss equals the direct call."""
+    mb = _micro_batch([[-1.0, -0.5, -2.0], [-0.7, -0.1, -3.0]], [1.0, -1.0], [[1, 1, 1], [1, 1, 0]])
+    logprobs = t([[-0.6, -0.9, -1.5], [-0.2, -0.4, -2.0]]).requires_grad_(True)
+    loss = build_loss(LOSS_OPTIONS.parse(options))
+    keep = loss.keep_mask(mb, logprobs.detach()) if loss.needs_batch_logprobs else None
+    got = loss(mb, logprobs, keep, agg="token-mean", n_tokens=5.0, n_seqs=2.0)
+    args = (mb.behave_logprobs, mb.advantages, mb.mask)
+    kind = {k: v for k, v in options.items() if k != "type"}
+    if options["type"] == "ppo":
+        want = ppo_clip_loss(logprobs, *args, **kind, n_tokens=5.0, n_seqs=2.0)
+    elif options["type"] == "decoupled_ppo":
+        kind.pop("recompute_prox")
+        want = decoupled_ppo_loss(logprobs, logprobs.detach(), *args, **kind, n_tokens=5.0, n_seqs=2.0)
+    else:
+        assert keep is not None and int((keep & mb.mask.bool()).sum()) < int(mb.mask.sum())  # tau this small masks tokens
+        want = m2po_loss(logprobs, *args, tau=0.005, keep_mask=m2po_mask(logprobs, *args, tau=0.005), n_tokens=5.0, n_seqs=2.0)
+    assert got.loss.item() == pytest.approx(want.loss.item()) and got.metrics == pytest.approx(want.metrics)

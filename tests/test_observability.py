@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry
 from astraflow.config import parse_recipe
 from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.models import load_tokenizer
-from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.engines.base import SamplingParams
+from astraflow.rollout.engines.testing import ScriptEngine
 from astraflow.rollout.evaluator import export_eval
-from astraflow.rollout.testing import ScriptEngine
-from astraflow.rollout.worker import RolloutNode
-from astraflow.rollout.workflows import PolicyHandle
+from astraflow.rollout.node import RolloutNode
+from astraflow.rollout.workflows.base import PolicyHandle
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = load_tokenizer("byt5")
@@ -39,7 +39,7 @@ def names(text: str) -> set[str]:
 async def rollout_scrape(plane) -> tuple[str, int]:  # noqa: ANN001
     registry = CollectorRegistry()
     port = start_metrics_server(0, registry=registry, addr="127.0.0.1")
-    recipe = parse_recipe({"name": "m", "policies": ["solver", "verifier"]})
+    recipe = parse_recipe({"name": "m", "policies": ["solver", "verifier"], "workflow": "solver_verifier"})
     handles = {p: PolicyHandle(ScriptEngine(TOK, lambda _: "4", version=3), TOK, SamplingParams(4), name=p)
                for p in ("solver", "verifier")}
     node = RolloutNode(recipe, plane, "node-7", handles=handles, metrics=Metrics("rollout", worker="node-7", registry=registry))

@@ -52,3 +52,14 @@ def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
         assert [r["version"] for r in rows if r["policy"] == policy] == [0, 1, 2], policy
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["held_out_reward"]) == {"0", "2"}
+
+
+def test_loading_every_recipe_imports_no_model_stack():
+    """Option models are resolved at load from light modules: no torch, no transformers, no engine or workflow code."""
+    code = ("import sys, glob; from astraflow.config import load_recipe\n"
+            "[load_recipe(p) for p in sorted(glob.glob('recipes/*/*.yaml'))]\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy')"
+            " or m.startswith(('astraflow.rollout.engines.', 'astraflow.rollout.workflows.', 'astraflow.train.losses.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True).stdout
+    assert json.loads(out.replace("'", '"')) == ["astraflow.rollout.engines.options", "astraflow.rollout.workflows.options",
+                                                 "astraflow.train.losses.options"]

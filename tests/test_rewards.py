@@ -7,7 +7,7 @@ import os
 import pytest
 
 from astraflow.rollout.rewards import REWARDS, extract_code, get_reward
-from astraflow.rollout.sandbox import Sandbox
+from astraflow.rollout.rewards.sandbox import Sandbox
 
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
 

@@ -25,11 +25,13 @@ from safetensors.torch import load_file
 
 from astraflow.config import ModelConfig, RolloutConfig
 from astraflow.models import build_model, load_tokenizer
-from astraflow.rollout.engine import GenerationRequest, SamplingParams, build_engine
-from astraflow.rollout.hf_engine import HFEngine, stop_at
+from astraflow.rollout.engines import sglang as sglang_engine
+from astraflow.rollout.engines import vllm as vllm_engine
+from astraflow.rollout.engines.base import GenerationRequest, SamplingParams
+from astraflow.rollout.engines.hf import HFEngine, stop_at
+from astraflow.rollout.engines.registry import build_engine
+from astraflow.rollout.engines.remote import EngineHTTPError
 from astraflow.rollout.http_json import JsonHandler
-from astraflow.rollout import sglang_engine, vllm_engine
-from astraflow.rollout.remote_engine import EngineHTTPError
 
 TOK = load_tokenizer("byt5")
 TINY = ModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
@@ -166,8 +168,8 @@ def test_hf_engine_versions_logprobs_and_seeds():
 
 
 def test_sglang_client_generates_and_updates_with_pause(fake_sglang, tmp_path):
-    cfg = RolloutConfig(engine="sglang", engine_url=fake_sglang.url, weight_staging_dir=str(tmp_path))
-    engine = build_engine("sglang", TINY, cfg, TOK)
+    cfg = RolloutConfig(engine={"type": "sglang", "url": fake_sglang.url, "weight_staging_dir": str(tmp_path)})
+    engine = build_engine(TINY, cfg, TOK)
     try:
         state = tiny_state()
         engine.load_state(state, 1)
@@ -196,7 +198,8 @@ def test_sglang_client_generates_and_updates_with_pause(fake_sglang, tmp_path):
 
 
 def test_sglang_update_waits_for_generation_in_flight(fake_sglang, tmp_path):
-    engine = build_engine("sglang", TINY, RolloutConfig(engine="sglang", engine_url=fake_sglang.url, weight_staging_dir=str(tmp_path)), TOK)
+    cfg = RolloutConfig(engine={"type": "sglang", "url": fake_sglang.url, "weight_staging_dir": str(tmp_path)})
+    engine = build_engine(TINY, cfg, TOK)
     try:
         fake_sglang.gate.clear()
         gen = threading.Thread(target=engine.generate, args=([GenerationRequest([1], SamplingParams(max_new_tokens=2))],))
@@ -218,8 +221,8 @@ def test_sglang_update_waits_for_generation_in_flight(fake_sglang, tmp_path):
 
 
 def test_vllm_client_generates_in_order_and_updates_through_collective_rpc(fake_vllm, tmp_path):
-    cfg = RolloutConfig(engine="vllm", engine_url=fake_vllm.url, weight_staging_dir=str(tmp_path))
-    engine = build_engine("vllm", TINY, cfg, TOK)
+    cfg = RolloutConfig(engine={"type": "vllm", "url": fake_vllm.url, "weight_staging_dir": str(tmp_path)})
+    engine = build_engine(TINY, cfg, TOK)
     try:
         assert engine.model == "served-policy"
         engine.load_state(tiny_state(), 3)
@@ -245,12 +248,12 @@ def test_launch_commands():
     assert sg[1:] == ["-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port", "3000", "--tp", "2"]
     vl = vllm_engine.launch_command("/m", 8000, [])
     assert vl[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert vl[vl.index("--worker-extension-cls") + 1] == "astraflow.rollout.vllm_engine.WeightLoaderExtension"
+    assert vl[vl.index("--worker-extension-cls") + 1] == "astraflow.rollout.engines.vllm.WeightLoaderExtension"
     assert vl[vl.index("--logprobs-mode") + 1] == "processed_logprobs"
 
 
 def test_vllm_worker_extension_loads_staged_weights(tmp_path):
-    from astraflow.rollout.remote_engine import WeightStager
+    from astraflow.rollout.engines.remote import WeightStager
 
     model = build_model(TINY, TOK)
     stager = WeightStager(str(tmp_path), tmp_path)

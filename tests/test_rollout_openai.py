@@ -9,14 +9,15 @@ import urllib.request
 import numpy as np
 import pytest
 
-from astraflow.config import ModelConfig, RolloutConfig
+from astraflow.config import ModelConfig
 from astraflow.models import build_model, load_tokenizer
-from astraflow.rollout.engine import SamplingParams
-from astraflow.rollout.hf_engine import HFEngine
-from astraflow.rollout.openai_facade import ChatFacade, OpenAIAgent
+from astraflow.rollout.engines.base import SamplingParams
+from astraflow.rollout.engines.hf import HFEngine
+from astraflow.rollout.engines.testing import ScriptEngine
 from astraflow.rollout.rewards import get_reward
-from astraflow.rollout.testing import ScriptEngine
-from astraflow.rollout.workflows import PolicyHandle
+from astraflow.rollout.workflows.base import PolicyHandle
+from astraflow.rollout.workflows.openai_agent import ChatFacade, OpenAIAgent
+from astraflow.rollout.workflows.options import OpenAIAgentOptions
 from astraflow.streams.messages import Task
 
 TOK = load_tokenizer("byt5")
@@ -35,6 +36,16 @@ def two_step_agent(base_url: str, prompt: str, meta: dict) -> str:
     messages += [first["choices"][0]["message"], {"role": "user", "content": "Only the number, please."}]
     second = post(f"{base_url}/chat/completions", {"model": "gpt-x", "messages": messages, "logprobs": True})
     return second["choices"][0]["message"]["content"]
+
+
+def broken_agent(base_url: str, prompt: str, meta: dict) -> str:
+    post(f"{base_url}/chat/completions", {"messages": [{"role": "user", "content": prompt}]})
+    raise KeyError("tool_calls")  # e.g. the agent expected a field the model never produced
+
+
+def agent_workflow(agent: str, concurrency: int = 4) -> OpenAIAgent:
+    """The workflow as a recipe names it: ``{type: openai_agent, agent: "test_rollout_openai:<function>"}``."""
+    return OpenAIAgent(get_reward("arithmetic"), OpenAIAgentOptions(agent=f"{__name__}:{agent}", concurrency=concurrency))
 
 
 def scripted(reply) -> PolicyHandle:  # noqa: ANN001
@@ -64,7 +75,7 @@ def test_facade_serves_openai_shapes_and_records_tokens():
 
 def test_agent_calls_chain_into_one_trajectory_with_context_masked():
     replies = iter(["I think 7", "7"])
-    wf = OpenAIAgent(get_reward("arithmetic"), RolloutConfig(agent_concurrency=2), agent=two_step_agent)
+    wf = agent_workflow("two_step_agent", concurrency=2)
     h = scripted(lambda p: next(replies))
     try:
         task = Task(task_id="t0", workflow="openai_agent", policy="solver", prompt_id="p", prompt="3+4=", group_size=1, meta={"answer": "7"})
@@ -88,7 +99,7 @@ def test_agent_on_a_real_model_records_its_logprobs():
     engine = HFEngine(build_model(cfg, TOK), TOK)
     engine.set_version(0)
     h = PolicyHandle(engine, TOK, SamplingParams(max_new_tokens=6), name="solver")
-    wf = OpenAIAgent(get_reward("arithmetic"), RolloutConfig(agent_concurrency=2), agent=two_step_agent)
+    wf = agent_workflow("two_step_agent", concurrency=2)
     try:
         tasks = [Task(task_id=f"t{i}", workflow="openai_agent", policy="solver", prompt_id=f"p{i}", prompt=f"{i}+1=", group_size=2,
                       meta={"answer": str(i + 1)}) for i in range(2)]
@@ -103,11 +114,7 @@ def test_agent_on_a_real_model_records_its_logprobs():
 
 
 def test_agent_error_is_a_scored_episode():
-    def broken_agent(base_url: str, prompt: str, meta: dict) -> str:
-        post(f"{base_url}/chat/completions", {"messages": [{"role": "user", "content": prompt}]})
-        raise KeyError("tool_calls")  # e.g. the agent expected a field the model never produced
-
-    wf = OpenAIAgent(get_reward("arithmetic"), RolloutConfig(), agent=broken_agent)
+    wf = agent_workflow("broken_agent")
     try:
         task = Task(task_id="t0", workflow="openai_agent", policy="solver", prompt_id="p", prompt="1+1=", group_size=1, meta={"answer": "2"})
         (t,) = wf.run([task], {"solver": scripted(lambda p: "2")}, "n0")

@@ -15,12 +15,14 @@ import torch
 
 from astraflow.config import parse_recipe
 from astraflow.models import load_tokenizer
-from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.engines.base import SamplingParams
+from astraflow.rollout.engines.testing import ScriptEngine
+from astraflow.rollout.node import RolloutNode
 from astraflow.rollout.rewards import get_reward
-from astraflow.rollout.testing import ScriptEngine
-from astraflow.rollout.worker import RolloutNode
-from astraflow.rollout.workflows import PolicyHandle, SingleTurn, get_workflow
-from astraflow.rollout.workflows_tools import TOOLS, register_tool
+from astraflow.rollout.workflows.base import PolicyHandle
+from astraflow.rollout.workflows.registry import get_workflow
+from astraflow.rollout.workflows.single_turn import SingleTurn
+from astraflow.rollout.workflows.tools import TOOLS, register_tool
 from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.plane import Plane
 from astraflow.weights.publish import WeightPublisher
@@ -29,8 +31,8 @@ TOK = load_tokenizer("byt5")
 STATE = {"w": torch.arange(16, dtype=torch.float32).reshape(4, 4)}
 
 
-def recipe(**rollout: Any):  # noqa: ANN201
-    return parse_recipe({"name": "w", "rollout": {"tasks_per_generate": 2, **rollout}})
+def recipe(workflow: Any = "single_turn", **rollout: Any):  # noqa: ANN201
+    return parse_recipe({"name": "w", "workflow": workflow, "rollout": {"tasks_per_generate": 2, **rollout}})
 
 
 def task(i: int, **kw: Any) -> Task:
@@ -94,8 +96,8 @@ async def test_refresh_lands_between_turns_and_versions_stay_true(plane: Plane):
     def reply(prompt: str) -> str:
         return "<tool>train_step()</tool>" if "<result>" not in prompt else "4"
 
-    r = recipe(tools=["train_step"], max_turns=3)
-    node = RolloutNode(r, plane, "n2", handles=scripted_handles(reply), workflow=get_workflow("multi_turn_tools", get_reward("arithmetic"), r.rollout))
+    r = recipe({"type": "multi_turn_tools", "tools": ["train_step"], "max_turns": 3})
+    node = RolloutNode(r, plane, "n2", handles=scripted_handles(reply), workflow=get_workflow(r.workflow_options, get_reward("arithmetic")))
     stop = asyncio.Event()
     run = asyncio.create_task(node.run(stop))
     try:

@@ -12,7 +12,7 @@ from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.batching import micro_batches, to_tensors
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
-from astraflow.train.losses import m2po_mask
+from astraflow.train.losses.functional import m2po_mask
 from astraflow.train.synthetic import sample_batches
 from astraflow.train.torch_backend import TorchBackend
 
@@ -30,10 +30,15 @@ def setup():
     return pcfg, tok, batches
 
 
+def trainer_cfg(base: TrainerConfig, **over: object) -> TrainerConfig:
+    """``base`` with ``over`` validated as a recipe's trainer section (``loss: {type: m2po, tau: 0.02}``)."""
+    return TrainerConfig.model_validate({**base.model_dump(), **over})
+
+
 def _run(setup, **over) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
     pcfg, tok, batches = setup
     torch.manual_seed(0)
-    backend = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer.model_copy(update=over))
+    backend = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, **over))
     metrics = [backend.step(b) for b in batches]
     return metrics, backend.full_state()
 
@@ -45,9 +50,9 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.mark.parametrize("over", [
     {"loss": "ppo"},
     {"loss": "ppo", "agg": "seq-mean-token-mean"},
-    {"loss": "decoupled_ppo", "recompute_prox": True, "kl_coef": 0.5, "kl_estimator": "k1"},
-    {"loss": "decoupled_ppo", "tis_cap": 1.5, "agg": "seq-mean-token-sum"},
-    {"loss": "m2po", "tau": 0.02, "kl_coef": 0.1},
+    {"loss": {"type": "decoupled_ppo", "recompute_prox": True}, "kl_coef": 0.5, "kl_estimator": "k1"},
+    {"loss": {"type": "decoupled_ppo", "tis_cap": 1.5}, "agg": "seq-mean-token-sum"},
+    {"loss": {"type": "m2po", "tau": 0.02}, "kl_coef": 0.1},
 ])
 def test_micro_batches_accumulate_to_the_full_batch_step(setup, over):
     _, tok, batches = setup
@@ -67,7 +72,7 @@ def test_micro_batches_accumulate_to_the_full_batch_step(setup, over):
 def test_m2po_masks_over_the_whole_batch(setup):
     """A mask computed per micro-batch would differ: here the step's masked fraction is the full batch's."""
     pcfg, tok, batches = setup
-    backend = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer.model_copy(update={"loss": "m2po", "tau": 0.02, "micro_batch_tokens": 40}))
+    backend = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, loss={"type": "m2po", "tau": 0.02}, micro_batch_tokens=40))
     x = to_tensors(batches[0], tok.pad_token_id)
     with torch.no_grad():
         lp = backend._full_logprobs(x, micro_batches(x, None))
@@ -133,7 +138,7 @@ def test_registry_and_config_errors_say_what_to_do(setup):
     pcfg, tok, _ = setup
     with pytest.raises(ValueError, match="registered"):
         build_backend("jax", build_model(pcfg.model, tok), tok, pcfg.trainer)
-    with pytest.raises(ValueError, match="decoupled_ppo"):
-        TrainerConfig(loss="ppo", recompute_prox=True)
+    with pytest.raises(ValueError, match=r"loss.recompute_prox\n.*not an option of loss ppo \(it is an option of decoupled_ppo\)"):
+        TrainerConfig(loss={"type": "ppo", "recompute_prox": True})
     with pytest.raises(ValueError, match="trainer.zero_stage"):
         parse_recipe({"name": "t", "trainer": {"zero_stage": 4}})

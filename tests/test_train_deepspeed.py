@@ -16,7 +16,7 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'astraflow[deepspeed]')")
 
-from astraflow.config import parse_recipe  # noqa: E402
+from astraflow.config import TrainerConfig, parse_recipe  # noqa: E402
 from astraflow.models import build_model, load_tokenizer  # noqa: E402
 from astraflow.tasks import load_split  # noqa: E402
 from astraflow.train.backend import build_backend  # noqa: E402
@@ -48,7 +48,8 @@ def setup():
 
 def _run(setup, backend: str, **over):
     pcfg, tok, batches = setup
-    b = build_backend(backend, build_model(pcfg.model, tok), tok, pcfg.trainer.model_copy(update={"backend": backend, **over}))
+    cfg = TrainerConfig.model_validate({**pcfg.trainer.model_dump(), "backend": backend, **over})  # as a recipe's trainer section
+    b = build_backend(backend, build_model(pcfg.model, tok), tok, cfg)
     metrics = [b.step(x) for x in batches]
     return b, metrics, b.full_state()
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from astraflow.rollout.hf_engine import HFEngine
+from astraflow.rollout.engines.hf import HFEngine
 from astraflow.streams.messages import ObjectRef, WeightVersion
 from astraflow.streams.objects import MissingObject, chunk_subject, count_chunks, get_object, object_stream, put_object
 from astraflow.streams.plane import Plane

@@ -7,15 +7,15 @@ import re
 import numpy as np
 import pytest
 
-from astraflow.config import RolloutConfig
 from astraflow.models import load_tokenizer
-from astraflow.rollout.engine import SamplingParams, StaleWeights
+from astraflow.rollout.engines.base import SamplingParams, StaleWeights
+from astraflow.rollout.engines.testing import ScriptEngine
 from astraflow.rollout.envs.games import Rooms
 from astraflow.rollout.envs.server import serve_in_thread
 from astraflow.rollout.rewards import get_reward
-from astraflow.rollout.testing import ScriptEngine
-from astraflow.rollout.workflows import PolicyHandle, get_workflow
-from astraflow.rollout.workflows_tools import parse_tool_call
+from astraflow.rollout.workflows.base import PolicyHandle
+from astraflow.rollout.workflows.registry import get_workflow
+from astraflow.rollout.workflows.tools import parse_tool_call
 from astraflow.streams.codec import decode, encode
 from astraflow.streams.messages import Task, Trajectory
 
@@ -74,7 +74,7 @@ def test_multi_turn_tools_masks_tool_output_and_keeps_true_versions():
         return True
 
     h.safe_point_fn = safe_point
-    wf = get_workflow("multi_turn_tools", get_reward("arithmetic"), RolloutConfig(max_turns=3))
+    wf = get_workflow({"type": "multi_turn_tools", "max_turns": 3}, get_reward("arithmetic"))
     trajs = wf.run([task(group=2)], {"solver": h}, "n0")
     assert len(trajs) == 2 and refreshed
     t = trajs[0]
@@ -96,7 +96,7 @@ def test_tools_errors_json_calls_and_turn_limit():
         return ['<tool>{"name": "search", "arguments": "capital of France"}</tool>', "<tool>rm(-rf)</tool>",
                 "<tool>calculator(2**999)</tool>"][min(n, 2)]
 
-    wf = get_workflow("multi_turn_tools", get_reward("qa_em"), RolloutConfig(max_turns=3))
+    wf = get_workflow({"type": "multi_turn_tools", "max_turns": 3}, get_reward("qa_em"))
     (t,) = wf.run([task(group=1, answer="x")], {"solver": handle(reply)}, "n0")
     inserted = [s for m, s in segments(t) if m == 0]
     assert inserted[0] == "<result>Paris is the capital of France.</result>"
@@ -126,8 +126,7 @@ def rooms_player(seed: int):  # noqa: ANN201
 
 
 def test_env_http_plays_episodes_against_the_bundled_server(env_server):
-    cfg = RolloutConfig(env_url=env_server.url, env="rooms", max_turns=6)
-    wf = get_workflow("env_http", get_reward("arithmetic"), cfg)
+    wf = get_workflow({"type": "env_http", "url": env_server.url, "env": "rooms", "max_turns": 6}, get_reward("arithmetic"))
     before = dict(env_server.stats)
     trajs = wf.run([task(group=2, meta={"seed": 7})], {"solver": handle(rooms_player(7))}, "n0")
     assert [t.reward for t in trajs] == [1.0, 1.0] and all(t.meta["steps"] == 4 for t in trajs)
@@ -140,7 +139,7 @@ def test_env_http_plays_episodes_against_the_bundled_server(env_server):
 
 
 def test_env_http_episode_that_never_finishes_is_cut_at_max_turns(env_server):
-    wf = get_workflow("env_http", get_reward("arithmetic"), RolloutConfig(env_url=env_server.url, env="shop", max_turns=3))
+    wf = get_workflow({"type": "env_http", "url": env_server.url, "env": "shop", "max_turns": 3}, get_reward("arithmetic"))
     (t,) = wf.run([task(group=1)], {"solver": handle(lambda p: "dance\n")}, "n0")
     assert t.reward == 0.0 and t.finish_reason == "length" and t.meta["steps"] == 3
     assert "Unknown action" in segments(t)[1][1]
@@ -156,6 +155,6 @@ def test_env_http_shop_pays_attribute_match(env_server):
             return f"click[{first}]\n"
         return "buy\n"
 
-    wf = get_workflow("env_http", get_reward("arithmetic"), RolloutConfig(env_url=env_server.url, env="shop", max_turns=4))
+    wf = get_workflow({"type": "env_http", "url": env_server.url, "env": "shop", "max_turns": 4}, get_reward("arithmetic"))
     (t,) = wf.run([task(group=1)], {"solver": handle(shopper)}, "n0")
     assert t.reward == 1.0 and t.finish_reason == "stop"

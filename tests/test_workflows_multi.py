@@ -13,13 +13,14 @@ from collections import Counter
 
 import pytest
 
-from astraflow.config import RolloutConfig, load_recipe
+from astraflow.config import load_recipe
 from astraflow.models import load_tokenizer
-from astraflow.rollout.engine import SamplingParams
+from astraflow.rollout.engines.base import SamplingParams
+from astraflow.rollout.engines.testing import ScriptEngine
 from astraflow.rollout.rewards import get_reward
-from astraflow.rollout.testing import ScriptEngine
-from astraflow.rollout.workflows import PolicyHandle, get_workflow
-from astraflow.rollout.workflows_multi import parse_choice, parse_verdict
+from astraflow.rollout.workflows.base import PolicyHandle
+from astraflow.rollout.workflows.registry import get_workflow
+from astraflow.rollout.workflows.multi_policy import parse_choice, parse_verdict
 from astraflow.streams.messages import Task
 
 TOK = load_tokenizer("byt5")
@@ -104,7 +105,7 @@ def test_solver_testgen_rewards_valid_discriminating_tests():
 def test_multi_policy_workflow_needs_two_policies():
     tasks = [Task(task_id="t", workflow="w", policy="solver", prompt_id="p", prompt="1+1=", group_size=1, meta={"answer": "2"})]
     with pytest.raises(ValueError, match="two policies"):
-        get_workflow("solver_verifier", get_reward("arithmetic"), RolloutConfig()).run(tasks, {"solver": handle(lambda p: "2", "solver")}, "n")
+        get_workflow("solver_verifier", get_reward("arithmetic")).run(tasks, {"solver": handle(lambda p: "2", "solver")}, "n")
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from astraflow.rollout.hf_engine import HFEngine
+from astraflow.rollout.engines.hf import HFEngine
 from astraflow.streams.plane import Plane
 from astraflow.weights.delta import state_digest, to_bf16_state
 from astraflow.weights.sync import WeightSync

@@ -6,10 +6,11 @@ once with greedy decoding and records the mean reward (``reward``) in the run-st
 each prompt is also sampled k times at ``eval.temperature``: ``avg@k`` is the mean reward over
 all samples, ``pass@k`` the mean over prompts of the unbiased estimator
 ``1 - C(n-c, k) / C(n, k)`` with n = k samples and c of them with reward >= 1 (so: the fraction
-of prompts with at least one passing sample). With k = 1 both equal the greedy numbers. Single-policy
-workflows (single-turn, tools, environments) are evaluated through the recipe's own workflow,
-so a tool-using agent is scored with its tools; multi-policy workflows score the evaluated
-policy's single-turn answers with the recipe's reward.
+of prompts with at least one passing sample). With k = 1 both equal the greedy numbers. The
+workflow says how it is evaluated (``Workflow.evaluation``): ``workflow`` plays each prompt
+through the recipe's own workflow, so a tool-using agent is scored with its tools;
+``single_turn`` scores the evaluated policy's single-turn answers with the recipe's reward
+(multi-policy workflows, agent code).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import torch
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.models import encode_prompt
-from astraflow.rollout.engine import GenerationRequest, SamplingParams, close_engine
+from astraflow.rollout.engines.base import GenerationRequest, SamplingParams, close_engine
+from astraflow.rollout.node import make_handle
 from astraflow.rollout.rewards import get_reward
-from astraflow.rollout.worker import load_plugins, make_handle
+from astraflow.rollout.workflows.registry import evaluation_of, get_workflow
 from astraflow.runtime import stop_event
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import EvalRecord, VersionRecord
@@ -42,7 +44,6 @@ def eval_versions(recipe: Recipe) -> list[int]:
     return sorted({0, last, *range(every, last, every)})
 
 
-SINGLE_POLICY_WORKFLOWS = ("single_turn", "multi_turn_tools", "env_http")
 PASS_THRESHOLD = 1.0  # a sample "passes" when its reward is at least this
 
 
@@ -83,12 +84,11 @@ def evaluate_with_workflow(recipe: Recipe, handle: Any, policy: str, problems: l
     (``avg@k``, ``pass@k``), through the recipe's workflow."""
     from dataclasses import replace
 
-    from astraflow.rollout.workflows import get_workflow
     from astraflow.streams.messages import Task
 
     k = recipe.eval.k if k is None else k
     temperature = recipe.eval.temperature if temperature is None else temperature
-    workflow = get_workflow(recipe.workflow, get_reward(recipe.reward), recipe.rollout)
+    workflow = get_workflow(recipe.workflow_options, get_reward(recipe.reward))
 
     def play(params: SamplingParams, group: int, tag: str) -> list[list[float]]:
         h = replace(handle, params=params)
@@ -152,7 +152,6 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
         log.info("Prometheus metrics on :%d/metrics", port)
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology(), create=False)
-    load_plugins(recipe.rollout.plugins)  # the recipe's reward may live in a plugin
     handle = make_handle(recipe, policy)
     sync = WeightSync(plane, policy, handle.engine)
     _, held_out = load_split(recipe.data)
@@ -168,7 +167,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
                 continue  # already evaluated (a restarted evaluator)
             await sync.goto(v)
             t0 = time.perf_counter()
-            if recipe.workflow in SINGLE_POLICY_WORKFLOWS:
+            if evaluation_of(recipe.workflow) == "workflow":
                 result = await asyncio.to_thread(evaluate_with_workflow, recipe, handle, policy, held_out)
             else:
                 result = await asyncio.to_thread(evaluate, handle, held_out, recipe.reward, recipe.rollout.max_new_tokens,

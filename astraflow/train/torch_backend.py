@@ -20,7 +20,7 @@ from safetensors.torch import load_model, save_model
 from astraflow.config import TrainerConfig
 from astraflow.streams.messages import Batch
 from astraflow.train.batching import Tensors, micro_batches, to_tensors
-from astraflow.train.losses import gather_logprobs, token_entropy
+from astraflow.train.losses.functional import gather_logprobs, token_entropy
 from astraflow.train.objective import SUMMED, Objective, StepPlan, combine
 from astraflow.weights.delta import to_bf16_state
 

@@ -110,7 +110,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     watchdog = asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))
     batches = plane.consumer(plane.names.batch_stream, plane.names.trainer_consumer(policy), Batch)
     keepalive_s = max((await batches.settings()).ack_wait / 3, 0.2)
-    log.info("trainer %s at v%d, training to v%d (%s backend, %s loss)", policy, version, cfg.steps, cfg.backend, cfg.loss)
+    log.info("trainer %s at v%d, training to v%d (%s backend, %s loss)", policy, version, cfg.steps, cfg.backend, cfg.loss.type)
     try:
         while version < cfg.steps and not stop.is_set():
             t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""``sglang`` engine: an SGLang server, launched by the node or attached (``rollout.engine_url``).
+"""``sglang`` engine: an SGLang server, launched by the node or attached (``rollout.engine: {type: sglang, url: ...}``).
 
 UNVERIFIED against a real SGLang server in this repository's CI (no GPU): written against
 SGLang's documented native HTTP API and tested against a fake server that speaks it
@@ -17,7 +17,7 @@ SGLang's documented native HTTP API and tested against a fake server that speaks
   generations never overlap an update (a read/write lock); the pause covers other clients of
   a shared server.
 - launch: ``python -m sglang.launch_server --model-path M --host 127.0.0.1 --port P
-  [rollout.engine_args]``, healthy when ``GET /health`` answers 200.
+  [args]``, healthy when ``GET /health`` answers 200.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from __future__ import annotations
 import sys
 from typing import Any, Mapping
 
-from astraflow.rollout.engine import Completion, SamplingParams, register_engine
-from astraflow.rollout.remote_engine import EngineHTTPError, RemoteEngine, ServerProcess, free_port, prepare
+from astraflow.rollout.engines.base import Completion, SamplingParams
+from astraflow.rollout.engines.options import SglangOptions
+from astraflow.rollout.engines.registry import register_engine
+from astraflow.rollout.engines.remote import EngineHTTPError, RemoteEngine, ServerProcess, free_port, prepare
 
 
 class EngineAborted(RuntimeError):
@@ -91,20 +93,19 @@ def launch_command(model_path: str, port: int, extra: list[str]) -> list[str]:
             "--port", str(port), *extra]
 
 
-@register_engine("sglang")
-def build_sglang(model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> SGLangEngine:
-    path, stager = prepare("sglang", model_cfg, rollout_cfg, tokenizer)
+@register_engine("sglang", SglangOptions)
+def build_sglang(options: SglangOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> SGLangEngine:
+    path, stager = prepare("sglang", model_cfg, options, tokenizer)
     server = None
-    url = rollout_cfg.engine_url
+    url = options.url
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = ServerProcess(launch_command(path, port, list(rollout_cfg.engine_args)), None, stager.root / "sglang-server.log")
+        server = ServerProcess(launch_command(path, port, list(options.args)), None, stager.root / "sglang-server.log")
         try:
-            server.wait_healthy(url + SGLangEngine.health_path, rollout_cfg.engine_startup_timeout)
+            server.wait_healthy(url + SGLangEngine.health_path, options.startup_timeout)
         except BaseException:
             server.stop()
             stager.close()
             raise
     return SGLangEngine(url, server, stager, tokenizer)
-

@@ -1,13 +1,13 @@
 """``scripted`` engine — A BENCHMARK ENGINE: real tokens from a tiny model, scripted latency.
 
 It exists to measure the system itself (scheduling, staleness, tail latency), not a model
-server. Each request:
+server. Its options (``rollout.engine: {type: scripted, ...}``) are ``ScriptedOptions``. Each request:
 
 1. gets its tokens at once from a real in-process model (an ``hf`` engine underneath, the
    recipe's tiny model and weights): token ids, behaviour logprobs and the weight version of
    every token are the model's own, so training on them is real;
-2. then holds one of ``rollout.concurrency`` slots for a latency drawn from
-   ``rollout.latency`` (``lognormal``: median ``latency_median_s``, shape ``latency_sigma``;
+2. then holds one of ``concurrency`` slots for a latency drawn from ``latency``
+   (``lognormal``: median ``latency_median_s``, shape ``latency_sigma``;
    ``pareto``: median ``latency_median_s``, tail index ``latency_alpha``; ``constant``:
    ``latency_median_s``), as ``time.sleep`` on a pool of ``concurrency`` threads.
 
@@ -15,7 +15,7 @@ Requests of one call and of concurrent calls (a workflow running tasks in thread
 slots first come, first served, so latencies overlap up to ``concurrency`` at a time and a node
 behaves like a server with that many sequences in flight. The compute time of the real model
 counts toward a request's latency. Latencies come from ``random.Random`` seeded with
-``rollout.latency_seed`` and the process id: nodes draw independent streams; the
+``latency_seed`` and the process id: nodes draw independent streams; the
 distribution, not the sequence, is what a run pins.
 """
 
@@ -30,7 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from astraflow.rollout.engine import Completion, GenerationRequest, register_engine
+from astraflow.rollout.engines.base import Completion, GenerationRequest
+from astraflow.rollout.engines.options import HfOptions, ScriptedOptions
+from astraflow.rollout.engines.registry import register_engine
 
 
 @dataclass
@@ -100,10 +102,10 @@ class ScriptedEngine:
         self.slots.shutdown(wait=False, cancel_futures=True)
 
 
-@register_engine("scripted")
-def build_scripted(model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> ScriptedEngine:
-    from astraflow.rollout.hf_engine import build_hf
+@register_engine("scripted", ScriptedOptions)
+def build_scripted(options: ScriptedOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> ScriptedEngine:
+    from astraflow.rollout.engines.hf import build_hf
 
-    r = rollout_cfg
-    latency = Latency(r.latency, r.latency_median_s, r.latency_sigma, r.latency_alpha, seed=f"{r.latency_seed}:{os.getpid()}")
-    return ScriptedEngine(build_hf(model_cfg, rollout_cfg, tokenizer), latency, r.concurrency)
+    o = options
+    latency = Latency(o.latency, o.latency_median_s, o.latency_sigma, o.latency_alpha, seed=f"{o.latency_seed}:{os.getpid()}")
+    return ScriptedEngine(build_hf(HfOptions(), model_cfg, rollout_cfg, tokenizer), latency, o.concurrency)

@@ -1,13 +1,11 @@
-"""Workflows, registered by name: ``run(tasks, policies, node_id) -> trajectories``.
+"""What every workflow shares: ``run(tasks, policies, node_id) -> trajectories``, the handle it
+holds of each policy, and the episode it builds turn by turn.
 
 A workflow receives the tasks a node pulled and a handle per policy (engine + tokenizer +
 sampling + the node's safe-point hook), and returns finished trajectories, each tagged with
-the policy whose tokens it holds; the worker publishes each on ``traj.{policy}``. Workflows are
-blocking code; the worker runs them off its event loop.
-
-Built in: ``single_turn`` (RLVR, here), ``multi_turn_tools`` (``workflows_tools``),
-``env_http`` (``workflows_env``), ``solver_verifier`` / ``solver_selector`` /
-``solver_testgen`` (``workflows_multi``) and ``openai_agent`` (``openai_facade``).
+the policy whose tokens it holds; the node publishes each on ``traj.{policy}``. Workflows are
+blocking code; the node runs them off its event loop. A workflow class also declares the roles
+it calls (``policies``) and how the evaluator scores it (``evaluation``).
 
 Per-token arrays of a multi-turn episode (:class:`Episode`): generated tokens carry their
 behaviour logprob, the version of the weights that produced them and ``loss_mask`` 1; tokens
@@ -18,20 +16,15 @@ oldest version that generated any of its tokens.
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Literal, Mapping, Protocol
 
 import numpy as np
 
 from astraflow.models import encode_prompt
-from astraflow.rollout.engine import Completion, Engine, GenerationRequest, SamplingParams, StaleWeights
-from astraflow.rollout.rewards import Reward
+from astraflow.rollout.engines.base import Completion, Engine, GenerationRequest, SamplingParams, StaleWeights
 from astraflow.streams.messages import Task, Trajectory
-
-if TYPE_CHECKING:
-    from astraflow.config import RolloutConfig
 
 
 @dataclass
@@ -117,33 +110,25 @@ def make_trajectory(task: Task, policy: str, index: int, group_size: int, prompt
     )
 
 
+Evaluation = Literal["workflow", "single_turn"]
+"""How the evaluator scores a workflow's policy on held-out prompts. ``workflow``: each prompt is played
+through the workflow with the evaluated policy alone (a tool-using agent is scored with its tools).
+``single_turn``: the policy's single-turn answers are scored with the recipe's reward (a workflow that
+needs partners, or agent code, is not replayed)."""
+
+
 class Workflow(Protocol):
+    """What a workflow class declares and does (registered with ``registry.register_workflow``)."""
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        """The roles it calls, in order (a class attribute); the recipe's policies fill them in order (the first solves)."""
+
+    @property
+    def evaluation(self) -> Evaluation:
+        """How the evaluator scores it (a class attribute)."""
+
     def run(self, tasks: list[Task], policies: Mapping[str, PolicyHandle], node_id: str) -> list[Trajectory]: ...
-
-
-WorkflowFactory = Callable[[Reward, "RolloutConfig"], Workflow]
-WORKFLOWS: dict[str, WorkflowFactory] = {}
-_BUILTIN = ("workflows_tools", "retrieval", "workflows_env", "workflows_multi", "openai_facade")
-
-
-def register(name: str) -> Callable[[WorkflowFactory], WorkflowFactory]:
-    def deco(factory: WorkflowFactory) -> WorkflowFactory:
-        WORKFLOWS[name] = factory
-        return factory
-
-    return deco
-
-
-def get_workflow(name: str, reward: Reward, cfg: "RolloutConfig | None" = None) -> Workflow:
-    from astraflow.config import RolloutConfig
-
-    for mod in _BUILTIN:  # cached after the first call; registers workflows and tools
-        importlib.import_module(f"astraflow.rollout.{mod}")
-    try:
-        factory = WORKFLOWS[name]
-    except KeyError:
-        raise ValueError(f"unknown workflow {name!r}; registered: {sorted(WORKFLOWS)}") from None
-    return factory(reward, cfg or RolloutConfig())
 
 
 def by_policy(tasks: list[Task]) -> dict[str, list[Task]]:
@@ -151,25 +136,3 @@ def by_policy(tasks: list[Task]) -> dict[str, list[Task]]:
     for t in tasks:
         out.setdefault(t.policy, []).append(t)
     return out
-
-
-@register("single_turn")
-class SingleTurn:
-    """RLVR: one generation per sample, scored by a verifiable reward. All tasks in one batch."""
-
-    def __init__(self, reward: Reward, cfg: "RolloutConfig | None" = None) -> None:
-        self.reward = reward
-
-    def run(self, tasks: list[Task], policies: Mapping[str, PolicyHandle], node_id: str) -> list[Trajectory]:
-        out: list[Trajectory] = []
-        for policy, group in by_policy(tasks).items():
-            h = policies[policy]
-            prompts = [h.encode(t.prompt) for t in group]
-            reqs = [GenerationRequest(p, h.params) for p, t in zip(prompts, group) for _ in range(t.group_size)]
-            comps = iter(h.generate(reqs, max(min_version(t, policy) for t in group)))
-            for prompt, task in zip(prompts, group):
-                for i in range(task.group_size):
-                    c = next(comps)
-                    out.append(make_trajectory(task, policy, i, task.group_size, prompt, c.token_ids, c.logprobs, c.versions,
-                                               None, self.reward(h.decode(c.token_ids), task.meta), c.finish_reason, node_id))
-        return out

@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from astraflow.rollout.workflows_tools import register_tool
+from astraflow.rollout.workflows.tools import register_tool
 
 _WORD = re.compile(r"\w+")
 

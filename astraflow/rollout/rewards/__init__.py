@@ -86,10 +86,10 @@ def extract_code(text: str) -> str:
 def code(text: str, meta: dict[str, Any]) -> float:
     """Fraction of ``meta["tests"]`` (Python statements, usually asserts) the completion's code passes.
 
-    The code runs in :mod:`astraflow.rollout.sandbox` (subprocess, time and memory limits, no
+    The code runs in :mod:`astraflow.rollout.rewards.sandbox` (subprocess, time and memory limits, no
     network). ``meta`` may set ``timeout_s``, ``memory_mb`` and ``setup`` (code run before the candidate).
     """
-    from astraflow.rollout.sandbox import Sandbox
+    from astraflow.rollout.rewards.sandbox import Sandbox
 
     box = Sandbox(timeout_s=float(meta.get("timeout_s", 5.0)), cpu_s=int(meta.get("cpu_s", 5)), memory_mb=int(meta.get("memory_mb", 512)))
     src = (meta.get("setup", "") + "\n" + extract_code(text)).strip() + "\n"

@@ -1,6 +1,6 @@
 """JSON Schema of the wire contract, exported from the pydantic message models.
 
-``python -m astraflow.rollout.schema`` writes ``schemas/*.json`` (one file per message kind,
+``python -m astraflow.schema`` writes ``schemas/*.json`` (one file per message kind,
 plus ``envelope.json``); ``--check`` exits 1 if the committed files differ from the models (a
 test runs it). Any runtime that speaks this contract can join a run: see
 ``examples/node/`` for one in JavaScript.
@@ -27,7 +27,7 @@ from typing import Any
 from astraflow.streams import codec
 from astraflow.streams.messages import F32, I32, KINDS, SCHEMA_VERSION, U8, Message
 
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "schemas"
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / "schemas"
 _PACKED = {id(typing.get_args(t)[1]): name for t, name in ((I32, "int32"), (F32, "float32"), (U8, "uint8"))}
 _COMMENT = re.compile(r"^\s{4}(\w+):[^#\n]*#\s*(.+)$", re.M)
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         bad = stale(args.out)
         if bad:
-            print(f"out of date in {args.out}: {', '.join(bad)} — run `python -m astraflow.rollout.schema`", file=sys.stderr)
+            print(f"out of date in {args.out}: {', '.join(bad)} — run `python -m astraflow.schema`", file=sys.stderr)
             return 1
         print(f"{args.out}: up to date")
         return 0

@@ -3,10 +3,10 @@ lifecycle, staging weight versions on disk, and a lock that keeps weight updates
 generation apart.
 
 A weight version reaches a server as a directory the server loads from (``model.safetensors``
-plus the model's config and tokenizer files), written by the node into
-``rollout.weight_staging_dir`` (default: a temp dir under ``/dev/shm``). The server must see
-that path: it runs on the node's host, launched by the node or attached with
-``rollout.engine_url``. The previous version's directory is removed only after the server
+plus the model's config and tokenizer files), written by the node into the engine's
+``weight_staging_dir`` (default: a temp dir under ``/dev/shm``). The server must see that
+path: it runs on the node's host, launched by the node or attached with the engine's ``url``
+(``ServerOptions`` in ``options.py``). The previous version's directory is removed only after the server
 has loaded the new one.
 """
 
@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 if TYPE_CHECKING:
     import torch
 
-    from astraflow.config import ModelConfig, RolloutConfig
-    from astraflow.rollout.engine import Completion, GenerationRequest, SamplingParams
+    from astraflow.config import ModelConfig
+    from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
+    from astraflow.rollout.engines.options import ServerOptions
 
 log = logging.getLogger(__name__)
 
@@ -276,9 +277,9 @@ class RemoteEngine:
         self.stager.close()
 
 
-def prepare(name: str, model_cfg: "ModelConfig", rollout_cfg: "RolloutConfig", tokenizer: Any) -> tuple[str, WeightStager]:
+def prepare(name: str, model_cfg: "ModelConfig", options: "ServerOptions", tokenizer: Any) -> tuple[str, WeightStager]:
     """(model path for the server, stager): the model directory and where versions will be written."""
     scratch = Path(tempfile.mkdtemp(prefix=f"astraflow-{name}-"))
     path = model_dir(model_cfg, tokenizer, scratch / "initial")
-    stager = WeightStager(rollout_cfg.weight_staging_dir, template_dir(path, scratch / "template"), scratch)
+    stager = WeightStager(options.weight_staging_dir, template_dir(path, scratch / "template"), scratch)
     return path, stager

@@ -1,4 +1,4 @@
-"""The Engine contract every rollout runtime speaks (hf, sglang, vllm, scripted).
+"""The Engine contract every rollout runtime speaks (hf, sglang, vllm, scripted, plug-ins).
 
 An engine generates completions with the behaviour logprob and the weight version of every
 token, applies a weight version (``load_state``) and reports the version it holds. Engines are
@@ -10,12 +10,10 @@ for a token is the version whose weights produced it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
-
-    from astraflow.config import ModelConfig, RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -61,29 +59,6 @@ class Engine(Protocol):
 
     def state_view(self) -> Mapping[str, "torch.Tensor"]:
         """The engine's current weights by name (what the node last applied, for remote engines)."""
-
-
-EngineFactory = Callable[["ModelConfig", "RolloutConfig", Any], Engine]
-"""Builds an engine from the policy's model config, the rollout config and the tokenizer."""
-ENGINES: dict[str, EngineFactory] = {}
-
-
-def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
-    def deco(factory: EngineFactory) -> EngineFactory:
-        ENGINES[name] = factory
-        return factory
-
-    return deco
-
-
-def build_engine(name: str, model_cfg: "ModelConfig", rollout_cfg: "RolloutConfig", tokenizer: Any) -> Engine:
-    import astraflow.rollout.engines  # noqa: F401  (registers the built-in engines)
-
-    try:
-        factory = ENGINES[name]
-    except KeyError:
-        raise ValueError(f"rollout.engine {name!r} is not available; registered: {sorted(ENGINES)}") from None
-    return factory(model_cfg, rollout_cfg, tokenizer)
 
 
 def close_engine(engine: Any) -> None:

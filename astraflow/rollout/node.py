@@ -1,4 +1,4 @@
-"""The RaaS worker: pull tasks from the pool's shared durable consumer, roll out, publish.
+"""The RaaS node (``astraflow worker rollout``): pull tasks from the pool's shared durable consumer, roll out, publish.
 
 Joining = binding the shared consumer, fetching the current weights, pulling tasks. A task is
 acked only after its trajectories are stored. A task the node cannot serve yet (weights older
@@ -18,21 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
 import logging
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.models import load_tokenizer
-from astraflow.rollout.engine import SamplingParams, StaleWeights, build_engine, close_engine
+from astraflow.rollout.engines.base import SamplingParams, StaleWeights, close_engine
+from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.rewards import get_reward
-from astraflow.rollout.workflows import PolicyHandle, Workflow, get_workflow
+from astraflow.rollout.workflows.base import PolicyHandle, Workflow
+from astraflow.rollout.workflows.registry import check_policies, get_workflow
 from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.codec import MessageTooLarge
 from astraflow.streams.messages import Heartbeat, RolloutStats, Task, Trajectory
@@ -49,28 +47,10 @@ NODE_COUNTERS = {"gen_s": "gen_seconds", "pull_s": "pull_seconds", "publish_s": 
                  "refresh_s": "refresh_seconds"}  # renamed for Prometheus (others keep their stats key)
 
 
-def load_plugins(paths: list[str]) -> None:
-    """Import each plugin (a module name or a ``.py`` file) so it registers workflows, rewards, tools, engines."""
-    for item in paths:
-        if item.endswith(".py"):
-            path = Path(item).resolve()
-            name = f"astraflow_plugin_{path.stem}"
-            if name in sys.modules:
-                continue
-            spec = importlib.util.spec_from_file_location(name, path)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"rollout.plugins: cannot load {item}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        else:
-            importlib.import_module(item)
-
-
 def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = None) -> PolicyHandle:
     model_cfg = recipe.policies[policy].model
     tokenizer = load_tokenizer(model_cfg.tokenizer)
-    engine = build_engine(recipe.rollout.engine, model_cfg, recipe.rollout, tokenizer)
+    engine = build_engine(model_cfg, recipe.rollout, tokenizer)
     r = recipe.rollout
     return PolicyHandle(engine, tokenizer, params or SamplingParams(r.max_new_tokens, r.temperature, r.top_p), name=policy)
 
@@ -93,9 +73,11 @@ class RolloutNode:
         self.pool = pool or recipe.rollout.pool
         self.region = recipe.rollout.region if region is None else region
         self.hardware = hardware or recipe.rollout.hardware or _detect_hardware()
-        load_plugins(recipe.rollout.plugins)
+        if workflow is None:  # the recipe's (its plug-ins were imported when the recipe was loaded)
+            check_policies(recipe.workflow, recipe.policy_names)
+            workflow = get_workflow(recipe.workflow_options, get_reward(recipe.reward))
+        self.workflow = workflow
         self.handles = handles if handles is not None else {p: make_handle(recipe, p) for p in recipe.policy_names}
-        self.workflow = workflow or get_workflow(recipe.workflow, get_reward(recipe.reward), recipe.rollout)
         domain = recipe.rollout.weights_domain
         self.syncs = {p: WeightSync(plane, p, h.engine, domain=domain) for p, h in self.handles.items()}
         self.stats: dict[str, float] = {"tasks": 0.0, "trajectories": 0.0, "tokens": 0.0, "gen_s": 0.0, "pull_s": 0.0, "publish_s": 0.0,

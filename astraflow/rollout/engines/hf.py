@@ -7,7 +7,9 @@ from typing import Any, Mapping
 
 import torch
 
-from astraflow.rollout.engine import Completion, GenerationRequest, register_engine
+from astraflow.rollout.engines.base import Completion, GenerationRequest
+from astraflow.rollout.engines.options import HfOptions
+from astraflow.rollout.engines.registry import register_engine
 
 
 def stop_at(tokenizer: Any, toks: list[int], stops: tuple[str, ...]) -> int | None:
@@ -110,8 +112,8 @@ class HFEngine:
         return completions
 
 
-@register_engine("hf")
-def build_hf(model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> HFEngine:
+@register_engine("hf", HfOptions)
+def build_hf(options: HfOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> HFEngine:
     from astraflow.models import build_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,12 +1,12 @@
 """``env_http``: play episodes against an environment server over HTTP (start / step / close).
 
 Any server with the API of ``astraflow.rollout.envs.server`` works (ALFWorld- or WebShop-like
-text environments); ``rollout.env_url: bundled`` starts the bundled text games on a loopback
+text environments); ``url: bundled`` (``EnvHttpOptions``) starts the bundled text games on a loopback
 port inside each node. Per sample: ``/start`` with the task's seed (every sample of a group
 faces the same instance: ``meta["seed"]``, else a hash of the prompt id), then per turn the
 model writes one action line (a turn stops at a newline), ``/step`` returns the next
 observation, which is appended as inserted tokens (loss_mask 0), and the node passes a safe
-point. The episode ends when the environment says done or after ``rollout.max_turns`` turns;
+point. The episode ends when the environment says done or after ``max_turns`` turns;
 ``/close`` always runs. The reward is the sum of the environment's step rewards (the recipe's
 reward function is not used: the environment is the verifier).
 """
@@ -17,15 +17,14 @@ import json
 import urllib.request
 import zlib
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-from astraflow.rollout.engine import GenerationRequest
+from astraflow.rollout.engines.base import GenerationRequest
 from astraflow.rollout.rewards import Reward
-from astraflow.rollout.workflows import Episode, PolicyHandle, by_policy, min_version, register
+from astraflow.rollout.workflows.base import Episode, Evaluation, PolicyHandle, by_policy, min_version
+from astraflow.rollout.workflows.options import EnvHttpOptions
+from astraflow.rollout.workflows.registry import register_workflow
 from astraflow.streams.messages import Task, Trajectory
-
-if TYPE_CHECKING:
-    from astraflow.config import RolloutConfig
 
 
 class EnvClient:
@@ -54,21 +53,21 @@ def task_seed(task: Task) -> int:
     return int(task.meta["seed"]) if "seed" in task.meta else zlib.crc32(task.prompt_id.encode())
 
 
-@register("env_http")
+@register_workflow("env_http", EnvHttpOptions)
 class EnvHttp:
-    def __init__(self, reward: Reward, cfg: "RolloutConfig") -> None:
-        if not cfg.env_url:
-            raise ValueError("workflow env_http needs rollout.env_url (an environment server with /start, /step, /close, "
-                             "or 'bundled' for the node-local text games of astraflow.rollout.envs)")
-        url = cfg.env_url
+    policies = ("solver",)
+    evaluation: Evaluation = "workflow"  # played in the environment
+
+    def __init__(self, reward: Reward, options: EnvHttpOptions) -> None:
+        url = options.url
         if url == "bundled":  # each node (and the evaluator) serves the bundled games on a loopback port of its own
             from astraflow.rollout.envs.server import serve_in_thread
 
             self.server = serve_in_thread()
             url = self.server.url
         self.client = EnvClient(url)
-        self.env = cfg.env
-        self.max_turns = cfg.max_turns
+        self.env = options.env
+        self.max_turns = options.max_turns
 
     def run(self, tasks: list[Task], policies: Mapping[str, PolicyHandle], node_id: str) -> list[Trajectory]:
         out: list[Trajectory] = []

@@ -4,7 +4,7 @@ UNVERIFIED against a real vLLM in this repository's CI (no GPU; vLLM's CPU build
 transformers): written against vLLM's documented APIs and tested against a fake server that
 speaks them (``tests/test_rollout_engines.py``). See ``docs/rollout.md``.
 
-Server mode (``rollout.engine_mode: server``):
+Server mode (``rollout.engine: {type: vllm, mode: server}``, the default):
 
 - generate: ``POST /v1/completions`` with the prompts as token-id lists, ``logprobs: 1``,
   ``return_tokens_as_token_ids`` (tokens come back as ``"token_id:N"``),
@@ -17,11 +17,11 @@ Server mode (``rollout.engine_mode: server``):
   ``VLLM_SERVER_DEV_MODE=1`` (set for a launched server); servers without ``/pause`` are
   updated without it (the node never overlaps an update with its own generation).
 - launch: ``python -m vllm.entrypoints.openai.api_server --model M --port P
-  --worker-extension-cls astraflow.rollout.vllm_engine.WeightLoaderExtension
-  --logprobs-mode processed_logprobs [rollout.engine_args]`` — ``processed_logprobs`` makes
+  --worker-extension-cls astraflow.rollout.engines.vllm.WeightLoaderExtension
+  --logprobs-mode processed_logprobs [args]`` — ``processed_logprobs`` makes
   vLLM report logprobs of the distribution it sampled from (after temperature / top-p).
 
-In-process mode (``engine_mode: inprocess``): ``vllm.LLM(model, worker_extension_cls=...,
+In-process mode (``mode: inprocess``): ``vllm.LLM(model, worker_extension_cls=...,
 logprobs_mode="processed_logprobs")``; ``LLM.generate`` with token prompts and
 ``SamplingParams(logprobs=0)``; updates through ``LLM.collective_rpc`` with the same extension.
 """
@@ -32,8 +32,10 @@ import os
 import sys
 from typing import Any, Mapping
 
-from astraflow.rollout.engine import Completion, GenerationRequest, SamplingParams, register_engine
-from astraflow.rollout.remote_engine import (
+from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
+from astraflow.rollout.engines.options import VllmOptions
+from astraflow.rollout.engines.registry import register_engine
+from astraflow.rollout.engines.remote import (
     EngineHTTPError,
     RemoteEngine,
     RWLock,
@@ -44,7 +46,7 @@ from astraflow.rollout.remote_engine import (
     prepare,
 )
 
-EXTENSION = "astraflow.rollout.vllm_engine.WeightLoaderExtension"
+EXTENSION = "astraflow.rollout.engines.vllm.WeightLoaderExtension"
 SERVED_NAME = "policy"
 
 
@@ -170,22 +172,22 @@ def launch_command(model_path: str, port: int, extra: list[str]) -> list[str]:
             "--logprobs-mode", "processed_logprobs", *extra]
 
 
-@register_engine("vllm")
-def build_vllm(model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> Any:
-    path, stager = prepare("vllm", model_cfg, rollout_cfg, tokenizer)
-    if rollout_cfg.engine_mode == "inprocess":
+@register_engine("vllm", VllmOptions)
+def build_vllm(options: VllmOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> Any:
+    path, stager = prepare("vllm", model_cfg, options, tokenizer)
+    if options.mode == "inprocess":
         from vllm import LLM
 
         return VLLMInProcessEngine(LLM(model=path, worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs"), stager)
     server = None
-    url = rollout_cfg.engine_url
+    url = options.url
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = ServerProcess(launch_command(path, port, list(rollout_cfg.engine_args)), {"VLLM_SERVER_DEV_MODE": "1"},
+        server = ServerProcess(launch_command(path, port, list(options.args)), {"VLLM_SERVER_DEV_MODE": "1"},
                                stager.root / "vllm-server.log")
         try:
-            server.wait_healthy(url + VLLMServerEngine.health_path, rollout_cfg.engine_startup_timeout)
+            server.wait_healthy(url + VLLMServerEngine.health_path, options.startup_timeout)
         except BaseException:
             server.stop()
             stager.close()

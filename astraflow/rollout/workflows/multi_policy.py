@@ -21,15 +21,14 @@ the number of trajectories of that policy for that task.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Mapping
+from typing import Any, Mapping
 
-from astraflow.rollout.engine import Completion, GenerationRequest
+from astraflow.rollout.engines.base import Completion, GenerationRequest
 from astraflow.rollout.rewards import Reward, extract_code
-from astraflow.rollout.workflows import PolicyHandle, by_policy, make_trajectory, min_version, register
+from astraflow.rollout.workflows.base import Evaluation, PolicyHandle, by_policy, make_trajectory, min_version
+from astraflow.rollout.workflows.options import SolverSelectorOptions, SolverTestgenOptions, SolverVerifierOptions
+from astraflow.rollout.workflows.registry import register_workflow
 from astraflow.streams.messages import Task, Trajectory
-
-if TYPE_CHECKING:
-    from astraflow.config import RolloutConfig
 
 
 def partner_of(policies: Mapping[str, PolicyHandle], solver: str, role: str) -> str:
@@ -56,9 +55,10 @@ def parse_choice(text: str, n: int) -> int | None:
 
 
 class _TwoPolicy:
-    role = "partner"
+    policies: tuple[str, ...]  # ("solver", partner role)
+    evaluation: Evaluation = "single_turn"  # the partner's answers need the solver's: score the solver alone
 
-    def __init__(self, reward: Reward, cfg: "RolloutConfig") -> None:
+    def __init__(self, reward: Reward, options: Any = None) -> None:
         self.reward = reward
 
     def solve(self, tasks: list[Task], h: PolicyHandle, policy: str, node_id: str) -> tuple[list[list[Completion]], list[list[str]]]:
@@ -71,7 +71,7 @@ class _TwoPolicy:
     def run(self, tasks: list[Task], policies: Mapping[str, PolicyHandle], node_id: str) -> list[Trajectory]:
         out: list[Trajectory] = []
         for solver, group in by_policy(tasks).items():
-            partner = partner_of(policies, solver, self.role)
+            partner = partner_of(policies, solver, self.policies[1])
             out += self.run_pair(group, policies[solver], solver, policies[partner], partner, node_id)
         return out
 
@@ -85,9 +85,9 @@ class _TwoPolicy:
                 for k, t in enumerate(tasks) for i, c in enumerate(comps[k])]
 
 
-@register("solver_verifier")
+@register_workflow("solver_verifier", SolverVerifierOptions)
 class SolverVerifier(_TwoPolicy):
-    role = "verifier"
+    policies = ("solver", "verifier")
 
     @staticmethod
     def prompt(task: Task, answer: str) -> str:
@@ -111,9 +111,9 @@ class SolverVerifier(_TwoPolicy):
         return out
 
 
-@register("solver_selector")
+@register_workflow("solver_selector", SolverSelectorOptions)
 class SolverSelector(_TwoPolicy):
-    role = "selector"
+    policies = ("solver", "selector")
 
     @staticmethod
     def prompt(task: Task, answers: list[str]) -> str:
@@ -137,9 +137,9 @@ class SolverSelector(_TwoPolicy):
         return out
 
 
-@register("solver_testgen")
+@register_workflow("solver_testgen", SolverTestgenOptions)
 class SolverTestgen(_TwoPolicy):
-    role = "test-case generator"
+    policies = ("solver", "testgen")
 
     @staticmethod
     def prompt(task: Task) -> str:
@@ -150,7 +150,7 @@ class SolverTestgen(_TwoPolicy):
         return [line.strip() for line in extract_code(text).splitlines() if line.strip().startswith("assert ")]
 
     def run_pair(self, tasks: list[Task], hs: PolicyHandle, solver: str, hg: PolicyHandle, gen: str, node_id: str) -> list[Trajectory]:
-        from astraflow.rollout.sandbox import Sandbox
+        from astraflow.rollout.rewards.sandbox import Sandbox
 
         comps, texts = self.solve(tasks, hs, solver, node_id)
         box = Sandbox()

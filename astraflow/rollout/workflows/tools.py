@@ -5,7 +5,7 @@ A turn ends at ``</tool>`` (a stop string), EOS or the token budget. A tool call
 workflow runs the tool, appends ``<result>output</result>`` as inserted tokens (loss_mask 0,
 logprob 0, version of the turn before), passes a safe point (the node may apply new weights
 there: the next turn's tokens then carry the new version), and generates again. An episode
-ends when a turn makes no tool call, or after ``rollout.max_turns`` turns. The reward scores
+ends when a turn makes no tool call, or after ``max_turns`` turns (``MultiTurnToolsOptions``). The reward scores
 the text of the last turn.
 
 Tools are registered by name (``register_tool``); built in: ``calculator`` (exact arithmetic
@@ -21,15 +21,14 @@ import json
 import operator
 import re
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
-from astraflow.rollout.engine import GenerationRequest
+from astraflow.rollout.engines.base import GenerationRequest
 from astraflow.rollout.rewards import Reward
-from astraflow.rollout.workflows import Episode, PolicyHandle, by_policy, min_version, register
+from astraflow.rollout.workflows.base import Episode, Evaluation, PolicyHandle, by_policy, min_version
+from astraflow.rollout.workflows.options import MultiTurnToolsOptions
+from astraflow.rollout.workflows.registry import register_workflow
 from astraflow.streams.messages import Task, Trajectory
-
-if TYPE_CHECKING:
-    from astraflow.config import RolloutConfig
 
 Tool = Callable[[str, dict[str, Any]], str]
 """``tool(arguments, task_meta) -> output text``; raising is fine (the error text becomes the output)."""
@@ -123,12 +122,15 @@ def search(args: str, meta: dict[str, Any]) -> str:
     return best[2] if best[0] > 0 else "no results"
 
 
-@register("multi_turn_tools")
+@register_workflow("multi_turn_tools", MultiTurnToolsOptions)
 class MultiTurnTools:
-    def __init__(self, reward: Reward, cfg: "RolloutConfig") -> None:
+    policies = ("solver",)
+    evaluation: Evaluation = "workflow"  # scored with its tools
+
+    def __init__(self, reward: Reward, options: MultiTurnToolsOptions) -> None:
         self.reward = reward
-        self.max_turns = cfg.max_turns
-        self.tools = list(cfg.tools)
+        self.max_turns = options.max_turns
+        self.tools = list(options.tools)
 
     def run(self, tasks: list[Task], policies: Mapping[str, PolicyHandle], node_id: str) -> list[Trajectory]:
         out: list[Trajectory] = []

@@ -13,7 +13,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 from astraflow.models import encode_prompt
-from astraflow.rollout.engine import Completion, GenerationRequest
+from astraflow.rollout.engines.base import Completion, GenerationRequest
 
 
 class ScriptEngine:

@@ -1,9 +1,10 @@
-"""An OpenAI-compatible chat-completions endpoint served by a rollout node, recording every call.
+"""``openai_agent``: an OpenAI-compatible chat-completions endpoint served by a rollout node, recording
+every call, and the workflow that runs unchanged agent code against it.
 
 Existing agent code talks to ``{base_url}/chat/completions`` as it would to any OpenAI-style
 server; the facade generates with the node's engine and records, per session, the prompt
 token ids, completion token ids, behaviour logprobs and weight versions of every call. The
-``openai_agent`` workflow gives each sample its own session (``base_url`` =
+workflow gives each sample its own session (``base_url`` =
 ``http://127.0.0.1:PORT/s/{session}/v1``), runs the agent, and turns the recorded calls into
 one trajectory: calls whose prompt extends the previous call's prompt + completion are
 chained, the tokens in between (user turns, tool results) masked out of the loss.
@@ -32,16 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from http.server import ThreadingHTTPServer
 from importlib import import_module
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
-from astraflow.rollout.engine import Completion, GenerationRequest
+from astraflow.rollout.engines.base import Completion, GenerationRequest
 from astraflow.rollout.http_json import JsonHandler
 from astraflow.rollout.rewards import Reward
-from astraflow.rollout.workflows import Episode, PolicyHandle, by_policy, min_version, register
+from astraflow.rollout.workflows.base import Episode, Evaluation, PolicyHandle, by_policy, min_version
+from astraflow.rollout.workflows.options import OpenAIAgentOptions
+from astraflow.rollout.workflows.registry import register_workflow
 from astraflow.streams.messages import Task, Trajectory
-
-if TYPE_CHECKING:
-    from astraflow.config import RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -218,22 +218,22 @@ Agent = Callable[[str, str, dict[str, Any]], str]
 
 
 def load_agent(spec: str) -> Agent:
-    module, sep, name = spec.partition(":")
-    if not sep:
-        raise ValueError(f"rollout.agent {spec!r} must look like module:function")
+    """The agent function ``module:function`` names (the options checked its shape at load)."""
+    module, _, name = spec.partition(":")
     return getattr(import_module(module), name)
 
 
-@register("openai_agent")
+@register_workflow("openai_agent", OpenAIAgentOptions)
 class OpenAIAgent:
     """Runs agent code against the node's facade, one session per sample; reward = the recipe's reward of the answer."""
 
-    def __init__(self, reward: Reward, cfg: "RolloutConfig", agent: Agent | None = None) -> None:
-        if agent is None and not cfg.agent:
-            raise ValueError("workflow openai_agent needs rollout.agent (module:function)")
+    policies = ("solver",)
+    evaluation: Evaluation = "single_turn"  # agent code is not replayed on held-out prompts
+
+    def __init__(self, reward: Reward, options: OpenAIAgentOptions) -> None:
         self.reward = reward
-        self.agent = agent or load_agent(str(cfg.agent))
-        self.concurrency = cfg.agent_concurrency
+        self.agent = load_agent(options.agent)
+        self.concurrency = options.concurrency
         self.facades: dict[str, ChatFacade] = {}
 
     def facade(self, policy: str, handle: PolicyHandle) -> ChatFacade:

@@ -311,9 +311,6 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     return z_y - torch.logsumexp(z, dim=-1)  # (B, T)
 
 
-LOSSES = {"ppo": ppo_clip_loss, "decoupled_ppo": decoupled_ppo_loss, "m2po": m2po_loss}
-
-
 # --------------------------------------------------------------------------- helpers
 
 

@@ -1,0 +1,95 @@
+"""Options of the built-in engines: what ``rollout.engine`` may hold, one model per engine.
+
+Light on purpose (pydantic only): every role validates a recipe against these before any engine
+is built (``astraflow.registry.ENGINE_OPTIONS`` imports this module). A field another engine
+owns fails at load (``latency_sigma`` on ``hf``).
+
+    engine: hf
+    engine: {type: sglang, url: "http://127.0.0.1:30000"}
+    engine: {type: vllm, mode: inprocess}
+    engine: {type: scripted, latency: pareto, latency_median_s: 0.5, latency_alpha: 1.2, concurrency: 8}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from astraflow.registry import ENGINE_OPTIONS, Options
+
+
+def changed(options: Options, names: set[str]) -> list[str]:
+    """Of ``names``, the fields set to something other than their default (a resolved recipe spells out defaults)."""
+    fields = type(options).model_fields
+    return sorted(n for n in names & options.model_fields_set if getattr(options, n) != fields[n].default)
+
+
+@ENGINE_OPTIONS.register
+class HfOptions(Options):
+    """transformers in-process, batched, on cuda when available (``hf.py``)."""
+
+    type: Literal["hf"] = "hf"
+
+
+@ENGINE_OPTIONS.register
+class ScriptedOptions(Options):
+    """A BENCHMARK ENGINE: real tokens from the recipe's tiny model, latency drawn from a distribution (``scripted.py``)."""
+
+    type: Literal["scripted"] = "scripted"
+    concurrency: int = Field(8, ge=1)
+    """Requests a node serves at once (their latencies overlap up to this many)."""
+    latency: Literal["lognormal", "pareto", "constant"] = "lognormal"
+    """Distribution of each request's latency."""
+    latency_median_s: float = Field(0.5, ge=0)
+    """Median request latency in seconds (the value itself for ``constant``)."""
+    latency_sigma: float = Field(1.0, ge=0)
+    """lognormal: standard deviation of the log latency (1.0: a long tail)."""
+    latency_alpha: float = Field(1.5, gt=0)
+    """pareto: tail index (smaller = heavier tail; the mean is infinite at or below 1)."""
+    latency_seed: int = 0
+    """Seed of the latency draws (mixed with the process id, so nodes draw independent streams)."""
+
+    @model_validator(mode="after")
+    def _shape_fits(self) -> "ScriptedOptions":
+        for name, dist in (("latency_sigma", "lognormal"), ("latency_alpha", "pareto")):
+            if changed(self, {name}) and self.latency != dist:
+                raise ValueError(f"{name} applies to latency: {dist} only (latency is {self.latency}); drop it")
+        return self
+
+
+class ServerOptions(Options):
+    """What the server-backed engines share (``remote.py``)."""
+
+    url: str | None = None
+    """URL of a running server to attach to (``http://host:port``); None launches one on the node."""
+    args: list[str] = []
+    """Extra command-line arguments of a launched server (``["--tp", "2"]``)."""
+    startup_timeout: float = Field(600.0, gt=0)
+    """Seconds to wait for a launched server to report healthy."""
+    weight_staging_dir: str | None = None
+    """Where a node writes each weight version for the server to load (default: a temp dir under /dev/shm when
+    it exists). The server must see the same path (same host)."""
+
+
+@ENGINE_OPTIONS.register
+class SglangOptions(ServerOptions):
+    """An SGLang server, launched by the node or attached (``sglang.py``)."""
+
+    type: Literal["sglang"] = "sglang"
+
+
+@ENGINE_OPTIONS.register
+class VllmOptions(ServerOptions):
+    """vLLM's OpenAI-compatible server (launched or attached) or ``vllm.LLM`` inside the node (``vllm.py``)."""
+
+    type: Literal["vllm"] = "vllm"
+    mode: Literal["server", "inprocess"] = "server"
+    """Talk to its server, or run ``vllm.LLM`` inside the node."""
+
+    @model_validator(mode="after")
+    def _server_only(self) -> "VllmOptions":
+        server_fields = changed(self, {"url", "args", "startup_timeout"})
+        if self.mode == "inprocess" and server_fields:
+            raise ValueError(f"{', '.join(server_fields)} applies to mode: server only; drop it or set mode: server")
+        return self

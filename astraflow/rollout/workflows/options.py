@@ -1,0 +1,92 @@
+"""Options of the built-in workflows: what the recipe's ``workflow:`` may hold, one model per workflow.
+
+Light on purpose (pydantic only): every role validates a recipe against these
+(``astraflow.registry.WORKFLOW_OPTIONS`` imports this module). A field another workflow owns fails
+at load (``max_turns`` on ``single_turn``).
+
+    workflow: single_turn
+    workflow: {type: multi_turn_tools, max_turns: 3, tools: [bm25]}
+    workflow: {type: env_http, url: bundled, env: rooms, max_turns: 4}
+    workflow: {type: openai_agent, agent: "my_agents:solve", concurrency: 4}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from astraflow.registry import WORKFLOW_OPTIONS, Options
+
+
+@WORKFLOW_OPTIONS.register
+class SingleTurnOptions(Options):
+    """RLVR: one generation per sample (``single_turn.py``)."""
+
+    type: Literal["single_turn"] = "single_turn"
+
+
+@WORKFLOW_OPTIONS.register
+class MultiTurnToolsOptions(Options):
+    """The model calls tools between turns (``tools.py``)."""
+
+    type: Literal["multi_turn_tools"] = "multi_turn_tools"
+    max_turns: int = Field(4, ge=1)
+    """Generation turns per episode."""
+    tools: list[str] = ["calculator", "search"]
+    """Tools the model may call, by registered name (``calculator``, ``search``, ``bm25``, a plug-in's)."""
+
+
+@WORKFLOW_OPTIONS.register
+class EnvHttpOptions(Options):
+    """Episodes against an environment server with POST /start, /step, /close (``env.py``)."""
+
+    type: Literal["env_http"] = "env_http"
+    url: str
+    """Base URL of the environment server, or ``bundled``: the text games of ``astraflow.rollout.envs`` served
+    on a loopback port inside each node."""
+    env: str = "rooms"
+    """Environment name sent to /start (the bundled server has ``rooms`` and ``shop``)."""
+    max_turns: int = Field(4, ge=1)
+    """Environment steps per episode."""
+
+
+@WORKFLOW_OPTIONS.register
+class SolverVerifierOptions(Options):
+    """Two policies: a solver and a verifier that judges each answer (``multi_policy.py``)."""
+
+    type: Literal["solver_verifier"] = "solver_verifier"
+
+
+@WORKFLOW_OPTIONS.register
+class SolverSelectorOptions(Options):
+    """Two policies: a solver and a selector that picks the best of its answers (``multi_policy.py``)."""
+
+    type: Literal["solver_selector"] = "solver_selector"
+
+
+@WORKFLOW_OPTIONS.register
+class SolverTestgenOptions(Options):
+    """Two policies: a code solver and a test-case generator (``multi_policy.py``)."""
+
+    type: Literal["solver_testgen"] = "solver_testgen"
+
+
+@WORKFLOW_OPTIONS.register
+class OpenAIAgentOptions(Options):
+    """Unchanged agent code against the node's OpenAI-compatible endpoint (``openai_agent.py``)."""
+
+    type: Literal["openai_agent"] = "openai_agent"
+    agent: str
+    """``module:function`` of the agent, called as ``agent(base_url, prompt, meta) -> answer`` (imported by the
+    nodes that play it, not at load)."""
+    concurrency: int = Field(4, ge=1)
+    """Agent episodes a node runs at once."""
+
+    @field_validator("agent")
+    @classmethod
+    def _spec(cls, spec: str) -> str:
+        module, sep, name = spec.partition(":")
+        if not (module and sep and name):
+            raise ValueError(f"agent {spec!r} must look like module:function")
+        return spec

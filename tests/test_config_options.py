@@ -1,0 +1,117 @@
+"""Engine, workflow and loss options: chosen by ``type`` from registries, open to plug-ins, checked at load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astraflow.config import RecipeError, dump_recipe, load_recipe, parse_recipe
+from astraflow.models import build_model, load_tokenizer
+from astraflow.registry import ENGINE_OPTIONS
+from astraflow.rollout.engines.base import GenerationRequest
+from astraflow.rollout.engines.registry import build_engine
+from astraflow.rollout.workflows.registry import check_policies, evaluation_of
+from astraflow.tasks import load_split
+from astraflow.train.synthetic import sample_batches
+from astraflow.train.torch_backend import TorchBackend
+
+PLUGIN = Path(__file__).resolve().parent / "plugin_parts.py"
+MODEL = {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+
+
+def fails(recipe: dict, *lines: str) -> None:
+    with pytest.raises(RecipeError) as err:
+        parse_recipe({"name": "t", **recipe})
+    for line in lines:
+        assert line in str(err.value), str(err.value)
+
+
+def test_a_field_of_another_engine_fails_at_load_with_the_field_named():
+    fails({"rollout": {"engine": {"type": "hf", "latency_sigma": 2.0}}},
+          "rollout.engine.latency_sigma: not an option of engine hf (it is an option of scripted)")
+    fails({"rollout": {"engine": {"type": "scripted", "latency": "constant", "latency_sigma": 2.0}}},
+          "rollout.engine: Value error, latency_sigma applies to latency: lognormal only")
+    fails({"rollout": {"engine": {"type": "vllm", "mode": "inprocess", "url": "http://h:1"}}}, "url applies to mode: server only")
+
+
+def test_a_field_of_another_loss_fails_at_load_with_the_field_named():
+    fails({"trainer": {"loss": {"type": "ppo", "tau": 0.01}}}, "trainer.loss.tau: not an option of loss ppo (it is an option of m2po)")
+    fails({"policies": {"solver": {"trainer": {"loss": {"type": "m2po", "clip_low": 0.1}}}}},
+          "policies.solver.trainer.loss.clip_low: not an option of loss m2po (it is an option of decoupled_ppo, ppo)")
+    fails({"trainer": {"loss": {"type": "m2po", "tau": 0}}}, "trainer.loss.tau: Input should be greater than 0")
+
+
+def test_workflow_options_are_checked_at_load():
+    fails({"workflow": {"type": "single_turn", "max_turns": 3}}, "workflow.max_turns: not an option of workflow single_turn")
+    fails({"workflow": "env_http"}, "workflow.url: Field required")
+    fails({"workflow": {"type": "openai_agent", "agent": "no_colon"}}, "workflow.agent: Value error, agent 'no_colon' must look like")
+
+
+def test_unknown_types_fail_at_load_naming_the_registered_ones():
+    fails({"rollout": {"engine": "tgi"}}, "rollout.engine: Value error, unknown engine 'tgi'; registered:", "hf, scripted, sglang, vllm")
+    fails({"workflow": {"type": "debate"}}, "workflow: Value error, unknown workflow 'debate'", "single_turn")
+    fails({"trainer": {"loss": "grpo"}}, "trainer.loss: Value error, unknown loss 'grpo'", "decoupled_ppo, m2po, ppo")
+    fails({"rollout": {"engine": {"repeat": 2}}}, "rollout.engine: Value error, the engine must be a name or a mapping with a type")
+    fails({"rollout": {"plugins": ["no_such_plugin_module"]}}, "rollout.plugins: Value error, cannot import 'no_such_plugin_module'")
+
+
+def test_bare_names_defaults_and_a_dumped_recipe_loads_back(tmp_path):
+    r = parse_recipe({"name": "t", "workflow": "multi_turn_tools", "rollout": {"engine": "scripted"}, "trainer": {"loss": "m2po"}})
+    assert (r.workflow, r.workflow_options.max_turns, r.rollout.engine.latency, r.trainer.loss.tau) == ("multi_turn_tools", 4, "lognormal", 0.01)
+    default = parse_recipe({"name": "t"})
+    assert (default.workflow, default.rollout.engine.type, default.trainer.loss.type) == ("single_turn", "hf", "ppo")
+    dump_recipe(r, tmp_path / "recipe.yaml")
+    dumped = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    assert dumped["workflow"]["tools"] == ["calculator", "search"] and dumped["rollout"]["engine"]["latency_alpha"] == 1.5
+    assert load_recipe(tmp_path / "recipe.yaml") == r
+
+
+def test_overrides_open_a_bare_name_and_a_policy_may_pick_another_loss(tmp_path):
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
+        "name": "t", "rollout": {"engine": "scripted"}, "trainer": {"loss": {"type": "m2po", "tau": 0.004}},
+        "policies": {"solver": {}, "verifier": {"trainer": {"loss": {"type": "ppo", "clip_high": 0.3}}}}}))
+    r = load_recipe(tmp_path, ["rollout.engine.latency_median_s=0.1", "policies.solver.trainer.loss.tau=0.02"])
+    assert r.rollout.engine.type == "scripted" and r.rollout.engine.latency_median_s == 0.1
+    assert r.policies["solver"].trainer.loss.model_dump() == {"type": "m2po", "tau": 0.02}
+    assert r.policies["verifier"].trainer.loss.model_dump() == {"type": "ppo", "clip_low": 0.2, "clip_high": 0.3, "dual_clip": 3.0}
+
+
+def test_a_plugin_engine_and_loss_are_selected_from_yaml(tmp_path):
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
+        "name": "plugins", "model": MODEL, "data": {"n_train": 8, "n_eval": 2},
+        "rollout": {"plugins": [str(PLUGIN)], "engine": {"type": "echo", "repeat": 3}},
+        "trainer": {"plugins": [str(PLUGIN)], "loss": {"type": "reinforce", "scale": 0.5}, "lr": 1e-2}}))
+    recipe = load_recipe(tmp_path)
+    assert "echo" in ENGINE_OPTIONS.names()
+    assert recipe.rollout.engine.model_dump() == {"type": "echo", "repeat": 3, "logprob": -0.5}
+    assert recipe.trainer.loss.model_dump() == {"type": "reinforce", "scale": 0.5}
+
+    tok = load_tokenizer("byt5")
+    engine = build_engine(recipe.policies["solver"].model, recipe.rollout, tok)
+    (c,) = engine.generate([GenerationRequest([5, 6, 7, 8])])
+    assert (c.token_ids, c.logprobs) == ([6, 7, 8], [-0.5] * 3)
+
+    model = build_model(recipe.policies["solver"].model, tok)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train, _ = load_split(recipe.data)
+    (batch,) = sample_batches(model, tok, [p.prompt for p in train], groups_per_batch=2, group_size=2, seed=1)
+    metrics = TorchBackend(model, tok, recipe.policies["solver"].trainer).step(batch)
+    assert metrics["reinforce_scale"] == 0.5 and metrics["loss"] == metrics["pg_loss"]
+    assert max(float((v - before[k]).abs().max()) for k, v in model.state_dict().items()) > 0  # the plug-in loss trained
+
+    with pytest.raises(RecipeError, match=r"rollout.engine.repeat: Input should be greater than or equal to 1"):
+        load_recipe(tmp_path, ["rollout.engine.repeat=0"])
+    with pytest.raises(RecipeError, match=r"trainer.loss.tau: not an option of loss reinforce \(it is an option of m2po\)"):
+        load_recipe(tmp_path, ["trainer.loss.tau=0.1"])
+
+
+def test_workflows_declare_their_roles_and_evaluation():
+    assert evaluation_of("single_turn") == evaluation_of("multi_turn_tools") == evaluation_of("env_http") == "workflow"
+    assert evaluation_of("solver_verifier") == evaluation_of("openai_agent") == "single_turn"
+    check_policies("solver_verifier", ("codegen", "verifier"))
+    with pytest.raises(ValueError, match=r"workflow 'solver_verifier' calls 2 policies \(solver, verifier\); the recipe has 1: solver"):
+        check_policies("solver_verifier", ("solver",))
+    with pytest.raises(ValueError, match=r"workflow 'single_turn' calls 1 policy \(solver\); the recipe has 2"):
+        check_policies("single_turn", ("solver", "verifier"))
