@@ -53,7 +53,7 @@ def up(
                                                                 "credentials, checkpoints, state and history)."),
     set_: list[str] = Overrides,
     timeout: float = typer.Option(3600.0, help="Abort the run after this many seconds."),
-    autoscale: bool = typer.Option(False, "--autoscale", is_flag=True, show_default=False,
+    autoscale: bool = typer.Option(False, "--autoscale", metavar="", show_default=False,
                                    help="Start and retire local rollout workers toward the dataflow's advised pool size."),
     metrics_port_base: Optional[int] = typer.Option(None, help="Serve Prometheus metrics from every role: trainers on BASE+i, "
                                                                "evaluator BASE+10, dataflow BASE+20, rollout nodes BASE+30+i."),

@@ -26,7 +26,7 @@ def test_cpu_recipe_learns_with_roles_as_processes(nats_server, repo_root, tmp_p
     assert [r["version"] for r in rows] == list(range(21))  # every version announced once, in order
     assert {r["encoding"] for r in rows} == {"keyframe", "delta"}
     for role in ("trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1"):
-        assert (run_dir / "logs" / f"{role}.log").exists()
+        assert (run_dir / "logs" / f"{role}.s1.log").exists()  # one log per process and session
 
 
 def test_bad_recipe_names_the_field(repo_root, tmp_path):
@@ -55,4 +55,20 @@ def test_up_resume_continues_the_run(repo_root, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [0, 1, 2, 3, 4, 5]  # continued, no version reused
-    assert "resum" in (run_dir / "logs" / "trainer-solver.log").read_text().lower()  # from its checkpoint, not from scratch
+    assert "resum" in (run_dir / "logs" / "trainer-solver.s2.log").read_text().lower()  # from its checkpoint, not from scratch
+    assert (run_dir / "nats" / "address").read_text()  # the same address both sessions (when the port is still free)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["sessions"] == 2 and summary["outcome"] == "finished"
+
+
+def test_status_says_no_such_run_and_gives_up_on_an_absent_server(nats_server):
+    """`astraflow status`: a clear message and a non-zero code, never a hang or an empty table."""
+    import time
+
+    cmd = [sys.executable, "-m", "astraflow.cli", "status"]
+    proc = subprocess.run([*cmd, "--nats", nats_server.url, "--run", "nosuchrun"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and "no run 'nosuchrun'" in proc.stderr, proc.stderr
+    t0 = time.monotonic()
+    proc = subprocess.run([*cmd, "--nats", "nats://127.0.0.1:9", "--run", "x", "--timeout", "2"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no nats-server at nats://127.0.0.1:9" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 20

@@ -125,4 +125,4 @@ def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["policies"]) == {"solver", "verifier"}
     for role in ("trainer-solver", "trainer-verifier", "dataflow", "rollout-0"):
-        assert (run_dir / "logs" / f"{role}.log").exists()
+        assert (run_dir / "logs" / f"{role}.s1.log").exists()

@@ -43,6 +43,7 @@ def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "
         "eval_at_s": {str(v): r["run_s"] for v, r in sorted(evals.items())},
         "eval_at_rollouts": {str(v): r["rollouts"] for v, r in sorted(evals.items())},
         "policies": per_policy,
+        "accounting": json.loads(rundir.file("accounting.json").read_text()) if rundir.file("accounting.json").exists() else {},
     }
     rundir.file("summary.json").write_text(json.dumps(summary, indent=2))
     pool = list(rundir.rows("pool.jsonl"))

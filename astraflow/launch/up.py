@@ -29,6 +29,7 @@ from astraflow.launch.supervisor import CrashLoop, LocalPool, RoleSpec, Supervis
 from astraflow.launch.view import View
 from astraflow.launch.watcher import RunWatcher
 from astraflow.streams.credentials import Credential, is_loopback, issue, make_tls, redact, server_users
+from astraflow.streams.messages import HEARTBEAT_PERIOD_S
 from astraflow.streams.permissions import Scope, render_accounts
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
@@ -161,9 +162,12 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
                         view.note(f"[bold]autoscale[/]: {did} — {advice.reason}")
                 view.update(watcher.live, sup.restarts, watcher.run_time())
                 if await watcher.finished():
+                    await asyncio.sleep(2 * HEARTBEAT_PERIOD_S)  # the dataflow accounts the last announcements
+                    await watcher.record_accounting()
                     return "finished"
                 if time.monotonic() - started > timeout:
                     raise RunFailed(f"run did not finish in {timeout:.0f}s")
+            await watcher.record_accounting()
             return "stopped"
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):

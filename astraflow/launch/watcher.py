@@ -9,12 +9,14 @@ heartbeats, so they survive restarts and never go stale.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from astraflow.config import Recipe
 from astraflow.launch.rundir import RunDir
+from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat, RolloutStats, TrainerStats, WeightVersion
 from astraflow.streams.plane import Plane, Subscription
 from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord
@@ -136,6 +138,13 @@ class RunWatcher:
                 row[f"wait.{hb.policy}"] = round(hb.stats.wait_frac, 4)
         self.rundir.append("pool.jsonl", row)
         self.live.advice = await self.plane.state.get(AutoscaleRecord, self.recipe.rollout.pool)
+
+    async def record_accounting(self) -> None:
+        """The dataflow's task accounting as it stands, into ``accounting.json`` (the summary reads it)."""
+        state = await self.plane.state.get(DataflowState)
+        if state is not None:
+            self.rundir.file("accounting.json").write_text(
+                json.dumps({p: a.model_dump() for p, a in state.accounting.items()}, indent=2))
 
     async def finished(self) -> bool:
         for p, c in self.recipe.policies.items():

@@ -155,6 +155,7 @@ class Follower(Generic[M]):
         self._sub: JetStreamContext.PushSubscription | None = None
         self._got: list[Msg] = []
         self._arrived = asyncio.Event()
+        self._missing = 0
         self.rejected = 0
 
     async def _on_msg(self, msg: Msg) -> None:
@@ -165,8 +166,15 @@ class Follower(Generic[M]):
         """What arrived since the last call; waits up to ``wait`` seconds when nothing has."""
         if self._sub is None:
             deliver = api.DeliverPolicy.LAST if self._start == "last" else api.DeliverPolicy.ALL
-            self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, deliver_policy=deliver,
-                                                 cb=self._on_msg, idle_heartbeat=2.0)
+            try:
+                self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, deliver_policy=deliver,
+                                                     cb=self._on_msg, idle_heartbeat=2.0)
+            except NotFoundError:  # not there yet (a region whose mirror is being made): nothing to read, ask again later
+                self._missing += 1
+                if self._missing == 1 or self._missing % 30 == 0:
+                    log.warning("waiting for stream %s (%s): not there yet", self.stream, self.subject)
+                await asyncio.sleep(wait)
+                return []
         if not self._got:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), wait)

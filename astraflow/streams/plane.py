@@ -272,6 +272,8 @@ class Plane:
                     await (self._jsm.consumer_info(stream, durable) if durable else self._jsm.stream_info(stream))
                 except NotFoundError:
                     missing.append(f"{stream}/{durable}" if durable else stream)
+                except Exception as e:  # no JetStream answering yet (a hub behind a leaf that is still linking): wait too
+                    missing.append(f"{stream} ({type(e).__name__})")
             if not missing:
                 self.state.forget()
                 return

@@ -1,0 +1,109 @@
+"""Chaos under the one command users run: kill -9 every role of ``astraflow up`` (each at least once),
+then the launcher itself, then ``up --resume``. The run completes, every version is announced
+exactly once, the accounting adds up, no process outlives its launcher, and the policy learns."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROLES = ("trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1")
+STEPS = 40
+
+
+def children(pid: int) -> dict[int, str]:
+    """Live child processes of ``pid`` -> the role they run (their ``--id``)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid, state = int(stat.rsplit(")", 1)[1].split()[1]), stat.rsplit(")", 1)[1].split()[0]
+        if ppid == pid and state != "Z" and b"--id" in cmd:
+            out[int(entry.name)] = cmd[cmd.index(b"--id") + 1].decode()
+    return out
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Every live process whose command line names the run directory (roles, the server)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if str(run_dir).encode() in (entry / "cmdline").read_bytes():
+                    if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def versions(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["version"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait(cond, what: str, timeout: float) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_up_survives_kill_9_of_every_role_and_of_itself(repo_root: Path, tmp_path: Path):
+    run_dir = tmp_path / "chaos"
+    up = [sys.executable, "-m", "astraflow.cli", "up"]
+    sets = ["--set", f"trainer.steps={STEPS}", "--set", "sft.steps=250", "--set", "eval.every=20", "--set", "plane.task_ack_wait=5",
+            "--set", "plane.traj_ack_wait=5", "--set", "plane.batch_ack_wait=10", "--timeout", "600"]
+    log = open(tmp_path / "up.log", "w")
+    launcher = subprocess.Popen([*up, str(repo_root / "recipes" / "arithmetic"), "--run-dir", str(run_dir), *sets], stdout=log,
+                                stderr=subprocess.STDOUT)
+    rng = random.Random(0)
+    killed: dict[str, int] = {}
+    try:
+        wait(lambda: set(children(launcher.pid).values()) >= set(ROLES), "every role to start", 120)
+        wait(lambda: len(versions(run_dir)) >= 3, "training to start", 240)  # after the warm start
+        order = list(ROLES) + [rng.choice(ROLES) for _ in range(3)]
+        for name in order:  # each role at least once, then a few at random
+            wait(lambda: name in children(launcher.pid).values(), f"{name} to be running", 60)
+            pid = next(p for p, n in children(launcher.pid).items() if n == name)
+            os.kill(pid, signal.SIGKILL)
+            killed[name] = killed.get(name, 0) + 1
+            time.sleep(4)
+        assert launcher.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+        mid = len(versions(run_dir))
+        assert mid < STEPS + 1, "the run finished before the launcher could be killed: lengthen it"
+        launcher.kill()  # the launcher itself: every role and the embedded server must follow within 5 s
+        launcher.wait()
+        wait(lambda: not processes_of(run_dir), "no process of the run to remain", 5)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        log.close()
+    resumed = subprocess.run([*up, "--resume", str(run_dir), "--timeout", "600"], capture_output=True, text=True, timeout=700)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert not processes_of(run_dir)
+    assert versions(run_dir) == list(range(STEPS + 1))  # every version exactly once, across the kills and both sessions
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["sessions"] == 2 and summary["outcome"] == "finished"
+    for name in killed:  # each killed role was restarted by the supervisor in the first session
+        assert summary["restarts"].get(name, 0) >= 1, (name, summary["restarts"])
+    acc = summary["accounting"]["solver"]
+    assert acc["adds_up"] and acc["total"] == acc["in_flight"] + acc["buffered"] + acc["awaiting"] + sum(acc["fates"].values())
+    assert summary["final_reward"] > summary["initial_reward"] + 0.05, summary  # it still learns
