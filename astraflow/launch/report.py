@@ -30,9 +30,8 @@ def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "
         }
     sessions = rundir.sessions()
     restarts: dict[str, int] = {}
-    for s in sessions:
-        for name, n in (s.get("restarts") or {}).items():
-            restarts[name] = restarts.get(name, 0) + n
+    for r in rundir.rows("restarts.jsonl"):  # recorded as they happen: a session whose launcher was killed counts too
+        restarts[r["role"]] = restarts.get(r["role"], 0) + 1
     final_v = recipe.policies[recipe.eval_policy].trainer.steps
     summary = {
         "recipe": recipe.name, "outcome": outcome, "wall_s": round(rundir.wall_s(), 1), "sessions": len(sessions),

@@ -95,8 +95,9 @@ class Supervisor:
 
     def __init__(self, command: Callable[[RoleSpec], list[str]], log_for: Callable[[str], Path],
                  env: dict[str, str] | None = None, max_crashes: int = 5, window_s: float = 120.0, backoff_base_s: float = 1.0,
-                 backoff_max_s: float = 30.0) -> None:
+                 backoff_max_s: float = 30.0, on_restart: Callable[[Child], None] | None = None) -> None:
         self.command, self.log_for, self.env = command, log_for, env or dict(os.environ)
+        self.on_restart = on_restart  # told of every restart as it happens (the run directory records it)
         self.max_crashes, self.window_s = max_crashes, window_s
         self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
         self.children: dict[str, Child] = {}
@@ -140,6 +141,8 @@ class Supervisor:
                 c.proc = self._spawn(c.spec, c.log, f"restart {c.restarts} of {c.name} after {exit_text(c.last_exit)}")
                 c.state = "running"
                 events.append(f"restarted {c.name} (restart {c.restarts})")
+                if self.on_restart is not None:
+                    self.on_restart(c)
         return events
 
     def retire(self, name: str) -> None:

@@ -25,7 +25,7 @@ from rich.console import Console
 from astraflow.config import Recipe, dump_recipe
 from astraflow.launch.report import summarize
 from astraflow.launch.rundir import RunDir
-from astraflow.launch.supervisor import CrashLoop, LocalPool, RoleSpec, Supervisor
+from astraflow.launch.supervisor import Child, CrashLoop, LocalPool, RoleSpec, Supervisor, exit_text
 from astraflow.launch.view import View
 from astraflow.launch.watcher import RunWatcher
 from astraflow.streams.credentials import Credential, is_loopback, issue, make_tls, redact, server_users
@@ -203,8 +203,11 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"), url=url) if creds else NatsOptions(url=url)
     where = "embedded, authenticated" if server else "external"
     console.print(f"[bold]AstraFlow[/] run [cyan]{rundir.run}[/] (session {session}) on {redact(url)} ({where} nats-server)")
+    def record_restart(child: Child) -> None:
+        rundir.append("restarts.jsonl", {"session": session, "role": child.name, "after": exit_text(child.last_exit), "ts": time.time()})
+
     sup = Supervisor(lambda spec: worker_command(rundir, url, creds, spec), lambda name: rundir.log(name, session),
-                     env={k: v for k, v in os.environ.items() if k != "NATS_PASSWORD"})
+                     env={k: v for k, v in os.environ.items() if k != "NATS_PASSWORD"}, on_restart=record_restart)
     specs = role_specs(recipe, rundir, metrics_port_base)
     outcome, summary = "failed", {}
     try:
