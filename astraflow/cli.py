@@ -56,7 +56,9 @@ def up(
     autoscale: bool = typer.Option(False, "--autoscale", metavar="", show_default=False,
                                    help="Start and retire local rollout workers toward the dataflow's advised pool size."),
     metrics_port_base: Optional[int] = typer.Option(None, help="Serve Prometheus metrics from every role: trainers on BASE+i, "
-                                                               "evaluator BASE+10, dataflow BASE+20, rollout nodes BASE+30+i."),
+                                                               "evaluator BASE+10, dataflow BASE+20, rollout nodes BASE+30+i; "
+                                                               "0: each on a free port. Either way RUN_DIR/prometheus_targets.json "
+                                                               "lists them (Prometheus file_sd)."),
     listen: Optional[str] = typer.Option(None, help="Where the embedded server listens, HOST:PORT (default 127.0.0.1, a free port). "
                                                     "Beyond loopback, TLS is on and the credential files carry the CA."),
     credentials: Optional[Path] = typer.Option(None, help="With --nats: a directory of role credential files for that server."),

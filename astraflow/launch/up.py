@@ -103,8 +103,12 @@ def join_command(rundir: RunDir, url: str, secured: bool) -> str:
 
 
 def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None) -> list[RoleSpec]:
+    """``metrics_port_base``: fixed ports BASE+offset; 0: every role on a free port (listed in ``prometheus_targets.json``)."""
+
     def metrics(offset: int) -> tuple[str, ...]:
-        return () if metrics_port_base is None else ("--metrics-port", str(metrics_port_base + offset))
+        if metrics_port_base is None:
+            return ()
+        return ("--metrics-port", str(metrics_port_base + offset if metrics_port_base else 0))
 
     specs = [RoleSpec(f"trainer-{p}", "trainer", ("--policy", p, "--checkpoint-dir", str(rundir.checkpoints(p)), *metrics(i)),
                       finishes=True) for i, p in enumerate(recipe.policy_names)]
