@@ -152,3 +152,17 @@ async def test_a_node_on_the_leaf_rides_through_the_leaf_restarting(tmp_path):
     finally:
         leaf.stop()
         hub.stop()
+
+
+def test_region_mirrors_command(region):
+    """`astraflow region mirrors` makes the leaf's mirrors of a run (idempotently), as an operator runs it."""
+    import sys
+
+    hub, leaf = region
+    run = "cmd" + uuid.uuid4().hex[:6]
+    cmd = [sys.executable, "-m", "astraflow.cli", "region", "mirrors", "--nats", leaf.url, "--run", run, "--hub-domain", "hub"]
+    for _ in range(2):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and f"AF_{run}_WEIGHTS" in proc.stdout, proc.stderr[-2000:]
+    bad = subprocess.run([*cmd[:-1], "nowhere", "--timeout", "2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "nowhere" in bad.stderr

@@ -92,7 +92,8 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
         log.info("Prometheus metrics on :%d/metrics", port)
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology(), create=False)
-    publisher = WeightPublisher(plane, policy, keyframe_every=cfg.keyframe_every)
+    publisher = WeightPublisher(plane, policy, keyframe_every=cfg.keyframe_every, keep_versions=recipe.plane.weights_history,
+                                mirror_domains=tuple(recipe.plane.mirror_domains))
     stop = stop_event()
     at = await start(plane, publisher, run_op, ckpt, policy)
     version, trained = at.version, list(at.trained)
