@@ -7,6 +7,7 @@ says who writes it and who reads it.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -63,7 +64,7 @@ class Trajectory(Message):
     """One finished sample. Written by a RaaS node, read by dataflow (and replay / audit)."""
 
     kind: ClassVar[str] = "trajectory"
-    traj_id: str
+    traj_id: str  # "{task_id}.{policy}.{index}": one id per sample (the plane dedups on it; the dataflow checks it)
     task_id: str
     prompt_id: str
     policy: str  # the policy whose tokens these are (routing key)
@@ -124,6 +125,26 @@ class Batch(Message):
     def advantage_array(self) -> np.ndarray:
         return unpack(self.advantages, "<f4")
 
+    def digest(self) -> str:
+        """sha256 of everything a trainer trains on: ids, tasks, advantages and, per trajectory, its ids,
+        tokens, logprobs, versions, mask, reward and finish reason (not ``created_at``, ``node_id``, ``meta``).
+        The dataflow's plan record holds it; the trainer trains a batch only if it matches."""
+        h = hashlib.sha256()
+
+        def put(b: bytes) -> None:  # length-prefixed: no two different contents hash the same way
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+
+        for text in (self.batch_id, self.policy, "\n".join(self.task_ids)):
+            put(text.encode())
+        put(self.advantages)
+        for t in self.trajectories:
+            for text in (t.traj_id, t.task_id, t.policy, str(t.index), str(t.group_size), repr(t.reward), t.finish_reason):
+                put(text.encode())
+            for raw in (t.prompt_ids, t.completion_ids, t.logprobs, t.versions, t.loss_mask):
+                put(raw)
+        return h.hexdigest()
+
 
 class ObjectRef(BaseModel):
     """Where a payload lies in the object store, and how to check it."""
@@ -151,6 +172,7 @@ class WeightVersion(Message):
     objects: list[ObjectRef]
     batch_ids: list[str] = []
     metrics: dict[str, float] = {}
+    lineage: str = ""  # the weight lineage this version belongs to (a trainer that starts over makes a new one)
     created_at: float = Field(default_factory=time.time)
 
 
@@ -251,6 +273,22 @@ class Rejected(Message):
     headers: dict[str, str] = {}
     payload: bytes  # the original bytes, untouched
     ts: float = Field(default_factory=time.time)
+
+
+# Why a trainer turned a batch away: ``Rejected.reason`` starts with one of these and ": ". The dataflow
+# reads them: ``stale`` -> its tasks are ``dropped:stale``; ``forged`` (another content under a planned
+# id: the planned batch may still come) -> no fate; anything else -> ``failed:train``.
+BATCH_STALE = "stale"
+BATCH_FORGED = "forged"
+BATCH_UNPLANNED = "unplanned"  # no plan record: not a batch the dataflow planned (or its plan is gone)
+BATCH_INVALID = "invalid"  # values a trainer cannot train (policy, advantages, token ids)
+BATCH_NON_FINITE = "non_finite"  # the step's loss or gradient norm was not finite: no update was made
+BATCH_STEP_FAILED = "step_failed"
+
+
+def reason_code(reason: str) -> str:
+    """The code a rejection reason starts with (``"stale: oldest token v3, ..."`` -> ``"stale"``)."""
+    return reason.split(":", 1)[0].strip()
 
 
 KINDS: dict[str, type[Message]] = {m.kind: m for m in (Task, Trajectory, Batch, WeightVersion, Heartbeat, Rejected)}
