@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from astraflow.streams.codec import DecodeError, decode, encode
 from astraflow.streams.consuming import (
-    Consumer, ConsumerSettings, Delivery, Follower, Lag, OnBad, Subscription, log_bad, read_history,
+    Check, Consumer, ConsumerSettings, Delivery, Follower, Lag, OnBad, Subscription, log_bad, read_history,
 )
 from astraflow.streams.credentials import Credential, redact
 from astraflow.streams.kv import RunState
@@ -341,9 +341,11 @@ class Plane:
         return decode(raw.data or b"", model)
 
     def follower(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
-                 start: Literal["last", "all"] = "last", on_bad: OnBad = log_bad) -> Follower[M]:
-        """Follow ``subject`` of ``stream`` (default: the family's own stream; a mirror's name in ``domain``)."""
-        return Follower(self._js_for(domain or self.domain), stream or self._stream_of(subject), subject, model, start, on_bad)
+                 start: Literal["last", "all"] = "last", on_bad: OnBad = log_bad, check: Check[M] | None = None) -> Follower[M]:
+        """Follow ``subject`` of ``stream`` (default: the family's own stream; a mirror's name in ``domain``).
+        ``check``: a message it returns a reason against goes to the DLQ (``dlq.{family}``) with its original bytes."""
+        return Follower(self._js_for(domain or self.domain), stream or self._stream_of(subject), subject, model, start, on_bad,
+                        check, self.reject)
 
     async def history(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
                       last_only: bool = False, on_bad: OnBad = log_bad) -> list[M]:
