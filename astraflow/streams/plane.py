@@ -23,7 +23,7 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, JetStreamManager, api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 from pydantic import BaseModel, ConfigDict
 
 from astraflow.streams.codec import DecodeError, decode, encode
@@ -39,7 +39,12 @@ from astraflow.streams.subjects import Names
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
-__all__ = ["Consumer", "ConsumerSettings", "Delivery", "Follower", "Lag", "NatsOptions", "Plane", "Subscription", "Topology"]
+__all__ = ["Consumer", "ConsumerSettings", "Delivery", "Follower", "Lag", "NatsOptions", "Plane", "PublishConflict", "Subscription",
+           "Topology"]
+
+
+class PublishConflict(RuntimeError):
+    """A publish expected to follow a given message on its subject, and someone else published there first."""
 
 
 class NatsOptions(BaseModel):
@@ -286,10 +291,21 @@ class Plane:
         self.state.forget()
 
     # ---------------------------------------------------------------- publish
-    async def publish(self, subject: str, msg: Message, msg_id: str | None = None) -> None:
-        """Publish and wait for the server's ack; ``msg_id`` deduplicates retries server-side."""
+    async def publish(self, subject: str, msg: Message, msg_id: str | None = None, after: int | None = None) -> int:
+        """Publish and wait for the server's ack; returns the message's stream sequence. ``msg_id`` deduplicates
+        retries server-side; ``after``: the stream sequence of the last message on ``subject`` this writer knows
+        (0: none); the server refuses the message if another was published there since (:class:`PublishConflict`)."""
         data = encode(msg, self.max_payload)
-        await self._js.publish(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None)
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else {}
+        if after is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(after)
+        try:
+            ack = await self._js.publish(subject, data, headers=headers or None)
+        except APIError as e:
+            if after is not None and "wrong last sequence" in str(e.description).lower():
+                raise PublishConflict(f"{subject}: another message was published after sequence {after}: {e.description}") from None
+            raise
+        return int(ack.seq)
 
     async def publish_many(self, items: list[tuple[str, Message, str | None]]) -> None:
         """Pipelined publish of several messages (``publish_async``), waiting for every ack."""
@@ -334,6 +350,13 @@ class Plane:
         except NotFoundError:
             return None
         return decode(raw.data or b"", model)
+
+    async def last_seq(self, stream: str, subject: str) -> int:
+        """The stream sequence of the newest message on ``subject`` in ``stream``; 0 when there is none."""
+        try:
+            return int((await self._jsm.get_last_msg(stream, subject)).seq or 0)
+        except NotFoundError:
+            return 0
 
     async def get(self, stream: str, seq: int, model: type[M]) -> M:
         """The message at sequence ``seq`` of ``stream``, decoded (NotFoundError when it is gone)."""

@@ -22,6 +22,10 @@ weights would not be the announced ones never announces after them:
 * a checkpoint of another lineage than the plane's newest version, or one of the same version
   whose weights hash to another digest than announced (another trainer announced it).
 
+And while it runs, each announcement must follow the one it read at start, then its own last
+(``WeightPublisher.follows``): a second trainer of the policy announcing meanwhile makes the
+publish fail (``PublishConflict``), so two trainers never put two states under one number.
+
 **A fresh lineage** is the explicit way out (``astraflow worker trainer --fresh-lineage``): the
 trainer starts over from its initial weights (checkpoints ignored) under a new lineage id,
 announced as a keyframe at ``newest + 1 + skip`` (``skip``: the trainer's allowed lag, so every
@@ -65,9 +69,12 @@ def new_lineage() -> str:
     return uuid.uuid4().hex[:12]
 
 
-async def last_announcement(plane: Plane, policy: str) -> WeightVersion | None:
-    """The newest ``weights.{policy}`` announcement on the plane, or None."""
-    return await plane.last(plane.names.weights_stream, plane.names.weights(policy), WeightVersion)
+async def last_announcement(plane: Plane, publisher: WeightPublisher, policy: str) -> WeightVersion | None:
+    """The newest ``weights.{policy}`` announcement on the plane, or None; the publisher's next announcement
+    must follow exactly it (a second trainer of the policy that announced meanwhile makes that publish fail)."""
+    seq = await plane.last_seq(plane.names.weights_stream, plane.names.weights(policy))
+    publisher.follows(seq)
+    return await plane.get(plane.names.weights_stream, seq, WeightVersion) if seq else None
 
 
 def adopt(publisher: WeightPublisher, state: dict[str, torch.Tensor], last: WeightVersion) -> None:
@@ -94,7 +101,7 @@ class _Image:
 async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ckpt: Checkpointer | None, policy: str,
                 fresh_lineage: bool = False, skip: int = 0) -> Start:
     """Publish the first version of a lineage, or resume from the newest checkpoint; returns where the trainer stands."""
-    last = await last_announcement(plane, policy)
+    last = await last_announcement(plane, publisher, policy)
     found = None if fresh_lineage else (ckpt.latest() if ckpt else None)
     if found is None:
         if last is not None and not fresh_lineage:

@@ -12,7 +12,10 @@ against it, except
 Weights that are not finite are never published (:class:`NonFiniteWeights`, before anything is
 written). The payload is written to the object store first (chunks, each with a sha256); the
 announcement (base version and digest, object refs with sizes and digests, the state digest)
-is published last and is the commit point; if it fails, the new chunks are purged. Then, in a
+is published last and is the commit point; if it fails, the new chunks are purged. Each
+announcement expects to follow the publisher's previous one on the subject (the server checks
+it): if another trainer of the policy announced in between, this one's publish fails
+(``PublishConflict``) instead of putting a second state under a version number. Then, in a
 background task (one at a time), the retention plan deletes what the last ``keep_versions``
 versions no longer need, from the bucket and from every region mirror in ``mirror_domains``.
 """
@@ -72,7 +75,13 @@ class WeightPublisher:
         self._seeded = False  # history holds what earlier trainers of this run announced
         self.deleted = 0  # versions garbage-collected
         self._request_rev = 0  # KV revision of the last keyframe request served
+        self._subject_seq: int | None = None  # stream sequence of the newest announcement on our subject, as we know it
         self._gc: asyncio.Task[None] | None = None
+
+    def follows(self, seq: int) -> None:
+        """The announcement this publisher's next version follows is at stream sequence ``seq`` (0: none yet):
+        the server refuses the next announcement if anything else was announced on the subject since."""
+        self._subject_seq = seq
 
     # ------------------------------------------------------------------ decisions
     async def _keyframe_request_rev(self) -> int:
@@ -124,8 +133,12 @@ class WeightPublisher:
             state_digest=digest, keyframe_version=version if is_key else self.keyframe_version, objects=[ref],
             batch_ids=list(batch_ids or []), metrics=dict(metrics or {}), lineage=self.lineage,
         )
-        try:  # the commit point: a retry of the same state is deduplicated by the server
-            await self.plane.publish(self.plane.names.weights(self.policy), ann, msg_id=f"{self.policy}-w{version}-{digest[:16]}")
+        subject = self.plane.names.weights(self.policy)
+        try:  # the commit point: a retry of the same state is deduplicated by the server; another writer's is refused
+            if self._subject_seq is None:
+                self._subject_seq = await self.plane.last_seq(self.plane.names.weights_stream, subject)
+            self._subject_seq = await self.plane.publish(subject, ann, msg_id=f"{self.policy}-w{version}-{digest[:16]}",
+                                                         after=self._subject_seq)
         except BaseException:
             await asyncio.shield(self._discard(ref))
             raise
