@@ -77,7 +77,9 @@ def worker(
     domain: Optional[str] = typer.Option(None, help="JetStream domain to read (a region's leafnode)."),
     checkpoint_dir: Optional[Path] = typer.Option(None, help="Trainer: checkpoint directory of this policy; a restart resumes from it (default: none, start at v0)."),
     metrics_port: Optional[int] = typer.Option(None, help="Serve Prometheus metrics on this port (0: a free one, logged; default: none)."),
-    fresh_lineage: bool = typer.Option(False, "--fresh-lineage", help="Trainer: start over from the initial weights as a new weight lineage, announced after the plane's newest version (never reusing a version number); without it a trainer refuses to start behind the plane unless its checkpoint restores it."),
+    fresh_lineage: bool = typer.Option(False, "--fresh-lineage", help=(
+        "Trainer: start over from the initial weights as a new weight lineage, announced after the plane's newest version "
+        "(never reusing a version number); without it a trainer refuses to start behind the plane unless its checkpoint restores it.")),
     set_: list[str] = Overrides,
 ) -> None:
     """Run one role in this process (join a run from any machine that reaches the plane)."""

@@ -43,11 +43,11 @@ async def test_only_planned_sound_fresh_batches_are_trained_and_versions_are_nev
                                                                        for i, (p, v) in enumerate([("u", 0), ("f", 0), ("n", 0), ("o", 0),
                                                                                                    ("h", 1), ("s", 0)]))
     nan_adv = with_advantages(nan_adv, float("nan"))
-    oob = oob.model_copy(update={"trajectories": [oob.trajectories[0].model_copy(update={"completion_ids": np.array([5, 10**6], "<i4").tobytes(),
-                                                                                         "logprobs": np.zeros(2, "<f4").tobytes(),
-                                                                                         "versions": np.zeros(2, "<i4").tobytes(),
-                                                                                         "loss_mask": np.ones(2, "<u1").tobytes()}),
-                                                          *oob.trajectories[1:]]})
+    out_of_vocab = oob.trajectories[0].model_copy(update={"completion_ids": np.array([5, 10**6], "<i4").tobytes(),
+                                                          "logprobs": np.zeros(2, "<f4").tobytes(),
+                                                          "versions": np.zeros(2, "<i4").tobytes(),
+                                                          "loss_mask": np.ones(2, "<u1").tobytes()})
+    oob = oob.model_copy(update={"trajectories": [out_of_vocab, *oob.trajectories[1:]]})
     huge = with_advantages(huge, 3e38)  # finite, but the loss overflows: a non-finite step
     await publish_batches(plane, [unplanned], planned=False)
     await plane.state.put(plan_of(forged))
@@ -58,7 +58,8 @@ async def test_only_planned_sound_fresh_batches_are_trained_and_versions_are_nev
         proc = spawn_trainer(recipe_file, nats_server.url, run_id, "solver", log, ckpt)
         assert await wait_exit(proc) == 0, log.read_text()[-3000:]
         record = await anns.settle("solver", 3)
-        assert [a.version for a in record] == [0, 1, 2, 3] and [a.batch_ids for a in record[1:]] == [[g1.batch_id], [g2.batch_id], [g3.batch_id]]
+        assert [a.version for a in record] == [0, 1, 2, 3]
+        assert [a.batch_ids for a in record[1:]] == [[g1.batch_id], [g2.batch_id], [g3.batch_id]]
         lineage = record[0].lineage
         assert lineage and all(a.lineage == lineage for a in record)
         rejected = await plane.history(plane.names.dlq("batch"), Rejected)

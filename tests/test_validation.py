@@ -230,8 +230,9 @@ def ann(version: int = 3, encoding: str = "delta", base: int | None = 2, keyfram
         chunks: int = 3, policy: str = "solver", digest: str | None = None) -> WeightVersion:
     ref = ObjectRef(name=f"solver/v{version}", nuid="Abc123", size=size, chunk_size=chunk, digests=[sha(str(i)) for i in range(chunks)],
                     digest=sha("whole"))
-    return WeightVersion(policy=policy, version=version, encoding=encoding, base_version=base, base_digest=sha("base") if base is not None else None,
-                         state_digest=digest or sha(f"v{version}"), keyframe_version=keyframe, objects=[ref])
+    return WeightVersion(policy=policy, version=version, encoding=encoding, base_version=base,
+                         base_digest=sha("base") if base is not None else None, state_digest=digest or sha(f"v{version}"),
+                         keyframe_version=keyframe, objects=[ref])
 
 
 def test_impossible_announcements_are_named():

@@ -53,7 +53,7 @@ async def test_a_node_dead_letters_impossible_announcements_and_follows_the_real
     assert sync.version == 3 and engine_digest(sync) == trainer.digest and sync.stats["rejected"] == len(forged)
     rejected = await plane.history(plane.names.dlq("weights"), Rejected)
     assert len(rejected) == len(forged)
-    for (expected, ann), rej in zip(forged.items(), rejected):
+    for (expected, ann), rej in zip(forged.items(), rejected, strict=True):
         assert expected in rej.reason and rej.subject == plane.names.weights("solver")
         assert decode(rej.payload, WeightVersion) == ann  # the original bytes, kept for the operator
     with pytest.raises(PublishConflict):  # and the trainer will not announce after what it did not announce

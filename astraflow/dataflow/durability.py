@@ -72,7 +72,7 @@ class Journal:
     def __init__(self, store: StateWriter, snapshot: Callable[[], DataflowState]) -> None:
         self.store = store
         self.snapshot = snapshot  # the whole state as it stands now
-        self.records: list[FateRecord] = []  # per-task fates, written before the state
+        self.records: list[Record] = []  # per-task fates and batch plan records, written before the state
         self.held: dict[str, Ackable] = {}  # traj_id -> its latest delivery, unacked while the fate is open
         self.to_ack: list[Ackable] = []  # settled; acked after the next durable write
         self.to_reject: list[tuple[Rejectable, str]] = []  # invalid; dead-lettered after the next durable write
@@ -82,6 +82,11 @@ class Journal:
     # ------------------------------------------------------------ queueing
     def record(self, policy: str, task_id: str, fate: str, **extra: Any) -> None:
         self.records.append(FateRecord(policy=policy, task_id=task_id, fate=fate, **extra))
+        self.dirty = True
+
+    def write_ahead(self, record: BatchPlanRecord) -> None:
+        """A batch's plan record: written with the fate records, before the state (and so before the batch)."""
+        self.records.append(record)
         self.dirty = True
 
     def changed(self) -> None:
@@ -119,7 +124,7 @@ class Journal:
         """Fate records, then the state, now. Before a publication a successor must be able to repeat."""
         if self.records:
             records, self.records = self.records, []
-            await self.store.put_many(list(records))
+            await self.store.put_many(records)
         await self.store.put(self.snapshot())
         self.dirty = False
 

@@ -39,8 +39,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-import numpy as np
-
 from astraflow.algorithms import Context, Group, Pipeline
 from astraflow.config import DataflowConfig
 from astraflow.dataflow.durability import Ackable, Journal
@@ -149,9 +147,9 @@ class TrajectoryIngest:
         if not self.waits_on(lane, t.task_id):
             return Admission("reject", f"invalid task: {t.task_id!r} is not a task this dataflow issued and waits on", "task")
         if bad is None:
-            if not confirmed and len(t.versions) and int(np.frombuffer(t.versions, "<i4").max()) > lane.version:
-                return CONFIRM
             bad = check_versions(t, self.in_flight.floor(t.task_id, t.policy), lane.version)
+            if bad is not None and bad.ahead and not confirmed:
+                return CONFIRM
         held = self.journal.holds(t.traj_id)
         if bad is not None:
             return Admission("invalid", bad.reason, bad.code, settles=not held and not lane.is_buffered(t.task_id))

@@ -37,6 +37,11 @@ from astraflow.streams.state import BatchPlanRecord
 log = logging.getLogger(__name__)
 
 
+def plan_record(batch: Batch) -> BatchPlanRecord:
+    """What the trainer checks the batch against (written before the batch is published)."""
+    return BatchPlanRecord(policy=batch.policy, batch_id=batch.batch_id, digest=batch.digest(), trajectories=len(batch.trajectories))
+
+
 class BatchServer:
     def __init__(self, plane: Plane, lanes: Mapping[str, PolicyLane], journal: Journal, cfg: DataflowConfig, stats: Counter[str],
                  rng: random.Random) -> None:
@@ -65,11 +70,11 @@ class BatchServer:
                 return
             chosen = [h for g in result.batch if (h := await self.held(lane, g)) is not None]
             plan = lane.plan(chosen, list(result.taken), created_at=time.time())
+            batch = plan.to_batch(lane.name, [t for h in chosen for t in h.trajectories])
+            self.journal.write_ahead(plan_record(batch))
             for task_id in plan.tasks:
                 self.journal.record(lane.name, task_id, "batched", batch=plan.batch_id)
-            await self.journal.commit()  # write-ahead: the plan is durable before the batch exists
-            batch = plan.to_batch(lane.name, [t for h in chosen for t in h.trajectories])
-            await self.record(batch)
+            await self.journal.commit()  # write-ahead: the plan (and its record for the trainer) is durable before the batch exists
             crash_point("batch_planned")
             await self.publish(batch)
             crash_point("batch_published")
@@ -107,18 +112,13 @@ class BatchServer:
         lane.remember(held)
         return held
 
-    async def record(self, batch: Batch) -> None:
-        """What the trainer checks the batch against (written before the batch is published)."""
-        await self.plane.state.put(BatchPlanRecord(policy=batch.policy, batch_id=batch.batch_id, digest=batch.digest(),
-                                                   trajectories=len(batch.trajectories)))
-
     async def publish(self, batch: Batch) -> None:
         await self.plane.publish(self.plane.names.batch(batch.policy), batch, msg_id=batch.batch_id)
 
     async def republish(self, lane: PolicyLane, plan: BatchPlan) -> None:
         """A batch planned before a restart: rebuilt from the stream, its plan record written again, published again under its id."""
         batch = plan.to_batch(lane.name, await fetch_trajectories(self.plane, plan.seqs))
-        await self.record(batch)
+        await self.plane.state.put(plan_record(batch))
         await self.publish(batch)
         lane.published(plan.batch_id)
         self.stats["republished_batches"] += 1

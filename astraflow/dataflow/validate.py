@@ -14,10 +14,12 @@ task's fate ``invalid:{code}`` (see ``ingest.py``), and a detail for the dead-le
 | ``time`` | ``created_at`` is not finite |
 | ``prompt`` | the prompt is empty |
 | ``token`` | a prompt or completion token id lies outside ``[0, vocab)`` of the policy's model |
-| ``length`` | single-turn: more than ``max_new_tokens`` completion tokens; multi-turn: more than ``max_turns × max_new_tokens`` generated tokens, or a row (prompt + completion) longer than the model's context |
+| ``length`` | single-turn: more than ``max_new_tokens`` completion tokens; multi-turn: more than |
+|  | ``max_turns × max_new_tokens`` generated tokens, or prompt + completion longer than the model's context |
 | ``logprob`` | a behaviour logprob is NaN, infinite, or above 0 (by more than 1e-3 of rounding) |
 | ``mask`` | a ``loss_mask`` value is not 0 or 1 |
-| ``version`` | a token's version is newer than the newest announced version of the policy, a generated token's older than its task's ``min_versions``, an inserted token's below -1 |
+| ``version`` | a token newer than the policy's newest announced version, a generated token older than its |
+|  | task's ``min_versions``, an inserted token below -1 |
 
 **Explicit failure.** A sample whose workflow failed says so with ``finish_reason: "error"`` and
 ``reward: None``; it is valid, and its group is settled ``filtered:sample_error`` (``land``). A
@@ -47,6 +49,7 @@ _U4 = np.dtype("<u4")
 class Invalid:
     code: str  # the fate suffix: ``invalid:{code}``
     detail: str  # for the dead-letter entry
+    ahead: bool = False  # a token version newer than the newest known (worth confirming on the plane first)
 
     @property
     def reason(self) -> str:
@@ -123,7 +126,9 @@ def check_trajectory(t: Trajectory, limits: PolicyLimits, group_size: int) -> In
 def _reward(t: Trajectory) -> Invalid | None:
     r = t.reward
     if r is None:
-        return None if t.finish_reason == "error" else Invalid("reward", f"no reward, finish_reason {t.finish_reason!r} (only 'error' may omit it)")
+        if t.finish_reason == "error":  # an explicit failure
+            return None
+        return Invalid("reward", f"no reward, finish_reason {t.finish_reason!r} (only 'error' may omit it)")
     if not (math.isfinite(r) and abs(r) <= MAX_ABS_REWARD):
         return Invalid("reward", f"reward {r} is not a finite number within ±{MAX_ABS_REWARD:g}")
     return None
@@ -138,7 +143,7 @@ def check_versions(t: Trajectory, floor: int, newest: int) -> Invalid | None:
         return None
     lo, hi = int(v.min()), int(v.max())
     if hi > newest:
-        return Invalid("version", f"a token of v{hi}, the newest announced version is v{newest}")
+        return Invalid("version", f"a token of v{hi}, the newest announced version is v{newest}", ahead=True)
     if lo >= floor:
         return None
     generated = v[np.frombuffer(t.loss_mask, np.uint8) == 1]

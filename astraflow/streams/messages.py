@@ -129,13 +129,13 @@ class Batch(Message):
         """sha256 of everything a trainer trains on: ids, tasks, advantages and, per trajectory, its ids,
         tokens, logprobs, versions, mask, reward and finish reason (not ``created_at``, ``node_id``, ``meta``).
         The dataflow's plan record holds it; the trainer trains a batch only if it matches."""
-        h = hashlib.sha256()
+        parts: list[bytes] = []
 
         def put(b: bytes) -> None:  # length-prefixed: no two different contents hash the same way
-            h.update(len(b).to_bytes(8, "little"))
-            h.update(b)
+            parts.append(len(b).to_bytes(8, "little"))
+            parts.append(b)
 
-        for text in (self.batch_id, self.policy, "\n".join(self.task_ids)):
+        for text in (self.batch_id, self.policy, str(len(self.task_ids)), *self.task_ids):
             put(text.encode())
         put(self.advantages)
         for t in self.trajectories:
@@ -143,7 +143,7 @@ class Batch(Message):
                 put(text.encode())
             for raw in (t.prompt_ids, t.completion_ids, t.logprobs, t.versions, t.loss_mask):
                 put(raw)
-        return h.hexdigest()
+        return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
 class ObjectRef(BaseModel):

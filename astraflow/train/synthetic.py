@@ -50,7 +50,8 @@ def sample_batches(
                 trajs.append(Trajectory(
                     traj_id=f"{prefix}{b}-g{g}-{i}", task_id=f"{prefix}{b}-g{g}", prompt_id=f"p{g}", policy=policy, index=i,
                     group_size=group_size, prompt_ids=np.asarray(p_ids, "<i4").tobytes(), completion_ids=comp[i, :n].numpy().astype("<i4").tobytes(),
-                    logprobs=blp.astype("<f4").tobytes(), versions=np.full(n, version, "<i4").tobytes(), loss_mask=np.ones(n, "<u1").tobytes(),
+                    logprobs=blp.astype("<f4").tobytes(), versions=np.full(n, version, "<i4").tobytes(),
+                    loss_mask=np.ones(n, "<u1").tobytes(),
                     reward=float(rng.integers(0, 2)),
                 ))
         adv = rng.standard_normal(len(trajs)).astype("<f4").tobytes()

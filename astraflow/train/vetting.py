@@ -5,7 +5,7 @@ starts with its code (``streams/messages.py``, ``BATCH_*``), which the dataflow 
 
 | code | the batch is turned away when |
 |---|---|
-| ``unplanned`` | the run state has no plan record ``plan.{policy}.{batch_id}``: the dataflow never planned it (or its fate is known already) |
+| ``unplanned`` | no plan record ``plan.{policy}.{batch_id}``: the dataflow never planned it (or its fate is known already) |
 | ``forged`` | its content does not hash to the plan's digest (``Batch.digest``): not the batch that was planned under that id |
 | ``invalid`` | another policy's batch, advantages not one finite value per trajectory, a token id outside the model's vocabulary |
 | ``stale`` | its oldest token is more than ``max_staleness + max_batch_backlog`` versions behind the trainer (see :func:`allowed_lag`) |
@@ -54,7 +54,7 @@ def check_batch(batch: Batch, policy: str, vocab: int, version: int, max_lag: in
             return f"{BATCH_INVALID}: {t.traj_id} has token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is [0, {vocab})"
     oldest = min(t.min_version for t in batch.trajectories)
     if version - oldest > max_lag:
-        return f"{BATCH_STALE}: oldest token v{oldest}, trainer at v{version}: {version - oldest} versions behind, at most {max_lag} allowed"
+        return f"{BATCH_STALE}: oldest token v{oldest}, trainer at v{version}: {version - oldest} versions behind, {max_lag} allowed"
     return None
 
 

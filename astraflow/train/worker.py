@@ -51,6 +51,12 @@ log = logging.getLogger(__name__)
 CRASH_ENV = "ASTRAFLOW_TRAINER_CRASH"
 
 
+def embedding_rows(model: torch.nn.Module) -> int:
+    """Rows of the model's input embedding: token ids a batch may hold are below this."""
+    embeddings = model.get_input_embeddings()  # type: ignore[operator]
+    return int(embeddings.num_embeddings)
+
+
 def crash_point(where: str, version: int) -> None:
     """Test hook: ``ASTRAFLOW_TRAINER_CRASH=where@version`` SIGKILLs the trainer at that point
     (``after_step``, ``after_checkpoint``, ``after_publish``, ``after_ack``)."""
@@ -85,7 +91,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
         await asyncio.to_thread(run_op.follow)
         return
     try:
-        vocab = model.get_input_embeddings().num_embeddings
+        vocab = embedding_rows(model)
         await _lead(recipe, nats, run, worker_id, policy, run_op, ckpt, metrics_port, vocab, fresh_lineage)
     finally:
         run_op("stop")
@@ -170,8 +176,8 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                     raise RuntimeError(f"{policy} weights turned non-finite after {d.msg.batch_id}; nothing was checkpointed or "
                                        "announced: a restart resumes from the last checkpoint")
                 if ckpt is not None and version % cfg.checkpoint_every == 0:
-                    meta = CheckpointMeta(version=version, policy=policy, trained=trained, last_batch_ids=[d.msg.batch_id], last_metrics=last,
-                                          lineage=at.lineage, lineage_base=at.base)
+                    meta = CheckpointMeta(version=version, policy=policy, trained=trained, last_batch_ids=[d.msg.batch_id],
+                                          last_metrics=last, lineage=at.lineage, lineage_base=at.base)
                     await asyncio.to_thread(run_op, "save", meta)
                     crash_point("after_checkpoint", version)
                 ann = await publisher.publish(state, version, [d.msg.batch_id], last)

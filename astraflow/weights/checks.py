@@ -6,10 +6,13 @@ live follower; skipped when read from the history) and never plans a chain throu
 | check | an announcement is turned away when |
 |---|---|
 | policy | it names another policy than the subject it came on |
-| versions | ``version`` < 0; a keyframe with a base, or whose ``keyframe_version`` is not its own version; a delta without a base, with ``base_version`` >= ``version``, or with ``keyframe_version`` > ``base_version`` |
+| versions | ``version`` < 0; a keyframe with a base, or whose ``keyframe_version`` is not its own version; a |
+|  | delta without a base, with ``base_version`` >= ``version``, or with ``keyframe_version`` > ``base_version`` |
 | digests | ``state_digest`` / ``base_digest`` / object digests are not sha256 hex |
-| objects | not exactly one object; a size < 0, a chunk size <= 0, a chunk digest count that does not match size / chunk size; an object id that is not a subject token |
-| order (:func:`order_problem`, live only) | ``version`` is not above the newest this node has seen of the policy (the same announcement again is ignored, not rejected) |
+| objects | not exactly one object; a size < 0, a chunk size <= 0, a chunk digest count that does not match |
+|  | size / chunk size; an object id that is not a subject token |
+| order (live only) | ``version`` is not above the newest this node has seen of the policy (:func:`order_problem`; |
+|  | the same announcement again is ignored, not rejected) |
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ class WeightPublisher:
         new = await asyncio.to_thread(to_bf16_state, state)
         bad = [name for name, t in new.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if bad:
-            raise NonFiniteWeights(f"weights {self.policy} v{version}: {len(bad)} tensors hold NaN or inf ({', '.join(bad[:3])}); not published")
+            raise NonFiniteWeights(f"weights {self.policy} v{version}: {len(bad)} tensors hold NaN or inf ({', '.join(bad[:3])}); "
+                                   "not published")
         (encoding, payload, why), digest = await asyncio.gather(  # both release the GIL: overlap them
             asyncio.to_thread(self._encode, new, version, force_keyframe or requested), asyncio.to_thread(state_digest, new))
         if requested and why == "forced" and not force_keyframe:
