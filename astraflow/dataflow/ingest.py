@@ -45,7 +45,7 @@ from astraflow.dataflow.durability import Ackable, Journal
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane, context
-from astraflow.dataflow.validate import Limits, check_trajectory, check_versions
+from astraflow.dataflow.validate import Limits, Stats, check_trajectory, check_versions, measure
 from astraflow.streams.messages import Trajectory
 from astraflow.streams.plane import Consumer
 
@@ -124,8 +124,8 @@ class TrajectoryIngest:
 
     async def pull(self, trajectories: Consumer[Trajectory], timeout: float = 0.1) -> int:
         deliveries = await trajectories.pull(batch=256, timeout=timeout)
-        for d in deliveries:
-            await self.take(d)
+        for d, s in zip(deliveries, measure([d.msg for d in deliveries]), strict=True):  # the arrays of a whole pull at once
+            await self.take(d, s)
         return len(deliveries)
 
     def waits_on(self, lane: PolicyLane, task_id: str) -> bool:
@@ -135,19 +135,20 @@ class TrajectoryIngest:
             return task_id in self.in_flight or lane.kept_weight(task_id) is not None
         return self.in_flight.recent(task_id)
 
-    def admit(self, t: Trajectory, confirmed: bool = False) -> Admission:
-        """The one place a trajectory is accepted or turned away (see the module's docstring);
-        ``confirmed``: the lane's version was just read from the plane."""
+    def admit(self, t: Trajectory, s: Stats | None = None, confirmed: bool = False) -> Admission:
+        """The one place a trajectory is accepted or turned away (see the module's docstring); ``s``: its
+        arrays' stats (``validate.measure``); ``confirmed``: the lane's version was just read from the plane."""
         lane = self.lanes.get(t.policy)
         if lane is None:
             return Admission("reject", f"invalid policy: {t.policy!r}; run has {list(self.lanes)}", "policy")
-        bad = check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size)
+        s = s or measure([t])[0]
+        bad = check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s)
         if lane.is_closed(t.task_id):  # settled or batched before (a redelivery after a restart, a late copy)
             return Admission("reject", bad.reason, bad.code) if bad else Admission("ack", "redelivered_settled")
         if not self.waits_on(lane, t.task_id):
             return Admission("reject", f"invalid task: {t.task_id!r} is not a task this dataflow issued and waits on", "task")
         if bad is None:
-            bad = check_versions(t, self.in_flight.floor(t.task_id, t.policy), lane.version)
+            bad = check_versions(t, self.in_flight.floor(t.task_id, t.policy), lane.version, s)
             if bad is not None and bad.ahead and not confirmed:
                 return CONFIRM
         held = self.journal.holds(t.traj_id)
@@ -159,12 +160,13 @@ class TrajectoryIngest:
             return Admission("ack", "duplicates")
         return ASSEMBLE
 
-    async def take(self, d: Incoming) -> None:
+    async def take(self, d: Incoming, s: Stats | None = None) -> None:
         t = d.msg
-        admission = self.admit(t)
+        s = s or measure([t])[0]
+        admission = self.admit(t, s)
         if admission.action == "confirm":
             self.lanes[t.policy].advance(await self.newest(t.policy))
-            admission = self.admit(t, confirmed=True)
+            admission = self.admit(t, s, confirmed=True)
         if admission.action in ("reject", "invalid"):
             self.stats[f"invalid.{admission.code}"] += 1
             if admission.settles:

@@ -2,7 +2,8 @@
 
 The plane is open: any node may publish any well-formed trajectory. Before a trajectory joins a
 group, ingest checks its values against the run (:class:`Limits`, built once from the recipe)
-and against its task (:func:`check_versions`). A failed check names one code, which becomes the
+and against its task (:func:`check_versions`). The arrays of a whole pull are reduced at once
+(:func:`measure`), so each rule is a scalar comparison. A failed check names one code, which becomes the
 task's fate ``invalid:{code}`` (see ``ingest.py``), and a detail for the dead-letter entry:
 
 | code | the trajectory is turned away when |
@@ -30,7 +31,7 @@ curators' statistics, the filters and the advantage has finite rewards, by const
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +43,6 @@ from astraflow.streams.messages import Trajectory
 MAX_ABS_REWARD = 1e30  # advantages travel as float32 (max ~3.4e38): a reward this size still fits after any built-in advantage
 LOGPROB_SLACK = 1e-3  # engines round log-softmax; a logprob this far above 0 is rounding, not a lie
 SINGLE_TURN = frozenset({"single_turn", "solver_verifier", "solver_selector", "solver_testgen"})  # one generation per trajectory
-_U4 = np.dtype("<u4")
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,61 @@ class Limits:
         return cls(group_size=recipe.dataflow.group_size, policies=out)
 
 
-def check_trajectory(t: Trajectory, limits: PolicyLimits, group_size: int) -> Invalid | None:
-    """The checks that need nothing but the trajectory and the run (the first that fails)."""
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """The extremes the checks read from a trajectory's arrays (ids read as unsigned: a negative id is huge)."""
+
+    n_prompt: int
+    n: int  # completion tokens
+    prompt_max: int
+    ids_max: int  # 0 when there are no completion tokens (so for the rest)
+    mask_max: int
+    generated: int  # tokens with loss_mask 1
+    lp_max: float
+    lp_min: float
+    v_min: int
+    v_max: int
+
+
+def _segments(raws: list[bytes], dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The arrays of all trajectories end to end, each one's length, and the starts of the non-empty ones."""
+    itemsize = np.dtype(dtype).itemsize
+    lengths = np.fromiter((len(r) // itemsize for r in raws), np.int64, len(raws))
+    starts = np.zeros(len(raws), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return np.frombuffer(b"".join(raws), dtype), lengths, starts[lengths > 0]
+
+
+def measure(ts: Sequence[Trajectory]) -> list[Stats]:
+    """Stats of every trajectory of a pull at once: one numpy reduction per quantity over the whole pull
+    (``reduceat`` over the concatenation), not one per trajectory, which is where per-trajectory time went."""
+    if not ts:
+        return []
+    prompt, n_prompt, p_starts = _segments([t.prompt_ids for t in ts], "<u4")
+    ids, n, starts = _segments([t.completion_ids for t in ts], "<u4")
+    masks = np.frombuffer(b"".join(t.loss_mask for t in ts), "<u1")
+    logprobs = np.frombuffer(b"".join(t.logprobs for t in ts), "<f4")
+    versions = np.frombuffer(b"".join(t.versions for t in ts), "<i4")
+
+    def per_traj(ufunc: np.ufunc, values: np.ndarray, acc: type = np.float64) -> list[float]:  # 0 for an empty completion
+        out: np.ndarray = np.zeros(len(ts), acc)
+        if len(starts):
+            out[n > 0] = ufunc.reduceat(values, starts, dtype=acc)
+        return list(out.tolist())
+
+    p_max = np.zeros(len(ts), np.int64)
+    if len(p_starts):
+        p_max[n_prompt > 0] = np.maximum.reduceat(prompt, p_starts)
+    columns = (n_prompt.tolist(), n.tolist(), p_max.tolist(), per_traj(np.maximum, ids, np.int64),
+               per_traj(np.maximum, masks, np.int64), per_traj(np.add, masks, np.int64),
+               per_traj(np.maximum, logprobs), per_traj(np.minimum, logprobs),
+               per_traj(np.minimum, versions, np.int64), per_traj(np.maximum, versions, np.int64))
+    return [Stats(*row) for row in zip(*columns, strict=True)]
+
+
+def check_trajectory(t: Trajectory, limits: PolicyLimits, group_size: int, s: Stats | None = None) -> Invalid | None:
+    """The checks that need nothing but the trajectory and the run (the first that fails); ``s``: its
+    :func:`measure` (computed here when not given)."""
     if t.traj_id != f"{t.task_id}.{t.policy}.{t.index}":
         return Invalid("traj_id", f"traj_id {t.traj_id!r} is not {t.task_id}.{t.policy}.{t.index}")
     if t.group_size != group_size:
@@ -98,28 +151,22 @@ def check_trajectory(t: Trajectory, limits: PolicyLimits, group_size: int) -> In
         return bad
     if not math.isfinite(t.created_at):
         return Invalid("time", f"created_at {t.created_at}")
-    prompt, ids = np.frombuffer(t.prompt_ids, _U4), np.frombuffer(t.completion_ids, _U4)  # negative ids read as huge
-    n = len(ids)
-    if not len(prompt):
+    s = s or measure([t])[0]
+    if not s.n_prompt:
         return Invalid("prompt", "empty prompt")
-    if prompt.max() >= limits.vocab or (n and ids.max() >= limits.vocab):
-        both = np.concatenate([prompt, ids]).view("<i4")
+    if s.prompt_max >= limits.vocab or s.ids_max >= limits.vocab:
+        both = np.concatenate([np.frombuffer(t.prompt_ids, "<i4"), np.frombuffer(t.completion_ids, "<i4")])
         return Invalid("token", f"token ids span [{both.min()}, {both.max()}], the policy's vocabulary is [0, {limits.vocab})")
-    if limits.max_completion is not None and n > limits.max_completion:
-        return Invalid("length", f"{n} completion tokens, the limit is {limits.max_completion}")
-    if limits.max_row is not None and len(prompt) + n > limits.max_row:
-        return Invalid("length", f"{len(prompt)} + {n} tokens, the model's context is {limits.max_row}")
-    if not n:
-        return None
-    mask = np.frombuffer(t.loss_mask, np.uint8)
-    if mask.max() > 1:
-        return Invalid("mask", f"loss_mask values {sorted(set(mask.tolist()))[:4]}, only 0 and 1 mean something")
-    if limits.max_completion is None and (generated := int(mask.sum())) > limits.max_generated:
-        return Invalid("length", f"{generated} generated tokens, the limit is {limits.max_generated}")
-    lp = np.frombuffer(t.logprobs, "<f4")
-    hi, lo = lp.max(), lp.min()
-    if not (hi <= LOGPROB_SLACK and lo > -np.inf):  # NaN fails both comparisons
-        return Invalid("logprob", f"behaviour logprobs span [{lo}, {hi}]; they must be finite and <= 0")
+    if limits.max_completion is not None and s.n > limits.max_completion:
+        return Invalid("length", f"{s.n} completion tokens, the limit is {limits.max_completion}")
+    if limits.max_row is not None and s.n_prompt + s.n > limits.max_row:
+        return Invalid("length", f"{s.n_prompt} + {s.n} tokens, the model's context is {limits.max_row}")
+    if s.mask_max > 1:
+        return Invalid("mask", f"loss_mask values {sorted(set(t.mask().tolist()))[:4]}, only 0 and 1 mean something")
+    if limits.max_completion is None and s.generated > limits.max_generated:
+        return Invalid("length", f"{s.generated} generated tokens, the limit is {limits.max_generated}")
+    if not (s.lp_max <= LOGPROB_SLACK and s.lp_min > -math.inf):  # NaN fails both comparisons
+        return Invalid("logprob", f"behaviour logprobs span [{s.lp_min}, {s.lp_max}]; they must be finite and <= 0")
     return None
 
 
@@ -134,21 +181,21 @@ def _reward(t: Trajectory) -> Invalid | None:
     return None
 
 
-def check_versions(t: Trajectory, floor: int, newest: int) -> Invalid | None:
+def check_versions(t: Trajectory, floor: int, newest: int, s: Stats | None = None) -> Invalid | None:
     """Token versions within the window: none newer than ``newest`` (the policy's newest announced
     version), generated ones (``loss_mask`` 1) at least ``floor`` (its task's ``min_versions``), the
     inserted ones at least -1 (tool output before any generated token carries -1)."""
-    v = np.frombuffer(t.versions, "<i4")
-    if not len(v):
+    s = s or measure([t])[0]
+    if not s.n:
         return None
-    lo, hi = int(v.min()), int(v.max())
-    if hi > newest:
-        return Invalid("version", f"a token of v{hi}, the newest announced version is v{newest}", ahead=True)
-    if lo >= floor:
+    if s.v_max > newest:
+        return Invalid("version", f"a token of v{s.v_max}, the newest announced version is v{newest}", ahead=True)
+    if s.v_min >= floor:
         return None
-    generated = v[np.frombuffer(t.loss_mask, np.uint8) == 1]
+    v = t.token_versions()
+    generated = v[t.mask() == 1]
     if len(generated) and int(generated.min()) < floor:
         return Invalid("version", f"a generated token of v{int(generated.min())}, the task allows v{floor} or newer")
-    if lo < -1:
-        return Invalid("version", f"an inserted token of v{lo}")
+    if s.v_min < -1:
+        return Invalid("version", f"an inserted token of v{s.v_min}")
     return None

@@ -8,6 +8,7 @@ says who writes it and who reads it.
 from __future__ import annotations
 
 import hashlib
+import struct
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -15,6 +16,7 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
+_TRAJ_LENGTHS = struct.Struct("<12Q")  # Batch.digest: the lengths of a trajectory's 12 hashed fields
 
 
 def _packer(dtype: str) -> BeforeValidator:
@@ -129,20 +131,14 @@ class Batch(Message):
         """sha256 of everything a trainer trains on: ids, tasks, advantages and, per trajectory, its ids,
         tokens, logprobs, versions, mask, reward and finish reason (not ``created_at``, ``node_id``, ``meta``).
         The dataflow's plan record holds it; the trainer trains a batch only if it matches."""
-        parts: list[bytes] = []
-
-        def put(b: bytes) -> None:  # length-prefixed: no two different contents hash the same way
-            parts.append(len(b).to_bytes(8, "little"))
-            parts.append(b)
-
-        for text in (self.batch_id, self.policy, str(len(self.task_ids)), *self.task_ids):
-            put(text.encode())
-        put(self.advantages)
-        for t in self.trajectories:
-            for text in (t.traj_id, t.task_id, t.policy, str(t.index), str(t.group_size), repr(t.reward), t.finish_reason):
-                put(text.encode())
-            for raw in (t.prompt_ids, t.completion_ids, t.logprobs, t.versions, t.loss_mask):
-                put(raw)
+        head = [x.encode() for x in (self.batch_id, self.policy, *self.task_ids)]
+        parts: list[bytes] = [struct.pack(f"<{len(head) + 2}Q", len(head), len(self.advantages), *(len(x) for x in head)),
+                              *head, self.advantages]
+        for t in self.trajectories:  # every field length-prefixed: no two different contents hash the same way
+            fields = (t.traj_id.encode(), t.task_id.encode(), t.policy.encode(), str(t.index).encode(), str(t.group_size).encode(),
+                      repr(t.reward).encode(), t.finish_reason.encode(), t.prompt_ids, t.completion_ids, t.logprobs, t.versions, t.loss_mask)
+            parts.append(_TRAJ_LENGTHS.pack(*(len(f) for f in fields)))
+            parts.extend(fields)
         return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
