@@ -104,6 +104,9 @@ def worker(
     domain: Optional[str] = typer.Option(None, help="JetStream domain to read (a region's leafnode)."),
     checkpoint_dir: Optional[Path] = typer.Option(None, help="Trainer: checkpoint directory of this policy; a restart resumes from it (default: none, start at v0)."),
     metrics_port: Optional[int] = typer.Option(None, help="Serve Prometheus metrics on this port (0: a free one, logged; default: none)."),
+    fresh_lineage: bool = typer.Option(False, "--fresh-lineage", help=(
+        "Trainer: start over from the initial weights as a new weight lineage, announced after the plane's newest version "
+        "(never reusing a version number); without it a trainer refuses to start behind the plane unless its checkpoint restores it.")),
     set_: list[str] = Overrides,
 ) -> None:
     """Run one role in this process (join a run from any machine that reaches the plane)."""
@@ -124,7 +127,7 @@ def worker(
         asyncio.run(serve(r, opts, run, wid, metrics_port))
     elif role == "trainer":
         from astraflow.train.worker import serve as serve_trainer
-        asyncio.run(serve_trainer(r, opts, run, wid, policy, checkpoint_dir, metrics_port))
+        asyncio.run(serve_trainer(r, opts, run, wid, policy, checkpoint_dir, metrics_port, fresh_lineage))
     elif role == "rollout":
         from astraflow.rollout.node import serve as serve_rollout
         if weights_domain:

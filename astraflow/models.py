@@ -3,11 +3,18 @@
 Both rollout engines and trainers build the same architecture from the recipe's
 :class:`~astraflow.config.ModelConfig`; weights then come from the plane (the trainer's
 keyframe), so every role agrees bit for bit.
+
+:func:`model_limits` tells a role that never builds the model (the dataflow) what token ids and
+row lengths the model takes, from the config and the tokenizer's files, without torch or
+transformers.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -57,3 +64,51 @@ def build_model(cfg: "ModelConfig", tokenizer: Any) -> "torch.nn.Module":
     )
     model = Qwen2ForCausalLM(conf)
     return model.to(getattr(torch, cfg.dtype))
+
+
+BYT5_VOCAB = 384  # ByT5: 3 special ids + 256 bytes + 125 extra ids (``len(ByT5Tokenizer())``)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the model of a policy takes: token ids in ``[0, vocab)``, rows of at most ``context`` tokens."""
+
+    vocab: int  # rows of the input embedding
+    context: int  # positions the model was built for (prompt + completion)
+
+
+def model_limits(cfg: "ModelConfig") -> ModelLimits:
+    """The embedding size and context of the model ``build_model(cfg, load_tokenizer(cfg.tokenizer))`` makes, cheaply:
+
+    * a pretrained model: ``vocab_size`` and ``max_position_embeddings`` of its ``config.json``
+      (a local directory, or the hub id's file in the local cache; ``text_config`` for multimodal ones);
+    * built from the config: the tokenizer's size (``byt5``: 384; a tokenizer's ``tokenizer.json``:
+      its highest id + 1, added tokens included) and ``max_positions``.
+    """
+    if cfg.pretrained:
+        conf = json.loads(_hub_file(cfg.pretrained, "config.json").read_text())
+        conf = conf.get("text_config", conf) if "vocab_size" not in conf else conf
+        return ModelLimits(vocab=int(conf["vocab_size"]), context=int(conf.get("max_position_embeddings", cfg.max_positions)))
+    if cfg.tokenizer == "byt5":
+        return ModelLimits(vocab=BYT5_VOCAB, context=cfg.max_positions)
+    return ModelLimits(vocab=tokenizer_size(_hub_file(cfg.tokenizer, "tokenizer.json")), context=cfg.max_positions)
+
+
+def tokenizer_size(path: Path) -> int:
+    """``len(tokenizer)`` of a fast tokenizer, from its ``tokenizer.json``: the highest id + 1."""
+    spec = json.loads(path.read_text())
+    vocab = spec["model"]["vocab"]
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # BPE/WordPiece map; Unigram list
+    ids += [int(t["id"]) for t in spec.get("added_tokens", [])]
+    return max(ids) + 1
+
+
+def _hub_file(name: str, filename: str) -> Path:
+    """``filename`` of a local model directory, or of a hub id (the local cache first, then a download)."""
+    local = Path(name) / filename
+    if local.exists():
+        return local
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, filename)
+    return Path(cached) if isinstance(cached, str) else Path(hf_hub_download(name, filename))

@@ -74,7 +74,7 @@ async def raw_throughput(url: str, n: int, size: int) -> float:
 async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batch: int) -> float:
     recipe = parse_recipe({"name": "bench", "dataflow": {"group_size": group, "groups_per_batch": groups_per_batch,
                                                          "max_tasks_in_flight": 4 * groups_per_batch, "max_staleness": 100, "max_batch_backlog": 4},
-                           "data": {"n_train": 300}})
+                           "rollout": {"max_new_tokens": COMPLETION}, "data": {"n_train": 300}})
     run = "pl" + uuid.uuid4().hex[:6]
     plane = await Plane.connect(NatsOptions(url=url), run, "dataflow")
     await plane.ensure_topology(recipe.topology())

@@ -262,7 +262,7 @@ def test_rloo_by_hand():
 def test_raw_reward_and_bad_rewards_fail_loudly():
     assert RawReward().compute(grp([0.25, 1.0])) == [0.25, 1.0]
     for adv in (Grpo(), Rloo(), RawReward()):
-        with pytest.raises(ValueError, match="reward_guard"):
+        with pytest.raises(ValueError, match="missing or non-finite reward"):
             adv.compute(grp([1.0, None]))
 
 

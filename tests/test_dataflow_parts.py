@@ -22,6 +22,7 @@ from astraflow.dataflow.inflight import DEADLINES, InFlight
 from astraflow.dataflow.ingest import Landing, TrajectoryIngest, land
 from astraflow.dataflow.issuing import PromptOrder, lag_budget, min_versions, staleness_budget, sync_budget
 from astraflow.dataflow.lane import PolicyLane, plan_batch
+from astraflow.dataflow.validate import Limits, PolicyLimits
 from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.messages import Trajectory
 from astraflow.streams.state import FateRecord, Record
@@ -92,8 +93,8 @@ def test_in_flight_tasks_land_or_fail_once_and_deadlines_outlive_them():
     assert "t1" not in f and f.deadline("t1") == 100.0  # a secondary lane's group may still come back late
     assert f.fail("t2") and not f.fail("t2") and not f.fail("t1")
     back = InFlight()
-    back.load_state(*f.state())
-    assert back.state() == f.state() == ({"t3": 300.0}, {"t1": 100.0, "t3": 300.0})
+    back.load_state(*f.state(), newest=3)
+    assert back.state() == f.state() == ({"t3": 300.0}, {"t1": 100.0, "t3": 300.0}, [])
     for i in range(DEADLINES + 5):
         f.issue(f"x{i}", float(i))
     assert f.deadline("t1") is None and f.deadline(f"x{DEADLINES + 4}") is not None  # bounded memory, oldest first out
@@ -176,31 +177,38 @@ def ingest_setup(**cfg: Any) -> tuple[TrajectoryIngest, PolicyLane, InFlight, Jo
     lane = PolicyLane("solver", pipeline(filters=[{"type": "dynamic_sampling"}]), primary=True)
     in_flight = InFlight()
     journal = Journal(MemoryStore(log), DataflowState)
-    return TrajectoryIngest({"solver": lane}, in_flight, journal, CFG.model_copy(update=cfg), Counter()), lane, in_flight, journal, log
+    limits = Limits(group_size=2, policies={"solver": PolicyLimits(vocab=384, max_completion=8, max_generated=8, max_row=None)})
+
+    async def newest(policy: str) -> int:  # what the plane's last announcement says
+        return 4
+
+    ingest = TrajectoryIngest({"solver": lane}, in_flight, journal, CFG.model_copy(update=cfg), Counter(), limits, newest)
+    return ingest, lane, in_flight, journal, log
 
 
 async def test_ingest_admits_assembles_and_acks_copies_only_after_a_durable_write():
     ingest, lane, in_flight, journal, log = ingest_setup()
     in_flight.issue("t1", None)
     await ingest.take(MemoryDelivery(traj("t1", 0, 0.0, policy="critic"), 1, log))
-    assert log == [("reject", 1, "unknown policy 'critic'; run has ['solver']")]
     first = MemoryDelivery(traj("t1", 0, 0.0), 2, log)
     await ingest.take(first)
     assert journal.holds("t1.solver.0") and ingest.assembling
     again = MemoryDelivery(traj("t1", 0, 0.0), 3, log)  # redelivered while held: the newer delivery is the live one
     await ingest.take(again)
-    assert journal.held["t1.solver.0"] is again and ingest.stats == {"redelivered_held": 1}
+    assert journal.held["t1.solver.0"] is again and ingest.stats == {"invalid.policy": 1, "redelivered_held": 1}
+    assert lane.version == 4  # its tokens are v4: the plane confirmed v4 is announced
     await ingest.take(MemoryDelivery(traj("t1", 1, 1.0), 4, log))
     assert lane.is_buffered("t1") and "t1" not in in_flight and not ingest.assembling
     assert lane.accounting(len(in_flight)).buffered == 1 and lane.ledger.received == 1
     await ingest.take(MemoryDelivery(traj("t1", 1, 1.0, traj_id="copy"), 5, log))  # another sample for a complete group
-    assert ingest.stats["duplicates"] == 1
+    assert ingest.stats["invalid.traj_id"] == 1 and lane.is_buffered("t1")  # dead-lettered; the complete group stands
     lane.settle("t0", "failed:rollout")
     await ingest.take(MemoryDelivery(traj("t0", 0, 1.0), 6, log))  # a task settled before a restart
     assert ingest.stats["redelivered_settled"] == 1
-    assert log == [("reject", 1, "unknown policy 'critic'; run has ['solver']")]  # nothing acked before the state is written
+    assert log == []  # nothing acked or dead-lettered before the state is written
     await journal.flush()
-    assert log[1:] == [("state", 0), ("ack", 5), ("ack", 6)]  # the buffered group's deliveries stay held
+    assert log == [("state", 0), ("ack", 6), ("reject", 1, "invalid policy: 'critic'; run has ['solver']"),
+                   ("reject", 5, "invalid traj_id: traj_id 'copy' is not t1.solver.1")]  # the buffered group's deliveries stay held
 
 
 async def test_a_filtered_group_is_settled_and_its_trajectories_acked_after_its_fate_is_written():

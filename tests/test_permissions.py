@@ -20,7 +20,7 @@ from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.permissions import Scope, inbox_prefix, render_accounts, shipped_accounts_conf
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import EmbeddedServer, adapt_config
-from astraflow.streams.state import EvalRecord, KeyframeRequest, VersionRecord
+from astraflow.streams.state import BatchPlanRecord, EvalRecord, KeyframeRequest, VersionRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN, POLICIES = "sec" + uuid.uuid4().hex[:6], ("solver", "verifier")
@@ -93,6 +93,8 @@ EXPECT: dict[tuple[str, str], set[str]] = {
     ("pub", f"$KV.af_{R}_state.eval.solver.3"): {"admin", "evaluator"},
     ("pub", f"$KV.af_{R}_state.keyframe_request.solver"): {"admin", "rollout", "evaluator"},
     ("pub", f"$KV.af_{R}_fates.fate.solver.t1"): {"admin", "dataflow"},
+    ("pub", f"$KV.af_{R}_fates.plan.solver.solver-b000001"): {"admin", "dataflow"},  # only the dataflow plans batches
+    ("pub", f"$KV.af_{R}_state.plan.solver.solver-b000001"): {"admin"},
     ("pub", f"$O.af_{R}_weights.C.abc"): {"admin", "trainer-solver", "trainer-verifier"},
     # the trainers' and the pool's durable consumers: only their own role pulls, acks or inspects them
     ("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{R}_BATCH.trainer-solver"): {"admin", "trainer-solver"},
@@ -151,9 +153,12 @@ async def test_roles_do_their_job(secured):
     await dataflow.ensure_topology(topo)  # everything exists: read-only
     task = Task(task_id="t1", workflow="math", policy="solver", prompt_id="p", prompt="1+1", group_size=1)
     await dataflow.publish(dataflow.names.task("math"), task, "t1")
+    plan = BatchPlanRecord(policy="solver", batch_id="solver-b000001", digest="d" * 64, trajectories=4)
+    await dataflow.state.put(plan)
 
     trainer = await as_user(secured, "trainer-solver")
     await trainer.ensure_topology(topo)
+    assert (await trainer.state.get(BatchPlanRecord, "solver", "solver-b000001")).digest == plan.digest  # the trainer checks batches
     await trainer.state.put(VersionRecord(policy="solver", version=0))
     ref = await trainer.objects().put("solver/v0", b"weights" * 1000)
 
@@ -175,6 +180,8 @@ async def test_roles_do_their_job(secured):
     (got,) = await dataflow.consumer(dataflow.names.traj_stream, "dataflow", Trajectory).pull(timeout=2)
     assert await dataflow.get(dataflow.names.traj_stream, got.stream_seq, Trajectory) == traj
     await got.ack()
+    await dataflow.state.delete(BatchPlanRecord, "solver", "solver-b000001")  # its fate is known: the dataflow deletes it
+    assert await trainer.state.get(BatchPlanRecord, "solver", "solver-b000001") is None
     observer = await as_user(secured, "observer")
     assert (await observer.lag(observer.names.task_stream, "raas")).pending == 0
     assert (await observer.state.get(EvalRecord, "solver", 0)).reward == 0.5

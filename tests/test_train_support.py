@@ -15,15 +15,19 @@ from astraflow.config import Recipe, load_recipe
 from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.messages import Batch, WeightVersion
 from astraflow.streams.plane import Follower, Plane
+from astraflow.streams.state import BatchPlanRecord
 from astraflow.tasks import load_split
 from astraflow.train.synthetic import sample_batches
 
 TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
 
 
-def write_recipe(path: Path, policies: tuple[str, ...] = ("solver",), batch_ack_wait: float = 2.0, **trainer: object) -> tuple[Path, Recipe]:
+def write_recipe(path: Path, policies: tuple[str, ...] = ("solver",), batch_ack_wait: float = 2.0, max_staleness: int = 64,
+                 max_batch_backlog: int = 2, **trainer: object) -> tuple[Path, Recipe]:
+    """A tiny recipe; ``max_staleness`` is wide by default: the synthetic batches' tokens are all v0."""
     data = {"name": "t", "policies": list(policies), "model": TINY_MODEL, "sft": {"steps": 0},
             "trainer": {"steps": 8, "keyframe_every": 4, "lr": 1e-3, **trainer},
+            "dataflow": {"max_staleness": max_staleness, "max_batch_backlog": max_batch_backlog},
             "plane": {"batch_ack_wait": batch_ack_wait}, "eval": {"enabled": False}}
     path.write_text(yaml.safe_dump(data))
     return path, load_recipe(path)
@@ -37,16 +41,25 @@ def make_batches(recipe: Recipe, policy: str, n: int, seed: int = 0) -> list[Bat
                           groups_per_batch=2, group_size=4, max_new_tokens=4, logprob_noise=0.2, seed=seed)
 
 
-async def publish_batches(plane: Plane, batches: list[Batch]) -> None:
+def plan_of(b: Batch) -> BatchPlanRecord:
+    return BatchPlanRecord(policy=b.policy, batch_id=b.batch_id, digest=b.digest(), trajectories=len(b.trajectories))
+
+
+async def publish_batches(plane: Plane, batches: list[Batch], planned: bool = True) -> None:
+    """As the dataflow publishes them: each batch's plan record first (unless ``planned`` is False), then the batch."""
+    if planned:
+        await plane.state.put_many([plan_of(b) for b in batches])
     await plane.publish_many([(plane.names.batch(b.policy), b, b.batch_id) for b in batches])
 
 
 def spawn_trainer(recipe_file: Path, url: str, run: str, policy: str, log: Path, checkpoint_dir: Path | None = None,
-                  crash: str | None = None, metrics_port: int | None = None) -> subprocess.Popen[bytes]:
+                  crash: str | None = None, metrics_port: int | None = None, fresh_lineage: bool = False) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "astraflow.cli", "worker", "trainer", "--recipe", str(recipe_file), "--nats", url,
            "--run", run, "--id", f"trainer-{policy}", "--policy", policy]
     if checkpoint_dir is not None:
         cmd += ["--checkpoint-dir", str(checkpoint_dir)]
+    if fresh_lineage:
+        cmd += ["--fresh-lineage"]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
     env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_TRAINER_CRASH"}

@@ -111,11 +111,13 @@ def take(ordered: Sequence[Group], n_groups: int, dropped: list[tuple[str, str]]
 
 
 def finite_rewards(group: Group) -> list[float]:
-    """The rewards as floats; raises if any is missing or not finite (advantages need all)."""
+    """The rewards as floats; raises if any is missing or not finite (advantages need all). The
+    dataflow never lets such a group get here (it validates every trajectory and settles a group
+    with an explicitly failed sample); this guards plug-ins used on their own."""
     rewards = list(group.rewards)
     if not all(math.isfinite(r) for r in rewards):
         raise ValueError(
             f"group {group.task_id!r} has a missing or non-finite reward {rewards}; "
-            "add the reward_guard filter so such groups never reach the advantage"
+            "the dataflow's validation admits none: compute advantages only on validated groups"
         )
     return rewards

@@ -11,7 +11,8 @@ nothing and repeat nothing:
   state never counts a fate whose record is missing;
 - **acks**: a trajectory's delivery is held unacked (kept alive with ``in_progress``) until its
   fate is decided, then ``release``d, and acked only after the next durable write of the state
-  that explains it. A delivery that is a copy of something settled is acked the same way.
+  that explains it. A delivery that is a copy of something settled is acked the same way, and an
+  invalid one is dead-lettered (``reject_later``) the same way: after the fate it caused is durable.
 
 Nothing else in the dataflow writes the state or acks a trajectory.
 """
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.state import FateRecord, Record
+from astraflow.streams.state import BatchPlanRecord, FateRecord, Record
 
 _crossed: Counter[str] = Counter()
 
@@ -48,6 +49,8 @@ class StateWriter(Protocol):
 
     async def put_many(self, records: list[Record]) -> None: ...
 
+    async def delete(self, cls: type[Record], *parts: str | int) -> None: ...
+
 
 class Ackable(Protocol):
     """A held delivery (``Delivery[Trajectory]``)."""
@@ -57,20 +60,33 @@ class Ackable(Protocol):
     async def in_progress(self) -> None: ...
 
 
+class Rejectable(Protocol):
+    """A delivery that can be dead-lettered with a reason (``Delivery[Trajectory]``)."""
+
+    async def reject(self, reason: str) -> None: ...
+
+
 class Journal:
     """Queues fates, state changes and acks; makes them durable in the one safe order."""
 
     def __init__(self, store: StateWriter, snapshot: Callable[[], DataflowState]) -> None:
         self.store = store
         self.snapshot = snapshot  # the whole state as it stands now
-        self.records: list[FateRecord] = []  # per-task fates, written before the state
+        self.records: list[Record] = []  # per-task fates and batch plan records, written before the state
         self.held: dict[str, Ackable] = {}  # traj_id -> its latest delivery, unacked while the fate is open
         self.to_ack: list[Ackable] = []  # settled; acked after the next durable write
+        self.to_reject: list[tuple[Rejectable, str]] = []  # invalid; dead-lettered after the next durable write
+        self.plans_done: list[tuple[str, str]] = []  # (policy, batch id) whose plan record goes after the next durable write
         self.dirty = False  # the state changed since it was last written
 
     # ------------------------------------------------------------ queueing
     def record(self, policy: str, task_id: str, fate: str, **extra: Any) -> None:
         self.records.append(FateRecord(policy=policy, task_id=task_id, fate=fate, **extra))
+        self.dirty = True
+
+    def write_ahead(self, record: BatchPlanRecord) -> None:
+        """A batch's plan record: written with the fate records, before the state (and so before the batch)."""
+        self.records.append(record)
         self.dirty = True
 
     def changed(self) -> None:
@@ -94,12 +110,21 @@ class Journal:
         """A copy of something settled or complete already: nothing to hold; ack it after the next durable write."""
         self.to_ack.append(delivery)
 
+    def reject_later(self, delivery: Rejectable, reason: str) -> None:
+        """An invalid trajectory: dead-letter it (with ``reason``) after the next durable write of the fate it caused."""
+        self.to_reject.append((delivery, reason))
+
+    def forget_plan(self, policy: str, batch_id: str) -> None:
+        """The batch's fate is known: delete its plan record (``BatchPlanRecord``) after the next durable write."""
+        self.plans_done.append((policy, batch_id))
+        self.dirty = True
+
     # ------------------------------------------------------------ durable writes
     async def commit(self) -> None:
         """Fate records, then the state, now. Before a publication a successor must be able to repeat."""
         if self.records:
             records, self.records = self.records, []
-            await self.store.put_many(list(records))
+            await self.store.put_many(records)
         await self.store.put(self.snapshot())
         self.dirty = False
 
@@ -110,6 +135,12 @@ class Journal:
         if self.to_ack:
             acks, self.to_ack = self.to_ack, []
             await asyncio.gather(*(d.ack() for d in acks))
+        if self.to_reject:
+            rejects, self.to_reject = self.to_reject, []
+            await asyncio.gather(*(d.reject(reason) for d, reason in rejects))
+        if self.plans_done:
+            done, self.plans_done = self.plans_done, []
+            await asyncio.gather(*(self.store.delete(BatchPlanRecord, p, b) for p, b in done))
 
     async def keep_alive(self) -> None:
         """``in_progress`` on every held delivery, so the server does not redeliver it while its group fills."""

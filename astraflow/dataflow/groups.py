@@ -82,9 +82,9 @@ class Assembler:
         """Some group is partly back."""
         return bool(self.partial)
 
-    def drop(self, task_id: str) -> list[str]:
-        """Forget the partial groups of ``task_id`` (every policy's); returns their trajectory ids."""
-        keys = [k for k in self.partial if k[0] == task_id]
+    def drop(self, task_id: str, policy: str | None = None) -> list[str]:
+        """Forget the partial groups of ``task_id`` (every policy's, or ``policy``'s); returns their trajectory ids."""
+        keys = [k for k in self.partial if k[0] == task_id and policy in (None, k[1])]
         return [t.traj_id for k in keys for t, _ in self.partial.pop(k).values()]
 
 

@@ -4,19 +4,48 @@ The issuer adds a task when it writes it ahead; ingest lands it when its primary
 completes; a failure report (DLQ, max deliveries) ends it. Deadlines are kept a while longer
 than the tasks themselves: a secondary lane's group may complete after the primary's, and
 every lane's late policy reads the task's deadline.
+
+It also answers what ingest needs to judge a trajectory's claim on a task: was the task issued
+recently (the last ``RECENT`` task numbers; a secondary lane's group may arrive after the
+primary's landed), and which version floors (``Task.min_versions``) was it issued with. Floors
+only rise with the task number (versions only rise), so they are kept as change points.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
+from collections.abc import Mapping
+
+from astraflow.dataflow.ledger import task_number
 
 DEADLINES = 4096  # recent tasks whose deadline is remembered
+RECENT = 4096  # task numbers back from the newest that still count as recently issued
+
+
+class Floors:
+    """``Task.min_versions`` by task number, stored as change points ``(first task number, floors)``."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[int, dict[str, int]]] = []
+
+    def note(self, number: int, floors: Mapping[str, int]) -> None:
+        if not self.points or self.points[-1][1] != floors:
+            self.points.append((number, dict(floors)))
+        while len(self.points) > 1 and self.points[1][0] <= number - RECENT:  # nothing older is asked about
+            del self.points[0]
+
+    def at(self, number: int) -> dict[str, int] | None:
+        i = bisect.bisect_right(self.points, number, key=lambda p: p[0]) - 1
+        return self.points[i][1] if i >= 0 else None
 
 
 class InFlight:
     def __init__(self) -> None:
         self.open: dict[str, float | None] = {}  # task -> deadline (None: no time limit)
         self.deadlines: OrderedDict[str, float] = OrderedDict()  # recent tasks' deadlines, for every lane
+        self.floors = Floors()
+        self.newest = 0  # the highest task number issued
 
     def __len__(self) -> int:
         return len(self.open)
@@ -24,12 +53,17 @@ class InFlight:
     def __contains__(self, task_id: str) -> bool:
         return task_id in self.open
 
-    def issue(self, task_id: str, deadline: float | None) -> None:
+    def issue(self, task_id: str, deadline: float | None, floors: Mapping[str, int] | None = None) -> None:
         self.open[task_id] = deadline
         if deadline is not None:
             self.deadlines[task_id] = deadline
             while len(self.deadlines) > DEADLINES:
                 self.deadlines.popitem(last=False)
+        n = task_number(task_id)
+        if n is not None:
+            self.newest = max(self.newest, n)
+            if floors is not None:
+                self.floors.note(n, floors)
 
     def land(self, task_id: str) -> None:
         """Its primary group is complete (or it was never ours: nothing happens)."""
@@ -45,12 +79,26 @@ class InFlight:
     def deadline(self, task_id: str) -> float | None:
         return self.deadlines.get(task_id)
 
+    def recent(self, task_id: str) -> bool:
+        """One of the last ``RECENT`` tasks issued (out or back)."""
+        n = task_number(task_id)
+        return n is not None and self.newest - RECENT < n <= self.newest
+
+    def floor(self, task_id: str, policy: str) -> int:
+        """The oldest version ``policy``'s tokens of this task may come from (0 when not known)."""
+        n = task_number(task_id)
+        floors = self.floors.at(n) if n is not None else None
+        return (floors or {}).get(policy, 0)
+
     def overdue(self, now: float) -> int:
         return sum(1 for d in self.open.values() if d is not None and d < now)
 
-    def state(self) -> tuple[dict[str, float | None], dict[str, float]]:
-        return dict(self.open), dict(self.deadlines)
+    def state(self) -> tuple[dict[str, float | None], dict[str, float], list[tuple[int, dict[str, int]]]]:
+        return dict(self.open), dict(self.deadlines), [(n, dict(f)) for n, f in self.floors.points]
 
-    def load_state(self, open_tasks: dict[str, float | None], deadlines: dict[str, float]) -> None:
+    def load_state(self, open_tasks: dict[str, float | None], deadlines: dict[str, float], floors: list[tuple[int, dict[str, int]]],
+                   newest: int) -> None:
         self.open = dict(open_tasks)
         self.deadlines = OrderedDict(deadlines)
+        self.floors.points = [(n, dict(f)) for n, f in floors]
+        self.newest = newest

@@ -2,22 +2,40 @@
 
 Each delivery of the TRAJ stream goes through, in order:
 
-1. ``admit`` — the one place a trajectory is accepted or turned away. Turned away: a policy the
-   run does not have (to the DLQ with the reason). Acked and ignored: a copy of a task already
-   settled or batched (a redelivery after a restart), another sample for a group already
-   complete. A redelivery of a trajectory held now replaces the held delivery. Semantic checks
-   of a trajectory's values belong here too, as further rejections.
+1. ``admit`` — the one place a trajectory is accepted or turned away, in this order:
+
+   - a policy the run does not have: dead-lettered;
+   - its values are checked (``validate.check_trajectory``: ids, group size, reward, tokens in
+     the policy's vocabulary, lengths, logprobs, mask);
+   - a task already settled or batched in this lane: a valid copy is acked and ignored (a
+     redelivery after a restart), an invalid one dead-lettered;
+   - a task this dataflow did not issue, or does not wait on (primary lane: in flight or kept;
+     other lanes: one of the last ``inflight.RECENT`` tasks): dead-lettered;
+   - its token versions (``validate.check_versions``): none newer than the policy's newest
+     announced version (a version the dataflow has not heard of yet is first confirmed on the
+     plane), generated ones not older than the task's ``min_versions``;
+   - a redelivery of a trajectory held now replaces the held delivery; another sample for a
+     group already complete is acked and ignored.
+
+   **The invalid fate.** An invalid trajectory is dead-lettered with its reason after the next
+   durable write. If its task is one this lane still waits on and this sample has not arrived
+   yet, the task is settled in this lane as ``invalid:{code}`` (its partial group released; the
+   task is not issued again: its prompt comes round in the next epoch). Otherwise (a task
+   unknown or settled, a copy of a sample held already) nothing else changes. Every rejection is
+   counted as ``invalid.{code}`` in heartbeats.
 2. assembly per ``(task, policy)`` (``groups.Assembler``); the delivery stays held, unacked,
    until its group's fate is decided.
 3. ``land`` (pure) for a group that completes: curator feedback on every completed group, then
-   the late policy for one past its task's deadline, then the filters. A group kept before a
-   restart goes straight back into the buffer, with its weight, without the hooks.
+   a group with an explicitly failed sample (reward None, ``finish_reason: error``) is settled
+   ``filtered:sample_error``, then the late policy for one past its task's deadline, then the
+   filters. A group kept before a restart goes straight back into the buffer, with its weight,
+   without the hooks. Every group that reaches the filters and the advantage has finite rewards.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -27,6 +45,7 @@ from astraflow.dataflow.durability import Ackable, Journal
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane, context
+from astraflow.dataflow.validate import Limits, Stats, check_trajectory, check_versions, measure
 from astraflow.streams.messages import Trajectory
 from astraflow.streams.plane import Consumer
 
@@ -44,11 +63,14 @@ class Incoming(Ackable, Protocol):
 
 @dataclass(frozen=True)
 class Admission:
-    action: Literal["reject", "ack", "refresh", "assemble"]
-    reason: str = ""  # the DLQ reason (reject), the counter to bump (ack, refresh)
+    action: Literal["reject", "invalid", "ack", "refresh", "assemble", "confirm"]
+    reason: str = ""  # the DLQ reason (reject, invalid), the counter to bump (ack, refresh)
+    code: str = ""  # reject, invalid: what failed (counted as ``invalid.{code}``; the fate suffix)
+    settles: bool = False  # invalid: the task is settled ``invalid:{code}`` in this lane
 
 
 ASSEMBLE = Admission("assemble")
+CONFIRM = Admission("confirm")  # a token version newer than the lane knows: ask the plane, then admit again
 
 
 @dataclass(frozen=True)
@@ -61,10 +83,13 @@ class Landing:
 
 
 def land(group: Group, pipeline: Pipeline, ctx: Context, deadline: float | None, cfg: DataflowConfig) -> Landing:
-    """Curators observe every completed group; a group completing after its deadline is dropped
-    under ``late_policy: drop``; then the filters; a late group that passes is kept as is or
+    """Curators observe every completed group; a group with an explicitly failed sample is settled
+    ``filtered:sample_error``; a group completing after its deadline is dropped under
+    ``late_policy: drop``; then the filters; a late group that passes is kept as is or
     down-weighted by ``late_weight``."""
     pipeline.observe(group, ctx)
+    if any(s.reward is None for s in group.samples):  # an explicit failure (validated: only with finish_reason "error")
+        return Landing(fate="filtered:sample_error")
     late = deadline is not None and ctx.now > deadline
     if late and cfg.late_policy == "drop":
         return Landing(fate="dropped:expired", late="dropped")
@@ -78,14 +103,19 @@ def land(group: Group, pipeline: Pipeline, ctx: Context, deadline: float | None,
     return Landing(late="kept")
 
 
+NewestVersion = Callable[[str], Awaitable[int]]  # the newest announced version of a policy, as the plane has it now
+
+
 class TrajectoryIngest:
     def __init__(self, lanes: Mapping[str, PolicyLane], in_flight: InFlight, journal: Journal, cfg: DataflowConfig,
-                 stats: Counter[str]) -> None:
+                 stats: Counter[str], limits: Limits, newest: NewestVersion) -> None:
         self.lanes = lanes
         self.in_flight = in_flight
         self.journal = journal
         self.cfg = cfg
         self.stats = stats  # the dataflow's heartbeat counters
+        self.limits = limits
+        self.newest = newest
         self.assembler = Assembler()
 
     @property
@@ -94,28 +124,54 @@ class TrajectoryIngest:
 
     async def pull(self, trajectories: Consumer[Trajectory], timeout: float = 0.1) -> int:
         deliveries = await trajectories.pull(batch=256, timeout=timeout)
-        for d in deliveries:
-            await self.take(d)
+        for d, s in zip(deliveries, measure([d.msg for d in deliveries]), strict=True):  # the arrays of a whole pull at once
+            await self.take(d, s)
         return len(deliveries)
 
-    def admit(self, t: Trajectory) -> Admission:
-        """The one place a trajectory is accepted or turned away (see the module's docstring)."""
+    def waits_on(self, lane: PolicyLane, task_id: str) -> bool:
+        """A task this dataflow issued and this lane has not settled: out or kept (primary lane, where tasks
+        are issued), or one of the last ``inflight.RECENT`` issued (other lanes: their groups may come later)."""
+        if lane.primary:
+            return task_id in self.in_flight or lane.kept_weight(task_id) is not None
+        return self.in_flight.recent(task_id)
+
+    def admit(self, t: Trajectory, s: Stats | None = None, confirmed: bool = False) -> Admission:
+        """The one place a trajectory is accepted or turned away (see the module's docstring); ``s``: its
+        arrays' stats (``validate.measure``); ``confirmed``: the lane's version was just read from the plane."""
         lane = self.lanes.get(t.policy)
         if lane is None:
-            return Admission("reject", f"unknown policy {t.policy!r}; run has {list(self.lanes)}")
+            return Admission("reject", f"invalid policy: {t.policy!r}; run has {list(self.lanes)}", "policy")
+        s = s or measure([t])[0]
+        bad = check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s)
         if lane.is_closed(t.task_id):  # settled or batched before (a redelivery after a restart, a late copy)
-            return Admission("ack", "redelivered_settled")
-        if self.journal.holds(t.traj_id):  # redelivered while we hold it: the newer delivery is the live one
+            return Admission("reject", bad.reason, bad.code) if bad else Admission("ack", "redelivered_settled")
+        if not self.waits_on(lane, t.task_id):
+            return Admission("reject", f"invalid task: {t.task_id!r} is not a task this dataflow issued and waits on", "task")
+        if bad is None:
+            bad = check_versions(t, self.in_flight.floor(t.task_id, t.policy), lane.version, s)
+            if bad is not None and bad.ahead and not confirmed:
+                return CONFIRM
+        held = self.journal.holds(t.traj_id)
+        if bad is not None:
+            return Admission("invalid", bad.reason, bad.code, settles=not held and not lane.is_buffered(t.task_id))
+        if held:  # redelivered while we hold it: the newer delivery is the live one
             return Admission("refresh", "redelivered_held")
         if lane.is_buffered(t.task_id):  # another sample for a complete group
             return Admission("ack", "duplicates")
         return ASSEMBLE
 
-    async def take(self, d: Incoming) -> None:
+    async def take(self, d: Incoming, s: Stats | None = None) -> None:
         t = d.msg
-        admission = self.admit(t)
-        if admission.action == "reject":
-            await d.reject(admission.reason)
+        s = s or measure([t])[0]
+        admission = self.admit(t, s)
+        if admission.action == "confirm":
+            self.lanes[t.policy].advance(await self.newest(t.policy))
+            admission = self.admit(t, s, confirmed=True)
+        if admission.action in ("reject", "invalid"):
+            self.stats[f"invalid.{admission.code}"] += 1
+            if admission.settles:
+                self.invalidate(self.lanes[t.policy], t.task_id, admission.code, admission.reason)
+            self.journal.reject_later(d, admission.reason)
             return
         if admission.action != "assemble":
             if admission.action == "refresh":
@@ -133,6 +189,14 @@ class TrajectoryIngest:
         self.journal.hold(t.traj_id, d)
         if held is not None:
             self.complete(self.lanes[t.policy], held)
+
+    def invalidate(self, lane: PolicyLane, task_id: str, code: str, reason: str) -> None:
+        """Settle ``task_id`` in ``lane`` as ``invalid:{code}``: out of flight (primary), its partial group released."""
+        if lane.primary:
+            self.in_flight.land(task_id)
+        self.journal.release(self.assembler.drop(task_id, lane.name))
+        lane.settle(task_id, f"invalid:{code}")
+        self.journal.record(lane.name, task_id, f"invalid:{code}", error=reason[:300])
 
     def complete(self, lane: PolicyLane, held: HeldGroup) -> None:
         self.journal.changed()

@@ -123,7 +123,7 @@ class TaskIssuer:
 
     async def publish(self, tasks: list[Task]) -> None:
         for t in tasks:
-            self.in_flight.issue(t.task_id, t.deadline)
+            self.in_flight.issue(t.task_id, t.deadline, t.min_versions)
         self.lane.note_issued(len(tasks))
         self.issuing = tasks
         await self.journal.commit()  # write-ahead: a successor publishes these again under the same ids
@@ -137,11 +137,11 @@ class TaskIssuer:
 
     # ------------------------------------------------------------ state
     def state(self) -> TaskState:
-        in_flight, deadlines = self.in_flight.state()
+        in_flight, deadlines, floors = self.in_flight.state()
         return TaskState(task_seq=self.task_seq, cursor=self.order.cursor, in_flight=in_flight, deadlines=deadlines,
-                         issuing=list(self.issuing))
+                         floors=floors, issuing=list(self.issuing))
 
     def load_state(self, s: TaskState) -> None:
         """Restore; the tasks it was issuing are the caller's to publish again."""
         self.task_seq, self.order.cursor = s.task_seq, s.cursor
-        self.in_flight.load_state(s.in_flight, s.deadlines)
+        self.in_flight.load_state(s.in_flight, s.deadlines, s.floors, s.task_seq)

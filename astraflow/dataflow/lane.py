@@ -175,12 +175,16 @@ class PolicyLane:
             self.ledger.record("trained", len(tasks))
         return tasks
 
-    def failed(self, batch_id: str) -> list[str]:
-        """The trainer could not step on ``batch_id``: its tasks failed (empty if not ours or already counted)."""
+    def failed(self, batch_id: str, fate: str = "failed:train") -> list[str]:
+        """The trainer turned ``batch_id`` away: its tasks get ``fate`` (empty if not ours or already counted)."""
         tasks = self.awaiting.pop(batch_id, [])
         if tasks:
-            self.ledger.record("failed:train", len(tasks))
+            self.ledger.record(fate, len(tasks))
         return tasks
+
+    def awaits(self, batch_id: str) -> bool:
+        """Published here and not yet trained or failed."""
+        return batch_id in self.awaiting
 
     # ------------------------------------------------------------ views
     def accounting(self, in_flight: int) -> Accounting:

@@ -9,10 +9,12 @@ Per policy lane, a task's group is, at any moment, in exactly one of:
     filtered:R  dropped by a filter after rollout (R: the filter's reason)
     dropped:R   dropped at serving (``stale``) or past its deadline (``expired``)
     failed:R    the task itself failed (a rollout node sent it to the DLQ, or it ran out of deliveries)
+    invalid:R   a trajectory of it failed a value check before its group completed (``validate.py``)
 
 so ``issued = in_flight + buffered + awaiting + sum(fates)`` on the primary lane, and
-``received = buffered + awaiting + sum(fates without failed)`` on the others (their groups
-arrive as a side effect of the primary's tasks). ``account`` computes the table both the
+``received = buffered + awaiting + sum(fates without failed and invalid)`` on the others (their
+groups arrive as a side effect of the primary's tasks, and ``received`` counts completed groups:
+a failed or invalid one never completed). ``account`` computes the table both the
 heartbeat and ``astraflow status`` show. Pure bookkeeping, no I/O.
 """
 
@@ -28,6 +30,12 @@ from astraflow.streams.dataflow_state import Accounting, IdSetState, LedgerState
 _SEQ = re.compile(r"^t(\d{1,12})$")
 
 
+def task_number(task_id: str) -> int | None:
+    """The number of one of our task ids (``t%08d``); None for any other id."""
+    m = _SEQ.match(task_id)
+    return int(m.group(1)) if m else None
+
+
 class IdSet:
     """A set of task ids, compact for ours (``t%08d``): sorted disjoint ranges; others in a plain set."""
 
@@ -36,20 +44,15 @@ class IdSet:
         self.his: list[int] = []
         self.other: set[str] = set()
 
-    @staticmethod
-    def _num(task_id: str) -> int | None:
-        m = _SEQ.match(task_id)
-        return int(m.group(1)) if m else None
-
     def __contains__(self, task_id: str) -> bool:
-        n = self._num(task_id)
+        n = task_number(task_id)
         if n is None:
             return task_id in self.other
         i = bisect.bisect_right(self.los, n) - 1
         return i >= 0 and self.his[i] >= n
 
     def add(self, task_id: str) -> None:
-        n = self._num(task_id)
+        n = task_number(task_id)
         if n is None:
             self.other.add(task_id)
             return
@@ -112,8 +115,8 @@ def account(ledger: Ledger, primary: bool, in_flight: int, buffered: int, awaiti
     total = ledger.issued if primary else ledger.received
     fates = dict(sorted(ledger.fates.items()))
     counted = (in_flight if primary else 0) + buffered + awaiting + sum(fates.values())
-    if not primary:  # a failed task never delivers a group to a secondary lane
-        counted -= sum(n for f, n in fates.items() if f.startswith("failed:"))
+    if not primary:  # a failed or invalid task never completes a group in a secondary lane
+        counted -= sum(n for f, n in fates.items() if f.startswith(("failed:", "invalid:")))
     return Accounting(basis="issued" if primary else "received", total=total, in_flight=in_flight if primary else 0,
                       buffered=buffered, awaiting=awaiting, fates=fates, late=dict(ledger.late), skipped=dict(ledger.skipped),
                       replayed=ledger.replayed, adds_up=counted == total)

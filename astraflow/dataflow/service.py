@@ -8,11 +8,13 @@ One loop, plain and explicit (STYLE 6); each turn (``Dataflow.step``):
    under the staleness budget and the task stream's measured lag under its bound; ``sync``: one
    batch worth per version, only once every task of the last one is back and its batch is
    trained; the tasks are written ahead, then published (``Nats-Msg-Id`` = task id);
-3. pull trajectories (``ingest.TrajectoryIngest``): admit or turn away each, route it by policy
-   to its lane, assemble groups, apply curator feedback, the deadline's late policy and filters;
+3. pull trajectories (``ingest.TrajectoryIngest``): check each one's values and its claim on a
+   task (``validate.py``; an invalid one goes to the DLQ and may settle its task ``invalid:R``),
+   route it by policy to its lane, assemble groups, apply curator feedback, the deadline's late
+   policy and filters;
 4. per lane, serve batches while that trainer's measured backlog is under its bound
-   (``serving.BatchServer``): write the batch plan ahead, publish it (``Nats-Msg-Id`` = batch
-   id), then let its trajectories go;
+   (``serving.BatchServer``): write the batch plan ahead, and its plan record for the trainer,
+   publish it (``Nats-Msg-Id`` = batch id), then let its trajectories go;
 5. write fate records and the state, and only then ack what was settled
    (``durability.Journal``, the only place that orders these).
 
@@ -40,11 +42,13 @@ from astraflow.dataflow.lane import PolicyLane, context
 from astraflow.dataflow.ledger import Ledger
 from astraflow.dataflow.pool import PoolAdvisor
 from astraflow.dataflow.serving import BatchServer
+from astraflow.dataflow.validate import Limits
 from astraflow.dataflow.watch import BatchFailed, TaskFailed, Trained, Watch
 from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.runtime import every, stop_event, watch_server
+from astraflow.streams.codec import DecodeError
 from astraflow.streams.dataflow_state import Accounting, DataflowState
-from astraflow.streams.messages import DataflowStats, Heartbeat, Trajectory
+from astraflow.streams.messages import BATCH_FORGED, BATCH_STALE, DataflowStats, Heartbeat, Trajectory, WeightVersion
 from astraflow.streams.plane import Consumer, NatsOptions, Plane
 from astraflow.streams.state import VersionRecord
 from astraflow.tasks import load_split
@@ -64,7 +68,8 @@ class Dataflow:
         rng = random.Random(recipe.data.seed)  # prompt selection and batch serving draw from one seeded stream
         train, _ = load_split(recipe.data)
         self.issuer = TaskIssuer(recipe, plane, self.lanes[recipe.primary], train, self.in_flight, self.journal, rng)
-        self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats)
+        self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
+                                       self.newest_version)
         self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
         self.watch = Watch(plane, recipe.rollout.pool)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
@@ -88,6 +93,8 @@ class Dataflow:
             if isinstance(e, Trained):
                 lane.advance(e.version)
                 for batch_id in e.batch_ids:
+                    if lane.awaits(batch_id):
+                        self.journal.forget_plan(lane.name, batch_id)
                     for task_id in lane.trained(batch_id):
                         self.journal.record(lane.name, task_id, "trained", batch=batch_id, version=e.version)
                         if lane.primary:
@@ -97,8 +104,14 @@ class Dataflow:
                 lane.settle(e.task_id, f"failed:{e.reason}")
                 self.journal.record(lane.name, e.task_id, f"failed:{e.reason}", error=e.detail)
             elif isinstance(e, BatchFailed):
-                for task_id in lane.failed(e.batch_id):
-                    self.journal.record(lane.name, task_id, "failed:train", batch=e.batch_id, error=e.detail)
+                if e.code == BATCH_FORGED:  # another content under a planned id: the planned batch is still to come
+                    self.stats["forged_batches"] += 1
+                    continue
+                fate = "dropped:stale" if e.code == BATCH_STALE else "failed:train"
+                if lane.awaits(e.batch_id):
+                    self.journal.forget_plan(lane.name, e.batch_id)
+                for task_id in lane.failed(e.batch_id, fate):
+                    self.journal.record(lane.name, task_id, fate, batch=e.batch_id, error=e.detail)
         now = time.time()
         for hb in beats:
             self.pool.seen(hb, now)
@@ -141,6 +154,15 @@ class Dataflow:
         await self.journal.commit()
         log.info("dataflow restored: %d tasks issued, %d in flight, %s", self.ledger.issued, len(self.in_flight),
                  {p: lane.batch_seq for p, lane in self.lanes.items()})
+
+    async def newest_version(self, policy: str) -> int:
+        """The newest announced version of ``policy`` as the plane holds it now (ingest asks when a token
+        claims a version this dataflow has not heard of yet); the lane's own when the plane has none."""
+        try:
+            ann = await self.plane.last(self.plane.names.weights_stream, self.plane.names.weights(policy), WeightVersion)
+        except DecodeError:
+            ann = None
+        return max(self.lanes[policy].version, ann.version if ann is not None else 0)
 
     async def refresh_versions(self) -> None:
         """Read each trainer's version from the KV (a driver that does not run ``start``'s watch)."""

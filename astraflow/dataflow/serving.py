@@ -6,8 +6,10 @@ For each lane, as long as its buffer holds a batch worth of groups:
    (counted as ``backpressure``); one slow trainer never holds back another policy's lane;
 2. let the server plug-in choose (it may drop stale or expired groups: fate ``dropped:R``);
 3. plan the batch (``PolicyLane.plan``: id, groups, TRAJ stream sequences, advantages), commit
-   the plan (write-ahead), publish the batch with ``Nats-Msg-Id`` = batch id, clear the plan,
-   and release the fresh groups' trajectories to be acked after the next durable write.
+   the plan (write-ahead), write its plan record for the trainer (``BatchPlanRecord``: the
+   batch's digest; the trainer trains nothing else), publish the batch with ``Nats-Msg-Id`` =
+   batch id, clear the plan, and release the fresh groups' trajectories to be acked after the
+   next durable write. The plan record is deleted once the batch's fate is known.
 
 A plan found at restart is rebuilt from the TRAJ stream into the identical batch and published
 again under its id (``republish``); the server drops it if the first publication had landed.
@@ -30,8 +32,14 @@ from astraflow.dataflow.watch import fetch_trajectories
 from astraflow.streams.dataflow_state import BatchPlan
 from astraflow.streams.messages import Batch
 from astraflow.streams.plane import Plane
+from astraflow.streams.state import BatchPlanRecord
 
 log = logging.getLogger(__name__)
+
+
+def plan_record(batch: Batch) -> BatchPlanRecord:
+    """What the trainer checks the batch against (written before the batch is published)."""
+    return BatchPlanRecord(policy=batch.policy, batch_id=batch.batch_id, digest=batch.digest(), trajectories=len(batch.trajectories))
 
 
 class BatchServer:
@@ -62,11 +70,13 @@ class BatchServer:
                 return
             chosen = [h for g in result.batch if (h := await self.held(lane, g)) is not None]
             plan = lane.plan(chosen, list(result.taken), created_at=time.time())
+            batch = plan.to_batch(lane.name, [t for h in chosen for t in h.trajectories])
+            self.journal.write_ahead(plan_record(batch))
             for task_id in plan.tasks:
                 self.journal.record(lane.name, task_id, "batched", batch=plan.batch_id)
-            await self.journal.commit()  # write-ahead: the plan is durable before the batch exists
+            await self.journal.commit()  # write-ahead: the plan (and its record for the trainer) is durable before the batch exists
             crash_point("batch_planned")
-            await self.publish(plan.to_batch(lane.name, [t for h in chosen for t in h.trajectories]))
+            await self.publish(batch)
             crash_point("batch_published")
             lane.published(plan.batch_id)
             fresh = set(plan.tasks)
@@ -106,8 +116,10 @@ class BatchServer:
         await self.plane.publish(self.plane.names.batch(batch.policy), batch, msg_id=batch.batch_id)
 
     async def republish(self, lane: PolicyLane, plan: BatchPlan) -> None:
-        """A batch planned before a restart: rebuilt from the stream, published again under its id."""
-        await self.publish(plan.to_batch(lane.name, await fetch_trajectories(self.plane, plan.seqs)))
+        """A batch planned before a restart: rebuilt from the stream, its plan record written again, published again under its id."""
+        batch = plan.to_batch(lane.name, await fetch_trajectories(self.plane, plan.seqs))
+        await self.plane.state.put(plan_record(batch))
+        await self.publish(batch)
         lane.published(plan.batch_id)
         self.stats["republished_batches"] += 1
         log.info("batch %s was planned before the restart: published again (the server keeps one copy)", plan.batch_id)

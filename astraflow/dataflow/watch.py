@@ -2,8 +2,8 @@
 
 - weight announcements (``weights.>``, from the start of the stream's history): a policy's
   current version, and which batches its trainer trained (``batch_ids``);
-- the dead-letter stream for tasks and batches: a task a rollout node gave up on, a batch a
-  trainer could not step on — their fates are ``failed:…``;
+- the dead-letter stream for tasks and batches: a task a rollout node gave up on (``failed:…``),
+  a batch a trainer turned away, with the code its reason starts with (``messages.reason_code``);
 - the server's max-deliveries advisories for the pool's consumer: a task nobody could serve;
 - heartbeats: live rollout nodes of the pool (and how busy they are), trainers' wait fraction.
 
@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from astraflow.streams.codec import DecodeError, decode
-from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, Trajectory, WeightVersion
+from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, Trajectory, WeightVersion, reason_code
 from astraflow.streams.plane import Plane, Subscription
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class BatchFailed:
     batch_id: str
     policy: str
     detail: str = ""
+    code: str = ""  # why the trainer turned it away (``messages.BATCH_*``)
 
 
 Event = Trained | TaskFailed | BatchFailed
@@ -90,7 +91,7 @@ class Watch:
                 self.events.append(TaskFailed(task.task_id, task.policy, "rollout", rej.reason[:300]))
             elif family == "batch":
                 batch = decode(rej.payload, Batch)
-                self.events.append(BatchFailed(batch.batch_id, batch.policy, rej.reason[:300]))
+                self.events.append(BatchFailed(batch.batch_id, batch.policy, rej.reason[:300], reason_code(rej.reason)))
         except DecodeError:
             pass  # the original itself was malformed: never one of our tasks or batches
 

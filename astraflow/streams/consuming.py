@@ -4,7 +4,8 @@ Everything a role reads from a stream comes through here already decoded. A mess
 not decode is never handed over: from a work stream it goes to the dead-letter stream with the
 reason and is terminated (:class:`Consumer`); from a history (announcements), it is counted,
 logged and skipped, and the messages after it are still read (:class:`Follower`,
-:func:`read_history`).
+:func:`read_history`). A follower can also be given a ``check`` of the decoded values: a message
+it finds a reason against is dead-lettered with its original bytes and not handed over.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 OnBad = Callable[[str, str], None]  # (subject, reason) of a message that did not decode
+Check = Callable[[M], str | None]  # a reason to turn a decoded message away, or None
+DeadLetter = Callable[[str, bytes, str], Awaitable[None]]  # (subject, original bytes, reason): to the DLQ
 
 
 def log_bad(subject: str, reason: str) -> None:
@@ -149,9 +152,10 @@ class Follower(Generic[M]):
     """
 
     def __init__(self, js: JetStreamContext, stream: str, subject: str, model: type[M], start: Literal["last", "all"] = "last",
-                 on_bad: OnBad = log_bad) -> None:
+                 on_bad: OnBad = log_bad, check: Check[M] | None = None, dead_letter: DeadLetter | None = None) -> None:
         self._js, self.stream, self.subject, self.model = js, stream, subject, model
         self._start, self._on_bad = start, on_bad
+        self._check, self._dead_letter = check, dead_letter
         self._sub: JetStreamContext.PushSubscription | None = None
         self._got: list[Msg] = []
         self._arrived = asyncio.Event()
@@ -180,16 +184,30 @@ class Follower(Generic[M]):
                 await asyncio.wait_for(self._arrived.wait(), wait)
         raws, self._got = self._got, []
         self._arrived.clear()
-        return self._decode(raws)
+        return await self._decode(raws)
 
-    def _decode(self, raws: list[Msg]) -> list[M]:
+    async def _decode(self, raws: list[Msg]) -> list[M]:
+        """Decoded, oldest first; what does not decode, or fails ``check`` (checked in order, so a check
+        may remember what it passed), is counted, reported to ``on_bad`` and, after a check, dead-lettered."""
         out = []
         for m in raws:
             try:
-                out.append(decode(m.data, self.model))
+                msg = decode(m.data, self.model)
             except DecodeError as e:
                 self.rejected += 1
                 self._on_bad(m.subject, str(e))
+                continue
+            reason = self._check(msg) if self._check is not None else None
+            if reason is None:
+                out.append(msg)
+                continue
+            self.rejected += 1
+            self._on_bad(m.subject, reason)
+            if self._dead_letter is not None:
+                try:
+                    await self._dead_letter(m.subject, m.data, reason)
+                except Exception as e:  # the DLQ is a report: failing to write it must not stop the follower
+                    log.warning("could not dead-letter a message on %s: %s", m.subject, e)
         return out
 
     async def close(self) -> None:

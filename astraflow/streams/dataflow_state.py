@@ -88,6 +88,7 @@ class TaskState(_Frozen):
     cursor: int = Field(0, ge=0)  # position in the prompt order
     in_flight: dict[str, float | None] = {}  # issued, primary group not complete: task -> deadline
     deadlines: dict[str, float] = {}  # recent tasks' deadlines (every lane's late policy reads them)
+    floors: list[tuple[int, dict[str, int]]] = []  # the min_versions tasks were issued with: (first task number, floors) per change
     issuing: list[Task] = []  # tasks written ahead of their publication
 
 

@@ -7,6 +7,8 @@ says who writes it and who reads it.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -14,6 +16,7 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
+_TRAJ_LENGTHS = struct.Struct("<12Q")  # Batch.digest: the lengths of a trajectory's 12 hashed fields
 
 
 def _packer(dtype: str) -> BeforeValidator:
@@ -63,7 +66,7 @@ class Trajectory(Message):
     """One finished sample. Written by a RaaS node, read by dataflow (and replay / audit)."""
 
     kind: ClassVar[str] = "trajectory"
-    traj_id: str
+    traj_id: str  # "{task_id}.{policy}.{index}": one id per sample (the plane dedups on it; the dataflow checks it)
     task_id: str
     prompt_id: str
     policy: str  # the policy whose tokens these are (routing key)
@@ -124,6 +127,20 @@ class Batch(Message):
     def advantage_array(self) -> np.ndarray:
         return unpack(self.advantages, "<f4")
 
+    def digest(self) -> str:
+        """sha256 of everything a trainer trains on: ids, tasks, advantages and, per trajectory, its ids,
+        tokens, logprobs, versions, mask, reward and finish reason (not ``created_at``, ``node_id``, ``meta``).
+        The dataflow's plan record holds it; the trainer trains a batch only if it matches."""
+        head = [x.encode() for x in (self.batch_id, self.policy, *self.task_ids)]
+        parts: list[bytes] = [struct.pack(f"<{len(head) + 2}Q", len(head), len(self.advantages), *(len(x) for x in head)),
+                              *head, self.advantages]
+        for t in self.trajectories:  # every field length-prefixed: no two different contents hash the same way
+            fields = (t.traj_id.encode(), t.task_id.encode(), t.policy.encode(), str(t.index).encode(), str(t.group_size).encode(),
+                      repr(t.reward).encode(), t.finish_reason.encode(), t.prompt_ids, t.completion_ids, t.logprobs, t.versions, t.loss_mask)
+            parts.append(_TRAJ_LENGTHS.pack(*(len(f) for f in fields)))
+            parts.extend(fields)
+        return hashlib.sha256(b"".join(parts)).hexdigest()
+
 
 class ObjectRef(BaseModel):
     """Where a payload lies in the object store, and how to check it."""
@@ -151,6 +168,7 @@ class WeightVersion(Message):
     objects: list[ObjectRef]
     batch_ids: list[str] = []
     metrics: dict[str, float] = {}
+    lineage: str = ""  # the weight lineage this version belongs to (a trainer that starts over makes a new one)
     created_at: float = Field(default_factory=time.time)
 
 
@@ -252,6 +270,22 @@ class Rejected(Message):
     headers: dict[str, str] = {}
     payload: bytes  # the original bytes, untouched
     ts: float = Field(default_factory=time.time)
+
+
+# Why a trainer turned a batch away: ``Rejected.reason`` starts with one of these and ": ". The dataflow
+# reads them: ``stale`` -> its tasks are ``dropped:stale``; ``forged`` (another content under a planned
+# id: the planned batch may still come) -> no fate; anything else -> ``failed:train``.
+BATCH_STALE = "stale"
+BATCH_FORGED = "forged"
+BATCH_UNPLANNED = "unplanned"  # no plan record: not a batch the dataflow planned (or its plan is gone)
+BATCH_INVALID = "invalid"  # values a trainer cannot train (policy, advantages, token ids)
+BATCH_NON_FINITE = "non_finite"  # the step's loss or gradient norm was not finite: no update was made
+BATCH_STEP_FAILED = "step_failed"
+
+
+def reason_code(reason: str) -> str:
+    """The code a rejection reason starts with (``"stale: oldest token v3, ..."`` -> ``"stale"``)."""
+    return reason.split(":", 1)[0].strip()
 
 
 KINDS: dict[str, type[Message]] = {m.kind: m for m in (Task, Trajectory, Batch, WeightVersion, Heartbeat, Rejected)}

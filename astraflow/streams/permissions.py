@@ -9,8 +9,8 @@ Least privilege, by what each role does and nothing more:
 
 | role | publishes | pulls and acks | reads |
 |---|---|---|---|
-| ``dataflow`` | tasks, batches, ``dlq.traj``, state ``dataflow``/``autoscale.*``/``plan.*``, fates | durable ``dataflow`` on TRAJ | weights, DLQ, KV, TRAJ and TASK by sequence, lags, heartbeats, max-delivery advisories |
-| ``trainer-{p}`` | ``weights.{p}`` and its payload chunks, ``dlq.batch``, state ``version.{p}``/``done.{p}`` | durable ``trainer-{p}`` on BATCH | TRAJ by sequence, weights, objects, KV |
+| ``dataflow`` | tasks, batches, ``dlq.traj``, state ``dataflow``/``autoscale.*``, fates and batch plans (``plan.*``) | durable ``dataflow`` on TRAJ | weights, DLQ, KV, TRAJ and TASK by sequence, lags, heartbeats, max-delivery advisories |
+| ``trainer-{p}`` | ``weights.{p}`` and its payload chunks, ``dlq.batch``, state ``version.{p}``/``done.{p}`` | durable ``trainer-{p}`` on BATCH | TRAJ by sequence, weights, objects, KV, batch plans |
 | ``rollout`` | trajectories, ``dlq.task``, ``dlq.weights``, state ``keyframe_request.*`` | durable ``{pool}`` on TASK | weights, objects, KV |
 | ``evaluator`` | ``dlq.weights``, state ``eval.*`` and ``keyframe_request.*`` | nothing | weights, objects, KV |
 | ``observer`` | nothing | nothing | stream and consumer info, KV, heartbeats (``astraflow status``) |
@@ -127,7 +127,7 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
                    f"{API}.STREAM.MSG.GET.{s.stream('traj')}", f"{API}.DIRECT.GET.{s.stream('traj')}",
                    f"{API}.STREAM.MSG.GET.{s.stream('task')}", *_reads_weights(s), *_follows(s.stream("dlq")),
                    s.subject("task"), s.subject("batch"), s.subject("dlq", "traj"),
-                   s.kv("state", "dataflow"), s.kv("state", "autoscale.*"), s.kv("state", "plan.>"), s.kv("fates", "fate.>"),
+                   s.kv("state", "dataflow"), s.kv("state", "autoscale.*"), s.kv("fates", "plan.>"), s.kv("fates", "fate.>"),
                    f"{API}.DIRECT.GET.{s.kv_stream('fates')}", f"{API}.DIRECT.GET.{s.kv_stream('fates')}.>",
                    f"{API}.STREAM.MSG.GET.{s.kv_stream('fates')}"],
               sub=[s.subject("hb"), f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s.stream('task')}.>"])
@@ -137,7 +137,9 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
                    s.subject("weights", policy), s.subject("dlq", "batch"),
                    f"$O.{s.obj_bucket}.C.>", f"$O.{s.obj_bucket}.M.>", f"{API}.STREAM.PURGE.{s.obj_stream}",
                    f"$JS.*.API.STREAM.PURGE.{s.obj_stream}",
-                   s.kv("state", f"version.{policy}"), s.kv("state", f"done.{policy}")])
+                   s.kv("state", f"version.{policy}"), s.kv("state", f"done.{policy}"),
+                   f"{API}.DIRECT.GET.{s.kv_stream('fates')}", f"{API}.DIRECT.GET.{s.kv_stream('fates')}.>",
+                   f"{API}.STREAM.MSG.GET.{s.kv_stream('fates')}"])
     elif role == "rollout":
         pools = s.pools
         p.add(pub=[*(x for pool in pools for x in _pulls(s.stream("task"), pool)), *_reads_weights(s),

@@ -24,12 +24,12 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, JetStreamManager, api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 from pydantic import BaseModel, ConfigDict
 
 from astraflow.streams.codec import DecodeError, decode, encode
 from astraflow.streams.consuming import (
-    Consumer, ConsumerSettings, Delivery, Follower, Lag, OnBad, Subscription, log_bad, read_history,
+    Check, Consumer, ConsumerSettings, Delivery, Follower, Lag, OnBad, Subscription, log_bad, read_history,
 )
 from astraflow.streams.credentials import Credential, redact
 from astraflow.streams.kv import RunState
@@ -40,7 +40,12 @@ from astraflow.streams.subjects import Names
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
-__all__ = ["Consumer", "ConsumerSettings", "Delivery", "Follower", "Lag", "NatsOptions", "Plane", "Subscription", "Topology"]
+__all__ = ["Consumer", "ConsumerSettings", "Delivery", "Follower", "Lag", "NatsOptions", "Plane", "PublishConflict", "Subscription",
+           "Topology"]
+
+
+class PublishConflict(RuntimeError):
+    """A publish expected to follow a given message on its subject, and someone else published there first."""
 
 
 class NatsOptions(BaseModel):
@@ -320,10 +325,21 @@ class Plane:
         self.state.forget()
 
     # ---------------------------------------------------------------- publish
-    async def publish(self, subject: str, msg: Message, msg_id: str | None = None) -> None:
-        """Publish and wait for the server's ack; ``msg_id`` deduplicates retries server-side."""
+    async def publish(self, subject: str, msg: Message, msg_id: str | None = None, after: int | None = None) -> int:
+        """Publish and wait for the server's ack; returns the message's stream sequence. ``msg_id`` deduplicates
+        retries server-side; ``after``: the stream sequence of the last message on ``subject`` this writer knows
+        (0: none); the server refuses the message if another was published there since (:class:`PublishConflict`)."""
         data = encode(msg, self.max_payload)
-        await self._js.publish(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None)
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else {}
+        if after is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(after)
+        try:
+            ack = await self._js.publish(subject, data, headers=headers or None)
+        except APIError as e:
+            if after is not None and "wrong last sequence" in str(e.description).lower():
+                raise PublishConflict(f"{subject}: another message was published after sequence {after}: {e.description}") from None
+            raise
+        return int(ack.seq)
 
     async def publish_many(self, items: list[tuple[str, Message, str | None]]) -> None:
         """Pipelined publish of several messages (``publish_async``), waiting for every ack."""
@@ -369,15 +385,24 @@ class Plane:
             return None
         return decode(raw.data or b"", model)
 
+    async def last_seq(self, stream: str, subject: str) -> int:
+        """The stream sequence of the newest message on ``subject`` in ``stream``; 0 when there is none."""
+        try:
+            return int((await self._jsm.get_last_msg(stream, subject)).seq or 0)
+        except NotFoundError:
+            return 0
+
     async def get(self, stream: str, seq: int, model: type[M]) -> M:
         """The message at sequence ``seq`` of ``stream``, decoded (NotFoundError when it is gone)."""
         raw = await self._jsm.get_msg(stream, seq)
         return decode(raw.data or b"", model)
 
     def follower(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
-                 start: Literal["last", "all"] = "last", on_bad: OnBad = log_bad) -> Follower[M]:
-        """Follow ``subject`` of ``stream`` (default: the family's own stream; a mirror's name in ``domain``)."""
-        return Follower(self._js_for(domain or self.domain), stream or self._stream_of(subject), subject, model, start, on_bad)
+                 start: Literal["last", "all"] = "last", on_bad: OnBad = log_bad, check: Check[M] | None = None) -> Follower[M]:
+        """Follow ``subject`` of ``stream`` (default: the family's own stream; a mirror's name in ``domain``).
+        ``check``: a message it returns a reason against goes to the DLQ (``dlq.{family}``) with its original bytes."""
+        return Follower(self._js_for(domain or self.domain), stream or self._stream_of(subject), subject, model, start, on_bad,
+                        check, self.reject)
 
     async def history(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
                       last_only: bool = False, on_bad: OnBad = log_bad) -> list[M]:

@@ -22,6 +22,7 @@ build's schema. A restarting role must never mistake a failed read for a new run
 | ``keyframe_request.{policy}`` | :class:`KeyframeRequest` | nodes, operators | trainer |
 | ``dataflow`` | ``DataflowState`` (``dataflow_state.py``) | dataflow | dataflow, ``status`` |
 | ``fate.{policy}.{task_id}`` | :class:`FateRecord`, fates bucket with a TTL | dataflow | operators, tests |
+| ``plan.{policy}.{batch_id}`` | :class:`BatchPlanRecord`, fates bucket with a TTL | dataflow | trainer |
 """
 
 from __future__ import annotations
@@ -161,3 +162,17 @@ class FateRecord(Record):
     batch: str | None = None
     version: int | None = None
     error: str | None = None
+
+
+class BatchPlanRecord(Record):
+    """A batch the dataflow planned: its trainer trains a batch only if one exists and ``digest`` matches
+    ``Batch.digest()``. Written by the dataflow before it publishes the batch, deleted by it once the
+    batch's fate is known (trained or failed); in the fates bucket, so its TTL bounds what is left behind."""
+
+    family: ClassVar[str] = "plan"
+    parts: ClassVar[tuple[str, ...]] = ("policy", "batch_id")
+    fates: ClassVar[bool] = True
+    policy: str
+    batch_id: str
+    digest: str  # Batch.digest() of the batch as planned
+    trajectories: int = Field(ge=0)

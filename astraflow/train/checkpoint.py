@@ -6,7 +6,7 @@ Layout under the checkpoint root (one root per policy, e.g. ``RUN_DIR/checkpoint
       model.safetensors   weights (written by the backend; deepspeed adds its own files)
       optimizer.pt        optimizer state
       rng-0.pt            RNG states of rank 0 (torch, cuda, python, numpy)
-      meta.json           version, trained batch ids, the last step's batch ids and metrics
+      meta.json           version, trained batch ids, the last step's batch ids and metrics, lineage
     reference.safetensors the frozen version-0 policy of the KL penalty (written once)
 
 A checkpoint is written into ``.tmp-v00000012/``, every file fsync'ed, then renamed into
@@ -43,6 +43,8 @@ class CheckpointMeta:
     last_batch_ids: list[str] = field(default_factory=list)  # the batches of this version's step
     last_metrics: dict[str, float] = field(default_factory=dict)  # that step's metrics (for a re-announcement)
     created_at: float = field(default_factory=time.time)
+    lineage: str = ""  # the weight lineage these weights belong to ("" in checkpoints from before lineages)
+    lineage_base: int = 0  # its first version (``trainer.steps`` count from it)
 
 
 class Checkpointer:

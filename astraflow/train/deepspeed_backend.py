@@ -98,15 +98,17 @@ class DeepSpeedBackend(TorchBackend):
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def _optimizer_step(self) -> float:
-        norm = None
+    def _optimizer_step(self, loss_finite: bool) -> tuple[float, bool]:
         if self.cfg.zero_stage == 0:  # no ZeRO optimizer to report it: measure before engine.step() clips
             norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), math.inf))
-        self.engine.step()
-        if norm is None:
-            reported = self.engine.get_global_grad_norm()
-            norm = math.nan if reported is None else float(reported)
-        return norm
+            if not (loss_finite and math.isfinite(norm)):  # no update: clear what was accumulated
+                self.engine.zero_grad()
+                return norm, False
+            self.engine.step()
+            return norm, True
+        self.engine.step()  # ZeRO's optimizer checks the gradients itself and skips a step that overflowed
+        reported = self.engine.get_global_grad_norm()
+        return math.nan if reported is None else float(reported), not bool(getattr(self.engine.optimizer, "overflow", False))
 
     def _reduce(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
         if self.world_size == 1:

@@ -1,8 +1,9 @@
-"""Where a trainer starts: version 0, or exactly where its checkpoint and the plane say it stopped.
+"""Where a trainer starts: version 0, exactly where its checkpoint and the plane say it stopped, or
+a new weight lineage after the plane's newest version. Never under a version number already used.
 
 The plane's last announcement of the policy (``weights.{policy}``) is the truth about which
-versions exist; the checkpoint holds the weights, optimizer, RNG and trained batch ids. The
-worker writes a checkpoint *before* announcing its version, so after a crash:
+versions exist; the checkpoint holds the weights, optimizer, RNG, trained batch ids and the
+lineage. The worker writes a checkpoint *before* announcing its version, so after a crash:
 
 * checkpoint v, last announcement v-1 (crashed between the two): announce v now, from the
   checkpoint, as a keyframe; its batch is acked when redelivered;
@@ -12,12 +13,30 @@ worker writes a checkpoint *before* announcing its version, so after a crash:
   back from the plane (bf16), on top of checkpoint v's optimizer state. No version is reused,
   but the fp32 and optimizer progress since v is approximated: only ``checkpoint_every: 1`` is exact.
 
-No announced version is ever published again, and the announcements stay monotonic.
+**Refusals** (:class:`LineageError`; the process exits and says what to do). A trainer whose
+weights would not be the announced ones never announces after them:
+
+* no checkpoint, but the plane has versions of the policy (a trainer started without its
+  ``--checkpoint-dir``, or with a lost one): starting at v0 would announce v0, v1, … again
+  with other weights;
+* a checkpoint of another lineage than the plane's newest version, or one of the same version
+  whose weights hash to another digest than announced (another trainer announced it).
+
+And while it runs, each announcement must follow the one it read at start, then its own last
+(``WeightPublisher.follows``): a second trainer of the policy announcing meanwhile makes the
+publish fail (``PublishConflict``), so two trainers never put two states under one number.
+
+**A fresh lineage** is the explicit way out (``astraflow worker trainer --fresh-lineage``): the
+trainer starts over from its initial weights (checkpoints ignored) under a new lineage id,
+announced as a keyframe at ``newest + 1 + skip`` (``skip``: the trainer's allowed lag, so every
+sample rolled out on the abandoned lineage is stale to the new one and dropped, never trained
+into it). Versions keep rising; ``trainer.steps`` count from the lineage's first version.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -34,27 +53,38 @@ from astraflow.weights.sync import WeightSync
 log = logging.getLogger(__name__)
 
 
+class LineageError(RuntimeError):
+    """Starting here would announce other weights under version numbers the plane already has."""
+
+
 @dataclass
 class Start:
     version: int  # the version the trainer holds (already announced)
     trained: list[str]  # batch ids already in these weights, in order
+    lineage: str  # the weight lineage it continues
+    base: int = 0  # the lineage's first version
 
 
-async def last_announcement(plane: Plane, policy: str) -> WeightVersion | None:
-    """The newest ``weights.{policy}`` announcement on the plane, or None."""
-    return await plane.last(plane.names.weights_stream, plane.names.weights(policy), WeightVersion)
+def new_lineage() -> str:
+    return uuid.uuid4().hex[:12]
 
 
-def adopt(publisher: WeightPublisher, state: dict[str, torch.Tensor], last: WeightVersion) -> bool:
-    """Make ``state`` (the image of ``last``) the publisher's base for a delta; False if it is not that image."""
+async def last_announcement(plane: Plane, publisher: WeightPublisher, policy: str) -> WeightVersion | None:
+    """The newest ``weights.{policy}`` announcement on the plane, or None; the publisher's next announcement
+    must follow exactly it (a second trainer of the policy that announced meanwhile makes that publish fail)."""
+    seq = await plane.last_seq(plane.names.weights_stream, plane.names.weights(policy))
+    publisher.follows(seq)
+    return await plane.get(plane.names.weights_stream, seq, WeightVersion) if seq else None
+
+
+def adopt(publisher: WeightPublisher, state: dict[str, torch.Tensor], last: WeightVersion) -> None:
+    """Make ``state`` (the image of ``last``) the publisher's base for a delta; refuse if it is not that image."""
     digest = state_digest(state)
     if digest != last.state_digest:
-        log.warning("weights %s: restored v%d does not hash to the announced digest; the next version is a keyframe",
-                    last.policy, last.version)
-        return False
+        raise LineageError(f"{last.policy}: the restored v{last.version} does not hash to the announced digest (another trainer "
+                           f"announced v{last.version}): resume from that trainer's checkpoints, or start a --fresh-lineage")
     publisher.image, publisher.image_digest, publisher.image_version = state, digest, last.version
     publisher.keyframe_version = last.keyframe_version
-    return True
 
 
 class _Image:
@@ -68,32 +98,45 @@ class _Image:
         self.state, self.version = state, version
 
 
-async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ckpt: Checkpointer | None, policy: str) -> Start:
-    """Publish version 0, or resume from the newest checkpoint; returns where the trainer stands."""
-    found = ckpt.latest() if ckpt else None
-    last = await last_announcement(plane, policy)
+async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ckpt: Checkpointer | None, policy: str,
+                fresh_lineage: bool = False, skip: int = 0) -> Start:
+    """Publish the first version of a lineage, or resume from the newest checkpoint; returns where the trainer stands."""
+    last = await last_announcement(plane, publisher, policy)
+    found = None if fresh_lineage else (ckpt.latest() if ckpt else None)
     if found is None:
+        if last is not None and not fresh_lineage:
+            raise LineageError(f"{policy} is at v{last.version} on the plane (lineage {last.lineage or '-'}) and this trainer has no "
+                               "checkpoint of it: starting at v0 would announce those versions again with other weights. Pass "
+                               "the --checkpoint-dir it ran with to resume, or --fresh-lineage to start a new lineage after "
+                               f"v{last.version}")
+        base = 0 if last is None else last.version + 1 + skip
+        lineage = publisher.lineage = new_lineage()
         if last is not None:
-            log.warning("%s already has v%d on the plane but no checkpoint here: starting again at v0 (pass the same "
-                        "--checkpoint-dir to resume)", policy, last.version)
+            log.warning("%s: a fresh lineage %s at v%d, after v%d of lineage %s", policy, lineage, base, last.version, last.lineage or "-")
         if ckpt is not None:
-            run_op("save", CheckpointMeta(version=0, policy=policy, trained=[]))
-        await publisher.publish(run_op("state"), 0, force_keyframe=True)
-        return Start(0, [])
+            run_op("save", CheckpointMeta(version=base, policy=policy, trained=[], lineage=lineage, lineage_base=base))
+        await publisher.publish(run_op("state"), base, force_keyframe=True)
+        return Start(base, [], lineage, base)
 
     path, meta = found
+    lineage = publisher.lineage = meta.lineage or (last.lineage if last is not None else "")
+    if last is not None and meta.lineage and last.lineage and last.lineage != meta.lineage:
+        raise LineageError(f"{policy}: the checkpoint is v{meta.version} of lineage {meta.lineage}, the plane's newest is "
+                           f"v{last.version} of lineage {last.lineage}: resume with that lineage's checkpoints, or start a "
+                           "--fresh-lineage")
     run_op("load", path)
-    log.info("%s: restored checkpoint v%d (%d batches trained); last announced: %s", policy, meta.version,
-             len(meta.trained), "none" if last is None else f"v{last.version}")
+    log.info("%s: restored checkpoint v%d of lineage %s (%d batches trained); last announced: %s", policy, meta.version,
+             lineage or "-", len(meta.trained), "none" if last is None else f"v{last.version}")
+    at = Start(meta.version, list(meta.trained), lineage, meta.lineage_base)
     if last is None or last.version < meta.version:  # died between checkpoint and announcement
         if last is not None and last.version < meta.version - 1:
             log.error("%s: the plane's last version is v%d, the checkpoint v%d: versions in between are missing",
                       policy, last.version, meta.version)
         await publisher.publish(run_op("state"), meta.version, meta.last_batch_ids, meta.last_metrics, force_keyframe=True)
-        return Start(meta.version, list(meta.trained))
+        return at
     if last.version == meta.version:
         adopt(publisher, run_op("state"), last)
-        return Start(meta.version, list(meta.trained))
+        return at
     # announced past the checkpoint: take those weights back from the plane
     log.warning("%s: checkpoint v%d is behind the announced v%d (checkpoint_every > 1): resuming from the announced "
                 "bf16 weights and the checkpoint's optimizer state", policy, meta.version, last.version)
@@ -103,4 +146,4 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
     run_op("load_weights", dict(image.state))
     adopt(publisher, run_op("state"), last)
     trained = list(meta.trained) + [b for b in last.batch_ids if b not in set(meta.trained)]
-    return Start(last.version, trained)
+    return Start(last.version, trained, lineage, meta.lineage_base)

@@ -22,8 +22,9 @@ from astraflow.streams.messages import Batch, Trajectory
 def sample_batches(
     model: torch.nn.Module, tokenizer: Any, prompts: list[str], *, policy: str = "solver", n_batches: int = 1,
     groups_per_batch: int = 2, group_size: int = 4, max_new_tokens: int = 6, temperature: float = 1.0,
-    logprob_noise: float = 0.0, seed: int = 0, prefix: str = "b",
+    logprob_noise: float = 0.0, seed: int = 0, prefix: str = "b", version: int = 0,
 ) -> list[Batch]:
+    """``n_batches`` batches; every token is tagged with weight version ``version``."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     model.eval()
@@ -49,7 +50,8 @@ def sample_batches(
                 trajs.append(Trajectory(
                     traj_id=f"{prefix}{b}-g{g}-{i}", task_id=f"{prefix}{b}-g{g}", prompt_id=f"p{g}", policy=policy, index=i,
                     group_size=group_size, prompt_ids=np.asarray(p_ids, "<i4").tobytes(), completion_ids=comp[i, :n].numpy().astype("<i4").tobytes(),
-                    logprobs=blp.astype("<f4").tobytes(), versions=np.zeros(n, "<i4").tobytes(), loss_mask=np.ones(n, "<u1").tobytes(),
+                    logprobs=blp.astype("<f4").tobytes(), versions=np.full(n, version, "<i4").tobytes(),
+                    loss_mask=np.ones(n, "<u1").tobytes(),
                     reward=float(rng.integers(0, 2)),
                 ))
         adv = rng.standard_normal(len(trajs)).astype("<f4").tobytes()

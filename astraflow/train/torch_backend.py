@@ -2,7 +2,8 @@
 
 A step splits the batch into micro-batches by token budget (``trainer.micro_batch_tokens``),
 accumulates their gradients (each micro-batch loss normalised over the whole batch, so the
-sum is the full-batch loss), clips the global gradient norm and takes one AdamW step.
+sum is the full-batch loss), clips the global gradient norm and takes one AdamW step, unless
+the loss or the gradient norm is not finite: then no update is made (``skipped`` = 1).
 bf16 keeps fp32 weights and optimizer state and runs the forward under bf16 autocast.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -71,12 +73,15 @@ class TorchBackend:
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
         loss.backward()
 
-    def _optimizer_step(self) -> float:
-        """Clip, step, clear; returns the global gradient norm before clipping."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.max_grad_norm)
-        self.opt.step()
+    def _optimizer_step(self, loss_finite: bool) -> tuple[float, bool]:
+        """Clip, step, clear; returns the global gradient norm before clipping and whether the step was
+        taken: not when the loss or the norm is non-finite (the weights stay as they were)."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.max_grad_norm))
+        stepped = loss_finite and math.isfinite(grad_norm)
+        if stepped:
+            self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return grad_norm, stepped
 
     def _reduce(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
         """Metrics of this process's micro-batches (``weight`` counted tokens) -> the whole batch's."""
@@ -129,11 +134,11 @@ class TorchBackend:
             if not scale:  # a stand-in that only joins the gradient reduction: counts for nothing
                 mets = {k: 0.0 if k in SUMMED else v for k, v in mets.items()}
             parts.append((mets, float(mb.mask.sum()) if scale else 0.0))
-        grad_norm = self._optimizer_step()
-        metrics = self._reduce(combine(parts), sum(w for _, w in parts))
+        metrics = self._reduce(combine(parts), sum(w for _, w in parts))  # every rank sees the same loss: they skip together
+        grad_norm, stepped = self._optimizer_step(math.isfinite(metrics["loss"]))
         dt = time.perf_counter() - t0
         return {**metrics, "grad_norm": grad_norm, "reward_mean": float(x.rewards.mean()), "tokens": float(x.n_tokens),
-                "tokens_per_s": x.n_tokens / dt, "step_s": dt, "micro_batches": float(len(mbs))}
+                "tokens_per_s": x.n_tokens / dt, "step_s": dt, "micro_batches": float(len(mbs)), "skipped": float(not stepped)}
 
     @torch.no_grad()
     def _ref_logprobs(self, mb: Tensors) -> torch.Tensor:

@@ -1,12 +1,18 @@
-"""The trainer worker: pull batches for one policy, step, checkpoint, publish the new version, ack.
+"""The trainer worker: pull batches for one policy, vet, step, checkpoint, publish the new version, ack.
 
 One trainer per policy; each has its own durable consumer (``trainer-{policy}``) and weight
 subject, and none waits for another. Per batch, in this order:
 
-1. step (a redelivered batch whose id is already trained is acked without training);
-2. checkpoint, every ``checkpoint_every`` versions, *before* the announcement;
-3. publish version v+1 (the announcement is the commit point);
-4. ack the batch.
+1. vet (``train/vetting.py``): a redelivered batch whose id is already trained is acked
+   without training; a batch the dataflow did not plan (no plan record, or another content),
+   with values the model cannot take, or too stale is dead-lettered with its reason, untrained;
+2. step; a step whose loss or gradient norm is not finite made no update: the batch is
+   dead-lettered (``non_finite``) and counted (``skipped_steps``);
+3. the new weights are checked finite (never checkpointed or announced otherwise: the trainer
+   stops, and its restart resumes from the last checkpoint);
+4. checkpoint, every ``checkpoint_every`` versions, *before* the announcement;
+5. publish version v+1 (the announcement is the commit point);
+6. ack the batch.
 
 A crash between any two of these resumes exactly (see ``train/resume.py``). The time spent
 waiting for a batch is measured: it is the input of autoscaling, exported to Prometheus and
@@ -29,19 +35,26 @@ from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.models import build_model, load_tokenizer
 from astraflow.runtime import every, stop_event, watch_server
-from astraflow.streams.messages import Batch, Heartbeat, TrainerStats
+from astraflow.streams.messages import BATCH_NON_FINITE, BATCH_STEP_FAILED, Batch, Heartbeat, TrainerStats
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
-from astraflow.streams.state import DoneRecord
+from astraflow.streams.state import DoneRecord, StateReadError
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.distributed import Collective, barrier_for
 from astraflow.train.resume import start
 from astraflow.train.sft import sft
+from astraflow.train.vetting import allowed_lag, check_batch, check_plan, non_finite
 from astraflow.weights.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
 CRASH_ENV = "ASTRAFLOW_TRAINER_CRASH"
+
+
+def embedding_rows(model: torch.nn.Module) -> int:
+    """Rows of the model's input embedding: token ids a batch may hold are below this."""
+    embeddings = model.get_input_embeddings()  # type: ignore[operator]
+    return int(embeddings.num_embeddings)
 
 
 def crash_point(where: str, version: int) -> None:
@@ -54,7 +67,7 @@ def crash_point(where: str, version: int) -> None:
 
 
 async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "trainer", policy: str | None = None,
-                checkpoint_dir: str | Path | None = None, metrics_port: int | None = None) -> None:
+                checkpoint_dir: str | Path | None = None, metrics_port: int | None = None, fresh_lineage: bool = False) -> None:
     policy = policy or recipe.primary
     if policy not in recipe.policies:
         raise ValueError(f"policy {policy!r} is not in the recipe ({list(recipe.policies)})")
@@ -64,7 +77,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(pcfg.model.tokenizer)
     model = build_model(pcfg.model, tokenizer)
-    resuming = checkpoint_dir is not None and any(Path(checkpoint_dir).glob("v*/meta.json"))
+    resuming = not fresh_lineage and checkpoint_dir is not None and any(Path(checkpoint_dir).glob("v*/meta.json"))
     if pcfg.sft.steps and not resuming:
         train, _ = load_split(recipe.data)
         loss = await asyncio.to_thread(sft, model, tokenizer, train, pcfg.sft, cfg.seed)
@@ -78,13 +91,14 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
         await asyncio.to_thread(run_op.follow)
         return
     try:
-        await _lead(recipe, nats, run, worker_id, policy, run_op, ckpt, metrics_port)
+        vocab = embedding_rows(model)
+        await _lead(recipe, nats, run, worker_id, policy, run_op, ckpt, metrics_port, vocab, fresh_lineage)
     finally:
         run_op("stop")
 
 
 async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, policy: str, run_op: Collective,
-                ckpt: Checkpointer | None, metrics_port: int | None) -> None:
+                ckpt: Checkpointer | None, metrics_port: int | None, vocab: int, fresh_lineage: bool) -> None:
     cfg = recipe.policies[policy].trainer
     metrics = Metrics("trainer", policy=policy, worker=worker_id)
     if metrics_port is not None:
@@ -95,7 +109,8 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     publisher = WeightPublisher(plane, policy, keyframe_every=cfg.keyframe_every, keep_versions=recipe.plane.weights_history,
                                 mirror_domains=tuple(recipe.plane.mirror_domains))
     stop = stop_event()
-    at = await start(plane, publisher, run_op, ckpt, policy)
+    max_lag = allowed_lag(recipe)
+    at = await start(plane, publisher, run_op, ckpt, policy, fresh_lineage, skip=max_lag)
     version, trained = at.version, list(at.trained)
     seen = set(trained)
     waited, started = 0.0, time.monotonic()
@@ -111,9 +126,10 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     watchdog = asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))
     batches = plane.consumer(plane.names.batch_stream, plane.names.trainer_consumer(policy), Batch)
     keepalive_s = max((await batches.settings()).ack_wait / 3, 0.2)
-    log.info("trainer %s at v%d, training to v%d (%s backend, %s loss)", policy, version, cfg.steps, cfg.backend, cfg.loss.type)
+    log.info("trainer %s at v%d of lineage %s, training to v%d (%s backend, %s loss)", policy, version, at.lineage or "-",
+             at.base + cfg.steps, cfg.backend, cfg.loss.type)
     try:
-        while version < cfg.steps and not stop.is_set():
+        while version < at.base + cfg.steps and not stop.is_set():
             t0 = time.monotonic()
             got = await batches.pull(batch=1, timeout=1.0)
             wait = time.monotonic() - t0
@@ -127,13 +143,27 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 metrics.inc({"redelivered_trained_batches": 1})
                 await d.ack()
                 continue
+            try:
+                refused = await check_plan(plane, policy, d.msg) or check_batch(d.msg, policy, vocab, version, max_lag)
+            except StateReadError as e:  # the plan could not be read: neither train nor turn it away
+                log.warning("%s: %s; trying again", d.msg.batch_id, e)
+                await d.nak(delay=1.0)
+                continue
+            if refused is not None:
+                metrics.inc({"rejected_batches": 1})
+                await d.reject(refused)
+                continue
             keep = asyncio.create_task(_keep_alive(d, keepalive_s))
             try:
                 try:
                     step = await asyncio.to_thread(run_op, "step", d.msg)
                 except Exception as e:
                     log.exception("step on %s failed", d.msg.batch_id)
-                    await d.reject(f"training step failed: {e}")
+                    await d.reject(f"{BATCH_STEP_FAILED}: {e}")
+                    continue
+                if step.get("skipped"):  # the loss or the gradient norm was not finite: the backend made no update
+                    metrics.inc({"skipped_steps": 1})
+                    await d.reject(f"{BATCH_NON_FINITE}: loss {step['loss']}, gradient norm {step['grad_norm']}: no update made")
                     continue
                 crash_point("after_step", version + 1)
                 version += 1
@@ -142,8 +172,14 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 elapsed = time.monotonic() - started
                 last = {**step, "wait_frac": waited / elapsed, "batch_wait_s": wait}
                 state = await asyncio.to_thread(run_op, "state")
+                bad = non_finite(state)
+                if bad:  # not the data's doing (the step was finite and clipped): stop before anything is written
+                    await d.reject(f"{BATCH_NON_FINITE}: the weights after the step hold NaN or inf ({', '.join(bad[:3])})")
+                    raise RuntimeError(f"{policy} weights turned non-finite after {d.msg.batch_id}; nothing was checkpointed or "
+                                       "announced: a restart resumes from the last checkpoint")
                 if ckpt is not None and version % cfg.checkpoint_every == 0:
-                    meta = CheckpointMeta(version=version, policy=policy, trained=trained, last_batch_ids=[d.msg.batch_id], last_metrics=last)
+                    meta = CheckpointMeta(version=version, policy=policy, trained=trained, last_batch_ids=[d.msg.batch_id],
+                                          last_metrics=last, lineage=at.lineage, lineage_base=at.base)
                     await asyncio.to_thread(run_op, "save", meta)
                     crash_point("after_checkpoint", version)
                 ann = await publisher.publish(state, version, [d.msg.batch_id], last)
@@ -156,7 +192,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
             metrics.inc({"trained_tokens": step["tokens"], "trained_batches": 1})
             log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (%s)", version, d.msg.batch_id, step["loss"],
                      step["reward_mean"], 100 * last["wait_frac"], ann.encoding)
-        if version >= cfg.steps:
+        if version >= at.base + cfg.steps:  # finished, not stopped
             await plane.state.put(DoneRecord(policy=policy, version=version))
     finally:
         stop.set()

@@ -9,9 +9,13 @@ against it, except
   (:func:`request_keyframe`); the next version after a new request is a keyframe;
 * whenever the delta would exceed ``max_delta_fraction`` of the full bf16 payload.
 
-The payload is written to the object store first (chunks, each with a sha256); the
+Weights that are not finite are never published (:class:`NonFiniteWeights`, before anything is
+written). The payload is written to the object store first (chunks, each with a sha256); the
 announcement (base version and digest, object refs with sizes and digests, the state digest)
-is published last and is the commit point; if it fails, the new chunks are purged. Then, in a
+is published last and is the commit point; if it fails, the new chunks are purged. Each
+announcement expects to follow the publisher's previous one on the subject (the server checks
+it): if another trainer of the policy announced in between, this one's publish fails
+(``PublishConflict``) instead of putting a second state under a version number. Then, in a
 background task (one at a time), the retention plan deletes what the last ``keep_versions``
 versions no longer need, from the bucket and from every region mirror in ``mirror_domains``.
 """
@@ -32,6 +36,10 @@ from astraflow.weights.retention import Key, execute_retention, key_of, plan_ret
 
 log = logging.getLogger(__name__)
 Encoding = Literal["keyframe", "delta"]
+
+
+class NonFiniteWeights(ValueError):
+    """A state holding NaN or infinite values: never announced."""
 
 
 async def request_keyframe(plane: Plane, policy: str, reason: str = "") -> None:
@@ -61,12 +69,19 @@ class WeightPublisher:
         self.image_digest: str | None = None
         self.image_version: int | None = None
         self.keyframe_version = -1
+        self.lineage = ""  # the weight lineage announced with every version (set by the trainer's start)
         self.bytes_sent = 0
         self.history: dict[Key, WeightVersion] = {}  # announcements whose objects are stored, in publication order
         self._seeded = False  # history holds what earlier trainers of this run announced
         self.deleted = 0  # versions garbage-collected
         self._request_rev = 0  # KV revision of the last keyframe request served
+        self._subject_seq: int | None = None  # stream sequence of the newest announcement on our subject, as we know it
         self._gc: asyncio.Task[None] | None = None
+
+    def follows(self, seq: int) -> None:
+        """The announcement this publisher's next version follows is at stream sequence ``seq`` (0: none yet):
+        the server refuses the next announcement if anything else was announced on the subject since."""
+        self._subject_seq = seq
 
     # ------------------------------------------------------------------ decisions
     async def _keyframe_request_rev(self) -> int:
@@ -101,6 +116,10 @@ class WeightPublisher:
         request_rev = await self._keyframe_request_rev()
         requested = request_rev > self._request_rev
         new = await asyncio.to_thread(to_bf16_state, state)
+        bad = [name for name, t in new.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise NonFiniteWeights(f"weights {self.policy} v{version}: {len(bad)} tensors hold NaN or inf ({', '.join(bad[:3])}); "
+                                   "not published")
         (encoding, payload, why), digest = await asyncio.gather(  # both release the GIL: overlap them
             asyncio.to_thread(self._encode, new, version, force_keyframe or requested), asyncio.to_thread(state_digest, new))
         if requested and why == "forced" and not force_keyframe:
@@ -113,10 +132,14 @@ class WeightPublisher:
             base_version=None if is_key else self.image_version,
             base_digest=None if is_key else self.image_digest,
             state_digest=digest, keyframe_version=version if is_key else self.keyframe_version, objects=[ref],
-            batch_ids=list(batch_ids or []), metrics=dict(metrics or {}),
+            batch_ids=list(batch_ids or []), metrics=dict(metrics or {}), lineage=self.lineage,
         )
-        try:  # the commit point: a retry of the same state is deduplicated by the server
-            await self.plane.publish(self.plane.names.weights(self.policy), ann, msg_id=f"{self.policy}-w{version}-{digest[:16]}")
+        subject = self.plane.names.weights(self.policy)
+        try:  # the commit point: a retry of the same state is deduplicated by the server; another writer's is refused
+            if self._subject_seq is None:
+                self._subject_seq = await self.plane.last_seq(self.plane.names.weights_stream, subject)
+            self._subject_seq = await self.plane.publish(subject, ann, msg_id=f"{self.policy}-w{version}-{digest[:16]}",
+                                                         after=self._subject_seq)
         except BaseException:
             await asyncio.shield(self._discard(ref))
             raise
@@ -128,7 +151,7 @@ class WeightPublisher:
         self.history.pop(key_of(ann), None)  # a re-announced state moves to the end: publication order
         self.history[key_of(ann)] = ann
         log.debug("weights %s v%d: %s (%s), %d bytes", self.policy, version, encoding, why, len(payload))
-        await self.plane.state.put(VersionRecord(policy=self.policy, version=version))
+        await self.plane.state.put(VersionRecord(policy=self.policy, version=version, lineage=self.lineage))
         if self._gc is None or self._gc.done():  # off the training path: a slow or unreachable mirror never stalls a step
             self._gc = asyncio.create_task(self._collect_logged())
         return ann

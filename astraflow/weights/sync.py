@@ -20,6 +20,11 @@ runtime update APIs: docs/weights.md, unverified until run on a GPU), else in pl
 ``load_state`` with the engine's own tensors standing in for the unchanged ones (hf: no model
 reload, the engine's lock held).
 
+An announcement that is impossible on its face (``weights/checks.py``: another policy, a base
+that is not older, a keyframe version past the version, object sizes and digest counts that do
+not match, a version not above the newest seen) is never planned from: from the live follower it
+goes to the DLQ (``dlq.weights``) with the reason (``rejected``), from the history it is skipped.
+
 A node in a region reads the mirrors in its leaf's JetStream domain (``domain=``).
 """
 
@@ -37,6 +42,7 @@ from astraflow.streams.messages import WeightVersion
 from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError
 from astraflow.streams.plane import Plane
 from astraflow.weights import delta as _delta
+from astraflow.weights.checks import announcement_problem, order_problem
 from astraflow.weights.delta import DeltaError, apply_delta, decode_keyframe, state_digest
 from astraflow.weights.publish import request_keyframe
 from astraflow.weights.retention import Key, base_key, key_of
@@ -124,7 +130,9 @@ class WeightSync:
         self.stats: Counter[str] = Counter()
         self.last_error = ""
         self.known: dict[Key, WeightVersion] = {}
-        self._follower = plane.follower(self.subject, WeightVersion, stream=self.ann_stream, domain=domain, on_bad=self._bad)
+        self.newest: WeightVersion | None = None  # the newest valid announcement the follower passed
+        self._follower = plane.follower(self.subject, WeightVersion, stream=self.ann_stream, domain=domain, on_bad=self._bad,
+                                        check=self._vet)
 
     @property
     def version(self) -> int:
@@ -175,11 +183,21 @@ class WeightSync:
     # ------------------------------------------------------------------ planning
     def _bad(self, subject: str, reason: str) -> None:
         self.stats["rejected"] += 1
-        log.warning("weights %s: undecodable announcement on %s: %s", self.policy, subject, reason)
+        log.warning("weights %s: announcement on %s turned away: %s", self.policy, subject, reason)
+
+    def _vet(self, ann: WeightVersion) -> str | None:
+        """The live follower's check, in stream order: a reason to dead-letter ``ann``, or None."""
+        problem = announcement_problem(ann, self.policy) or order_problem(ann, self.newest)
+        if problem is None and (self.newest is None or ann.version > self.newest.version):
+            self.newest = ann
+        return problem
 
     async def _history(self) -> dict[Key, WeightVersion]:
         anns = await self.plane.history(self.subject, WeightVersion, stream=self.ann_stream, domain=self.domain, on_bad=self._bad)
-        history = {key_of(a): a for a in anns}
+        valid = [a for a in anns if announcement_problem(a, self.policy) is None]
+        if len(valid) < len(anns):
+            self.stats["skipped_history"] += len(anns) - len(valid)
+        history = {key_of(a): a for a in valid}
         self.known.update(history)
         return history
 

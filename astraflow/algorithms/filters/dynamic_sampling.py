@@ -5,7 +5,8 @@ are all equal has A_i = 0 for every sample: it costs a training slot and teaches
 
     drop  if  max(r) - min(r) <= tolerance      (reason "zero_variance")
 
-A group with a missing or non-finite reward is left to the reward_guard filter.
+A group with a missing or non-finite reward never gets here from the dataflow (it validates rewards);
+alone, such a group is left to the reward_guard filter.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
     drop  if  any(r is None or not isfinite(r))                  (reason "bad_reward")
     drop  if  any(r < low) or any(r > high)   (bounds set)       (reason "reward_out_of_range")
 
-A failed verifier must not reach the advantage: one NaN poisons the whole group's baseline.
+A failed verifier must not reach the advantage: one NaN poisons the whole group's baseline. The
+dataflow already turns away NaN, infinite and (outside ``finish_reason: error``) missing rewards
+before a group forms (``dataflow/validate.py``), so here the guard is a second line and, with
+``low`` / ``high``, a recipe's own bounds on what a reward may be.
 """
 
 from __future__ import annotations

@@ -1,0 +1,79 @@
+"""What a trainer checks before it trains a batch, and before it announces weights.
+
+A batch is trained only when all of these hold; otherwise it is dead-lettered with a reason that
+starts with its code (``streams/messages.py``, ``BATCH_*``), which the dataflow reads:
+
+| code | the batch is turned away when |
+|---|---|
+| ``unplanned`` | no plan record ``plan.{policy}.{batch_id}``: the dataflow never planned it (or its fate is known already) |
+| ``forged`` | its content does not hash to the plan's digest (``Batch.digest``): not the batch that was planned under that id |
+| ``invalid`` | another policy's batch, advantages not one finite value per trajectory, a token id outside the model's vocabulary |
+| ``stale`` | its oldest token is more than ``max_staleness + max_batch_backlog`` versions behind the trainer (see :func:`allowed_lag`) |
+
+A step whose loss or gradient norm is not finite makes no update (the backend skips it) and
+its batch is dead-lettered ``non_finite``. Weights are checked finite before every checkpoint
+and announcement (:func:`non_finite`); the publisher refuses non-finite weights too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from astraflow.config import Recipe
+from astraflow.streams.messages import BATCH_FORGED, BATCH_INVALID, BATCH_STALE, BATCH_UNPLANNED, Batch
+from astraflow.streams.plane import Plane
+from astraflow.streams.state import BatchPlanRecord, StateSchemaError
+
+
+def allowed_lag(recipe: Recipe) -> int:
+    """How far behind the trainer a batch's oldest token may be when it is trained.
+
+    The dataflow serves a group only within ``max_staleness`` versions of the trainer's version as
+    it last heard it, and at most ``max_batch_backlog`` batches (one version each) wait ahead of a
+    new batch. A batch lagging more than the sum was not trained when planned: it is a redelivery
+    after a dead trainer, or a copy from elsewhere, and training it would break the recipe's bound.
+    """
+    return recipe.dataflow.max_staleness + recipe.dataflow.max_batch_backlog
+
+
+def check_batch(batch: Batch, policy: str, vocab: int, version: int, max_lag: int) -> str | None:
+    """The values a trainer cannot train, then staleness; a rejection reason, or None."""
+    if batch.policy != policy or any(t.policy != policy for t in batch.trajectories):
+        return f"{BATCH_INVALID}: a batch of {batch.policy!r} (or holding other policies' trajectories) for the trainer of {policy!r}"
+    adv = batch.advantage_array()
+    if not batch.trajectories or len(adv) != len(batch.trajectories):
+        return f"{BATCH_INVALID}: {len(adv)} advantages for {len(batch.trajectories)} trajectories"
+    if not np.isfinite(adv).all():
+        return f"{BATCH_INVALID}: {int((~np.isfinite(adv)).sum())} non-finite advantages"
+    for t in batch.trajectories:
+        ids = np.concatenate([np.frombuffer(t.prompt_ids, "<i4"), np.frombuffer(t.completion_ids, "<i4")])
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            return f"{BATCH_INVALID}: {t.traj_id} has token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is [0, {vocab})"
+    oldest = min(t.min_version for t in batch.trajectories)
+    if version - oldest > max_lag:
+        return f"{BATCH_STALE}: oldest token v{oldest}, trainer at v{version}: {version - oldest} versions behind, {max_lag} allowed"
+    return None
+
+
+async def check_plan(plane: Plane, policy: str, batch: Batch) -> str | None:
+    """The batch is the one the dataflow planned under its id for ``policy``; a rejection reason, or None.
+    A failed read raises (``StateReadError``): the batch is neither trained nor turned away."""
+    try:
+        plan = await plane.state.get(BatchPlanRecord, policy, batch.batch_id)
+    except (ValueError, StateSchemaError) as e:  # an id that cannot be a key, or a record that is not one
+        return f"{BATCH_UNPLANNED}: no valid plan record for {batch.batch_id!r}: {e}"
+    if plan is None:
+        return f"{BATCH_UNPLANNED}: the dataflow planned no batch {batch.batch_id!r} (or its fate is known already)"
+    digest = batch.digest()
+    if digest != plan.digest:
+        return (f"{BATCH_FORGED}: {batch.batch_id} holds {len(batch.trajectories)} trajectories hashing to {digest[:16]}, "
+                f"the plan {plan.trajectories} hashing to {plan.digest[:16]}")
+    return None
+
+
+def non_finite(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the tensors holding a NaN or an infinity (empty: every weight is finite)."""
+    return [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]

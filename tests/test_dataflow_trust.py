@@ -1,0 +1,198 @@
+"""The dataflow at its trust boundary, against a real nats-server: well-formed trajectories with bad
+values, trajectories for tasks it never issued, explicit failures, batch plan records, and the
+trainer's verdicts on batches. Each bad message reaches the DLQ with its reason, its task gets a
+counted fate, the accounting adds up, and the service keeps serving and training."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from astraflow.streams.messages import Batch, Rejected, Task, Trajectory
+from astraflow.streams.state import BatchPlanRecord, FateRecord
+from test_dataflow import Harness, recipe
+
+Make = Callable[[Task, str, int, int], Trajectory]  # (task, policy, index, version) -> what the node sends
+
+
+def good(task: Task, policy: str, i: int, version: int, **over: object) -> Trajectory:
+    fields: dict[str, object] = dict(
+        traj_id=f"{task.task_id}.{policy}.{i}", task_id=task.task_id, prompt_id=task.prompt_id, policy=policy, index=i,
+        group_size=task.group_size, prompt_ids=np.arange(1, 4), completion_ids=np.arange(4), logprobs=np.full(4, -0.5, np.float32),
+        versions=np.full(4, version, np.int32), loss_mask=np.ones(4, np.uint8), reward=float(i % 2))
+    fields.update(over)
+    return Trajectory(**fields)  # type: ignore[arg-type]
+
+
+async def serve(h: Harness, bad: Make | None = None, limit: int = 64, policies: tuple[str, ...] | None = None,
+                bad_policy: str | None = None) -> list[Task]:
+    """Serve the pool's tasks; the first trajectory of the first task comes from ``bad`` (for ``bad_policy``)."""
+    got = await h.task_sub.pull(batch=limit, timeout=0.3)
+    out = []
+    for k, d in enumerate(got):
+        t = d.msg
+        for p in policies or h.recipe.policy_names:
+            for i in range(t.group_size):
+                make = bad if bad is not None and k == 0 and i == 0 and p == (bad_policy or h.recipe.primary) else good
+                out.append((h.node.names.traj(p), make(t, p, i, h.versions[p]), None))
+    await h.node.publish_many(out)
+    for d in got:
+        await d.ack()
+    return [d.msg for d in got]
+
+
+async def dead_letters(h: Harness, kind: str = "traj") -> list[Rejected]:
+    return await h.node.history(h.node.names.dlq(kind), Rejected)
+
+
+@pytest.fixture
+async def harness(nats_server, run_id, request):
+    h = await Harness(nats_server.url, run_id, request.param).start()
+    yield h
+    await h.close()
+
+
+def with_recipe(**kw: object):
+    policies = kw.pop("policies", ("solver",))
+    return pytest.mark.parametrize("harness", [recipe(policies, **kw)], indirect=True)  # type: ignore[arg-type]
+
+
+BAD: dict[str, Make] = {  # code -> a trajectory with one bad value, otherwise well formed
+    "reward": lambda t, p, i, v: good(t, p, i, v, reward=math.nan),
+    "logprob": lambda t, p, i, v: good(t, p, i, v, logprobs=np.array([-0.5, -math.inf, -0.5, -0.5], np.float32)),
+    "token": lambda t, p, i, v: good(t, p, i, v, completion_ids=np.array([1, 2, 99999, 3])),
+    "length": lambda t, p, i, v: good(t, p, i, v, completion_ids=np.arange(9), logprobs=np.full(9, -0.5, np.float32),
+                                      versions=np.full(9, v, np.int32), loss_mask=np.ones(9, np.uint8)),
+    "mask": lambda t, p, i, v: good(t, p, i, v, loss_mask=np.array([1, 3, 1, 1], np.uint8)),
+    "version": lambda t, p, i, v: good(t, p, i, v, versions=np.full(4, v + 50, np.int32)),
+    "group_size": lambda t, p, i, v: good(t, p, i, v, group_size=3),
+    "traj_id": lambda t, p, i, v: good(t, p, i, v, traj_id="evil"),
+}
+
+
+@pytest.mark.parametrize("code", BAD)
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_a_bad_value_is_dead_lettered_its_task_is_invalid_and_the_run_goes_on(harness: Harness, code: str):
+    h = harness
+    await h.turn(2)
+    tasks = await serve(h, BAD[code], limit=2)
+    await h.until(lambda: h.acc().fates.get(f"invalid:{code}") == 1)
+    acc = h.acc()
+    assert acc.adds_up and acc.buffered == 1 and acc.fates == {f"invalid:{code}": 1}
+    (rej,) = await dead_letters(h)
+    assert rej.reason.startswith(f"invalid {code}: ") and rej.subject == h.node.names.traj("solver")
+    assert (await h.plane.state.get(FateRecord, "solver", tasks[0].task_id)).fate == f"invalid:{code}"
+    assert h.df.stats[f"invalid.{code}"] == 1
+    for _ in range(3):  # the service keeps going: new tasks, batches, training
+        await h.turn(2)
+        await serve(h)
+        await h.turn(2)
+        await h.train("solver")
+    assert len(h.batches["solver"]) >= 2 and h.acc().adds_up
+    assert tasks[0].task_id not in {t for b in h.batches["solver"] for t in b.task_ids}  # the invalid task was never trained
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_a_redelivered_bad_trajectory_changes_nothing_after_a_restart(harness: Harness):
+    h = harness
+    await h.turn(2)
+    await serve(h, BAD["reward"], limit=2)
+    for _ in range(20):  # ingest only: its fate is queued, not yet written, nothing dead-lettered or acked
+        await h.df.ingest.pull(h.sub, timeout=0.5)
+        if h.df.stats["invalid.reward"]:
+            break
+    assert h.df.stats["invalid.reward"] == 1 and await dead_letters(h) == []
+    await h.kill_dataflow()
+    await h.open_dataflow()  # the NaN reward comes back: the restarted dataflow judges it the same, once
+    await h.until(lambda: h.acc().fates.get("invalid:reward") == 1 and h.acc().buffered == 1)
+    await h.turn(3)
+    assert len(await dead_letters(h)) == 1 and h.acc().adds_up
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_trajectories_of_tasks_never_issued_are_turned_away_without_a_fate(harness: Harness):
+    h = harness
+    await h.turn(2)
+    forged = Task(task_id="t00000999", workflow="single_turn", policy="solver", prompt_id="p", prompt="1+1=", group_size=2)
+    foreign = Task(task_id="x7", workflow="single_turn", policy="solver", prompt_id="p", prompt="1+1=", group_size=2)
+    await h.node.publish_many([(h.node.names.traj("solver"), good(t, "solver", i, 0), None) for t in (forged, foreign) for i in range(2)])
+    await h.until(lambda: h.df.stats["invalid.task"] == 4)
+    await h.turn()
+    rejected = await dead_letters(h)
+    assert len(rejected) == 4 and all(r.reason.startswith("invalid task: ") for r in rejected)
+    acc = h.acc()
+    assert acc.adds_up and acc.fates == {} and acc.in_flight == 4  # the real tasks are untouched
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_an_explicitly_failed_sample_settles_its_group_without_reaching_the_advantage(harness: Harness):
+    h = harness
+    await h.turn(2)
+    await serve(h, lambda t, p, i, v: good(t, p, i, v, reward=None, finish_reason="error"), limit=1)
+    await h.until(lambda: h.acc().fates.get("filtered:sample_error") == 1)
+    assert h.acc().adds_up and await dead_letters(h) == []  # a valid message: no dead letter
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_tokens_older_than_the_task_allowed_are_invalid(harness: Harness):
+    h = harness
+    await h.announce("solver", 3, [])
+    await h.until(lambda: h.df.lanes["solver"].version == 3)
+    await h.turn(2)  # tasks issued now carry min_versions solver >= 2
+    await serve(h, lambda t, p, i, v: good(t, p, i, v, versions=np.full(4, 1, np.int32)), limit=2)
+    await h.until(lambda: h.acc().fates.get("invalid:version") == 1)
+    (rej,) = await dead_letters(h)
+    assert "the task allows v2 or newer" in rej.reason and h.acc().adds_up
+
+
+@with_recipe(policies=("solver", "verifier"), max_staleness=1, max_tasks_in_flight=4)
+async def test_an_invalid_partner_trajectory_settles_only_its_own_lane(harness: Harness):
+    h = harness
+    await h.turn(2)
+    await serve(h, BAD["reward"], limit=2, bad_policy="verifier")
+    await h.until(lambda: h.acc("verifier").fates.get("invalid:reward") == 1 and h.acc().buffered + h.acc().awaiting == 2)
+    assert h.acc().adds_up and h.acc("verifier").adds_up and h.acc("verifier").buffered == 1 and h.acc().fates == {}
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_every_batch_has_a_plan_record_until_its_fate_is_known(harness: Harness):
+    h = harness
+    await h.turn(2)
+    await serve(h, limit=2)  # two groups: one batch
+    await h.until(lambda: h.df.lanes["solver"].batch_seq == 1)
+    (d,) = await h.batch_subs["solver"].pull(batch=1, timeout=1)
+    plan = await h.plane.state.get(BatchPlanRecord, "solver", d.msg.batch_id)
+    assert plan is not None and plan.digest == d.msg.digest() and plan.trajectories == 4
+    h.versions["solver"] += 1
+    await h.announce("solver", 1, [d.msg.batch_id])
+    await d.ack()
+    await h.until(lambda: h.acc().fates.get("trained") == 2)
+    await h.turn()
+    assert await h.plane.state.get(BatchPlanRecord, "solver", d.msg.batch_id) is None  # the bucket stays bounded
+
+
+@pytest.mark.parametrize("verdict,fate", [("stale: oldest token v0, trainer at v9", "dropped:stale"),
+                                          ("non_finite: loss nan, gradient norm nan", "failed:train"),
+                                          ("forged: another content", None)])
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_a_trainer_verdict_on_a_batch_becomes_its_tasks_fate(harness: Harness, verdict: str, fate: str | None):
+    h = harness
+    await h.turn(2)
+    await serve(h, limit=2)  # two groups: one batch
+    await h.until(lambda: h.df.lanes["solver"].batch_seq == 1)
+    (d,) = await h.batch_subs["solver"].pull(batch=1, timeout=1)
+    batch: Batch = d.msg
+    await d.reject(verdict)  # as the trainer does
+    if fate is None:  # a forged copy under a planned id: the planned batch is still to come
+        await h.until(lambda: h.df.stats["forged_batches"] == 1)
+        assert h.acc().awaiting == 2 and h.acc().adds_up
+        assert await h.plane.state.get(BatchPlanRecord, "solver", batch.batch_id) is not None
+        return
+    await h.until(lambda: h.acc().fates.get(fate) == 2)
+    await h.turn()
+    assert h.acc().adds_up and await h.plane.state.get(BatchPlanRecord, "solver", batch.batch_id) is None
+    record = await h.plane.state.get(FateRecord, "solver", batch.task_ids[0])
+    assert record.fate == fate and record.batch == batch.batch_id and record.error.startswith(verdict.split(":")[0])
