@@ -24,7 +24,9 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, JetStreamManager, api
-from nats.js.errors import APIError, BadRequestError, NotFoundError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 from pydantic import BaseModel, ConfigDict
 
 from astraflow.streams.codec import DecodeError, decode, encode
@@ -288,11 +290,25 @@ class Plane:
                 last = loop.time() + 1e-3
             await asyncio.sleep(1.0)
 
-    async def ensure_topology(self, topo: Topology, create: bool = True) -> None:
-        """Create what the run needs (idempotent), or with ``create=False`` wait until it exists."""
+    async def ensure_topology(self, topo: Topology, create: bool = True, wait: float = 60.0) -> None:
+        """Create what the run needs (idempotent), or with ``create=False`` wait until it exists. A server
+        that is up but whose JetStream is not ready yet (a cluster electing leaders) is waited for, up to ``wait``."""
         if not create:
             await self.wait_for_topology(topo)
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            try:
+                await self._create_topology(topo)
+                return
+            except (ServiceUnavailableError, NoRespondersError, NatsTimeoutError) as e:
+                if loop.time() > deadline:
+                    raise ConnectionError(f"JetStream did not become available in {wait:.0f}s: {type(e).__name__}") from None
+                log.warning("JetStream not ready (%s): retrying", type(e).__name__)
+                await asyncio.sleep(1.0)
+
+    async def _create_topology(self, topo: Topology) -> None:
         n, dedup, r = self.names, topo.dedup_window, topo.replicas
         file, limits, work = api.StorageType.FILE, api.RetentionPolicy.LIMITS, api.RetentionPolicy.WORK_QUEUE
         def stream(family: str, retention: api.RetentionPolicy, dedup: float = dedup, max_age: float | None = None,
