@@ -122,9 +122,11 @@ def test_versions_lie_in_the_task_window():
 def test_limits_come_from_the_recipe():
     single = Limits.of(parse_recipe({"name": "t", "rollout": {"max_new_tokens": 5}, "dataflow": {"group_size": 3}}))
     assert single.group_size == 3 and single.policies["solver"] == PolicyLimits(vocab=384, max_completion=5, max_generated=5, max_row=None)
-    multi = Limits.of(parse_recipe({"name": "t", "workflow": "multi_turn_tools", "model": {"max_positions": 300},
-                                    "rollout": {"max_new_tokens": 5, "max_turns": 3}}))
+    multi = Limits.of(parse_recipe({"name": "t", "workflow": {"type": "multi_turn_tools", "max_turns": 3}, "model": {"max_positions": 300},
+                                    "rollout": {"max_new_tokens": 5}}))
     assert multi.policies["solver"] == PolicyLimits(vocab=384, max_completion=None, max_generated=15, max_row=300)
+    agent = Limits.of(parse_recipe({"name": "t", "workflow": {"type": "openai_agent", "agent": "x:y"}, "model": {"max_positions": 300}}))
+    assert agent.policies["solver"].max_generated is None and agent.policies["solver"].max_row == 300  # any number of calls, one context
 
 
 # ------------------------------------------------------------ model limits without building the model

@@ -60,7 +60,7 @@ class Invalid:
 class PolicyLimits:
     vocab: int  # token ids lie in [0, vocab)
     max_completion: int | None  # completion tokens (single-turn: max_new_tokens); None: bounded by the two below
-    max_generated: int  # generated (loss_mask 1) tokens: max_new_tokens per turn
+    max_generated: int | None  # generated (loss_mask 1) tokens: max_new_tokens per turn; None: unbounded turns (an agent)
     max_row: int | None  # prompt + completion (multi-turn: the model's context); None: not checked
 
 
@@ -76,11 +76,12 @@ class Limits:
         """From the recipe: the model of each policy (``models.model_limits``) and the rollout's budgets."""
         r = recipe.rollout
         single = recipe.workflow in SINGLE_TURN
+        turns = 1 if single else getattr(recipe.workflow_options, "max_turns", None)  # an agent calls as often as it likes
         out = {}
         for name, p in recipe.policies.items():
             model = model_limits(p.model)
             out[name] = PolicyLimits(vocab=model.vocab, max_completion=r.max_new_tokens if single else None,
-                                     max_generated=r.max_new_tokens * (1 if single else r.max_turns),
+                                     max_generated=r.max_new_tokens * turns if turns else None,
                                      max_row=None if single else model.context)
         return cls(group_size=recipe.dataflow.group_size, policies=out)
 
@@ -163,7 +164,7 @@ def check_trajectory(t: Trajectory, limits: PolicyLimits, group_size: int, s: St
         return Invalid("length", f"{s.n_prompt} + {s.n} tokens, the model's context is {limits.max_row}")
     if s.mask_max > 1:
         return Invalid("mask", f"loss_mask values {sorted(set(t.mask().tolist()))[:4]}, only 0 and 1 mean something")
-    if limits.max_completion is None and s.generated > limits.max_generated:
+    if limits.max_completion is None and limits.max_generated is not None and s.generated > limits.max_generated:
         return Invalid("length", f"{s.generated} generated tokens, the limit is {limits.max_generated}")
     if not (s.lp_max <= LOGPROB_SLACK and s.lp_min > -math.inf):  # NaN fails both comparisons
         return Invalid("logprob", f"behaviour logprobs span [{s.lp_min}, {s.lp_max}]; they must be finite and <= 0")

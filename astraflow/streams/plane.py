@@ -166,8 +166,8 @@ class Plane:
         gone = _Gone()
         while True:
             try:  # the first connection without client-side retries: we decide here what is worth waiting for
-                nc = await nats.connect(**kw, allow_reconnect=False, disconnected_cb=gone.down, reconnected_cb=gone.up,
-                                        error_cb=gone.error)
+                nc = await nats.connect(**kw, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.2,
+                                        disconnected_cb=gone.down, reconnected_cb=gone.up, error_cb=gone.error)
                 break
             except Exception as e:  # nats-py raises OSError, TimeoutError or its own errors, by cause
                 if "authorization violation" in str(e).lower():
