@@ -152,7 +152,7 @@ async def test_agent_failures_are_scored_never_lost(plane: Plane, weights):  # n
         base = opened["samples"][0]["base_url"]
         await asyncio.to_thread(lambda: openai.OpenAI(base_url=base, api_key="x").completions.create(model="m", prompt="3+1="))
         finish = f"{node.endpoint}/v1/sessions/{opened['session']}/finish"
-        status, bad = await asyncio.to_thread(http, "POST", finish, {"samples": [{"index": 0, "reward": "1"}]})
+        status, _ = await asyncio.to_thread(http, "POST", finish, {"samples": [{"index": 0, "reward": "1"}]})
         assert status == 400  # a malformed report is refused and the session stays open for a correct one
         status, done = await asyncio.to_thread(http, "POST", finish, {"samples": [{"index": 0, "error": "TypeError: boom"}]})
         assert status == 200 and done["rewards"] == [0.0, 0.0, 0.0]
@@ -186,7 +186,7 @@ async def test_sessions_need_the_runs_rollout_secret(plane: Plane, weights):  # 
         body = {"task": task(5).model_dump(mode="json")}
         status, err = await asyncio.to_thread(http, "POST", f"{node.endpoint}/v1/sessions", body)
         assert status == 401 and "rollout credential" in err["error"]["message"]
-        status, opened = await asyncio.to_thread(http, "POST", f"{node.endpoint}/v1/sessions", body, "s3cret")
+        status, _ = await asyncio.to_thread(http, "POST", f"{node.endpoint}/v1/sessions", body, "s3cret")
         assert status == 200
 
 
@@ -199,7 +199,7 @@ async def test_a_leaving_node_finishes_open_sessions_and_opens_no_new_one(plane:
         ctx.stop.set()  # SIGTERM while an agent holds a session
         while not node.draining:
             await asyncio.sleep(0.05)
-        status, err = await asyncio.to_thread(http, "POST", f"{node.endpoint}/v1/sessions", {"task": task(7).model_dump(mode="json")})
+        status, _ = await asyncio.to_thread(http, "POST", f"{node.endpoint}/v1/sessions", {"task": task(7).model_dump(mode="json")})
         assert status == 503  # the agent naks that task
         finish = f"{node.endpoint}/v1/sessions/{opened['session']}/finish"
         status, done = await asyncio.to_thread(http, "POST", finish, {"samples": [{"index": 0, "answer": "7"}]})

@@ -1,6 +1,6 @@
-"""The wire contract from outside Python: JSON Schema export, and a Node._js rollout node.
+"""The wire contract from outside Python: JSON Schema export, and a Node.js rollout node.
 
-The Node._js example (``examples/node/raas.js``, ``nats`` + ``@msgpack/msgpack`` from npm) pulls
+The Node.js example (``examples/node/raas.js``, ``nats`` + ``@msgpack/msgpack`` from npm) pulls
 real tasks from the pool's durable consumer on a real nats-server and publishes trajectories;
 the Python side must decode every one (nothing in the DLQ), assemble them into complete groups
 with the dataflow's own assembler, and find them valid against the exported schema.
@@ -9,21 +9,19 @@ with the dataflow's own assembler, and find them valid against the exported sche
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import msgpack
 import pytest
+from node_example import NODE, installed
 
 from astraflow import schema
 from astraflow.dataflow.groups import Assembler
 from astraflow.rollout.rewards import arithmetic
-from astraflow.streams.messages import Task, Trajectory
+from astraflow.streams.messages import Rejected, Task, Trajectory
 from astraflow.streams.plane import Plane
-
-NODE, NPM = shutil.which("node"), shutil.which("npm")
 
 
 def test_committed_schemas_are_up_to_date(repo_root):
@@ -54,15 +52,8 @@ def _errors(validate, fields: dict) -> list[str]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def node_example():
-    if not NODE or not NPM:
-        pytest.skip("node and npm are needed to run the Node._js contract example (not installed here)")
-    ex = Path(__file__).resolve().parent.parent / "examples" / "node"
-    cmd = [NPM, "ci", "--prefer-offline", "--cache", str(ex / ".npm-cache"), "--no-audit", "--no-fund"]
-    if not (ex / "node_modules" / "nats").exists():
-        proc = subprocess.run(cmd, cwd=ex, capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, f"npm ci failed: {proc.stderr[-2000:]}"
-    return ex
+def node_example() -> Path:
+    return installed()
 
 
 async def test_node_runtime_pulls_tasks_and_publishes_valid_trajectories(node_example, repo_root, nats_server, plane: Plane, run_id):
@@ -70,6 +61,8 @@ async def test_node_runtime_pulls_tasks_and_publishes_valid_trajectories(node_ex
                   group_size=3, meta={"answer": str(2 * i + 1)}) for i in range(4)]
     too_new = Task(task_id="t-future", workflow="single_turn", policy="solver", prompt_id="add-9-9", prompt="9+9=", group_size=2,
                    meta={"answer": "18"}, min_versions={"solver": 5})
+    garbage = b"\x01\xc1 not a task"
+    await plane._js.publish(plane.names.task("single_turn"), garbage)  # a node dead-letters what it cannot decode
     await plane.publish_many([(plane.names.task(t.workflow), t, t.task_id) for t in [too_new, *tasks]])
 
     proc = subprocess.run([NODE, "raas.js", "--url", nats_server.url, "--run", run_id, "--max-tasks", str(len(tasks)),
@@ -77,6 +70,7 @@ async def test_node_runtime_pulls_tasks_and_publishes_valid_trajectories(node_ex
     assert proc.returncode == 0, proc.stderr[-2000:]
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stats["tasks"] == len(tasks) and stats["trajectories"] == 3 * len(tasks) and stats["naks"] >= 1
+    assert stats["rejected"] == 1
 
     sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
     got = []
@@ -85,7 +79,9 @@ async def test_node_runtime_pulls_tasks_and_publishes_valid_trajectories(node_ex
         if not batch:
             break
         got += batch
-    assert await plane.stream_msgs(plane.names.dlq_stream) == 0, "a Node trajectory failed to decode or validate"
+    (rejected,) = await plane.history(plane.names.dlq("task"), Rejected, stream=plane.names.dlq_stream)
+    assert rejected.payload == garbage and rejected.worker_id == "js-1" and rejected.subject == plane.names.task("single_turn")
+    assert await plane.stream_msgs(plane.names.dlq_stream) == 1, "a Node trajectory failed to decode or validate"
     assembler, groups = Assembler(), []
     for d in got:
         held = assembler.add(d.msg, d)
