@@ -8,6 +8,7 @@ with the dataflow's own assembler, and find them valid against the exported sche
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from node_example import NODE, installed
 from astraflow import schema
 from astraflow.dataflow.groups import Assembler
 from astraflow.rollout.rewards import arithmetic
-from astraflow.streams.messages import Rejected, Task, Trajectory
+from astraflow.streams.messages import Heartbeat, Rejected, RolloutStats, Task, Trajectory
 from astraflow.streams.plane import Plane
 
 
@@ -65,12 +66,21 @@ async def test_node_runtime_pulls_tasks_and_publishes_valid_trajectories(node_ex
     await plane._js.publish(plane.names.task("single_turn"), garbage)  # a node dead-letters what it cannot decode
     await plane.publish_many([(plane.names.task(t.workflow), t, t.task_id) for t in [too_new, *tasks]])
 
+    beats: list[Heartbeat] = []
+    hb = await plane.on_heartbeats(beats.append)
     proc = subprocess.run([NODE, "raas.js", "--url", nats_server.url, "--run", run_id, "--max-tasks", str(len(tasks)),
                            "--idle-ms", "3000", "--node-id", "js-1"], cwd=node_example, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stats["tasks"] == len(tasks) and stats["trajectories"] == 3 * len(tasks) and stats["naks"] >= 1
     assert stats["rejected"] == 1
+    for _ in range(100):  # its last beat, "stopped", was sent before it drained: wait for it to arrive here
+        if any(b.worker_id == "js-1" and b.state == "stopped" for b in beats):
+            break
+        await asyncio.sleep(0.1)
+    await hb.stop()
+    last = [b for b in beats if b.worker_id == "js-1"][-1]  # decoded strictly, like every heartbeat
+    assert last.state == "stopped" and isinstance(last.stats, RolloutStats) and last.stats.tasks == len(tasks)
 
     sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
     got = []

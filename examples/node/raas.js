@@ -41,6 +41,18 @@ function reward(text, meta) { // the arithmetic recipe's rule: the whole complet
   return m && Number(m[1]) === Number(meta.answer) ? 1.0 : 0.0;
 }
 
+// ---------------------------------------------------------------- liveness
+// Every 2 s on core NATS, af.{run}.hb.rollout.{node_id}: the dataflow counts live nodes of the pool from these (a node
+// silent for 3 beats is gone), the launcher and `astraflow status` show them. stats is a RolloutStats (role "rollout").
+function heartbeat(opt, stats, state) {
+  return encodeMessage("heartbeat", {
+    worker_id: opt.nodeId, pool: opt.pool, region: "", hardware: "js-stand-in", policy: "solver", version: opt.version, state,
+    stats: { role: "rollout", tasks: stats.tasks, trajectories: stats.trajectories, held: 0, joined: true,
+             counters: { stale_naks: stats.naks, rejected: stats.rejected } },
+    ts: Date.now() / 1000,
+  });
+}
+
 // ---------------------------------------------------------------- the node
 async function main() {
   const opt = parseArgs(process.argv, { credential: "", url: "", run: "", pool: "raas", version: 0, maxTasks: Infinity,
@@ -48,6 +60,9 @@ async function main() {
   const { nc, js, run } = await joinRun(opt, `astraflow:${opt.nodeId}`);
   const consumer = await js.consumers.get(`AF_${run}_TASK`, opt.pool); // the shared durable: joining the pool
   const stats = { tasks: 0, trajectories: 0, naks: 0, rejected: 0 };
+  const beat = (state) => nc.publish(`af.${run}.hb.rollout.${opt.nodeId}`, heartbeat(opt, stats, state));
+  beat("running");
+  const beats = setInterval(() => beat("running"), 2000);
   let idleSince = Date.now();
   while (stats.tasks < opt.maxTasks && Date.now() - idleSince < opt.idleMs) {
     const batch = await consumer.fetch({ max_messages: 4, expires: 1000 });
@@ -88,6 +103,8 @@ async function main() {
       if (stats.tasks >= opt.maxTasks) break;
     }
   }
+  clearInterval(beats);
+  beat("stopped");
   await nc.drain();
   console.log(JSON.stringify(stats));
 }
