@@ -138,6 +138,7 @@ class TaskSession:
     tokens: list[str]  # one facade sample per group member, in index order
     agent: str
     opened: float = field(default_factory=time.monotonic)
+    finishing: bool = False  # its outcome is being published
 
 
 class TaskSessions:
@@ -169,7 +170,7 @@ class TaskSessions:
             handles[task.policy].safe_point()  # weights may have arrived since the last refresh
             stale = {p: v for p, v in stale.items() if handles[p].engine.version < v}
         if stale:
-            self.stats["stale_refusals"] += 1
+            self._count("stale_refusals", 1)
             p, need = next(iter(stale.items()))
             raise StaleNode(f"{p} is at v{handles[p].engine.version} here; task {task.task_id} needs v{need}: nak it",
                             holds=handles[p].engine.version, needs=need)
@@ -178,7 +179,7 @@ class TaskSessions:
         sid = f"sess-{secrets.token_urlsafe(12)}"
         with self.lock:
             self.open_sessions[sid] = TaskSession(task, tokens, body.get("agent", ""))
-        self.stats["sessions_opened"] += 1
+        self._count("sessions_opened", 1)
         return {"session": sid, "task_id": task.task_id, "policy": task.policy, "version": handles[task.policy].engine.version,
                 "expires_in": self.timeout_s,
                 "samples": [{"index": i, "base_url": self.facade.base_url(t)} for i, t in enumerate(tokens)]}
@@ -191,14 +192,21 @@ class TaskSessions:
                              f"{e.errors(include_url=False)}") from None
         with self.lock:
             s = self.open_sessions.get(session)
-            if s is None:
+            if s is None or s.finishing:
                 raise NotFound(f"no open session {session} (finished, abandoned or expired): nak the task")
             n = s.task.group_size
             indexes = [r.index for r in req.samples]
             if len(set(indexes)) != len(indexes) or any(i >= n for i in indexes):
                 raise BadRequest(f"sample indexes must be distinct and below the group size {n}, got {indexes}", "samples")
-            del self.open_sessions[session]
-            self.closed.notify_all()
+            s.finishing = True  # open until published: a draining node waits for it
+        try:
+            return self._publish(s, req)
+        finally:
+            with self.lock:
+                del self.open_sessions[session]
+                self.closed.notify_all()
+
+    def _publish(self, s: TaskSession, req: FinishRequest) -> dict[str, Any]:
         reported = {r.index: Outcome(r.reward, r.answer, r.error, r.meta) for r in req.samples}
         t, handle = s.task, self.facade.handles[s.task.policy]
         trajs = []
@@ -206,35 +214,40 @@ class TaskSessions:
             outcome = reported.get(i, Outcome(error="not reported by the agent"))
             traj = sample_trajectory(t, t.policy, i, self.facade.close_sample(token), outcome, self.reward, handle, self.node.node_id)
             trajs.append(traj.model_copy(update={"meta": {**traj.meta, "agent": s.agent}}))
-        self.stats["agent_errors"] += sum(tr.finish_reason == "error" for tr in trajs)
+        self._count("agent_errors", sum(tr.finish_reason == "error" for tr in trajs))
         try:
             self.node.publish(trajs)
         except Exception as e:  # the plane refused: nothing is acked, the task comes back
             raise Unavailable(f"publishing the trajectories failed ({type(e).__name__}: {e}): nak the task") from None
-        self.stats["sessions_finished"] += 1
+        self._count("sessions_finished", 1)
         return {"published": [tr.traj_id for tr in trajs], "rewards": [tr.reward for tr in trajs]}
 
     def abandon(self, session: str) -> dict[str, Any]:
         with self.lock:
-            s = self.open_sessions.pop(session, None)
+            s = self.open_sessions.get(session)
+            if s is None or s.finishing:
+                raise NotFound(f"no open session {session}")
+            del self.open_sessions[session]
             self.closed.notify_all()
-        if s is None:
-            raise NotFound(f"no open session {session}")
         self._drop(s)
-        self.stats["sessions_abandoned"] += 1
+        self._count("sessions_abandoned", 1)
         return {"abandoned": session}
 
     def expire(self) -> int:
         """Drop sessions open longer than the timeout (their agents are gone; the server redelivers their tasks)."""
         now = time.monotonic()
         with self.lock:
-            old = [k for k, s in self.open_sessions.items() if now - s.opened > self.timeout_s]
+            old = [k for k, s in self.open_sessions.items() if now - s.opened > self.timeout_s and not s.finishing]
             gone = [self.open_sessions.pop(k) for k in old]
             self.closed.notify_all()
         for s in gone:
             self._drop(s)
-        self.stats["sessions_expired"] += len(gone)
+        self._count("sessions_expired", len(gone))
         return len(gone)
+
+    def _count(self, key: str, n: float) -> None:
+        with self.lock:  # endpoint threads count concurrently
+            self.stats[key] += n
 
     def _drop(self, s: TaskSession) -> None:
         for token in s.tokens:
