@@ -113,24 +113,30 @@ async function main() {
   const ackWaitMs = (await consumer.info()).config.ack_wait / 1e6; // the server's, in nanoseconds
   const state = await ctx.js.views.kv(`af_${ctx.run}_state`, { bindOnly: true });
   const stats = { tasks: 0, trajectories: 0, naks: 0, rejected: 0, agentErrors: 0, rewardSum: 0 };
+  const held = new Set(); // tasks in hand: up to --tasks-at-once, topped up as each one finishes
   let checked = 0;
-  while (stats.tasks < opt.maxTasks && !ctx.nc.isClosed()) {
+  while (stats.tasks + held.size < opt.maxTasks && !ctx.nc.isClosed()) {
     if (Date.now() - checked > 2000) { // the trainer wrote done.{policy}: the run is over for this policy
       checked = Date.now();
       const done = await state.get(`done.${opt.policy}`).catch(() => null);
       if (done && done.operation === "PUT") break;
     }
-    const held = [];
+    if (held.size >= opt.tasksAtOnce) {
+      await Promise.race(held);
+      continue;
+    }
     try {
-      const batch = await consumer.fetch({ max_messages: opt.tasksAtOnce, expires: 1000 });
-      for await (const m of batch) held.push(serve(opt, ctx, m, stats, ackWaitMs));
+      const batch = await consumer.fetch({ max_messages: opt.tasksAtOnce - held.size, expires: 1000 });
+      for await (const m of batch) {
+        const work = serve(opt, ctx, m, stats, ackWaitMs).finally(() => held.delete(work));
+        held.add(work);
+      }
     } catch (e) {
       if (ctx.nc.isClosed()) break; // the server is gone for good (the run ended): what we hold is redelivered
       throw e;
-    } finally {
-      await Promise.all(held);
     }
   }
+  await Promise.all(held);
   await ctx.nc.drain().catch(() => {});
   console.log(JSON.stringify(stats));
 }
