@@ -56,7 +56,9 @@ def up(
     autoscale: bool = typer.Option(False, "--autoscale", metavar="", show_default=False,
                                    help="Start and retire local rollout workers toward the dataflow's advised pool size."),
     metrics_port_base: Optional[int] = typer.Option(None, help="Serve Prometheus metrics from every role: trainers on BASE+i, "
-                                                               "evaluator BASE+10, dataflow BASE+20, rollout nodes BASE+30+i."),
+                                                               "evaluator BASE+10, dataflow BASE+20, rollout nodes BASE+30+i; "
+                                                               "0: each on a free port. Either way RUN_DIR/prometheus_targets.json "
+                                                               "lists them (Prometheus file_sd)."),
     listen: Optional[str] = typer.Option(None, help="Where the embedded server listens, HOST:PORT (default 127.0.0.1, a free port). "
                                                     "Beyond loopback, TLS is on and the credential files carry the CA."),
     credentials: Optional[Path] = typer.Option(None, help="With --nats: a directory of role credential files for that server."),
@@ -161,6 +163,50 @@ def status(
     except (ConnectionError, PermissionError) as e:
         typer.echo(f"astraflow status: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+region_app = typer.Typer(no_args_is_help=True, help="Regions: leafnode servers that mirror a run's weights.")
+app.add_typer(region_app, name="region")
+
+
+@region_app.command("mirrors")
+def region_mirrors(
+    nats: Optional[str] = typer.Option(None, help="URL of the region's leaf server."),
+    run: Optional[str] = typer.Option(None, help="Run id (default: the credential's)."),
+    credential: Optional[str] = Credential,
+    user: Optional[str] = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD."),
+    hub_domain: str = typer.Option("hub", help="JetStream domain of the hub (where the trainer publishes)."),
+    leaf_domain: Optional[str] = typer.Option(None, help="JetStream domain of the leaf to make the mirrors in (default: the leaf's own)."),
+    weights_history: int = typer.Option(64, help="Announcements kept per policy in the mirror (the recipe's plane.weights_history)."),
+    timeout: float = typer.Option(30.0, help="Give up when the hub domain does not answer through the leaf in this many seconds."),
+) -> None:
+    """Make (idempotently) the region's mirrors of a run's weights: its announcements and its payload bucket.
+    Then give the trainer `plane.mirror_domains: [LEAF_DOMAIN]` and start region nodes with
+    `astraflow worker rollout --nats LEAF_URL --domain HUB_DOMAIN --weights-domain LEAF_DOMAIN`."""
+    from astraflow.streams.objects import ensure_region_mirrors
+    from astraflow.streams.plane import Plane
+
+    opts = _opts(nats, credential, user, domain=hub_domain)
+    run = run or opts.run
+    if not run:
+        typer.echo("give --run RUN (or --credential FILE, which names the run)", err=True)
+        raise typer.Exit(2)
+
+    async def make() -> None:
+        plane = await Plane.connect(opts, run, "region-setup", wait=timeout)
+        try:
+            await plane.wait_for_domain(hub_domain, timeout=timeout)
+            streams = await ensure_region_mirrors(plane, run, hub_domain=hub_domain, leaf_domain=leaf_domain,
+                                                  weights_history=weights_history)
+            typer.echo(f"mirrors ready in {leaf_domain or 'the leaf'}: {streams.weights_stream}, {streams.object_stream}")
+        finally:
+            await plane.close()
+
+    try:
+        asyncio.run(make())
+    except (TimeoutError, ConnectionError, PermissionError, RuntimeError) as e:
+        typer.echo(f"astraflow region mirrors: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 def main() -> None:

@@ -239,6 +239,9 @@ class PlaneConfig(Strict):
     """Deliveries of a task before it is dead-lettered."""
     weights_history: int = Field(64, ge=2)
     """Weight announcements kept per policy (retention of payloads follows them)."""
+    mirror_domains: list[str] = []
+    """JetStream domains of region leaves that mirror the weights (``astraflow region mirrors``): the trainer's
+    retention deletes old versions there too, so a mirror keeps what the hub keeps."""
     server_gone_timeout: float = Field(120.0, gt=0)
     """A role whose server has been unreachable this long leaves (shorter outages are ridden through)."""
     fate_ttl: float = Field(24 * 3600, gt=0)

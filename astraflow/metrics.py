@@ -8,6 +8,7 @@ A role builds ``Metrics("trainer", policy="solver", worker="trainer-solver")`` a
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Mapping
 
@@ -22,10 +23,20 @@ def metric_name(role: str, key: str) -> str:
     return _BAD.sub("_", f"astraflow_{role}_{key}")
 
 
+SERVING: list[str] = []  # HOST:PORT of the endpoint this process serves (heartbeats advertise it)
+
+
 def start_metrics_server(port: int | None, registry: CollectorRegistry | None = None, addr: str = "0.0.0.0") -> int:
     """Serve ``/metrics`` in a daemon thread on ``port`` (0 or None: a free one); returns the port."""
     server, _thread = start_http_server(port or 0, addr=addr, registry=registry or REGISTRY)
+    host = "127.0.0.1" if addr in ("0.0.0.0", "127.0.0.1") else addr
+    SERVING[:] = [f"{os.environ.get('ASTRAFLOW_METRICS_HOST', host)}:{server.server_port}"]
     return int(server.server_port)
+
+
+def serving() -> str:
+    """Where this process serves its metrics (``""`` when it does not); set ``$ASTRAFLOW_METRICS_HOST`` on a remote machine."""
+    return SERVING[0] if SERVING else ""
 
 
 class Metrics:

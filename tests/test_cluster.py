@@ -49,6 +49,11 @@ def cluster(tmp_path_factory):
         p.wait(10)
 
 
+def restart(procs: list[subprocess.Popen[bytes]], i: int) -> None:
+    """Bring node i back with its own config and store (it rejoins the cluster and catches up)."""
+    procs[i] = subprocess.Popen(procs[i].args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 async def connect_when_ready(url: str, run: str) -> Plane:
     deadline = time.monotonic() + 30
     while True:
@@ -88,3 +93,35 @@ async def test_replicated_plane_survives_a_node_loss(cluster):
             await d.ack()
     assert sorted(got) == [f"k{i}" for i in range(5)]
     await survivor.close()
+    restart(procs, 0)
+
+
+@pytest.mark.slow
+def test_a_run_under_up_rides_through_a_server_kill(cluster, repo_root, tmp_path):
+    """`astraflow up --nats` on the 3-node cluster (replicas 3): one nats-server is killed mid-run; every role
+    reconnects to the others and the run completes with every version announced exactly once."""
+    import json
+    import sys
+
+    urls, procs = cluster
+    run_dir = tmp_path / "on-cluster"
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "arithmetic"), "--nats", ",".join(urls),
+           "--run-dir", str(run_dir), "--set", "plane.replicas=3", "--set", "trainer.steps=40", "--set", "sft.steps=100",
+           "--set", "eval.every=40", "--set", "plane.task_ack_wait=5", "--timeout", "400"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 5:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read() if launcher.stderr else ""
+        time.sleep(0.2)
+    procs[1].kill()  # a node of the cluster goes away mid-run
+    procs[1].wait()
+    try:
+        _, err = launcher.communicate(timeout=400)
+    finally:
+        restart(procs, 1)
+    assert launcher.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["version"] for r in rows] == list(range(41))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["accounting"]["solver"]["adds_up"] and summary["outcome"] == "finished"

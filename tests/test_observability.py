@@ -113,36 +113,39 @@ def test_prometheus_config_parses():
 
 @pytest.mark.slow
 def test_up_serves_prometheus_from_every_role(nats_server, repo_root, tmp_path):
-    """`up --metrics-port-base`: trainer, evaluator, dataflow and rollout nodes all answer a scrape mid-run."""
-    import socket
+    """`up --metrics-port-base 0`: every role serves metrics on a free port (no port to race for), and the run
+    directory lists them for Prometheus (file_sd); trainer, evaluator, dataflow and rollout nodes all answer a scrape."""
+    import json
     import subprocess
     import sys
     import time
     import urllib.request
 
-    with socket.socket() as s:  # a free block of ports: base..base+31
-        s.bind(("127.0.0.1", 0))
-        base = 20000 + s.getsockname()[1] % 20000
+    run_dir = tmp_path / "prom-run"
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "arithmetic"), "--nats", nats_server.url,
-           "--run-dir", str(tmp_path / "prom-run"), "--metrics-port-base", str(base), "--timeout", "240",
+           "--run-dir", str(run_dir), "--metrics-port-base", "0", "--timeout", "240",
            "--set", "trainer.steps=30", "--set", "sft.steps=10", "--set", "rollout.nodes=1", "--set", "eval.every=30"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    want = {base: "astraflow_trainer_", base + 10: "astraflow_evaluator_", base + 20: "astraflow_dataflow_", base + 30: "astraflow_rollout_"}
-    seen: dict[int, bool] = {}
+    want = {"trainer": "astraflow_trainer_", "evaluator": "astraflow_evaluator_", "dataflow": "astraflow_dataflow_",
+            "rollout": "astraflow_rollout_"}
+    seen: dict[str, bool] = {}
+    targets_file = run_dir / "prometheus_targets.json"
     try:
         deadline = time.monotonic() + 180
         while len(seen) < len(want) and time.monotonic() < deadline and proc.poll() is None:
-            for port, prefix in want.items():
-                if port in seen:
+            targets = json.loads(targets_file.read_text()) if targets_file.exists() else []
+            for group in targets:
+                role = group["labels"]["role"]
+                if role in seen:
                     continue
                 try:
-                    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                    body = urllib.request.urlopen(f"http://{group['targets'][0]}/metrics", timeout=2).read().decode()
                 except OSError:
                     continue
-                if prefix in body:
-                    seen[port] = True
+                if want[role] in body and f'worker="{group["labels"]["worker"]}"' in body:
+                    seen[role] = True
             time.sleep(0.5)
     finally:
         proc.terminate()
         proc.wait(60)
-    assert set(seen) == set(want), f"no metrics from {[want[p] for p in want if p not in seen]}"
+    assert set(seen) == set(want), f"no metrics from {[r for r in want if r not in seen]}"

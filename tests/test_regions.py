@@ -13,7 +13,7 @@ from nats.js.errors import NotFoundError
 
 from astraflow.streams.objects import chunk_subject, count_chunks, ensure_region_mirrors, object_stream
 from astraflow.streams.plane import NatsOptions, Plane, Topology
-from astraflow.streams.server import nats_server_binary, start_region_pair
+from astraflow.streams.server import EmbeddedServer, nats_server_binary, start_region_pair
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.publish import WeightPublisher, request_keyframe
 from weights_helpers import Trainer, engine_digest, node
@@ -119,3 +119,50 @@ async def test_run_state_read_and_written_from_the_leaf(planes):
     leaf_only = remote._nc.jsm(prefix="$JS.leaf.API")
     with pytest.raises(NotFoundError):
         await leaf_only.stream_info(remote.names.task_stream)  # nothing of the run was created on the leaf
+
+
+async def test_a_node_on_the_leaf_rides_through_the_leaf_restarting(tmp_path):
+    """The leaf region goes down and comes back on the same address: the node reconnects, its weight
+    follower is remade from where it stopped, and it reaches the versions published meanwhile."""
+    hub, leaf = start_region_pair(CONF, tmp_path)
+    run = "ride" + uuid.uuid4().hex[:6]
+    try:
+        trainer_plane = await Plane.connect(NatsOptions(url=hub.url), run, "trainer")
+        await trainer_plane.ensure_topology(Topology(policies=("solver",)))
+        remote = await Plane.connect(NatsOptions(url=leaf.url, domain="hub"), run, "raas-eu")
+        await remote.wait_for_domain("hub")
+        await ensure_region_mirrors(remote, run, hub_domain="hub")
+        trainer = Trainer()
+        pub = WeightPublisher(trainer_plane, "solver", keyframe_every=4)
+        sync = node(remote, domain="leaf")
+        for v in range(3):
+            await pub.publish(trainer.step() if v else trainer.model.state_dict(), v)
+        await sync.wait_for(2, timeout=30)
+        port = leaf.port
+        leaf.stop()
+        assert remote.disconnected_for() >= 0
+        await pub.publish(trainer.step(), 3)  # published while the region is down
+        leaf = EmbeddedServer(tmp_path / "leaf", config_text=leaf.config_text.replace("127.0.0.1:-1", f"127.0.0.1:{port}")).start()
+        await pub.publish(trainer.step(), 4)
+        await sync.wait_for(4, timeout=90)  # every refresh until then rides on the reconnected client
+        assert engine_digest(sync) == trainer.digest and sync.stats["failures"] == 0
+        assert remote.disconnected_for() == 0
+        await remote.close()
+        await trainer_plane.close()
+    finally:
+        leaf.stop()
+        hub.stop()
+
+
+def test_region_mirrors_command(region):
+    """`astraflow region mirrors` makes the leaf's mirrors of a run (idempotently), as an operator runs it."""
+    import sys
+
+    hub, leaf = region
+    run = "cmd" + uuid.uuid4().hex[:6]
+    cmd = [sys.executable, "-m", "astraflow.cli", "region", "mirrors", "--nats", leaf.url, "--run", run, "--hub-domain", "hub"]
+    for _ in range(2):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and f"AF_{run}_WEIGHTS" in proc.stdout, proc.stderr[-2000:]
+    bad = subprocess.run([*cmd[:-1], "nowhere", "--timeout", "2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "nowhere" in bad.stderr

@@ -17,7 +17,7 @@ from astraflow.weights.sync import WeightSync
 from test_train_support import (Announcements, VersionHolder, check_record, make_batches, publish_batches, spawn_trainer,
                                 wait_exit, write_recipe)
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # real trainer processes
 
 
 async def test_kill_at_every_crash_point_resumes_exactly(nats_server, run_id, tmp_path):

@@ -16,7 +16,7 @@ from astraflow.streams.state import DoneRecord
 from astraflow.streams.server import free_port
 from test_train_support import Announcements, make_batches, publish_batches, spawn_trainer, wait_exit, write_recipe
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]  # real trainer processes
 
 
 def _scrape(port: int) -> str:

@@ -12,7 +12,7 @@ from astraflow.weights.sync import WeightSync
 from test_train_support import (Announcements, VersionHolder, check_record, make_batches, publish_batches, spawn_trainer,
                                 wait_exit, write_recipe)
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]  # real trainer processes
 
 
 async def test_sparse_checkpoints_resume_from_the_announced_weights(nats_server, run_id, tmp_path):

@@ -224,8 +224,11 @@ async def test_missing_chunk_is_reported_at_once_and_a_lagging_one_is_awaited(pl
         await get_object(plane._js, bucket, ref)
     assert time.monotonic() - t0 < 2.0
     # a mirror that lags: the last chunk lands while the reader waits for it
+    consumers = (await plane._jsm.stream_info(object_stream(bucket))).state.consumer_count
     reader = asyncio.create_task(get_object(plane._js, bucket, ref, wait_missing=10.0))
-    await asyncio.sleep(0.3)
+    while (await plane._jsm.stream_info(object_stream(bucket))).state.consumer_count == consumers:  # it counted 3 of 4, then subscribed
+        assert not reader.done(), reader
+        await asyncio.sleep(0.01)
     await plane._js.publish(chunk_subject(bucket, ref.nuid), data[3 * 100_000 :])
     assert bytes(await reader) == data
 

@@ -41,7 +41,7 @@ from astraflow.dataflow.ledger import Ledger
 from astraflow.dataflow.pool import PoolAdvisor
 from astraflow.dataflow.serving import BatchServer
 from astraflow.dataflow.watch import BatchFailed, TaskFailed, Trained, Watch
-from astraflow.metrics import Metrics, start_metrics_server
+from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.messages import DataflowStats, Heartbeat, Trajectory
@@ -169,7 +169,8 @@ class Dataflow:
             self.metrics.set({**stats.summary(), **stats.counters})
             for p, values in per_policy.items():
                 self.metrics.child(p).set(values)
-        await self.plane.beat(Heartbeat(worker_id=self.plane.worker_id, policy=primary.name, version=primary.version, stats=stats))
+        await self.plane.beat(Heartbeat(worker_id=self.plane.worker_id, policy=primary.name, version=primary.version, stats=stats,
+                                        metrics=serving()))
 
 
 async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "dataflow", metrics_port: int | None = None) -> None:

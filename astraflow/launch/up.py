@@ -103,8 +103,12 @@ def join_command(rundir: RunDir, url: str, secured: bool) -> str:
 
 
 def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None) -> list[RoleSpec]:
+    """``metrics_port_base``: fixed ports BASE+offset; 0: every role on a free port (listed in ``prometheus_targets.json``)."""
+
     def metrics(offset: int) -> tuple[str, ...]:
-        return () if metrics_port_base is None else ("--metrics-port", str(metrics_port_base + offset))
+        if metrics_port_base is None:
+            return ()
+        return ("--metrics-port", str(metrics_port_base + offset if metrics_port_base else 0))
 
     specs = [RoleSpec(f"trainer-{p}", "trainer", ("--policy", p, "--checkpoint-dir", str(rundir.checkpoints(p)), *metrics(i)),
                       finishes=True) for i, p in enumerate(recipe.policy_names)]
@@ -149,10 +153,22 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
+    failing_since: float | None = None
     try:
         with View(recipe, console, join) as view:
             while not stop.is_set():
-                await watcher.poll(0.5)
+                try:  # the plane may hiccup (a cluster node lost, a leader elected): the run goes on
+                    await watcher.poll(0.5)
+                    finished = await watcher.finished()
+                    failing_since = None
+                except Exception as e:  # nats-py raises its own timeouts and errors
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > recipe.plane.server_gone_timeout:
+                        raise RunFailed(f"the plane has not answered the launcher for {recipe.plane.server_gone_timeout:.0f}s: "
+                                        f"{type(e).__name__}: {e}") from None
+                    view.note(f"[yellow]plane: {type(e).__name__}: {e}; retrying[/]")
+                    await asyncio.sleep(1.0)
+                    finished = False
                 for event in sup.poll():
                     view.note(f"[bold]supervisor[/]: {event}")
                 advice = watcher.live.advice
@@ -161,7 +177,7 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
                     if did:
                         view.note(f"[bold]autoscale[/]: {did} — {advice.reason}")
                 view.update(watcher.live, sup.restarts, watcher.run_time())
-                if await watcher.finished():
+                if finished:
                     await asyncio.sleep(2 * HEARTBEAT_PERIOD_S)  # the dataflow accounts the last announcements
                     await watcher.record_accounting()
                     return "finished"

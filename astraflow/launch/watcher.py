@@ -62,6 +62,7 @@ class RunWatcher:
         self._offset = rundir.wall_s()  # run time before this session
         self._start = time.time()
         self._sampled: tuple[float, int] | None = None
+        self._targets: list[dict[str, Any]] = []
         self._announcements = plane.follower(plane.names.all("weights"), WeightVersion, start="all")
 
     async def start(self) -> None:
@@ -137,7 +138,18 @@ class RunWatcher:
             if isinstance(hb.stats, TrainerStats):
                 row[f"wait.{hb.policy}"] = round(hb.stats.wait_frac, 4)
         self.rundir.append("pool.jsonl", row)
+        self._write_targets(alive)
         self.live.advice = await self.plane.state.get(AutoscaleRecord, self.recipe.rollout.pool)
+
+    def _write_targets(self, alive: dict[str, Heartbeat]) -> None:
+        """``prometheus_targets.json`` (Prometheus ``file_sd`` format): every live role that serves metrics."""
+        targets = [{"targets": [hb.metrics], "labels": {"role": hb.role, "worker": w, "policy": hb.policy, "run": self.rundir.run}}
+                   for w, hb in sorted(alive.items()) if hb.metrics]
+        if targets != self._targets:
+            self._targets = targets
+            path = self.rundir.file("prometheus_targets.json")
+            path.with_suffix(".tmp").write_text(json.dumps(targets, indent=2))
+            path.with_suffix(".tmp").replace(path)  # Prometheus never reads a half-written file
 
     async def record_accounting(self) -> None:
         """The dataflow's task accounting as it stands, into ``accounting.json`` (the summary reads it)."""

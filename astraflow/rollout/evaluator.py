@@ -24,14 +24,15 @@ from typing import Any, Sequence
 import torch
 
 from astraflow.config import Recipe
-from astraflow.metrics import Metrics, start_metrics_server
+from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.models import encode_prompt
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams, close_engine
 from astraflow.rollout.node import make_handle
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows.registry import evaluation_of, get_workflow
-from astraflow.runtime import stop_event
+from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.messages import HEARTBEAT_PERIOD_S, EvaluatorStats, Heartbeat
 from astraflow.streams.state import EvalRecord, VersionRecord
 from astraflow.tasks import load_split
 from astraflow.weights.sync import WeightSync
@@ -157,6 +158,15 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
     _, held_out = load_split(recipe.data)
     stop = stop_event()
     ev = recipe.eval
+    done: list[tuple[int, float]] = []
+
+    async def beat() -> None:
+        last = done[-1] if done else (-1, 0.0)
+        stats = EvaluatorStats(evaluated=len(done), last_version=last[0], last_reward=last[1])
+        await plane.beat(Heartbeat(worker_id=worker_id, policy=policy, version=sync.version, stats=stats, metrics=serving()))
+
+    side = [asyncio.create_task(every(HEARTBEAT_PERIOD_S, beat, stop)),
+            asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))]
     try:
         for v in eval_versions(recipe):
             while not stop.is_set() and await _announced(plane, policy) < v:
@@ -174,10 +184,13 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
                                                  ev.k, ev.temperature, recipe.rollout.top_p)
             elapsed = time.perf_counter() - t0
             await plane.state.put(EvalRecord(policy=policy, version=v, **result))
+            done.append((v, result["reward"]))
             if metrics is not None:
                 export_eval(metrics, result, v, sync.version, elapsed)
             log.info("eval %s v%d: held-out reward %.3f, avg@%d %.3f, pass@%d %.3f", policy, v, result["reward"],
                      ev.k, result["avg@k"], ev.k, result["pass@k"])
     finally:
+        stop.set()
+        await asyncio.gather(*side, return_exceptions=True)
         close_engine(handle.engine)
         await plane.close()

@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable
 
 from astraflow.config import Recipe
-from astraflow.metrics import Metrics, start_metrics_server
+from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.models import load_tokenizer
 from astraflow.rollout.engines.base import SamplingParams, StaleWeights, close_engine
 from astraflow.rollout.engines.registry import build_engine
@@ -183,7 +183,8 @@ class RolloutNode:
         self.export_metrics()
         await self.plane.beat(Heartbeat(worker_id=self.worker_id, pool=self.pool, region=self.region, hardware=self.hardware,
                                         policy=self.recipe.primary, version=self.syncs[self.recipe.primary].version,
-                                        stats=self.heartbeat_stats(), state="draining" if self.draining else "running"))
+                                        stats=self.heartbeat_stats(), state="draining" if self.draining else "running",
+                                        metrics=serving()))
 
     def heartbeat_stats(self) -> RolloutStats:
         typed = set(RolloutStats.model_fields) - {"role", "counters", "weights", "joined", "endpoint"}

@@ -254,6 +254,7 @@ class Heartbeat(Message):
     version: int = -1
     stats: HeartbeatStats
     state: Literal["starting", "running", "draining", "stopped"] = "running"
+    metrics: str = ""  # HOST:PORT of its Prometheus endpoint, when it serves one
     ts: float = Field(default_factory=time.time)
 
     @property

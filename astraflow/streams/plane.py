@@ -263,7 +263,7 @@ class Plane:
         n = self.names
         loop = asyncio.get_running_loop()
         start = last = loop.time()
-        needed = [(n.stream(f), None) for f in ("task", "traj", "batch", "weights", "dlq")]
+        needed: list[tuple[str, str | None]] = [(n.stream(f), None) for f in ("task", "traj", "batch", "weights", "dlq")]
         needed += [(n.task_stream, n.pool_consumer(p)) for p in topo.pools] + [(n.batch_stream, n.trainer_consumer(p)) for p in topo.policies]
         while True:
             missing = []

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from astraflow.config import Recipe
-from astraflow.metrics import Metrics, start_metrics_server
+from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.models import build_model, load_tokenizer
 from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.messages import Batch, Heartbeat, TrainerStats
@@ -92,7 +92,8 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
         log.info("Prometheus metrics on :%d/metrics", port)
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology(), create=False)
-    publisher = WeightPublisher(plane, policy, keyframe_every=cfg.keyframe_every)
+    publisher = WeightPublisher(plane, policy, keyframe_every=cfg.keyframe_every, keep_versions=recipe.plane.weights_history,
+                                mirror_domains=tuple(recipe.plane.mirror_domains))
     stop = stop_event()
     at = await start(plane, publisher, run_op, ckpt, policy)
     version, trained = at.version, list(at.trained)
@@ -104,7 +105,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     async def beat() -> None:
         elapsed = max(time.monotonic() - started, 1e-9)
         stats = TrainerStats(wait_s=waited, wait_frac=waited / elapsed, bytes_sent=publisher.bytes_sent, step=last)
-        await plane.beat(Heartbeat(worker_id=worker_id, policy=policy, version=version, stats=stats))
+        await plane.beat(Heartbeat(worker_id=worker_id, policy=policy, version=version, stats=stats, metrics=serving()))
 
     beats = asyncio.create_task(every(2.0, beat, stop))
     watchdog = asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))
