@@ -190,6 +190,13 @@ def streaming_agent(base_url: str, prompt: str, meta: dict) -> str:
     return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
 
 
+def completions_agent(base_url: str, prompt: str, meta: dict) -> str:
+    """Continues its own text with the plain completions endpoint."""
+    c = client(base_url)
+    first = c.completions.create(model="gpt-x", prompt=prompt).choices[0].text
+    return c.completions.create(model="gpt-x", prompt=f"{prompt}{first}\nso: ").choices[0].text
+
+
 def broken_agent(base_url: str, prompt: str, meta: dict) -> str:
     client(base_url).chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": prompt}])
     raise KeyError("tool_calls")  # e.g. the agent expected a field the model never produced
@@ -228,6 +235,15 @@ def test_agent_calls_chain_into_one_trajectory_with_context_masked():
     assert np.all(t.behaviour_logprobs()[mask == 1] == -0.25) and np.all(t.behaviour_logprobs()[mask == 0] == 0)
     assert set(t.token_versions().tolist()) == {3}
     assert text(t.prompt_tokens()).startswith("<|system|>\nYou add numbers.\n<|user|>\n3+4=")
+
+
+def test_completions_that_extend_the_samples_text_chain():
+    replies = iter(["6", "7"])
+    t = play("completions_agent", lambda p: next(replies))
+    assert t.reward == 1.0 and t.meta["unchained_calls"] == 0 and t.meta["calls"] == 2
+    ids, mask = t.completion().tolist(), t.mask()
+    assert ids == encode_prompt(TOK, "6") + [TOK.eos_token_id] + encode_prompt(TOK, "\nso: ") + encode_prompt(TOK, "7") + [1]
+    assert mask.tolist() == [1, 1] + [0] * 5 + [1, 1]  # the model's tokens (EOS included) trained, the agent's text masked
 
 
 def test_an_agent_that_streams_trains():

@@ -33,6 +33,7 @@ from astraflow.rollout.workflows.base import PolicyHandle
 from astraflow.rollout.workflows.openai_api import (
     ApiCall, ApiError, BadRequest, Choice, Kind, NotFound, Unauthorized, Unavailable, chunks, parse_call, response, trim_stop, usage,
 )
+from astraflow.streams.credentials import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,9 @@ class ChatFacade:
         self.server.daemon_threads = True
         bound = str(self.server.server_address[0])
         self.host = advertise_host or (socket.gethostname() if bound in ("0.0.0.0", "::") else bound)
+        if not is_loopback(bound):
+            log.warning("the agent endpoint listens on %s in plain HTTP: keep it on a trusted network or behind a TLS proxy%s",
+                        bound, " (its bearer key travels in clear)" if api_key else ", and it asks for no key")
         self.thread = threading.Thread(target=self.server.serve_forever, name="openai-facade", daemon=True)
         self.thread.start()
 
@@ -213,7 +217,7 @@ class ChatFacade:
             return prompt
         for c in reversed(sample.calls if sample is not None else []):
             seen = None if c.prompt_text is None else c.prompt_text + c.text
-            if seen is not None and prompt.startswith(seen):
+            if seen is not None and prompt.startswith(seen) and (c.text or len(prompt) > len(seen)):  # not a plain retry
                 return c.prompt_ids + c.completion_ids + (h.encode(prompt[len(seen) :]) if len(prompt) > len(seen) else [])
         return h.encode(prompt)
 
