@@ -2,42 +2,102 @@
 
 ``python -m astraflow.schema`` writes ``schemas/*.json`` (one file per message kind,
 plus ``envelope.json``); ``--check`` exits 1 if the committed files differ from the models (a
-test runs it). Any runtime that speaks this contract can join a run: see
-``examples/node/`` for one in JavaScript.
+test runs it). Any runtime that speaks this contract can join a run: see ``examples/node/``
+and ``schemas/README.md``.
 
 On the wire a message is one flag byte (``0x01`` msgpack, ``0x02`` zstd-compressed msgpack,
-used above 16 KiB) followed by the msgpack map ``{"k": kind, "d": fields}``. Per-token arrays
-are msgpack ``bin`` holding packed little-endian values; in these schemas they are
-``{"type": "string", "format": "binary"}`` with ``x-astraflow-packed`` naming the dtype and
-what the array is aligned with. Field descriptions come from the comments in
-``astraflow/streams/messages.py`` (who writes a field, who reads it).
+used above 16 KiB) followed by the msgpack map ``{"k": kind, "d": fields}``. The schemas
+describe ``d`` in its **JSON mapping** (:func:`json_mapping`): msgpack maps, arrays, strings,
+integers, floats, booleans and nil are their JSON namesakes, and a msgpack ``bin`` is a
+standard base64 string (RFC 4648, padded). So a stock JSON Schema validator checks a decoded
+message once its ``bin`` values are base64-encoded. Per-token arrays are ``bin`` of packed
+little-endian values: their schema says ``contentEncoding: base64``, a ``pattern`` admitting
+only a whole number of items, and ``x-astraflow-packed`` (dtype, item size, what the array is
+aligned with). What JSON Schema cannot say (arrays of equal length, the run's policies) is
+listed in ``x-astraflow-rules``; Python checks those. Field descriptions come from the
+comments in ``astraflow/streams/messages.py`` (who writes a field, who reads it).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import inspect
 import json
+import math
 import re
 import sys
 import typing
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from astraflow.streams import codec
 from astraflow.streams.messages import F32, I32, KINDS, SCHEMA_VERSION, U8, Message
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "schemas"
-_PACKED = {id(typing.get_args(t)[1]): name for t, name in ((I32, "int32"), (F32, "float32"), (U8, "uint8"))}
+_PACKED = {id(typing.get_args(t)[1]): (name, size) for t, name, size in ((I32, "int32", 4), (F32, "float32", 4), (U8, "uint8", 1))}
 _COMMENT = re.compile(r"^\s{4}(\w+):[^#\n]*#\s*(.+)$", re.M)
+_B64 = "[A-Za-z0-9+/]"
+
+RULES: dict[str, list[str]] = {
+    "trajectory": [
+        "completion_ids, logprobs, versions (4 bytes an item) and loss_mask (1 byte an item) hold the same number of items",
+        "policy is one of the run's policies (otherwise the dataflow dead-letters it on dlq.traj)",
+        "traj_id is '{task_id}.{policy}.{index}' and is the Nats-Msg-Id it is published with (the server deduplicates on it)",
+        "versions hold, per completion token, the weight version that produced it (inserted tokens: the version of the turn "
+        "before); loss_mask holds 0 or 1",
+    ],
+    "task": ["min_versions maps policies of the run to weight versions; a node holding older weights naks the task (delay 1 s)"],
+    "batch": ["advantages holds one float32 per entry of trajectories"],
+    "weight_version": ["a 'delta' applies onto exactly base_version, whose state digest is base_digest (a node checks both "
+                       "before applying it)"],
+    "heartbeat": ["stats.role is the worker's role; the subject is af.{run}.hb.{role}.{worker_id}"],
+}
 
 
-def _field_comments(model: type[Message]) -> dict[str, str]:
+def base64_pattern(itemsize: int) -> str:
+    """A regex for padded base64 whose decoded length is a multiple of ``itemsize`` bytes.
+
+    Base64 turns every 3 bytes into 4 characters, so a block of lcm(3, itemsize) bytes is a whole
+    number of quads; a tail of r = itemsize·j bytes (0 < r < block) is r // 3 quads plus 2 characters
+    and '==' (r % 3 == 1) or 3 characters and '=' (r % 3 == 2)."""
+    block = math.lcm(3, itemsize)
+    tails = []
+    for r in range(itemsize, block, itemsize):
+        quads, rest = divmod(r, 3)
+        tails.append(f"{_B64}{{{4 * quads + rest + 1}}}" + "=" * (3 - rest))  # rest > 0: r < block is no multiple of 3
+    tail = f"({'|'.join(tails)})?" if tails else ""
+    return f"^({_B64}{{{4 * block // 3}}})*{tail}$"
+
+
+def json_mapping(value: Any) -> Any:
+    """A decoded msgpack value in the JSON mapping the schemas describe: ``bin`` (bytes) as standard base64."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode()
+    if isinstance(value, dict):
+        return {k: json_mapping(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_mapping(v) for v in value]
+    return value
+
+
+def _field_comments(model: type[BaseModel]) -> dict[str, str]:
     return {name: text.strip() for name, text in _COMMENT.findall(inspect.getsource(model))}
 
 
-def _annotate(model: type[Message], schema: dict[str, Any]) -> None:
-    """Descriptions from the source comments; packed-array markers on bytes fields."""
+def _binary(prop: dict[str, Any], packed: tuple[str, int] | None) -> None:
+    """A ``bytes`` field in the JSON mapping: base64 of the bin, whole items only when packed."""
+    prop.pop("format", None)
+    dtype, size = packed or ("bytes", 1)
+    prop.update({"contentEncoding": "base64", "contentMediaType": "application/octet-stream", "pattern": base64_pattern(size)})
+    if packed:
+        prop["x-astraflow-packed"] = {"dtype": dtype, "itemsize": size, "byteorder": "little", "msgpack": "bin"}
+
+
+def _annotate(model: type[BaseModel], schema: dict[str, Any]) -> None:
+    """Descriptions from the source comments; the JSON mapping of bytes fields."""
     comments = _field_comments(model)
     props = schema.get("properties", {})
     for name, info in model.model_fields.items():
@@ -46,11 +106,8 @@ def _annotate(model: type[Message], schema: dict[str, Any]) -> None:
             continue
         if name in comments and "description" not in prop:
             prop["description"] = comments[name]
-        for meta in info.metadata:
-            if id(meta) in _PACKED:
-                prop["x-astraflow-packed"] = {"dtype": _PACKED[id(meta)], "byteorder": "little",
-                                              "msgpack": "bin"}
-                prop["contentMediaType"] = "application/octet-stream"
+        if prop.get("format") == "binary":
+            _binary(prop, next((_PACKED[id(m)] for m in info.metadata if id(m) in _PACKED), None))
 
 
 def message_schema(model: type[Message]) -> dict[str, Any]:
@@ -58,10 +115,11 @@ def message_schema(model: type[Message]) -> dict[str, Any]:
     _annotate(model, schema)
     for sub_name, sub in schema.get("$defs", {}).items():
         sub_model = getattr(sys.modules[model.__module__], sub_name, None)
-        if isinstance(sub_model, type) and issubclass(sub_model, Message):
+        if isinstance(sub_model, type) and issubclass(sub_model, BaseModel):
             _annotate(sub_model, sub)
+    rules = {"x-astraflow-rules": RULES[model.kind]} if model.kind in RULES else {}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": f"astraflow/{model.kind}.json",
-            "x-astraflow-kind": model.kind, "x-astraflow-schema-version": SCHEMA_VERSION, **schema}
+            "x-astraflow-kind": model.kind, "x-astraflow-schema-version": SCHEMA_VERSION, **rules, **schema}
 
 
 def envelope_schema() -> dict[str, Any]:
@@ -70,7 +128,8 @@ def envelope_schema() -> dict[str, Any]:
         "title": "Envelope",
         "description": (f"Every message on the plane: one flag byte ({codec.RAW!r} = msgpack, {codec.ZSTD!r} = zstd-compressed "
                         f"msgpack, used when the msgpack body exceeds {codec.COMPRESS_ABOVE} bytes), then this msgpack map. "
-                        "'d' must validate against the schema of kind 'k'; 'd.v' is the schema version."),
+                        "'d' must validate against the schema of kind 'k' (in the JSON mapping: msgpack bin as base64); "
+                        "'d.v' is the schema version."),
         "type": "object", "additionalProperties": False, "required": ["k", "d"],
         "properties": {"k": {"enum": sorted(KINDS)}, "d": {"type": "object"}},
         "x-astraflow-flags": {"raw": codec.RAW[0], "zstd": codec.ZSTD[0], "compress_above": codec.COMPRESS_ABOVE},
@@ -78,6 +137,10 @@ def envelope_schema() -> dict[str, Any]:
         "x-astraflow-subjects": {
             "task": "af.{run}.task.{workflow} on stream AF_{run}_TASK; rollout nodes pull the durable consumer {pool} (default raas)",
             "trajectory": "af.{run}.traj.{policy} on stream AF_{run}_TRAJ; publish with header Nats-Msg-Id = traj_id",
+            "weight_version": "af.{run}.weights.{policy} on stream AF_{run}_WEIGHTS (Limits; follow it, never pull a durable)",
+            "heartbeat": "af.{run}.hb.{role}.{worker_id}, core NATS, every 2 s",
+            "rejected": "af.{run}.dlq.{family} on stream AF_{run}_DLQ: family is the subject family of the rejected message "
+                        "(task, traj, batch, weights)",
         },
     }
 

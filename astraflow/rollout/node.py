@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -29,6 +30,7 @@ from astraflow.models import load_tokenizer
 from astraflow.rollout.engines.base import SamplingParams, StaleWeights, close_engine
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.rewards import get_reward
+from astraflow.rollout.workflows.agent_sessions import AgentHost, NodeServices
 from astraflow.rollout.workflows.base import PolicyHandle, Workflow
 from astraflow.rollout.workflows.registry import check_policies, get_workflow
 from astraflow.runtime import every, stop_event, watch_server
@@ -66,7 +68,7 @@ class RolloutNode:
 
     def __init__(self, recipe: Recipe, plane: Plane, worker_id: str, pool: str | None = None, region: str | None = None,
                  hardware: str | None = None, handles: dict[str, PolicyHandle] | None = None,
-                 workflow: Workflow | None = None, metrics: Metrics | None = None) -> None:
+                 workflow: Workflow | None = None, metrics: Metrics | None = None, agent_key: str | None = None) -> None:
         self.recipe = recipe
         self.plane = plane
         self.worker_id = worker_id
@@ -89,6 +91,8 @@ class RolloutNode:
         self._refresh_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.metrics = metrics  # Prometheus export (``--metrics-port``); None: none
+        self.agent_key = agent_key  # bearer token of the OpenAI-compatible endpoint (the rollout credential's password)
+        self.endpoint = ""  # that endpoint's address, when the workflow serves one (advertised in heartbeats)
         self._exported: dict[tuple[str, str], float] = {}  # counters' values at the last export
 
     # ------------------------------------------------------------ metrics
@@ -183,9 +187,9 @@ class RolloutNode:
                                         metrics=serving()))
 
     def heartbeat_stats(self) -> RolloutStats:
-        typed = set(RolloutStats.model_fields) - {"role", "counters", "weights", "joined"}
+        typed = set(RolloutStats.model_fields) - {"role", "counters", "weights", "joined", "endpoint"}
         s = self.stats
-        return RolloutStats(**{k: s[k] for k in typed}, joined=bool(s["joined"]),
+        return RolloutStats(**{k: s[k] for k in typed}, joined=bool(s["joined"]), endpoint=self.endpoint,
                             counters={k: v for k, v in s.items() if k not in typed and k != "joined"},
                             weights={p: {k: float(v) for k, v in sync.stats.items()} for p, sync in self.syncs.items()})
 
@@ -202,6 +206,13 @@ class RolloutNode:
             for sync in self.syncs.values():  # joining: the current weights first
                 await sync.wait_for(0, timeout=600)
             self._last_full_refresh = time.monotonic()
+            if isinstance(self.workflow, AgentHost):
+                self.endpoint = self.workflow.start(NodeServices(self.worker_id, self.handles, self._publish_from_thread,
+                                                                 lambda: self.draining, self.agent_key))
+                log.info("OpenAI-compatible endpoint for agents: %s/v1", self.endpoint)
+                if self.workflow.external:  # agents pull the tasks themselves and open sessions here
+                    await self._host_agents(self.workflow, stop)
+                    return
             names = self.plane.names
             tasks = self.plane.consumer(names.task_stream, names.pool_consumer(self.pool), Task)
             settings = await tasks.settings()  # the server's, not our defaults
@@ -229,6 +240,33 @@ class RolloutNode:
             with contextlib.suppress(Exception):
                 await self.beat()
             log.info("rollout node %s left: %s", self.worker_id, {k: v for k, v in self.stats.items() if v})
+
+    async def _host_agents(self, host: AgentHost, stop: asyncio.Event) -> None:
+        """Serve external agents' sessions until told to stop, refreshing weights between their calls; then give open
+        sessions ``rollout.drain_timeout`` seconds to finish."""
+        self.stats["joined"] = 1.0
+        log.info("rollout node %s serves agent sessions (pool %s): agents pull the tasks", self.worker_id, self.pool)
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+            await self.refresh()
+            self.stats.update(host.counters())
+        self.draining = True
+        if not await asyncio.to_thread(host.wait_idle, self.recipe.rollout.drain_timeout):
+            log.info("left with agent sessions open: their agents' tasks are redelivered")
+
+    def _publish_from_thread(self, trajs: list[Trajectory]) -> None:
+        """Publish an agent session's trajectories (called from the endpoint's threads); returns once they are stored."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self._publish_session(trajs), self._loop).result(timeout=60)
+
+    async def _publish_session(self, trajs: list[Trajectory]) -> None:
+        t0 = time.perf_counter()
+        await self.plane.publish_many([(self.plane.names.traj(t.policy), t, t.traj_id) for t in trajs])
+        self.stats["publish_s"] += time.perf_counter() - t0
+        self.stats["tasks"] += 1
+        self.stats["trajectories"] += len(trajs)
+        self.stats["tokens"] += sum(len(t.completion_ids) // 4 for t in trajs)
 
     async def handle(self, got: list[Delivery[Task]], stop: asyncio.Event, ack_wait: float, max_deliver: int) -> None:
         ready = [d for d in got if self.ready_for(d.msg)]
@@ -350,7 +388,8 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, poo
     plane = await Plane.connect(nats, run, worker_id)
     node = None
     try:
-        node = RolloutNode(recipe, plane, worker_id, pool, region, hardware, metrics=metrics)
+        key = (nats.password or os.environ.get("NATS_PASSWORD")) if nats.user else None  # agents present the same secret
+        node = RolloutNode(recipe, plane, worker_id, pool, region, hardware, metrics=metrics, agent_key=key)
         await node.run(stop_event())
     finally:
         if node is not None:

@@ -13,7 +13,7 @@ import msgpack
 import zstandard
 from pydantic import ValidationError
 
-from astraflow.streams.messages import KINDS, SCHEMA_VERSION, Message
+from astraflow.streams.messages import KINDS, SCHEMA_VERSION, WIRE, Message
 
 RAW, ZSTD = b"\x01", b"\x02"
 COMPRESS_ABOVE = 16 * 1024
@@ -62,7 +62,7 @@ def decode(data: bytes, expected: type[M]) -> M:
     fields = obj["d"]
     if isinstance(fields, dict) and fields.get("v", SCHEMA_VERSION) != SCHEMA_VERSION:
         raise DecodeError(f"schema version {fields.get('v')} not supported (this build speaks {SCHEMA_VERSION})")
-    try:
-        return expected.model_validate(fields)
+    try:  # strict: what the exported schemas accept (no lists for packed arrays, no strings for numbers)
+        return expected.model_validate(fields, strict=True, context=WIRE)
     except ValidationError as e:
         raise DecodeError(f"invalid {expected.kind}: {e.errors(include_url=False)}") from None

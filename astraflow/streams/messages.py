@@ -3,6 +3,12 @@
 Per-token arrays travel as packed little-endian bytes (``I32``/``F32``/``U8``), never as lists
 of Python ints; ``.ids()``-style accessors return zero-copy numpy views. Each field's comment
 says who writes it and who reads it.
+
+Two ways in: Python callers construct messages leniently (a per-token array may be a list or a
+numpy array, packed on the way in), while the codec decodes what arrives from the wire strictly
+(``model_validate(fields, strict=True, context=WIRE)``): a per-token array must be bytes of a
+whole number of items, a number must be a number, never a string. So Python accepts from the
+wire exactly what the exported JSON Schemas accept, bar the cross-field rules they list.
 """
 
 from __future__ import annotations
@@ -10,22 +16,28 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Final, Literal
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
+WIRE: Final = {"wire": True}
+"""Validation context of a message decoded from the wire: strict, per-token arrays only as bytes."""
+TOKEN_PATTERN: Final = r"^[A-Za-z0-9_-]{1,64}$"
+Token = Annotated[str, Field(pattern=TOKEN_PATTERN)]  # a NATS subject token: policy and workflow names
 _TRAJ_LENGTHS = struct.Struct("<12Q")  # Batch.digest: the lengths of a trajectory's 12 hashed fields
 
 
 def _packer(dtype: str) -> BeforeValidator:
-    def pack(value: Any) -> bytes:
+    def pack(value: Any, info: ValidationInfo) -> bytes:
         if isinstance(value, (bytes, bytearray, memoryview)):
             raw = bytes(value)
             if len(raw) % np.dtype(dtype).itemsize:
                 raise ValueError(f"packed {dtype} array has {len(raw)} bytes, not a multiple of its item size")
             return raw
+        if isinstance(info.context, dict) and info.context.get("wire"):
+            raise ValueError(f"a packed {dtype} array travels as bytes (msgpack bin), not as {type(value).__name__}")
         return np.ascontiguousarray(np.asarray(value), dtype=dtype).tobytes()
 
     return BeforeValidator(pack)
@@ -43,7 +55,7 @@ def unpack(raw: bytes, dtype: str) -> np.ndarray:
 class Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: ClassVar[str]
-    v: int = SCHEMA_VERSION  # schema version, checked by the codec
+    v: Literal[1] = SCHEMA_VERSION  # schema version, checked by the codec
 
 
 class Task(Message):
@@ -51,8 +63,8 @@ class Task(Message):
 
     kind: ClassVar[str] = "task"
     task_id: str
-    workflow: str
-    policy: str  # the policy that solves the prompt (a workflow may call others too)
+    workflow: Token
+    policy: Token  # the policy that solves the prompt (a workflow may call others too)
     prompt_id: str
     prompt: str
     group_size: int = Field(ge=1)
@@ -69,9 +81,9 @@ class Trajectory(Message):
     traj_id: str  # "{task_id}.{policy}.{index}": one id per sample (the plane dedups on it; the dataflow checks it)
     task_id: str
     prompt_id: str
-    policy: str  # the policy whose tokens these are (routing key)
-    index: int  # position within the task's group
-    group_size: int
+    policy: Token  # the policy whose tokens these are (routing key)
+    index: int = Field(ge=0)  # position within the task's group
+    group_size: int = Field(ge=1)
     prompt_ids: I32
     completion_ids: I32
     logprobs: F32  # behaviour logprob of each completion token, aligned with completion_ids
@@ -85,6 +97,7 @@ class Trajectory(Message):
 
     @model_validator(mode="after")
     def _aligned(self) -> "Trajectory":
+        """Cross-field rules (listed in the schema's ``x-astraflow-rules``: JSON Schema cannot say them)."""
         n = len(self.completion_ids) // 4
         sizes = {"logprobs": len(self.logprobs) // 4, "versions": len(self.versions) // 4, "loss_mask": len(self.loss_mask)}
         bad = {k: s for k, s in sizes.items() if s != n}
@@ -118,11 +131,17 @@ class Batch(Message):
 
     kind: ClassVar[str] = "batch"
     batch_id: str
-    policy: str
+    policy: Token
     trajectories: list[Trajectory]
     advantages: F32  # one per trajectory, aligned with ``trajectories``
     task_ids: list[str]  # tasks whose groups this batch trains (accounting)
     created_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "Batch":
+        if len(self.advantages) // 4 != len(self.trajectories):
+            raise ValueError(f"advantages must hold one value per trajectory: {len(self.advantages) // 4} for {len(self.trajectories)}")
+        return self
 
     def advantage_array(self) -> np.ndarray:
         return unpack(self.advantages, "<f4")
@@ -158,7 +177,7 @@ class WeightVersion(Message):
     """Announcement of a weight version. Written by a trainer (last, as the commit point); read by RaaS nodes."""
 
     kind: ClassVar[str] = "weight_version"
-    policy: str
+    policy: Token
     version: int
     encoding: Literal["keyframe", "delta"]
     base_version: int | None = None  # deltas apply onto exactly this version
@@ -193,7 +212,8 @@ class RolloutStats(_Stats):
     refresh_s: float = 0.0  # seconds spent fetching and applying weights
     failed: int = 0  # tasks whose workflow failed (nak'ed or dead-lettered)
     held: int = 0  # tasks in hand now
-    joined: bool = False  # holds weights and pulls tasks
+    joined: bool = False  # holds weights and pulls tasks (or serves agent sessions)
+    endpoint: str = ""  # the node's OpenAI-compatible endpoint for agents (workflow openai_agent), "" when none
     counters: dict[str, float] = {}  # other diagnostics (stale_naks, drained_naks, refresh_errors, …)
     weights: dict[str, dict[str, float]] = {}  # per policy: weight-sync counters (deltas, keyframes, fallbacks, …)
 

@@ -1,75 +1,29 @@
 #!/usr/bin/env node
 // A rollout node that is not Python: it speaks AstraFlow's wire contract (schemas/*.json) directly.
 //
-//   node raas.js --url nats://127.0.0.1:4222 --run RUN [--pool raas] [--version 0] [--max-tasks N] [--idle-ms 5000]
+//   node raas.js (--credential RUN_DIR/credentials/rollout.json | --url nats://HOST:4222 --run RUN)
+//                [--pool raas] [--version 0] [--max-tasks N] [--idle-ms 5000] [--node-id ID]
 //
 // It binds the pool's shared durable pull consumer on the run's task stream, decodes each Task
 // (flag byte 0x01 + msgpack {"k": "task", "d": {...}}), "generates" group_size completions,
 // publishes one Trajectory per sample on af.{run}.traj.{policy} with Nats-Msg-Id = traj_id,
 // and acks the task only after every trajectory is stored. A task whose min_versions asks for
-// newer weights than this node holds is nak'ed back to the pool with a delay, like the Python node.
+// newer weights than this node holds is nak'ed back to the pool with a delay, like the Python node;
+// one it cannot decode is dead-lettered on dlq.task with its original bytes.
 //
 // The "engine" below is a STAND-IN, clearly not a model: for the arithmetic recipe's prompts
 // ("a+b=") it answers the true sum or the sum plus one with probability 1/2 each, over ByT5 byte
 // tokens (id = byte + 3, EOS = 1). The first token's logprob is ln(1/2) and the rest 0: the exact
-// probability of the sequence it sampled. Replace generate() with calls to your own runtime.
+// probability of the sequence it sampled. To generate with the run's own policy instead, see agent.js.
 "use strict";
 
-const { connect } = require("nats");
-const { encode, decode } = require("@msgpack/msgpack");
+const { parseArgs, joinRun, decodeMessage, encodeMessage, packI32, packF32, packU8, reject } = require("./wire");
 
-const RAW = 0x01; // flag byte: plain msgpack (0x02 = zstd, used by Python for bodies over 16 KiB)
-const SCHEMA_VERSION = 1;
 const EOS = 1;
-
-function args(argv) {
-  const out = { pool: "raas", version: 0, maxTasks: Infinity, idleMs: 5000, nodeId: `node-js-${process.pid}` };
-  for (let i = 2; i < argv.length; i += 2) {
-    const [k, v] = [argv[i], argv[i + 1]];
-    if (k === "--url") out.url = v;
-    else if (k === "--run") out.run = v;
-    else if (k === "--pool") out.pool = v;
-    else if (k === "--version") out.version = Number(v);
-    else if (k === "--max-tasks") out.maxTasks = Number(v);
-    else if (k === "--idle-ms") out.idleMs = Number(v);
-    else if (k === "--node-id") out.nodeId = v;
-    else throw new Error(`unknown option ${k}`);
-  }
-  if (!out.url || !out.run) throw new Error("usage: node raas.js --url URL --run RUN [...]");
-  return out;
-}
-
-// ---------------------------------------------------------------- the wire format
-function decodeMessage(data, kind) {
-  if (data[0] !== RAW) throw new Error(`flag 0x${data[0].toString(16)}: only raw msgpack is decoded here`);
-  const env = decode(data.subarray(1));
-  if (env.k !== kind) throw new Error(`expected ${kind}, got ${env.k}`);
-  if ((env.d.v ?? SCHEMA_VERSION) !== SCHEMA_VERSION) throw new Error(`schema version ${env.d.v}`);
-  return env.d;
-}
-
-function encodeMessage(kind, fields) {
-  const body = encode({ k: kind, d: { v: SCHEMA_VERSION, ...fields } });
-  const out = new Uint8Array(body.length + 1);
-  out[0] = RAW;
-  out.set(body, 1);
-  return out;
-}
-
-// packed little-endian arrays travel as msgpack bin (Uint8Array)
-function packI32(values) {
-  const buf = new DataView(new ArrayBuffer(4 * values.length));
-  values.forEach((x, i) => buf.setInt32(4 * i, x, true));
-  return new Uint8Array(buf.buffer);
-}
-function packF32(values) {
-  const buf = new DataView(new ArrayBuffer(4 * values.length));
-  values.forEach((x, i) => buf.setFloat32(4 * i, x, true));
-  return new Uint8Array(buf.buffer);
-}
-const packU8 = (values) => Uint8Array.from(values);
+const USAGE = "usage: node raas.js (--credential FILE | --url URL --run RUN) [--pool raas] [--version 0] [--max-tasks N] [--idle-ms 5000]";
 
 // ---------------------------------------------------------------- stand-in engine + verifier
+// ByT5 byte tokens: a prompt is its UTF-8 bytes + 3, with no EOS; a completion ends with EOS (id 1), which is trained.
 const byt5 = (text) => Array.from(Buffer.from(text, "utf8"), (b) => b + 3);
 const unbyt5 = (ids) => Buffer.from(ids.filter((t) => t >= 3).map((t) => t - 3)).toString("utf8");
 
@@ -82,18 +36,33 @@ function generate(prompt, version) {
   return { ids, logprobs, versions: ids.map(() => version), finish: "stop" };
 }
 
-function reward(text, meta) {
+function reward(text, meta) { // the arithmetic recipe's rule: the whole completion, whitespace aside, is the answer
   const m = /^\s*(-?\d+)\s*$/.exec(text);
   return m && Number(m[1]) === Number(meta.answer) ? 1.0 : 0.0;
 }
 
+// ---------------------------------------------------------------- liveness
+// Every 2 s on core NATS, af.{run}.hb.rollout.{node_id}: the dataflow counts live nodes of the pool from these (a node
+// silent for 3 beats is gone), the launcher and `astraflow status` show them. stats is a RolloutStats (role "rollout").
+function heartbeat(opt, stats, state) {
+  return encodeMessage("heartbeat", {
+    worker_id: opt.nodeId, pool: opt.pool, region: "", hardware: "js-stand-in", policy: "solver", version: opt.version, state,
+    stats: { role: "rollout", tasks: stats.tasks, trajectories: stats.trajectories, held: 0, joined: true,
+             counters: { stale_naks: stats.naks, rejected: stats.rejected } },
+    ts: Date.now() / 1000,
+  });
+}
+
 // ---------------------------------------------------------------- the node
 async function main() {
-  const opt = args(process.argv);
-  const nc = await connect({ servers: opt.url, name: `astraflow:${opt.run}:${opt.nodeId}` });
-  const js = nc.jetstream();
-  const consumer = await js.consumers.get(`AF_${opt.run}_TASK`, opt.pool); // the shared durable: joining the pool
+  const opt = parseArgs(process.argv, { credential: "", url: "", run: "", pool: "raas", version: 0, maxTasks: Infinity,
+                                        idleMs: 5000, nodeId: `node-js-${process.pid}` }, USAGE);
+  const { nc, js, run } = await joinRun(opt, `astraflow:${opt.nodeId}`);
+  const consumer = await js.consumers.get(`AF_${run}_TASK`, opt.pool); // the shared durable: joining the pool
   const stats = { tasks: 0, trajectories: 0, naks: 0, rejected: 0 };
+  const beat = (state) => nc.publish(`af.${run}.hb.rollout.${opt.nodeId}`, heartbeat(opt, stats, state));
+  beat("running");
+  const beats = setInterval(() => beat("running"), 2000);
   let idleSince = Date.now();
   while (stats.tasks < opt.maxTasks && Date.now() - idleSince < opt.idleMs) {
     const batch = await consumer.fetch({ max_messages: 4, expires: 1000 });
@@ -103,8 +72,7 @@ async function main() {
       try {
         task = decodeMessage(m.data, "task");
       } catch (e) {
-        console.error(`undecodable task: ${e.message}`);
-        m.term();
+        await reject(js, run, m, `undecodable task: ${e.message}`, opt.nodeId);
         stats.rejected += 1;
         continue;
       }
@@ -126,7 +94,7 @@ async function main() {
           reward: reward(unbyt5(g.ids), task.meta || {}), finish_reason: g.finish, node_id: opt.nodeId,
           created_at: Date.now() / 1000, meta: { runtime: "node" },
         };
-        acks.push(js.publish(`af.${opt.run}.traj.${task.policy}`, encodeMessage("trajectory", traj), { msgID: trajId }));
+        acks.push(js.publish(`af.${run}.traj.${task.policy}`, encodeMessage("trajectory", traj), { msgID: trajId }));
       }
       await Promise.all(acks); // stored by the server ...
       m.ack(); // ... and only then the task is done
@@ -135,6 +103,8 @@ async function main() {
       if (stats.tasks >= opt.maxTasks) break;
     }
   }
+  clearInterval(beats);
+  beat("stopped");
   await nc.drain();
   console.log(JSON.stringify(stats));
 }

@@ -8,6 +8,7 @@ at load (``max_turns`` on ``single_turn``).
     workflow: {type: multi_turn_tools, max_turns: 3, tools: [bm25]}
     workflow: {type: env_http, url: bundled, env: rooms, max_turns: 4}
     workflow: {type: openai_agent, agent: "my_agents:solve", concurrency: 4}
+    workflow: {type: openai_agent, agent: external, host: 0.0.0.0, port: 8400}
 """
 
 from __future__ import annotations
@@ -74,19 +75,28 @@ class SolverTestgenOptions(Options):
 
 @WORKFLOW_OPTIONS.register
 class OpenAIAgentOptions(Options):
-    """Unchanged agent code against the node's OpenAI-compatible endpoint (``openai_agent.py``)."""
+    """Agent code against the node's OpenAI-compatible endpoint (``openai_agent.py``)."""
 
     type: Literal["openai_agent"] = "openai_agent"
     agent: str
-    """``module:function`` of the agent, called as ``agent(base_url, prompt, meta) -> answer`` (imported by the
-    nodes that play it, not at load)."""
+    """``module:function`` of a Python agent, called in the node as ``agent(base_url, prompt, meta) -> answer`` (imported
+    by the nodes that play it, not at load); or ``external``: agents of any runtime pull the tasks and open a session per
+    task on the endpoint (docs/rollout.md, "Agents in any language")."""
     concurrency: int = Field(4, ge=1)
-    """Agent episodes a node runs at once."""
+    """Python agent episodes a node runs at once."""
+    host: str = "127.0.0.1"
+    """Address the endpoint listens on (``0.0.0.0``: every interface, for agents on other machines)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the endpoint; 0: a free port per node. The address is logged and advertised in the node's heartbeat."""
+    advertise_host: str | None = None
+    """Host name agents reach the node by (default: ``host``, or the machine's name when listening on every interface)."""
+    session_timeout: float = Field(900.0, gt=0)
+    """Seconds an external agent's session may stay open before the node drops it (the task is redelivered)."""
 
     @field_validator("agent")
     @classmethod
     def _spec(cls, spec: str) -> str:
         module, sep, name = spec.partition(":")
-        if not (module and sep and name):
-            raise ValueError(f"agent {spec!r} must look like module:function")
+        if spec != "external" and not (module and sep and name):
+            raise ValueError(f"agent {spec!r} must look like module:function, or be external")
         return spec
