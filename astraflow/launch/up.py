@@ -219,6 +219,7 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"), url=url) if creds else NatsOptions(url=url)
     where = "embedded, authenticated" if server else "external"
     console.print(f"[bold]AstraFlow[/] run [cyan]{rundir.run}[/] (session {session}) on {redact(url)} ({where} nats-server)")
+
     def record_restart(child: Child) -> None:
         rundir.append("restarts.jsonl", {"session": session, "role": child.name, "after": exit_text(child.last_exit), "ts": time.time()})
 
