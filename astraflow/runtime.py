@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import threading
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 if TYPE_CHECKING:
@@ -28,14 +30,25 @@ class Stop(asyncio.Event):
         self.set()
 
 
+ORPHAN_EXIT_S = 2.0  # a role whose launcher died is gone within this, whatever it was doing
+
+
 def stop_event() -> Stop:
     """SIGTERM / SIGINT: finish what you hold and leave. SIGHUP (sent by the kernel when the launcher
-    dies, ``PR_SET_PDEATHSIG``): leave now."""
+    dies, ``PR_SET_PDEATHSIG``): leave now, and in any case within ``ORPHAN_EXIT_S`` (a step that
+    blocks the loop must not keep an orphan alive; what it held is redelivered to the next life)."""
     stop = Stop()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, stop.now, "the launcher is gone (SIGHUP)")
+
+    def orphaned(signum: int, frame: object) -> None:  # runs between bytecodes, even inside a blocking step
+        timer = threading.Timer(ORPHAN_EXIT_S, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
+        loop.call_soon_threadsafe(stop.now, "the launcher is gone (SIGHUP)")
+
+    signal.signal(signal.SIGHUP, orphaned)
     return stop
 
 
