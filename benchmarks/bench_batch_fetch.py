@@ -12,12 +12,14 @@ byte-range token ids, random logprobs) is published on one embedded nats-server 
   direct gets, decoding into ``Trajectory`` messages (zstd, msgpack, pydantic) on a thread, and
   resolving any offloaded arrays;
 - **one request per trajectory**: ``STREAM.MSG.GET`` per sequence, the way trajectories were read
-  back before (the dataflow's replay), for scale.
+  back before (the dataflow's replay), for scale;
+- **decoding alone**: the trainer fetch's decoding of the same bytes, already in memory, to tell
+  the transport's share from the decoding's.
 
 The batch's trajectories lie either contiguous in the stream (one node published them) or
 interleaved with as many that the batch does not name (other groups: filtered, or of other
 batches), which cuts the manifest into runs of one group (8 consecutive sequences).
-Run: ``python benchmarks/bench_batch_fetch.py [--rounds 3] [--tokens 8192]``.
+Run: ``python benchmarks/bench_batch_fetch.py [--rounds 5] [--tokens 8192]``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from nats.js import api
 from rich.console import Console
 from rich.table import Table
 
+from astraflow.streams.codec import decode
 from astraflow.streams.direct import read_seqs
 from astraflow.streams.messages import Batch, Trajectory, TrajRef
 from astraflow.streams.plane import NatsOptions, Plane, Topology
@@ -72,13 +75,15 @@ async def raw_ordered(plane: Plane, batch: Batch) -> int:
 
     async def on_msg(msg: object) -> None:
         nonlocal total
-        total += len(msg.data)  # type: ignore[attr-defined]
-        if msg.metadata.sequence.stream >= last:  # type: ignore[attr-defined]
+        seq = msg.metadata.sequence.stream  # type: ignore[attr-defined]
+        if seq <= last:  # what arrives after the last one before the unsubscription is not the batch's
+            total += len(msg.data)  # type: ignore[attr-defined]
+        if seq >= last:
             done.set()
 
-    sub = await plane._js.subscribe(plane.names.traj("solver"), stream=plane.names.traj_stream, ordered_consumer=True,
-                                    deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first, cb=on_msg,
-                                    pending_bytes_limit=1 << 30)
+    config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first)
+    sub = await plane._js.subscribe(plane.names.traj("solver"), stream=plane.names.traj_stream, ordered_consumer=True, config=config,
+                                    cb=on_msg, pending_bytes_limit=1 << 30)
     await asyncio.wait_for(done.wait(), 120)
     await sub.unsubscribe()
     return total
@@ -94,6 +99,10 @@ async def per_message(plane: Plane, batch: Batch) -> int:
     for r in batch.refs:
         total += len((await plane._jsm.get_msg(plane.names.traj_stream, r.seq)).data or b"")
     return total
+
+
+async def decode_only(raw: list[bytes]) -> list[Trajectory]:
+    return await asyncio.to_thread(lambda: [decode(b, Trajectory) for b in raw])
 
 
 async def best(fn: Callable[[], Awaitable[object]], rounds: int) -> float:
@@ -114,16 +123,18 @@ async def main(rounds: int, tokens: int) -> dict[str, float]:
         contiguous = await publish(plane, tokens, False, rng)
         interleaved = await publish(plane, tokens, True, rng)
         nbytes = await raw_direct(plane, contiguous)
-        assert await raw_ordered(plane, contiguous) == nbytes
+        ordered = await raw_ordered(plane, contiguous)
+        assert ordered == nbytes, (ordered, nbytes)
         fetched = await fetch_trajectories(plane, contiguous)
         assert [t.traj_id for t in fetched] == [r.traj_id for r in contiguous.refs]
         out["encoded_mb"] = round(nbytes / 1e6, 2)
         out["raw_arrays_mb"] = round(sum(sum(len(getattr(t, k)) for k in ("prompt_ids", "completion_ids", "logprobs", "versions",
                                                                          "loss_mask")) for t in fetched) / 1e6, 2)
+        raw = [m.data for m in (await read_seqs(plane._nc, "$JS.API", plane.names.traj_stream, [r.seq for r in contiguous.refs])).values()]
         ways = {"raw_ordered_consumer": lambda: raw_ordered(plane, contiguous), "raw_direct_gets": lambda: raw_direct(plane, contiguous),
                 "trainer_fetch": lambda: fetch_trajectories(plane, contiguous),
                 "trainer_fetch_interleaved": lambda: fetch_trajectories(plane, interleaved),
-                "one_request_per_trajectory": lambda: per_message(plane, contiguous)}
+                "one_request_per_trajectory": lambda: per_message(plane, contiguous), "decoding_alone": lambda: decode_only(raw)}
         for name, fn in ways.items():
             out[f"{name}_s"] = round(await best(fn, rounds), 3)
         await plane.close()
@@ -143,7 +154,7 @@ async def main(rounds: int, tokens: int) -> dict[str, float]:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=8192)
     a = ap.parse_args()
     print(json.dumps(asyncio.run(main(a.rounds, a.tokens))))

@@ -42,7 +42,7 @@ from astraflow.dataflow.ingest import TrajectoryIngest
 from astraflow.dataflow.lane import PolicyLane
 from astraflow.dataflow.validate import Limits, PolicyLimits, check_trajectory, check_versions, measure
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.messages import Batch, Task, TrajRef
+from astraflow.streams.messages import Batch, Task, Trajectory, TrajRef
 from astraflow.streams.server import EmbeddedServer
 from bench_plane import plane_throughput, trajectory_for
 
@@ -51,6 +51,10 @@ GROUP = 8
 
 def per_call_us(fn: object, number: int = 20_000, rounds: int = 5) -> float:
     return min(timeit.repeat(fn, number=number, repeat=rounds)) / number * 1e6  # type: ignore[arg-type]
+
+
+async def _no_objects(trajs: list[Trajectory]) -> list[Trajectory]:
+    raise AssertionError("admission read an object: the benchmark's trajectories all travel whole")
 
 
 async def _never(policy: str) -> int:
@@ -65,7 +69,7 @@ def admission(tasks: list[str]) -> TrajectoryIngest:
     lane = PolicyLane("solver", build_pipeline(AlgorithmsConfig()), primary=True)
     limits = Limits(group_size=GROUP, policies={"solver": PolicyLimits(vocab=384, max_completion=512, max_generated=512, max_row=None)})
     return TrajectoryIngest({"solver": lane}, in_flight, Journal(_NoStore(), DataflowState), DataflowConfig(group_size=GROUP),
-                            Counter(), limits, _never)
+                            Counter(), limits, _never, _no_objects)
 
 
 @contextmanager
