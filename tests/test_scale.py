@@ -1,7 +1,8 @@
 """No size limit on RL data, end to end on a real nats-server: a rollout node, the dataflow and a trainer process.
 
-* a batch of 512 trajectories of 8,192 completion tokens (64 groups of 8, the GPU recipe's shape):
-  about 54 MB of arrays, far over the server's 8 MiB ``max_payload`` as one message, travels as a
+* a batch of 512 trajectories of 8,192 tokens, 4,096 of them generated (64 groups of 8, the GPU
+  recipe's shape; 512 x 4,096 generated tokens alone encoded to 13.8 MiB as one batch message):
+  about 36 MB of arrays, over the server's 8 MiB ``max_payload`` as one message, travels as a
   manifest of references; the trainer reads the trajectories by sequence and trains them;
 * one trajectory of 1,048,576 tokens (a long-context episode: 1,040,384 tokens of context and
   8,192 generated), over ``max_payload`` by itself on a server with NATS's default 1 MiB, travels
@@ -31,7 +32,7 @@ from astraflow.rollout.engines.base import SamplingParams
 from astraflow.rollout.engines.testing import ScriptEngine
 from astraflow.rollout.node import RolloutNode
 from astraflow.rollout.workflows.base import PolicyHandle
-from astraflow.streams.codec import decode
+from astraflow.streams.codec import decode, encode
 from astraflow.streams.messages import Batch, Task, Trajectory
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
@@ -130,14 +131,16 @@ async def train_end_to_end(url: str, run: str, tmp_path: Path, recipe_file: Path
 
 
 async def test_a_batch_of_512_trajectories_of_8192_tokens_is_trained_end_to_end(nats_server, run_id, tmp_path):
-    groups, group_size, generated = 64, 8, 8192
-    recipe_file, recipe = scale_recipe(tmp_path, group_size, groups, generated, micro_batch_tokens=4 * (generated + 16))
+    groups, group_size, context, generated = 64, 8, 4096, 4096
+    recipe_file, recipe = scale_recipe(tmp_path, group_size, groups, generated, micro_batch_tokens=4 * (context + generated))
     manifests, record, node, plane = await train_end_to_end(nats_server.url, run_id, tmp_path, recipe_file, recipe,
-                                                            LongEpisodes(16, generated), timeout=1200)
+                                                            LongEpisodes(context, generated), timeout=1200)
     try:
         (manifest,) = manifests
         assert len(manifest.refs) == groups * group_size == 512 and len(manifest.task_ids) == groups
         assert node.stats["tokens"] >= 512 * generated and plane.max_payload == 8 << 20  # (sync mode: the next tasks may be out)
+        stored = (await plane._jsm.stream_info(plane.names.traj_stream)).state.bytes
+        assert stored > plane.max_payload and len(encode(manifest)) < 64 << 10  # the batch's data as one message would not fit
         (v1,) = [a for a in record if a.version == 1]
         assert v1.batch_ids == [manifest.batch_id]
         assert v1.metrics["tokens"] == 512 * generated and v1.metrics["micro_batches"] == 128  # every token trained, 4 rows a pass

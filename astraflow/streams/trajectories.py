@@ -15,7 +15,7 @@ object checked against every digest; others are returned as they are, at no cost
 is gone or fails a digest is :class:`PayloadUnavailable` (the trajectory can never be read whole).
 
 **Retention.** The trajectory bucket's stream has the TRAJ stream's max age (``Topology.traj_max_age``):
-an object lives exactly as long as the trajectory that names it may be read (replay, audit, a
+an object lives as long as the trajectory that names it may be read (replay, audit, a
 trainer's fetch), and a node's half-written object (its put failed) expires with it; nobody
 deletes one earlier, so a node needs no permission to delete anything.
 

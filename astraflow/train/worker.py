@@ -163,20 +163,8 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
             keep = asyncio.create_task(_keep_alive(d, keepalive_s))
             try:
                 t_fetch = time.monotonic()
-                try:
-                    batch = TrainingBatch(manifest, await fetch_trajectories(plane, manifest))
-                except (MissingMessages, PayloadUnavailable) as e:
-                    metrics.inc({"rejected_batches": 1})
-                    await d.reject(f"{BATCH_MISSING}: {e}")
-                    continue
-                except DecodeError as e:
-                    metrics.inc({"rejected_batches": 1})
-                    await d.reject(f"{BATCH_INVALID}: a referenced trajectory does not decode: {e}")
-                    continue
-                except Exception as e:  # a timeout, a lost connection: says nothing about the batch
-                    log.warning("fetching the trajectories of %s failed (%s: %s); trying again", manifest.batch_id,
-                                type(e).__name__, e)
-                    await d.nak(delay=1.0)
+                batch = await _fetch(plane, d, metrics)
+                if batch is None:
                     continue
                 fetch_s = time.monotonic() - t_fetch
                 metrics.inc({"fetch_seconds": fetch_s})
@@ -228,6 +216,21 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
         stop.set()
         await asyncio.gather(beats, watchdog, return_exceptions=True)
         await plane.close()
+
+
+async def _fetch(plane: Plane, d: Delivery[Batch], metrics: Metrics) -> TrainingBatch | None:
+    """The trajectories the manifest names, whole, in its order; None when the batch was dead-lettered (one is gone
+    or does not decode) or given back to be tried again (a read failed for a reason that says nothing about it)."""
+    try:
+        return TrainingBatch(d.msg, await fetch_trajectories(plane, d.msg))
+    except (MissingMessages, PayloadUnavailable, DecodeError) as e:
+        metrics.inc({"rejected_batches": 1})
+        code = BATCH_INVALID if isinstance(e, DecodeError) else BATCH_MISSING
+        await d.reject(f"{code}: {e}")
+    except Exception as e:  # a timeout, a lost connection
+        log.warning("fetching the trajectories of %s failed (%s: %s); trying again", d.msg.batch_id, type(e).__name__, e)
+        await d.nak(delay=1.0)
+    return None
 
 
 async def _keep_alive(d: Delivery[Batch], every_s: float) -> None:
