@@ -102,8 +102,8 @@ def make_batches(path: Path, n: int) -> dict[str, object]:
     train, _ = load_split(recipe.data)
     batches = sample_batches(build_model(pcfg.model, tok), tok, [p.prompt for p in train[:64]], n_batches=n,
                              groups_per_batch=8, group_size=8, max_new_tokens=24, logprob_noise=0.2, seed=0)
-    path.write_text(json.dumps({"batches": [{"manifest": encode(b.manifest).hex(), "trajectories": [encode(t).hex() for t in b.trajectories]}
-                                            for b in batches]}))
+    encoded = [{"manifest": encode(b.manifest).hex(), "trajectories": [encode(t).hex() for t in b.trajectories]} for b in batches]
+    path.write_text(json.dumps({"batches": encoded}))
     n_params = sum(p.numel() for p in build_model(pcfg.model, tok).parameters())
     return {"trajectories_per_batch": len(batches[0].trajectories), "tokens_per_batch": sum(len(t.completion_ids) // 4 for t in batches[0].trajectories),
             "params": n_params}

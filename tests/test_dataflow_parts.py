@@ -285,7 +285,8 @@ async def test_offloaded_arrays_are_read_back_and_checked_like_any_others():
     assert "t3.solver.0: traj/t3.solver.0 is gone" in log[-1][2]
     objects.down = True  # a read that fails for another reason says nothing about the trajectory: it comes back later
     in_flight.issue("t4", None)
-    assert await ingest.pull(Pulled(MemoryDelivery(stub(traj("t4", 0, 1.0)), 40, log), MemoryDelivery(traj("t4", 1, 0.0), 41, log))) == 2  # type: ignore[arg-type]
+    pulled = Pulled(MemoryDelivery(stub(traj("t4", 0, 1.0)), 40, log), MemoryDelivery(traj("t4", 1, 0.0), 41, log))
+    assert await ingest.pull(pulled) == 2  # type: ignore[arg-type]
     assert log[-1] == ("nak", 40) and not journal.holds("t4.solver.0") and ingest.stats["payload_retries"] == 1
     assert journal.holds("t4.solver.1")  # the rest of the pull goes on
 
