@@ -11,7 +11,8 @@ bytes in flight stay bounded; a run the server cut at ``max_bytes`` goes on from
 A sequence that is gone (deleted, or expired by the stream's max age) is skipped by the server,
 which sends the next one there is instead (or answers 404): it is reported, with every other gone
 sequence, by :class:`MissingMessages`. The stream must allow direct gets (``allow_direct``; the
-plane's topology sets it on the TRAJ stream).
+plane's topology sets it on the TRAJ stream). A server older than 2.11 answers each request with
+one message: the reads still complete, one request per message.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ async def read_seqs(nc: Client, api_prefix: str, stream: str, seqs: Iterable[int
                 if seq <= last:  # past ``last``: the server filled the batch beyond a gone sequence
                     got[seq] = StreamMsg(seq, headers.get("Nats-Subject", ""), msg.data)
                     highest = max(highest, seq)
+                if "Nats-Num-Pending" not in headers:  # a server before 2.11 answers one message, without an end marker
+                    return highest
         finally:
             del answers[reply]
 
