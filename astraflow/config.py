@@ -36,9 +36,20 @@ class ModelConfig(Strict):
     num_heads: int = Field(4, gt=0)
     num_kv_heads: int = Field(2, gt=0)
     max_positions: int = Field(64, gt=0)
+    attention_window: int | None = Field(None, gt=0)
+    """Sliding-window attention: each token attends to itself and the ``attention_window - 1`` before it, at a cost
+    linear in the row length (``astraflow/window_attention.py``), so long rows train and generate on a CPU.
+    None: full causal attention. Built models only (not with ``pretrained``)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype of the model on each role (weights travel as bf16 regardless)."""
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _window_on_built_models(self) -> "ModelConfig":
+        if self.attention_window is not None and self.pretrained:
+            raise ValueError("model.attention_window applies to models built from the config; a pretrained model keeps its "
+                             "own attention (remove one of the two)")
+        return self
 
 
 class DataConfig(Strict):

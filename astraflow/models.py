@@ -62,6 +62,11 @@ def build_model(cfg: "ModelConfig", tokenizer: Any) -> "torch.nn.Module":
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if cfg.attention_window is not None:  # linear in the row length (window_attention.py)
+        from astraflow.window_attention import register
+
+        conf.attention_window = cfg.attention_window
+        conf._attn_implementation = register()
     model = Qwen2ForCausalLM(conf)
     return model.to(getattr(torch, cfg.dtype))
 

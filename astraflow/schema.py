@@ -48,9 +48,10 @@ RULES: dict[str, list[str]] = {
         "traj_id is '{task_id}.{policy}.{index}' and is the Nats-Msg-Id it is published with (the server deduplicates on it)",
         "versions hold, per completion token, the weight version that produced it (inserted tokens: the version of the turn "
         "before); loss_mask holds 0 or 1",
+        "with payload_ref set, the five per-token arrays are empty and held by that object in the bucket af_{run}_traj_objects",
     ],
     "task": ["min_versions maps policies of the run to weight versions; a node holding older weights naks the task (delay 1 s)"],
-    "batch": ["advantages holds one float32 per entry of trajectories"],
+    "batch": ["advantages holds one float32 per entry of refs; each ref names a trajectory by its sequence in AF_{run}_TRAJ"],
     "weight_version": ["a 'delta' applies onto exactly base_version, whose state digest is base_digest (a node checks both "
                        "before applying it)"],
     "heartbeat": ["stats.role is the worker's role; the subject is af.{run}.hb.{role}.{worker_id}"],

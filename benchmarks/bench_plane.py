@@ -1,6 +1,7 @@
 """Plane throughput: trajectories/s through task -> trajectory -> batch on a real nats-server,
 side by side with raw ``publish_async`` + ``fetch`` of the same number of same-sized messages
-on the same server in the same run. The ratio is the figure.
+on the same server in the same run. The ratio is the figure. A batch is a manifest: the trainer
+side reads each batch's trajectories back by sequence (``fetch_trajectories``), as the trainer does.
 
 The rollout side here answers each task instantly with fixed tokens (no model): this measures
 the plane and the real dataflow service, not an engine. Run: ``python benchmarks/bench_plane.py``.
@@ -27,6 +28,7 @@ from astraflow.streams.codec import encode
 from astraflow.streams.messages import Batch, Task, Trajectory
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
+from astraflow.streams.trajectories import fetch_trajectories
 
 PROMPT, COMPLETION = 64, 256  # tokens per trajectory
 
@@ -96,6 +98,7 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
         sub = trainer.consumer(trainer.names.batch_stream, trainer.names.trainer_consumer("solver"), Batch)
         while trained < n_batches:
             for d in await sub.pull(batch=1, timeout=0.2):
+                await fetch_trajectories(trainer, d.msg)  # a batch is a manifest: the trainer reads its trajectories itself
                 trained += 1
                 await d.ack()
         done.set()

@@ -48,13 +48,15 @@ def child(batch_file: Path, over: dict[str, object], steps: int, threads: int, m
     from astraflow.config import parse_recipe
     from astraflow.models import build_model, load_tokenizer
     from astraflow.streams.codec import decode
-    from astraflow.streams.messages import Batch
+    from astraflow.streams.messages import Batch, Trajectory
+    from astraflow.streams.trajectories import TrainingBatch
     from astraflow.train.backend import BACKENDS, build_backend
 
     torch.set_num_threads(threads)
     module = BACKENDS[str(over["backend"])].partition(":")[0]
     __import__(module)  # import the backend's packages before the baseline
-    batches = [decode(bytes.fromhex(raw), Batch) for raw in json.loads(batch_file.read_text())["batches"]]
+    batches = [TrainingBatch(decode(bytes.fromhex(b["manifest"]), Batch), [decode(bytes.fromhex(t), Trajectory) for t in b["trajectories"]])
+               for b in json.loads(batch_file.read_text())["batches"]]
     recipe = parse_recipe({"name": "bench", "model": MODEL, "trainer": {"micro_batch_tokens": micro_batch_tokens, **over}})
     pcfg = recipe.policies["solver"]
     tok = load_tokenizer(pcfg.model.tokenizer)
@@ -100,7 +102,8 @@ def make_batches(path: Path, n: int) -> dict[str, object]:
     train, _ = load_split(recipe.data)
     batches = sample_batches(build_model(pcfg.model, tok), tok, [p.prompt for p in train[:64]], n_batches=n,
                              groups_per_batch=8, group_size=8, max_new_tokens=24, logprob_noise=0.2, seed=0)
-    path.write_text(json.dumps({"batches": [encode(b, 1 << 26).hex() for b in batches]}))
+    encoded = [{"manifest": encode(b.manifest).hex(), "trajectories": [encode(t).hex() for t in b.trajectories]} for b in batches]
+    path.write_text(json.dumps({"batches": encoded}))
     n_params = sum(p.numel() for p in build_model(pcfg.model, tok).parameters())
     return {"trajectories_per_batch": len(batches[0].trajectories), "tokens_per_batch": sum(len(t.completion_ids) // 4 for t in batches[0].trajectories),
             "params": n_params}

@@ -5,8 +5,8 @@ Measures, on the trajectory ``bench_plane.py`` moves (64 prompt + 256 completion
 - the pure checks (``validate.check_trajectory`` + ``check_versions``), single-turn and multi-turn
   limits, in microseconds per trajectory (best of 5 rounds of 20,000 calls);
 - the whole admission (``TrajectoryIngest.admit``: checks, the task's claim, the version window);
-- the batch digest the dataflow writes in each plan record and the trainer checks (``Batch.digest``),
-  per trajectory of a 64-trajectory batch;
+- the batch digest the dataflow writes in each plan record and the trainer checks (``Batch.digest``,
+  over the manifest: references and advantages), per trajectory of a 64-trajectory batch;
 - the plane's time per trajectory from ``bench_plane.plane_throughput`` (a real nats-server, the
   real dataflow service, which now validates every trajectory), run in the same process, with
   the admission and the digests timed inside that run too (``in_loop``: fresh trajectories, cold
@@ -42,7 +42,7 @@ from astraflow.dataflow.ingest import TrajectoryIngest
 from astraflow.dataflow.lane import PolicyLane
 from astraflow.dataflow.validate import Limits, PolicyLimits, check_trajectory, check_versions, measure
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.messages import Batch, Task
+from astraflow.streams.messages import Batch, Task, Trajectory, TrajRef
 from astraflow.streams.server import EmbeddedServer
 from bench_plane import plane_throughput, trajectory_for
 
@@ -51,6 +51,10 @@ GROUP = 8
 
 def per_call_us(fn: object, number: int = 20_000, rounds: int = 5) -> float:
     return min(timeit.repeat(fn, number=number, repeat=rounds)) / number * 1e6  # type: ignore[arg-type]
+
+
+async def _no_objects(trajs: list[Trajectory]) -> list[Trajectory]:
+    raise AssertionError("admission read an object: the benchmark's trajectories all travel whole")
 
 
 async def _never(policy: str) -> int:
@@ -65,7 +69,7 @@ def admission(tasks: list[str]) -> TrajectoryIngest:
     lane = PolicyLane("solver", build_pipeline(AlgorithmsConfig()), primary=True)
     limits = Limits(group_size=GROUP, policies={"solver": PolicyLimits(vocab=384, max_completion=512, max_generated=512, max_row=None)})
     return TrajectoryIngest({"solver": lane}, in_flight, Journal(_NoStore(), DataflowState), DataflowConfig(group_size=GROUP),
-                            Counter(), limits, _never)
+                            Counter(), limits, _never, _no_objects)
 
 
 @contextmanager
@@ -113,11 +117,12 @@ async def main(quick: bool) -> dict[str, float]:
 
     checks_single, checks_multi = checks(single), checks(multi)
     admit = per_call_us(lambda: [ingest.admit(t, s) for t, s in zip(pull, measure(pull), strict=True)], number=200) / n
-    batch = Batch(batch_id="solver-b000001", policy="solver", trajectories=pull[:64], advantages=bytes(4 * 64), task_ids=["t00000001"] * 8)
+    batch = Batch(batch_id="solver-b000001", policy="solver", advantages=bytes(4 * 64), task_ids=["t00000001"] * 8,
+                  refs=[TrajRef(seq=1000 + k, traj_id=t.traj_id, task_id=t.task_id) for k, t in enumerate(pull[:64])])
     digest = per_call_us(batch.digest, number=500) / 64
     n_batches, gpb = (10, 8) if quick else (60, 8)
     with tempfile.TemporaryDirectory() as d, EmbeddedServer(d) as server, timed(TrajectoryIngest, "admit", lambda _: 1) as admits, \
-            timed(Batch, "digest", lambda b: len(b.trajectories)) as digests:
+            timed(Batch, "digest", lambda b: len(b.refs)) as digests:
         ingest_module.measure, counted = measured_call(ingest_module.measure)
         try:
             traj_per_s = await plane_throughput(server.url, n_batches, GROUP, gpb)

@@ -17,6 +17,7 @@ from astraflow import schema
 from astraflow.streams.codec import DecodeError, decode, encode
 from astraflow.streams.messages import (
     Batch, DataflowStats, EvaluatorStats, Heartbeat, KINDS, ObjectRef, Rejected, RolloutStats, Task, TrainerStats, Trajectory,
+    TrajRef,
     WeightVersion,
 )
 
@@ -43,7 +44,8 @@ def samples() -> list:
         Task(task_id="t", workflow="single_turn", policy="solver", prompt_id="p", prompt="1+1=", group_size=2, meta={"answer": "2"},
              min_versions={"solver": 3}),
         traj(),
-        Batch(batch_id="b", policy="solver", trajectories=[traj(), traj(index=1, traj_id="t.solver.1")],
+        Batch(batch_id="b", policy="solver", refs=[TrajRef(seq=7, traj_id="t.solver.0", task_id="t"),
+                                                   TrajRef(seq=9, traj_id="t.solver.1", task_id="t")],
               advantages=np.array([0.5, -0.5], np.float32), task_ids=["t"]),
         WeightVersion(policy="solver", version=1, encoding="delta", base_version=0, base_digest="d0", state_digest="d1",
                       keyframe_version=0, objects=[ref]),
@@ -106,7 +108,7 @@ def test_cross_field_rules_are_listed_and_python_checks_them(repo_root, case: st
         decode(wire("trajectory", fields), Trajectory)
 
 
-def test_batch_advantages_align_with_its_trajectories(repo_root):
+def test_batch_advantages_align_with_its_references(repo_root):
     good = fields_of(samples()[2])
     short = {**good, "advantages": good["advantages"][:4]}
     with pytest.raises(DecodeError, match="one value per trajectory"):

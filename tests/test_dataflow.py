@@ -20,6 +20,7 @@ from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.messages import Batch, DataflowStats, Heartbeat, RolloutStats, Task, TrainerStats, Trajectory, WeightVersion
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.state import AutoscaleRecord, FateRecord, VersionRecord
+from astraflow.streams.trajectories import TrainingBatch, fetch_trajectories
 
 Reward = Callable[[Task, str, int], float]
 
@@ -39,7 +40,7 @@ class Harness:
     def __init__(self, url: str, run: str, r: Any) -> None:
         self.url, self.run, self.recipe = url, run, r
         self.versions = {p: 0 for p in r.policy_names}
-        self.batches: dict[str, list[Batch]] = {p: [] for p in r.policy_names}
+        self.batches: dict[str, list[TrainingBatch]] = {p: [] for p in r.policy_names}
 
     async def start(self) -> "Harness":
         self.node = await Plane.connect(NatsOptions(url=self.url), self.run, "node")
@@ -104,15 +105,20 @@ class Harness:
             await d.reject(reason)
         return [d.msg for d in got]
 
-    async def train(self, policy: str, limit: int = 64) -> list[Batch]:
-        """Take what is queued for ``policy``, announce a version per batch (as a trainer does, last)."""
+    async def train(self, policy: str, limit: int = 64) -> list[TrainingBatch]:
+        """Take what is queued for ``policy``, fetch the trajectories each manifest names (as a trainer does, every
+        one checked to be the one named), announce a version per batch (last)."""
         got = await self.batch_subs[policy].pull(batch=limit, timeout=0.3)
+        out = []
         for d in got:
+            batch = TrainingBatch(d.msg, await fetch_trajectories(self.trainer, d.msg))
+            assert [(t.traj_id, t.task_id, t.policy) for t in batch.trajectories] == [(r.traj_id, r.task_id, policy) for r in d.msg.refs]
             self.versions[policy] += 1
-            self.batches[policy].append(d.msg)
+            self.batches[policy].append(batch)
+            out.append(batch)
             await self.announce(policy, self.versions[policy], [d.msg.batch_id])
             await d.ack()
-        return [d.msg for d in got]
+        return out
 
     async def announce(self, policy: str, version: int, batch_ids: list[str]) -> None:
         ann = WeightVersion(policy=policy, version=version, encoding="keyframe", state_digest="x", keyframe_version=version,

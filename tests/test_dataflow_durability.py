@@ -147,7 +147,7 @@ async def test_dataflow_survives_sigkill_without_losing_or_rebatching(nats_serve
     assert len(trained) == STEPS and len(set(trained)) == STEPS, trained  # every batch trained exactly once
     copies = [b for b in published if b.batch_id == "solver-b000002"]
     assert len(copies) == 2 and copies[0].task_ids == copies[1].task_ids  # republished under its id, the same batch
-    assert copies[0].advantages == copies[1].advantages and copies[0].trajectories == copies[1].trajectories
+    assert copies[0].advantages == copies[1].advantages and copies[0].refs == copies[1].refs and copies[0].digest() == copies[1].digest()
     by_id = {b.batch_id: b.task_ids for b in published}
     tasks = [t for ids in by_id.values() for t in ids]
     assert len(tasks) == len(set(tasks)), by_id  # no group in two batches

@@ -24,8 +24,9 @@ from astraflow.dataflow.issuing import PromptOrder, lag_budget, min_versions, st
 from astraflow.dataflow.lane import PolicyLane, plan_batch
 from astraflow.dataflow.validate import Limits, PolicyLimits
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.messages import Trajectory
+from astraflow.streams.messages import PER_TOKEN, ObjectRef, Trajectory
 from astraflow.streams.state import FateRecord, Record
+from astraflow.streams.trajectories import PayloadUnavailable
 
 CFG = DataflowConfig(group_size=2, groups_per_batch=2, max_tasks_in_flight=10, max_staleness=1)
 
@@ -148,6 +149,19 @@ class MemoryDelivery:
     async def reject(self, reason: str) -> None:
         self.log.append(("reject", self.seq, reason))
 
+    async def nak(self, delay: float | None = None) -> None:
+        self.log.append(("nak", self.seq))
+
+
+class Pulled:
+    """A consumer whose next pull hands out these deliveries."""
+
+    def __init__(self, *deliveries: MemoryDelivery) -> None:
+        self.deliveries = list(deliveries)
+
+    async def pull(self, batch: int = 1, timeout: float = 1.0) -> list[MemoryDelivery]:
+        return self.deliveries
+
 
 async def test_the_journal_writes_fates_then_the_state_then_acks():
     log: list[tuple[Any, ...]] = []
@@ -172,7 +186,31 @@ async def test_the_journal_writes_fates_then_the_state_then_acks():
     assert log[7:] == [("state", 2)]
 
 
-def ingest_setup(**cfg: Any) -> tuple[TrajectoryIngest, PolicyLane, InFlight, Journal, list[tuple[Any, ...]]]:
+def stub(t: Trajectory) -> Trajectory:
+    """``t`` as a node publishes it when it is too large for a message: its arrays elsewhere."""
+    ref = ObjectRef(name=f"traj/{t.traj_id}", nuid="n" + t.traj_id, size=1, chunk_size=1, digests=["d"], digest="d")
+    return Trajectory.model_validate({**t.model_dump(), **dict.fromkeys(PER_TOKEN, b""), "payload_ref": ref})
+
+
+class Objects:
+    """A trajectory bucket in memory: the arrays of the stubs it was given, by object name; others are gone."""
+
+    def __init__(self, *whole: Trajectory) -> None:
+        self.whole = {f"traj/{t.traj_id}": t for t in whole}
+        self.down = False  # reads fail as a lost connection does
+
+    async def resolve(self, trajs: list[Trajectory]) -> list[Trajectory | PayloadUnavailable]:
+        if self.down:
+            raise TimeoutError("no answer")
+        out: list[Trajectory | PayloadUnavailable] = []
+        for t in trajs:
+            name = t.payload_ref.name if t.payload_ref else ""
+            out.append(self.whole.get(name, PayloadUnavailable(f"{t.traj_id}: {name} is gone")) if t.payload_ref else t)
+        return out
+
+
+def ingest_setup(objects: Objects | None = None,
+                 **cfg: Any) -> tuple[TrajectoryIngest, PolicyLane, InFlight, Journal, list[tuple[Any, ...]]]:
     log: list[tuple[Any, ...]] = []
     lane = PolicyLane("solver", pipeline(filters=[{"type": "dynamic_sampling"}]), primary=True)
     in_flight = InFlight()
@@ -182,7 +220,8 @@ def ingest_setup(**cfg: Any) -> tuple[TrajectoryIngest, PolicyLane, InFlight, Jo
     async def newest(policy: str) -> int:  # what the plane's last announcement says
         return 4
 
-    ingest = TrajectoryIngest({"solver": lane}, in_flight, journal, CFG.model_copy(update=cfg), Counter(), limits, newest)
+    ingest = TrajectoryIngest({"solver": lane}, in_flight, journal, CFG.model_copy(update=cfg), Counter(), limits, newest,
+                              (objects or Objects()).resolve)
     return ingest, lane, in_flight, journal, log
 
 
@@ -230,6 +269,28 @@ async def test_a_group_kept_before_a_restart_goes_back_into_the_buffer_without_t
     assert lane.is_buffered("t1") and lane.kept == {"t1": 0.5} and lane.ledger.received == 0 and not lane.ledger.late
 
 
+async def test_offloaded_arrays_are_read_back_and_checked_like_any_others():
+    big, bad, gone = traj("t1", 0, 1.0), traj("t2", 0, 1.0), stub(traj("t3", 0, 1.0))
+    bad = bad.model_copy(update={"completion_ids": np.array([1, 999], "<i4").tobytes()})  # a token outside the vocabulary
+    objects = Objects(big, bad)
+    ingest, lane, in_flight, journal, log = ingest_setup(objects)
+    for task in ("t1", "t2", "t3"):
+        in_flight.issue(task, None)
+    pulled = Pulled(*(MemoryDelivery(t, seq, log) for seq, t in ((10, stub(big)), (20, stub(bad)), (30, gone))))
+    assert await ingest.pull(pulled) == 3  # type: ignore[arg-type]
+    assert journal.holds("t1.solver.0") and ingest.assembling  # read back whole, checked, assembled
+    assert lane.ledger.fates == {"invalid:token": 1, "invalid:payload": 1}  # its values are checked; its arrays must be there
+    await journal.flush()
+    assert [e[:2] for e in log if e[0] == "reject"] == [("reject", 20), ("reject", 30)]
+    assert "t3.solver.0: traj/t3.solver.0 is gone" in log[-1][2]
+    objects.down = True  # a read that fails for another reason says nothing about the trajectory: it comes back later
+    in_flight.issue("t4", None)
+    pulled = Pulled(MemoryDelivery(stub(traj("t4", 0, 1.0)), 40, log), MemoryDelivery(traj("t4", 1, 0.0), 41, log))
+    assert await ingest.pull(pulled) == 2  # type: ignore[arg-type]
+    assert log[-1] == ("nak", 40) and not journal.holds("t4.solver.0") and ingest.stats["payload_retries"] == 1
+    assert journal.holds("t4.solver.1")  # the rest of the pull goes on
+
+
 async def test_a_failed_task_releases_what_came_back_of_it():
     ingest, lane, in_flight, journal, log = ingest_setup()
     in_flight.issue("t1", None)
@@ -240,25 +301,26 @@ async def test_a_failed_task_releases_what_came_back_of_it():
 
 
 # ------------------------------------------------------------ batch plans and the lane's accounting
-def test_a_plan_scales_advantages_by_group_weight_and_rebuilds_the_same_batch():
+def test_a_plan_scales_advantages_by_group_weight_and_is_the_manifest():
     p = pipeline()  # GRPO: (r - mean) / std
     fresh, replayed = group_of("t1", [0.0, 1.0], seq0=10), group_of("t2", [1.0, 3.0], seq0=20)
     fresh.weight = 0.5
     plan = plan_batch("solver-b000001", [fresh, replayed], ["t1"], p.advantages, created_at=7.0)
     grpo = 1 / np.sqrt(2)
-    assert plan.tasks == ["t1"] and plan.groups == ["t1", "t2"] and plan.seqs == [10, 11, 20, 21]
+    assert plan.tasks == ["t1"] and plan.groups == ["t1", "t2"] and [r.seq for r in plan.refs] == [10, 11, 20, 21]
+    assert [(r.traj_id, r.task_id) for r in plan.refs] == [("t1.solver.0", "t1"), ("t1.solver.1", "t1"), ("t2.solver.0", "t2"),
+                                                           ("t2.solver.1", "t2")]
     assert np.allclose(plan.advantages, [-0.5 * grpo, 0.5 * grpo, -grpo, grpo])
-    batch = plan.to_batch("solver", fresh.trajectories + replayed.trajectories)
-    assert batch.task_ids == ["t1", "t2"] and batch.created_at == 7.0 and batch.batch_id == plan.batch_id
+    batch = plan.to_batch("solver")
+    assert batch.task_ids == ["t1", "t2"] and batch.created_at == 7.0 and batch.batch_id == plan.batch_id and batch.refs == plan.refs
     assert np.allclose(batch.advantage_array(), plan.advantages)
-    with pytest.raises(ValueError, match="3 trajectories for 4 planned"):
-        plan.to_batch("solver", fresh.trajectories + replayed.trajectories[:1])
+    assert plan.to_batch("solver").digest() == batch.digest()  # published again after a restart: the same manifest
 
 
 def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
     lane = PolicyLane("solver", pipeline(), primary=True)
     lane.note_issued(3)
-    groups = [group_of(f"t{i}", [0.0, 1.0], seq0=10 * i, version=1) for i in range(3)]
+    groups = [group_of(f"t{i}", [0.0, 1.0], seq0=10 * (i + 1), version=1) for i in range(3)]  # stream sequences start at 1
     for h in groups:
         lane.receive()
     lane.keep(groups[0])
@@ -269,7 +331,7 @@ def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
     plan = lane.plan(groups[:2], ["t0", "t1"], created_at=1.0)
     acc = lane.accounting(in_flight=0)
     assert plan.batch_id == "solver-b000001" and acc.awaiting == 2 and acc.buffered == 0 and acc.adds_up
-    assert lane.is_closed("t0") and lane.find("t0") is groups[0] and lane.replay_seqs("t1") == [10, 11]
+    assert lane.is_closed("t0") and lane.find("t0") is groups[0] and lane.replay_seqs("t1") == [20, 21]
     assert lane.stats["lag_max"] == 2 and not lane.drained()
     restored = PolicyLane("solver", pipeline(), primary=True)
     restored.load_state(lane.state())

@@ -13,6 +13,7 @@ import pytest
 
 from astraflow.streams.messages import Batch, Rejected, Task, Trajectory
 from astraflow.streams.state import BatchPlanRecord, FateRecord
+from astraflow.streams.trajectories import offload
 from test_dataflow import Harness, recipe
 
 Make = Callable[[Task, str, int, int], Trajectory]  # (task, policy, index, version) -> what the node sends
@@ -176,6 +177,8 @@ async def test_every_batch_has_a_plan_record_until_its_fate_is_known(harness: Ha
 
 @pytest.mark.parametrize("verdict,fate", [("stale: oldest token v0, trainer at v9", "dropped:stale"),
                                           ("non_finite: loss nan, gradient norm nan", "failed:train"),
+                                          ("missing: 1 sequence(s) of AF_x_TRAJ are gone: 7", "failed:train"),
+                                          ("mismatch: sequence 7 holds t1.solver.1", "failed:train"),
                                           ("forged: another content", None)])
 @with_recipe(max_staleness=1, max_tasks_in_flight=4)
 async def test_a_trainer_verdict_on_a_batch_becomes_its_tasks_fate(harness: Harness, verdict: str, fate: str | None):
@@ -196,3 +199,26 @@ async def test_a_trainer_verdict_on_a_batch_becomes_its_tasks_fate(harness: Harn
     assert h.acc().adds_up and await h.plane.state.get(BatchPlanRecord, "solver", batch.batch_id) is None
     record = await h.plane.state.get(FateRecord, "solver", batch.task_ids[0])
     assert record.fate == fate and record.batch == batch.batch_id and record.error.startswith(verdict.split(":")[0])
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_trajectories_by_reference_are_read_back_checked_batched_and_fetched_whole(harness: Harness):
+    h = harness
+    await h.turn(2)
+    got = await h.task_sub.pull(batch=2, timeout=0.3)
+    whole = [good(d.msg, "solver", i, 0) for d in got for i in range(d.msg.group_size)]
+    store = h.node.trajectory_objects()
+    by_ref = [await offload(store, t) for t in whole[:3]]  # as a node sends what exceeds max_payload
+    await store.delete(by_ref[2].payload_ref)  # the second task's first sample names arrays that are gone
+    await h.node.publish_many([(h.node.names.traj("solver"), t, t.traj_id) for t in [*by_ref, whole[3]]])
+    for d in got:
+        await d.ack()
+    await h.until(lambda: h.acc().fates.get("invalid:payload") == 1 and h.acc().buffered == 1)
+    (rej,) = await dead_letters(h)
+    assert rej.reason.startswith(f"invalid payload: {whole[2].traj_id}: its arrays") and h.acc().adds_up
+    await h.turn(2)
+    await serve(h, limit=1)
+    await h.until(lambda: h.df.lanes["solver"].batch_seq == 1)
+    (batch,) = await h.train("solver")  # the manifest names the stubs; the trainer gets them whole
+    assert batch.trajectories[:2] == whole[:2] and all(not t.offloaded for t in batch.trajectories)
+    assert [r.traj_id for r in batch.manifest.refs[:2]] == [t.traj_id for t in whole[:2]]

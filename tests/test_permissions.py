@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from astraflow.streams.credentials import issue, server_users
-from astraflow.streams.messages import Task, Trajectory
+from astraflow.streams.messages import Batch, Task, Trajectory, TrajRef
 from astraflow.streams.permissions import Scope, inbox_prefix, render_accounts, shipped_accounts_conf
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import EmbeddedServer, adapt_config
 from astraflow.streams.state import BatchPlanRecord, EvalRecord, KeyframeRequest, VersionRecord
+from astraflow.streams.trajectories import fetch_trajectories, offload, resolve_all
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN, POLICIES = "sec" + uuid.uuid4().hex[:6], ("solver", "verifier")
@@ -96,6 +97,12 @@ EXPECT: dict[tuple[str, str], set[str]] = {
     ("pub", f"$KV.af_{R}_fates.plan.solver.solver-b000001"): {"admin", "dataflow"},  # only the dataflow plans batches
     ("pub", f"$KV.af_{R}_state.plan.solver.solver-b000001"): {"admin"},
     ("pub", f"$O.af_{R}_weights.C.abc"): {"admin", "trainer-solver", "trainer-verifier"},
+    ("pub", f"$O.af_{R}_weights.M.abc"): {"admin", "trainer-solver", "trainer-verifier"},
+    # the arrays of trajectories too large for a message: nodes write them in their own bucket, and delete nothing
+    ("pub", f"$O.af_{R}_traj_objects.C.abc"): {"admin", "rollout"},
+    ("pub", f"$O.af_{R}_traj_objects.M.abc"): {"admin", "rollout"},
+    ("pub", f"{API}.STREAM.PURGE.OBJ_af_{R}_traj_objects"): {"admin"},
+    ("pub", f"{API}.STREAM.CREATE.OBJ_af_{R}_traj_objects"): {"admin", "dataflow"},
     # the trainers' and the pool's durable consumers: only their own role pulls, acks or inspects them
     ("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{R}_BATCH.trainer-solver"): {"admin", "trainer-solver"},
     ("pub", f"$JS.ACK.AF_{R}_BATCH.trainer-solver.1.1.1.1.1"): {"admin", "trainer-solver"},
@@ -115,7 +122,9 @@ EXPECT: dict[tuple[str, str], set[str]] = {
     ("pub", f"{API}.STREAM.CREATE.AF_{R}_TASK"): {"admin", "dataflow"},
     # reads
     ("pub", f"{API}.CONSUMER.CREATE.AF_{R}_WEIGHTS"): set(USERS) - {"observer"} | {"observer"},
-    ("pub", f"{API}.STREAM.MSG.GET.AF_{R}_TRAJ"): {"admin", "dataflow", "trainer-solver", "trainer-verifier"},
+    ("pub", f"{API}.STREAM.MSG.GET.AF_{R}_TRAJ"): {"admin"},  # trainers read batches' trajectories with direct gets
+    ("pub", f"{API}.DIRECT.GET.AF_{R}_TRAJ"): {"admin", "trainer-solver", "trainer-verifier"},
+    ("pub", f"{API}.CONSUMER.CREATE.OBJ_af_{R}_traj_objects"): {"admin", "dataflow", "trainer-solver", "trainer-verifier"},
     ("sub", f"af.{R}.hb.>"): {"admin", "dataflow", "observer"},
     ("sub", f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.AF_{R}_TASK.raas"): {"admin", "dataflow"},
     ("sub", "_INBOX_dataflow.x"): {"admin", "dataflow"},
@@ -168,7 +177,9 @@ async def test_roles_do_their_job(secured):
     traj = Trajectory(traj_id="t1.solver.0", task_id="t1", prompt_id="p", policy="solver", index=0, group_size=1,
                       prompt_ids=np.arange(3), completion_ids=np.arange(2), logprobs=np.zeros(2), versions=np.zeros(2),
                       loss_mask=np.ones(2), reward=1.0)
-    await rollout.publish(rollout.names.traj("solver"), traj, traj.traj_id)
+    big = traj.model_copy(update={"traj_id": "t1.solver.1", "index": 1})
+    stub = await offload(rollout.trajectory_objects(), big)  # arrays in the trajectory bucket (as for one over max_payload)
+    seqs = await rollout.publish_many([(rollout.names.traj("solver"), t, t.traj_id) for t in (traj, stub)])
     await d.ack()
     assert (await rollout.state.get(VersionRecord, "solver")).version == 0
     assert bytes(await rollout.objects().get(ref)) == b"weights" * 1000  # an ordered consumer on the object stream
@@ -177,9 +188,13 @@ async def test_roles_do_their_job(secured):
 
     evaluator = await as_user(secured, "evaluator")
     await evaluator.state.put(EvalRecord(policy="solver", version=0, reward=0.5))
-    (got,) = await dataflow.consumer(dataflow.names.traj_stream, "dataflow", Trajectory).pull(timeout=2)
-    assert await dataflow.get(dataflow.names.traj_stream, got.stream_seq, Trajectory) == traj
-    await got.ack()
+    got = await dataflow.consumer(dataflow.names.traj_stream, "dataflow", Trajectory).pull(batch=2, timeout=2)
+    assert await resolve_all(dataflow.trajectory_objects(), [g.msg for g in got]) == [traj, big]  # the dataflow checks values
+    for g in got:
+        await g.ack()
+    manifest = Batch(batch_id="solver-b000001", policy="solver", advantages=np.ones(2), task_ids=["t1"],
+                     refs=[TrajRef(seq=s, traj_id=t.traj_id, task_id="t1") for s, t in zip(seqs, (traj, big), strict=True)])
+    assert await fetch_trajectories(trainer, manifest) == [traj, big]  # direct gets on TRAJ, the arrays from the bucket
     await dataflow.state.delete(BatchPlanRecord, "solver", "solver-b000001")  # its fate is known: the dataflow deletes it
     assert await trainer.state.get(BatchPlanRecord, "solver", "solver-b000001") is None
     observer = await as_user(secured, "observer")

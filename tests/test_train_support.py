@@ -16,6 +16,7 @@ from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.messages import Batch, WeightVersion
 from astraflow.streams.plane import Follower, Plane
 from astraflow.streams.state import BatchPlanRecord
+from astraflow.streams.trajectories import TrainingBatch, publish_trajectories
 from astraflow.tasks import load_split
 from astraflow.train.synthetic import sample_batches
 
@@ -33,7 +34,7 @@ def write_recipe(path: Path, policies: tuple[str, ...] = ("solver",), batch_ack_
     return path, load_recipe(path)
 
 
-def make_batches(recipe: Recipe, policy: str, n: int, seed: int = 0) -> list[Batch]:
+def make_batches(recipe: Recipe, policy: str, n: int, seed: int = 0) -> list[TrainingBatch]:
     pcfg = recipe.policies[policy]
     tok = load_tokenizer(pcfg.model.tokenizer)
     train, _ = load_split(recipe.data)
@@ -42,14 +43,28 @@ def make_batches(recipe: Recipe, policy: str, n: int, seed: int = 0) -> list[Bat
 
 
 def plan_of(b: Batch) -> BatchPlanRecord:
-    return BatchPlanRecord(policy=b.policy, batch_id=b.batch_id, digest=b.digest(), trajectories=len(b.trajectories))
+    return BatchPlanRecord(policy=b.policy, batch_id=b.batch_id, digest=b.digest(), trajectories=len(b.refs))
 
 
-async def publish_batches(plane: Plane, batches: list[Batch], planned: bool = True) -> None:
-    """As the dataflow publishes them: each batch's plan record first (unless ``planned`` is False), then the batch."""
+def at(b: TrainingBatch, seqs: list[int]) -> TrainingBatch:
+    """``b`` with its manifest naming its trajectories at these TRAJ stream sequences."""
+    refs = [r.model_copy(update={"seq": s}) for r, s in zip(b.manifest.refs, seqs, strict=True)]
+    return TrainingBatch(b.manifest.model_copy(update={"refs": refs}), b.trajectories)
+
+
+async def on_stream(plane: Plane, b: TrainingBatch) -> TrainingBatch:
+    """Publish ``b``'s trajectories as nodes do (one too large for a message by reference); ``b`` naming where they are."""
+    return at(b, await publish_trajectories(plane, b.trajectories))
+
+
+async def publish_batches(plane: Plane, batches: list[TrainingBatch], planned: bool = True) -> list[TrainingBatch]:
+    """As nodes and the dataflow publish them: the trajectories, then each manifest's plan record (unless ``planned``
+    is False), then the manifests. Returns the batches as published."""
+    out = [await on_stream(plane, b) for b in batches]
     if planned:
-        await plane.state.put_many([plan_of(b) for b in batches])
-    await plane.publish_many([(plane.names.batch(b.policy), b, b.batch_id) for b in batches])
+        await plane.state.put_many([plan_of(b.manifest) for b in out])
+    await plane.publish_many([(plane.names.batch(b.policy), b.manifest, b.batch_id) for b in out])
+    return out
 
 
 def spawn_trainer(recipe_file: Path, url: str, run: str, policy: str, log: Path, checkpoint_dir: Path | None = None,
@@ -127,7 +142,7 @@ class VersionHolder:
         self.version = version
 
 
-def check_record(anns: list[WeightVersion], batches: list[Batch], steps: int) -> None:
+def check_record(anns: list[WeightVersion], batches: list[TrainingBatch], steps: int) -> None:
     versions = [a.version for a in anns]
     assert versions == list(range(steps + 1)), versions  # monotonic, no duplicate, no gap, no reuse
     trained = [b for a in anns for b in a.batch_ids]

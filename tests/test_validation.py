@@ -20,8 +20,9 @@ from astraflow.dataflow.ledger import Ledger, account
 from astraflow.dataflow.validate import LOGPROB_SLACK, Limits, PolicyLimits, check_trajectory, check_versions
 from astraflow.models import build_model, load_tokenizer, model_limits
 from astraflow.streams.codec import decode, encode
-from astraflow.streams.messages import Batch, ObjectRef, Trajectory, WeightVersion
-from astraflow.train.vetting import check_batch, non_finite
+from astraflow.streams.messages import Batch, ObjectRef, Trajectory, TrajRef, WeightVersion
+from astraflow.streams.trajectories import TrainingBatch
+from astraflow.train.vetting import check_batch, check_manifest, non_finite
 from astraflow.weights.checks import announcement_problem, order_problem
 
 VOCAB, GROUP = 384, 4
@@ -183,39 +184,65 @@ def test_secondary_lanes_count_invalid_groups_like_failed_ones():
     assert account(primary, primary=True, in_flight=1, buffered=1, awaiting=1).adds_up
 
 
-# ------------------------------------------------------------ batches: digest and the trainer's checks
-def batch(n: int = 4, adv: float = 0.5, version: int = 3) -> Batch:
+# ------------------------------------------------------------ batches: the manifest's digest and the trainer's checks
+def batch(n: int = 4, adv: float = 0.5, version: int = 3) -> TrainingBatch:
     trajs = [traj(task=f"t0000000{i // 2 + 1}", index=i % 2, version=version) for i in range(n)]
-    return Batch(batch_id="solver-b000001", policy="solver", trajectories=trajs, advantages=np.full(n, adv, np.float32),
-                 task_ids=sorted({t.task_id for t in trajs}))
+    refs = [TrajRef(seq=100 + i, traj_id=t.traj_id, task_id=t.task_id) for i, t in enumerate(trajs)]
+    manifest = Batch(batch_id="solver-b000001", policy="solver", refs=refs, advantages=np.full(n, adv, np.float32),
+                     task_ids=sorted({t.task_id for t in trajs}))
+    return TrainingBatch(manifest, trajs)
 
 
-FIELDS = {  # a change to any trained field must change the digest
+def with_ref(b: Batch, i: int, **ref: object) -> Batch:
+    refs = list(b.refs)
+    refs[i] = refs[i].model_copy(update=ref)
+    return b.model_copy(update={"refs": refs})
+
+
+FIELDS = {  # a change to anything trained must change the manifest's digest
     "advantages": lambda b: b.model_copy(update={"advantages": np.full(4, 0.25, np.float32).tobytes()}),
     "task_ids": lambda b: b.model_copy(update={"task_ids": ["t00000009"]}),
     "batch_id": lambda b: b.model_copy(update={"batch_id": "solver-b000002"}),
-    "reward": lambda b: b.model_copy(update={"trajectories": [b.trajectories[0].model_copy(update={"reward": 0.0}), *b.trajectories[1:]]}),
-    "tokens": lambda b: b.model_copy(update={"trajectories": [*b.trajectories[:3], traj(completion_ids=np.arange(11, 17))]}),
-    "logprobs": lambda b: b.model_copy(update={"trajectories": [traj(logprobs=np.full(6, -0.6, np.float32)), *b.trajectories[1:]]}),
-    "order": lambda b: b.model_copy(update={"trajectories": b.trajectories[::-1]}),
+    "policy": lambda b: b.model_copy(update={"policy": "verifier"}),
+    "seq": lambda b: with_ref(b, 0, seq=99),
+    "traj_id": lambda b: with_ref(b, 1, traj_id="t00000001.solver.7"),
+    "ref_task_id": lambda b: with_ref(b, 2, task_id="t00000009"),
+    "order": lambda b: b.model_copy(update={"refs": b.refs[::-1]}),
+    "one_less": lambda b: b.model_copy(update={"refs": b.refs[:3], "advantages": np.full(3, 0.5, np.float32).tobytes()}),
 }
 
 
 @pytest.mark.parametrize("field", FIELDS)
-def test_the_batch_digest_covers_what_is_trained(field: str):
-    b = batch()
+def test_the_manifest_digest_covers_what_is_trained(field: str):
+    b = batch().manifest
     assert decode(encode(b), Batch).digest() == b.digest()  # the wire does not change it
     assert FIELDS[field](b).digest() != b.digest()
 
 
+def test_a_manifest_stays_small_however_long_its_trajectories():
+    refs = [TrajRef(seq=10**9 + i, traj_id=f"t{i // 8:08d}.solver.{i % 8}", task_id=f"t{i // 8:08d}") for i in range(512)]
+    manifest = Batch(batch_id="solver-b000001", policy="solver", refs=refs, advantages=np.zeros(512, np.float32),
+                     task_ids=[f"t{g:08d}" for g in range(64)])
+    assert len(encode(manifest)) < 64 * 1024  # 64 groups x 8 samples, of any length: far under max_payload
+
+
 def test_the_trainer_turns_away_what_it_cannot_train():
-    assert check_batch(batch(), "solver", VOCAB, version=5, max_lag=2) is None
-    assert check_batch(batch(), "verifier", VOCAB, version=5, max_lag=2).startswith("invalid: a batch of 'solver'")
-    assert check_batch(batch(adv=math.nan), "solver", VOCAB, 5, 2).startswith("invalid: 4 non-finite advantages")
-    short = batch().model_copy(update={"advantages": np.zeros(3, np.float32).tobytes()})
-    assert check_batch(short, "solver", VOCAB, 5, 2).startswith("invalid: 3 advantages for 4")
-    assert check_batch(batch(), "solver", vocab=12, version=5, max_lag=2).startswith("invalid: t00000001.solver.0 has token ids")
-    assert check_batch(batch(version=2), "solver", VOCAB, version=5, max_lag=2).startswith("stale: oldest token v2, trainer at v5")
+    b = batch()
+    assert check_manifest(b.manifest, "solver") is None and check_batch(b, VOCAB, version=5, max_lag=2) is None
+    assert check_manifest(b.manifest, "verifier").startswith("invalid: a batch of 'solver'")
+    assert check_manifest(batch(adv=math.nan).manifest, "solver").startswith("invalid: 4 non-finite advantages")
+    short = b.manifest.model_copy(update={"advantages": np.zeros(3, np.float32).tobytes()})
+    assert check_manifest(short, "solver").startswith("invalid: 3 advantages for 4")
+    assert check_batch(b, vocab=12, version=5, max_lag=2).startswith("invalid: t00000001.solver.0 has token ids")
+    assert check_batch(batch(version=2), VOCAB, version=5, max_lag=2).startswith("stale: oldest token v2, trainer at v5")
+
+
+@pytest.mark.parametrize("other", [{"traj_id": "t00000001.solver.3", "index": 3}, {"task_id": "t00000009", "traj_id": "t00000009.solver.0"},
+                                   {"policy": "verifier", "traj_id": "t00000001.verifier.0"}])
+def test_a_fetched_trajectory_must_be_the_one_its_reference_names(other: dict[str, object]):
+    b = batch()
+    swapped = TrainingBatch(b.manifest, [b.trajectories[0].model_copy(update=other), *b.trajectories[1:]])
+    assert check_batch(swapped, VOCAB, version=5, max_lag=2).startswith("mismatch: sequence 100 holds")
 
 
 def test_non_finite_weights_are_named():

@@ -2,8 +2,9 @@
 
 Ingest feeds accepted trajectories in (with their TRAJ stream sequence) and gets complete
 groups out. Deliveries stay unacked while their trajectories are held, so a dataflow that dies
-loses nothing: the server redelivers them to the next one. A group remembers the stream
-sequence of each trajectory, so a batch can be rebuilt from the stream after a restart.
+loses nothing: the server redelivers them to the next one. A group keeps what the algorithms
+decide on (its samples) and where each trajectory lies in the TRAJ stream, never the arrays: a
+batch is a manifest of those references (the trainer reads the trajectories itself).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from astraflow.algorithms import Group, Sample
-from astraflow.streams.messages import Trajectory
+from astraflow.streams.messages import Trajectory, TrajRef
 
 
 def to_sample(t: Trajectory, deadline: float | None = None) -> Sample:
@@ -26,11 +27,10 @@ def to_sample(t: Trajectory, deadline: float | None = None) -> Sample:
 
 @dataclass
 class HeldGroup:
-    """A complete group: its algorithm view, its trajectories and where they lie in the TRAJ stream."""
+    """A complete group: its algorithm view and where its trajectories lie in the TRAJ stream."""
 
     group: Group
-    trajectories: list[Trajectory]
-    seqs: list[int]  # TRAJ stream sequence of each trajectory, aligned with ``trajectories``
+    seqs: list[int]  # TRAJ stream sequence of each trajectory, aligned with ``group.samples``
     weight: float = 1.0  # factor on the group's advantages (a late group may be down-weighted)
 
     @property
@@ -39,7 +39,11 @@ class HeldGroup:
 
     @property
     def traj_ids(self) -> list[str]:
-        return [t.traj_id for t in self.trajectories]
+        return [s.traj_id for s in self.group.samples]
+
+    def refs(self) -> list[TrajRef]:
+        """What a batch manifest names of this group, in sample order."""
+        return [TrajRef(seq=seq, traj_id=s.traj_id, task_id=s.task_id) for s, seq in zip(self.group.samples, self.seqs, strict=True)]
 
 
 DONE_MEMORY = 65536  # completed (task, policy) keys remembered to spot late copies
@@ -47,9 +51,9 @@ DONE_MEMORY = 65536  # completed (task, policy) keys remembered to spot late cop
 
 @dataclass
 class Assembler:
-    """Collects trajectories per (task, policy) until the group is complete."""
+    """Collects trajectories per (task, policy), as samples, until the group is complete."""
 
-    partial: dict[tuple[str, str], dict[int, tuple[Trajectory, int]]] = field(default_factory=dict)
+    partial: dict[tuple[str, str], dict[int, tuple[Sample, int]]] = field(default_factory=dict)
     done: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
 
     def add(self, traj: Trajectory, seq: int, deadline: float | None = None) -> HeldGroup | None | Literal[False]:
@@ -61,10 +65,10 @@ class Assembler:
         slot = self.partial.setdefault(key, {})
         if traj.index in slot:
             if slot[traj.index][0].traj_id == traj.traj_id:  # the same message again: keep the newer copy
-                slot[traj.index] = (traj, seq)
+                slot[traj.index] = (to_sample(traj, deadline), seq)
                 return None
             return False
-        slot[traj.index] = (traj, seq)
+        slot[traj.index] = (to_sample(traj, deadline), seq)
         if len(slot) < traj.group_size:
             return None
         del self.partial[key]
@@ -72,10 +76,8 @@ class Assembler:
         while len(self.done) > DONE_MEMORY:
             self.done.popitem(last=False)
         items = [slot[i] for i in sorted(slot)]
-        trajs = [t for t, _ in items]
-        group = Group(task_id=traj.task_id, prompt_id=traj.prompt_id, policy=traj.policy,
-                      samples=tuple(to_sample(t, deadline) for t in trajs))
-        return HeldGroup(group, trajs, [s for _, s in items])
+        group = Group(task_id=traj.task_id, prompt_id=traj.prompt_id, policy=traj.policy, samples=tuple(s for s, _ in items))
+        return HeldGroup(group, [seq for _, seq in items])
 
     @property
     def assembling(self) -> bool:
@@ -85,7 +87,7 @@ class Assembler:
     def drop(self, task_id: str, policy: str | None = None) -> list[str]:
         """Forget the partial groups of ``task_id`` (every policy's, or ``policy``'s); returns their trajectory ids."""
         keys = [k for k in self.partial if k[0] == task_id and policy in (None, k[1])]
-        return [t.traj_id for k in keys for t, _ in self.partial.pop(k).values()]
+        return [s.traj_id for k in keys for s, _ in self.partial.pop(k).values()]
 
 
 RECENT = 512  # batched groups remembered for replay
@@ -93,7 +95,7 @@ RECENT = 512  # batched groups remembered for replay
 
 class Recent:
     """Recently batched groups, for replay: in memory while this process holds them, and by TRAJ
-    stream sequences (what the state keeps) so a successor can read them back."""
+    stream sequences (what the state keeps) so a successor can name them again."""
 
     def __init__(self, size: int = RECENT) -> None:
         self.size = size

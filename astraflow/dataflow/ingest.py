@@ -2,9 +2,16 @@
 
 Each delivery of the TRAJ stream goes through, in order:
 
+0. ``whole`` — a trajectory too large for one message carries its arrays by reference
+   (``payload_ref``): they are read back from the trajectory bucket (``streams/trajectories.py``,
+   every digest checked) so the checks below see its values. Only those are read; a pull of
+   normal-size trajectories costs nothing here. An object that is gone or corrupt makes the
+   trajectory invalid (``payload``); a read that fails otherwise (a timeout) gives the
+   delivery back (nak) to be read again.
 1. ``admit`` — the one place a trajectory is accepted or turned away, in this order:
 
    - a policy the run does not have: dead-lettered;
+   - arrays that could not be read whole (step 0): invalid (``payload``);
    - its values are checked (``validate.check_trajectory``: ids, group size, reward, tokens in
      the policy's vocabulary, lengths, logprobs, mask);
    - a task already settled or batched in this lane: a valid copy is acked and ignored (a
@@ -34,8 +41,10 @@ Each delivery of the TRAJ stream goes through, in order:
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -45,9 +54,12 @@ from astraflow.dataflow.durability import Ackable, Journal
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane, context
-from astraflow.dataflow.validate import Limits, Stats, check_trajectory, check_versions, measure
+from astraflow.dataflow.validate import Invalid, Limits, Stats, check_trajectory, check_versions, measure
 from astraflow.streams.messages import Trajectory
 from astraflow.streams.plane import Consumer
+from astraflow.streams.trajectories import PayloadUnavailable
+
+log = logging.getLogger(__name__)
 
 
 class Incoming(Ackable, Protocol):
@@ -59,6 +71,8 @@ class Incoming(Ackable, Protocol):
     def stream_seq(self) -> int: ...
 
     async def reject(self, reason: str) -> None: ...
+
+    async def nak(self, delay: float | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -104,11 +118,12 @@ def land(group: Group, pipeline: Pipeline, ctx: Context, deadline: float | None,
 
 
 NewestVersion = Callable[[str], Awaitable[int]]  # the newest announced version of a policy, as the plane has it now
+Resolve = Callable[[list[Trajectory]], Awaitable[list[Trajectory | PayloadUnavailable]]]  # offloaded arrays read back
 
 
 class TrajectoryIngest:
     def __init__(self, lanes: Mapping[str, PolicyLane], in_flight: InFlight, journal: Journal, cfg: DataflowConfig,
-                 stats: Counter[str], limits: Limits, newest: NewestVersion) -> None:
+                 stats: Counter[str], limits: Limits, newest: NewestVersion, resolve: Resolve) -> None:
         self.lanes = lanes
         self.in_flight = in_flight
         self.journal = journal
@@ -116,6 +131,7 @@ class TrajectoryIngest:
         self.stats = stats  # the dataflow's heartbeat counters
         self.limits = limits
         self.newest = newest
+        self.resolve = resolve
         self.assembler = Assembler()
 
     @property
@@ -124,9 +140,29 @@ class TrajectoryIngest:
 
     async def pull(self, trajectories: Consumer[Trajectory], timeout: float = 0.1) -> int:
         deliveries = await trajectories.pull(batch=256, timeout=timeout)
-        for d, s in zip(deliveries, measure([d.msg for d in deliveries]), strict=True):  # the arrays of a whole pull at once
-            await self.take(d, s)
+        items = await self.whole(deliveries)
+        for (d, t, unreadable), s in zip(items, measure([t for _, t, _ in items]), strict=True):  # a whole pull's arrays at once
+            await self.take(d, s, t, unreadable)
         return len(deliveries)
+
+    async def whole(self, deliveries: Sequence[Incoming]) -> list[tuple[Incoming, Trajectory, Invalid | None]]:
+        """Each delivery with its trajectory whole (offloaded arrays read back), or why they cannot be read. If the
+        reads fail for another reason (a timeout), the offloaded ones are given back (nak) and left out."""
+        offloaded = [d for d in deliveries if d.msg.offloaded]
+        if not offloaded:
+            return [(d, d.msg, None) for d in deliveries]
+        try:
+            resolved = dict(zip(map(id, offloaded), await self.resolve([d.msg for d in offloaded]), strict=True))
+        except Exception as e:  # says nothing about the trajectories: read them again later
+            log.warning("reading the arrays of %d trajectories failed (%s: %s); giving them back", len(offloaded), type(e).__name__, e)
+            await asyncio.gather(*(d.nak(delay=1.0) for d in offloaded), return_exceptions=True)
+            self.stats["payload_retries"] += len(offloaded)
+            return [(d, d.msg, None) for d in deliveries if not d.msg.offloaded]
+        out: list[tuple[Incoming, Trajectory, Invalid | None]] = []
+        for d in deliveries:
+            r = resolved.get(id(d), d.msg)
+            out.append((d, d.msg, Invalid("payload", str(r))) if isinstance(r, PayloadUnavailable) else (d, r, None))
+        return out
 
     def waits_on(self, lane: PolicyLane, task_id: str) -> bool:
         """A task this dataflow issued and this lane has not settled: out or kept (primary lane, where tasks
@@ -135,14 +171,15 @@ class TrajectoryIngest:
             return task_id in self.in_flight or lane.kept_weight(task_id) is not None
         return self.in_flight.recent(task_id)
 
-    def admit(self, t: Trajectory, s: Stats | None = None, confirmed: bool = False) -> Admission:
+    def admit(self, t: Trajectory, s: Stats | None = None, confirmed: bool = False, unreadable: Invalid | None = None) -> Admission:
         """The one place a trajectory is accepted or turned away (see the module's docstring); ``s``: its
-        arrays' stats (``validate.measure``); ``confirmed``: the lane's version was just read from the plane."""
+        arrays' stats (``validate.measure``); ``confirmed``: the lane's version was just read from the plane;
+        ``unreadable``: why its offloaded arrays could not be read."""
         lane = self.lanes.get(t.policy)
         if lane is None:
             return Admission("reject", f"invalid policy: {t.policy!r}; run has {list(self.lanes)}", "policy")
         s = s or measure([t])[0]
-        bad = check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s)
+        bad = unreadable or check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s)
         if lane.is_closed(t.task_id):  # settled or batched before (a redelivery after a restart, a late copy)
             return Admission("reject", bad.reason, bad.code) if bad else Admission("ack", "redelivered_settled")
         if not self.waits_on(lane, t.task_id):
@@ -160,13 +197,14 @@ class TrajectoryIngest:
             return Admission("ack", "duplicates")
         return ASSEMBLE
 
-    async def take(self, d: Incoming, s: Stats | None = None) -> None:
-        t = d.msg
+    async def take(self, d: Incoming, s: Stats | None = None, t: Trajectory | None = None, unreadable: Invalid | None = None) -> None:
+        """Admit and place one delivery; ``t``: its trajectory whole (default: as delivered)."""
+        t = t or d.msg
         s = s or measure([t])[0]
-        admission = self.admit(t, s)
+        admission = self.admit(t, s, unreadable=unreadable)
         if admission.action == "confirm":
             self.lanes[t.policy].advance(await self.newest(t.policy))
-            admission = self.admit(t, s, confirmed=True)
+            admission = self.admit(t, s, confirmed=True, unreadable=unreadable)
         if admission.action in ("reject", "invalid"):
             self.stats[f"invalid.{admission.code}"] += 1
             if admission.settles:

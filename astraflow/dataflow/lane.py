@@ -9,9 +9,9 @@ to continue exactly where this one stopped is in ``state()``:
   unacked, so they come back after a restart and go straight back into the buffer);
 - ``closed``: tasks whose group is settled or batched: a redelivered trajectory of one is acked
   and ignored, so nothing already batched is batched again;
-- ``plans``: batches written ahead of their publication (id, tasks, trajectory stream
-  sequences, advantages); one found at restart is rebuilt from the stream and published again
-  with the same ``Nats-Msg-Id``, and the server drops it if the first publication had landed;
+- ``plans``: batch manifests written ahead of their publication (id, tasks, trajectory
+  references, advantages); one found at restart is published again as it is, with the same
+  ``Nats-Msg-Id``, and the server drops it if the first publication had landed;
 - ``awaiting``: published batches the trainer has not announced yet (their tasks);
 - ``recent``: stream sequences of recently batched groups, so replay survives a restart;
 - ``history``: per batch, the groups received and tasks issued when it was planned (the data
@@ -35,10 +35,10 @@ HISTORY = 1024  # batches whose data cost and staleness the state keeps
 
 def plan_batch(batch_id: str, chosen: list[HeldGroup], taken: list[str], advantages: Callable[[Group], list[float]],
                created_at: float) -> BatchPlan:
-    """A batch written ahead of its publication: every chosen group's trajectories in order, with
-    advantage ``a_i · w`` per trajectory (``w``: the group's weight, below 1 for a down-weighted
+    """A batch manifest written ahead of its publication: every chosen group's trajectory references in
+    order, with advantage ``a_i · w`` per trajectory (``w``: the group's weight, below 1 for a down-weighted
     late group). ``taken`` are the groups fresh from the buffer; the others are replayed."""
-    return BatchPlan(batch_id=batch_id, tasks=list(taken), groups=[h.task_id for h in chosen], seqs=[s for h in chosen for s in h.seqs],
+    return BatchPlan(batch_id=batch_id, tasks=list(taken), groups=[h.task_id for h in chosen], refs=[r for h in chosen for r in h.refs()],
                      advantages=[a * h.weight for h in chosen for a in advantages(h.group)], created_at=created_at)
 
 
@@ -153,7 +153,7 @@ class PolicyLane:
         self.ledger.replayed += len(chosen) - len(taken)
         lags = [self.version - h.group.min_version for h in chosen]
         self.stats["lag_mean"], self.stats["lag_max"] = sum(lags) / len(lags), max(lags)
-        rewards = [t.reward or 0.0 for h in chosen for t in h.trajectories]
+        rewards = [s.reward or 0.0 for h in chosen for s in h.group.samples]
         self.stats["batch_reward"] = sum(rewards) / len(rewards)
         self.history = [*self.history[-(HISTORY - 1):], [self.batch_seq, self.ledger.received, self.ledger.issued, max(lags),
                                                           round(sum(lags) / len(lags), 3)]]

@@ -8,19 +8,21 @@ One loop, plain and explicit (STYLE 6); each turn (``Dataflow.step``):
    under the staleness budget and the task stream's measured lag under its bound; ``sync``: one
    batch worth per version, only once every task of the last one is back and its batch is
    trained; the tasks are written ahead, then published (``Nats-Msg-Id`` = task id);
-3. pull trajectories (``ingest.TrajectoryIngest``): check each one's values and its claim on a
-   task (``validate.py``; an invalid one goes to the DLQ and may settle its task ``invalid:R``),
+3. pull trajectories (``ingest.TrajectoryIngest``): read back the arrays of those too large for
+   one message, check each one's values and its claim on a task (``validate.py``; an invalid one
+   goes to the DLQ and may settle its task ``invalid:R``),
    route it by policy to its lane, assemble groups, apply curator feedback, the deadline's late
    policy and filters;
 4. per lane, serve batches while that trainer's measured backlog is under its bound
    (``serving.BatchServer``): write the batch plan ahead, and its plan record for the trainer,
-   publish it (``Nats-Msg-Id`` = batch id), then let its trajectories go;
+   publish its manifest (``Nats-Msg-Id`` = batch id; trajectory references, not trajectories),
+   then let its trajectories go;
 5. write fate records and the state, and only then ack what was settled
    (``durability.Journal``, the only place that orders these).
 
 Acks always follow the durable write of the state that explains them, so a dataflow killed at
-any point loses nothing and batches nothing twice: its successor restores the state, rebuilds a
-batch it finds planned (the server drops the copy if the first publication landed), acks and
+any point loses nothing and batches nothing twice: its successor restores the state, publishes again
+a batch it finds planned (the server drops the copy if the first publication landed), acks and
 ignores redelivered trajectories of tasks already settled, and reassembles the rest.
 """
 
@@ -51,6 +53,7 @@ from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.messages import BATCH_FORGED, BATCH_STALE, DataflowStats, Heartbeat, Trajectory, WeightVersion
 from astraflow.streams.plane import Consumer, NatsOptions, Plane
 from astraflow.streams.state import VersionRecord
+from astraflow.streams.trajectories import resolve_all
 from astraflow.tasks import load_split
 
 log = logging.getLogger(__name__)
@@ -68,8 +71,9 @@ class Dataflow:
         rng = random.Random(recipe.data.seed)  # prompt selection and batch serving draw from one seeded stream
         train, _ = load_split(recipe.data)
         self.issuer = TaskIssuer(recipe, plane, self.lanes[recipe.primary], train, self.in_flight, self.journal, rng)
+        trajectory_objects = plane.trajectory_objects()
         self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
-                                       self.newest_version)
+                                       self.newest_version, lambda trajs: resolve_all(trajectory_objects, trajs))
         self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
         self.watch = Watch(plane, recipe.rollout.pool)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)

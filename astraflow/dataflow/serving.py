@@ -5,13 +5,16 @@ For each lane, as long as its buffer holds a batch worth of groups:
 1. read the trainer consumer's backlog from the server; at ``max_batch_backlog`` the lane waits
    (counted as ``backpressure``); one slow trainer never holds back another policy's lane;
 2. let the server plug-in choose (it may drop stale or expired groups: fate ``dropped:R``);
-3. plan the batch (``PolicyLane.plan``: id, groups, TRAJ stream sequences, advantages), commit
-   the plan (write-ahead), write its plan record for the trainer (``BatchPlanRecord``: the
-   batch's digest; the trainer trains nothing else), publish the batch with ``Nats-Msg-Id`` =
-   batch id, clear the plan, and release the fresh groups' trajectories to be acked after the
-   next durable write. The plan record is deleted once the batch's fate is known.
+3. plan the batch (``PolicyLane.plan``: id, groups, trajectory references — TRAJ stream
+   sequence, trajectory id, task id —, advantages), commit the plan (write-ahead), write its plan
+   record for the trainer (``BatchPlanRecord``: the manifest's digest; the trainer trains nothing
+   else), publish the manifest with ``Nats-Msg-Id`` = batch id, clear the plan, and release the
+   fresh groups' trajectories to be acked after the next durable write. The plan record is
+   deleted once the batch's fate is known.
 
-A plan found at restart is rebuilt from the TRAJ stream into the identical batch and published
+A batch is a manifest: a few dozen bytes per trajectory, however long the trajectories are. The
+trainer reads the trajectories from the TRAJ stream by sequence (Limits retention keeps them), so
+nothing here reads a trajectory back. A plan found at restart is the identical manifest, published
 again under its id (``republish``); the server drops it if the first publication had landed.
 """
 
@@ -28,7 +31,6 @@ from astraflow.config import DataflowConfig
 from astraflow.dataflow.durability import Journal, crash_point
 from astraflow.dataflow.groups import HeldGroup
 from astraflow.dataflow.lane import PolicyLane, context
-from astraflow.dataflow.watch import fetch_trajectories
 from astraflow.streams.dataflow_state import BatchPlan
 from astraflow.streams.messages import Batch
 from astraflow.streams.plane import Plane
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def plan_record(batch: Batch) -> BatchPlanRecord:
     """What the trainer checks the batch against (written before the batch is published)."""
-    return BatchPlanRecord(policy=batch.policy, batch_id=batch.batch_id, digest=batch.digest(), trajectories=len(batch.trajectories))
+    return BatchPlanRecord(policy=batch.policy, batch_id=batch.batch_id, digest=batch.digest(), trajectories=len(batch.refs))
 
 
 class BatchServer:
@@ -68,9 +70,9 @@ class BatchServer:
                 if result.dropped:
                     continue
                 return
-            chosen = [h for g in result.batch if (h := await self.held(lane, g)) is not None]
+            chosen = [h for g in result.batch if (h := self.held(lane, g)) is not None]
             plan = lane.plan(chosen, list(result.taken), created_at=time.time())
-            batch = plan.to_batch(lane.name, [t for h in chosen for t in h.trajectories])
+            batch = plan.to_batch(lane.name)
             self.journal.write_ahead(plan_record(batch))
             for task_id in plan.tasks:
                 self.journal.record(lane.name, task_id, "batched", batch=plan.batch_id)
@@ -98,17 +100,18 @@ class BatchServer:
             self.journal.release(held.traj_ids)
         self.journal.record(lane.name, task_id, fate)
 
-    async def held(self, lane: PolicyLane, group: Group) -> HeldGroup | None:
-        """A batch group: fresh from the buffer, or replayed from memory (read back from the stream after a restart)."""
+    def held(self, lane: PolicyLane, group: Group) -> HeldGroup | None:
+        """A batch group: fresh from the buffer, or replayed (after a restart: its samples as the replay plug-in
+        kept them, and the stream sequences the lane remembers)."""
         held = lane.find(group.task_id)
         if held is not None:
             return held
         seqs = lane.replay_seqs(group.task_id)
-        if seqs is None:  # a replay memory larger than what the lane remembers: serve the batch without it
+        if seqs is None or len(seqs) != len(group.samples):  # a replay memory larger than what the lane remembers
             log.warning("lane %s: replayed group %s is no longer remembered; left out of the batch", lane.name, group.task_id)
             self.stats["replay_missing"] += 1
             return None
-        held = HeldGroup(group, await fetch_trajectories(self.plane, seqs), seqs)
+        held = HeldGroup(group, seqs)
         lane.remember(held)
         return held
 
@@ -116,8 +119,8 @@ class BatchServer:
         await self.plane.publish(self.plane.names.batch(batch.policy), batch, msg_id=batch.batch_id)
 
     async def republish(self, lane: PolicyLane, plan: BatchPlan) -> None:
-        """A batch planned before a restart: rebuilt from the stream, its plan record written again, published again under its id."""
-        batch = plan.to_batch(lane.name, await fetch_trajectories(self.plane, plan.seqs))
+        """A batch planned before a restart: its plan record written again, the manifest published again under its id."""
+        batch = plan.to_batch(lane.name)
         await self.plane.state.put(plan_record(batch))
         await self.publish(batch)
         lane.published(plan.batch_id)

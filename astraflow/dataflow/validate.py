@@ -21,6 +21,8 @@ task's fate ``invalid:{code}`` (see ``ingest.py``), and a detail for the dead-le
 | ``mask`` | a ``loss_mask`` value is not 0 or 1 |
 | ``version`` | a token newer than the policy's newest announced version, a generated token older than its |
 |  | task's ``min_versions``, an inserted token below -1 |
+| ``payload`` | its arrays, in the object store (a trajectory too large for one message), are gone, fail a digest |
+|  | or do not unpack (``ingest.py`` reads them back before these checks) |
 
 **Explicit failure.** A sample whose workflow failed says so with ``finish_reason: "error"`` and
 ``reward: None``; it is valid, and its group is settled ``filtered:sample_error`` (``land``). A

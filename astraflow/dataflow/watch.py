@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from astraflow.streams.codec import DecodeError, decode
-from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, Trajectory, WeightVersion, reason_code
+from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, WeightVersion, reason_code
 from astraflow.streams.plane import Plane, Subscription
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,3 @@ class Watch:
             log.debug("max-deliveries advisory for seq %d not resolved: %s", seq, e)
             return
         self.events.append(TaskFailed(task.task_id, task.policy, "max_deliver", "no node could serve it"))
-
-
-async def fetch_trajectories(plane: Plane, seqs: list[int]) -> list[Trajectory]:
-    """Trajectories by TRAJ stream sequence (Limits retention keeps them for replay and audit)."""
-    return [await plane.get(plane.names.traj_stream, seq, Trajectory) for seq in seqs]

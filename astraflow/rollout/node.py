@@ -38,6 +38,7 @@ from astraflow.streams.codec import MessageTooLarge
 from astraflow.streams.messages import Heartbeat, RolloutStats, Task, Trajectory
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.streams.state import StateReadError, VersionRecord
+from astraflow.streams.trajectories import publish_trajectories
 from astraflow.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -307,8 +308,8 @@ class RolloutNode:
         self.stats["gen_s"] += time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            await self.plane.publish_many([(self.plane.names.traj(t.policy), t, t.traj_id) for t in trajs])
-        except MessageTooLarge as e:  # will never fit: dead-letter the tasks rather than retry them forever
+            await publish_trajectories(self.plane, trajs)  # one too large for a message goes by reference (object store)
+        except MessageTooLarge as e:  # even by reference it will never fit: dead-letter the tasks rather than retry them forever
             for d in ready:
                 await d.reject(f"trajectory too large to publish: {e}")
             self.stats["failed"] += len(ready)

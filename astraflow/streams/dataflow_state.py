@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from astraflow.streams.messages import Batch, Task, Trajectory
+from astraflow.streams.messages import Batch, Task, TrajRef
 from astraflow.streams.state import Record
 
 
@@ -21,20 +21,18 @@ class _Frozen(BaseModel):
 
 
 class BatchPlan(_Frozen):
-    """A batch written ahead of its publication; rebuilt from the TRAJ stream after a crash."""
+    """A batch manifest written ahead of its publication; published again as it is after a crash."""
 
     batch_id: str
     tasks: list[str]  # groups taken fresh from the buffer (their fate becomes "batched", then "trained")
     groups: list[str]  # every group in the batch, replayed ones included, in batch order
-    seqs: list[int]  # TRAJ stream sequence of every trajectory, in batch order
-    advantages: list[float]  # one per trajectory, aligned with ``seqs``
+    refs: list[TrajRef]  # every trajectory (TRAJ stream sequence and ids), in batch order
+    advantages: list[float]  # one per trajectory, aligned with ``refs``
     created_at: float
 
-    def to_batch(self, policy: str, trajectories: list[Trajectory]) -> Batch:
-        """The batch this plan describes; ``trajectories`` in plan order (held in memory, or read back by ``seqs``)."""
-        if len(trajectories) != len(self.seqs):
-            raise ValueError(f"batch {self.batch_id}: {len(trajectories)} trajectories for {len(self.seqs)} planned")
-        return Batch(batch_id=self.batch_id, policy=policy, trajectories=trajectories, task_ids=list(self.groups),
+    def to_batch(self, policy: str) -> Batch:
+        """The manifest this plan describes."""
+        return Batch(batch_id=self.batch_id, policy=policy, refs=list(self.refs), task_ids=list(self.groups),
                      advantages=np.asarray(self.advantages, "<f4").tobytes(), created_at=self.created_at)
 
 
@@ -62,7 +60,7 @@ class LaneState(_Frozen):
     closed: IdSetState = IdSetState()
     plans: dict[str, BatchPlan] = {}
     awaiting: dict[str, list[str]] = {}  # published batch -> its fresh tasks
-    recent: dict[str, list[int]] = {}  # recently batched task -> TRAJ stream sequences (replay)
+    recent: dict[str, list[int]] = {}  # recently batched task -> TRAJ stream sequences of its samples (replay)
     history: list[list[float]] = []  # per batch: [seq, groups received, tasks issued, max lag, mean lag]
 
 

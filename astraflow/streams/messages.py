@@ -26,7 +26,6 @@ WIRE: Final = {"wire": True}
 """Validation context of a message decoded from the wire: strict, per-token arrays only as bytes."""
 TOKEN_PATTERN: Final = r"^[A-Za-z0-9_-]{1,64}$"
 Token = Annotated[str, Field(pattern=TOKEN_PATTERN)]  # a NATS subject token: policy and workflow names
-_TRAJ_LENGTHS = struct.Struct("<12Q")  # Batch.digest: the lengths of a trajectory's 12 hashed fields
 
 
 def _packer(dtype: str) -> BeforeValidator:
@@ -74,8 +73,27 @@ class Task(Message):
     deadline: float | None = None  # unix seconds after which the result is late
 
 
+class ObjectRef(BaseModel):
+    """Where a payload lies in the object store, and how to check it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    nuid: str  # chunks live on the subject $O.{bucket}.C.{nuid}
+    size: int
+    chunk_size: int
+    digests: list[str]  # sha256 hex of every chunk, in order
+    digest: str  # sha256 hex of the whole payload
+
+
+PER_TOKEN = ("prompt_ids", "completion_ids", "logprobs", "versions", "loss_mask")  # a Trajectory's packed arrays
+
+
 class Trajectory(Message):
-    """One finished sample. Written by a RaaS node, read by dataflow (and replay / audit)."""
+    """One finished sample. Written by a RaaS node, read by dataflow and trainers (and replay / audit).
+
+    A trajectory whose encoding would exceed the server's ``max_payload`` (a long multi-turn episode)
+    travels by reference: its arrays are one object in the run's trajectory bucket (``payload_ref``;
+    ``streams/trajectories.py`` writes and resolves it) and empty here; readers resolve it first."""
 
     kind: ClassVar[str] = "trajectory"
     traj_id: str  # "{task_id}.{policy}.{index}": one id per sample (the plane dedups on it; the dataflow checks it)
@@ -94,10 +112,16 @@ class Trajectory(Message):
     node_id: str = ""
     created_at: float = Field(default_factory=time.time)
     meta: dict[str, Any] = {}
+    payload_ref: ObjectRef | None = None  # the arrays' object in the run's trajectory bucket when the whole would exceed max_payload
 
     @model_validator(mode="after")
     def _aligned(self) -> "Trajectory":
         """Cross-field rules (listed in the schema's ``x-astraflow-rules``: JSON Schema cannot say them)."""
+        if self.payload_ref is not None:
+            held = [k for k in PER_TOKEN if getattr(self, k)]
+            if held:
+                raise ValueError(f"a trajectory whose arrays are in the object store carries none inline, got {held}")
+            return self
         n = len(self.completion_ids) // 4
         sizes = {"logprobs": len(self.logprobs) // 4, "versions": len(self.versions) // 4, "loss_mask": len(self.loss_mask)}
         bad = {k: s for k, s in sizes.items() if s != n}
@@ -125,52 +149,53 @@ class Trajectory(Message):
         v = self.token_versions()
         return int(v.min()) if len(v) else 0
 
+    @property
+    def offloaded(self) -> bool:
+        """Its arrays are in the object store (``payload_ref``), not in this message."""
+        return self.payload_ref is not None
+
+
+class TrajRef(BaseModel):
+    """Where a batch's trajectory lies: its TRAJ stream sequence, and the ids the trainer checks it against."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    seq: int = Field(ge=1)  # stream sequence in AF_{run}_TRAJ (Limits retention keeps it for replay and audit)
+    traj_id: str
+    task_id: str
+
 
 class Batch(Message):
-    """A training batch for one policy. Written by dataflow, read by that policy's trainer."""
+    """A batch manifest for one policy: references to its trajectories, not the trajectories. Written by the
+    dataflow, read by that policy's trainer, which fetches the trajectories from the TRAJ stream by sequence."""
 
     kind: ClassVar[str] = "batch"
     batch_id: str
     policy: Token
-    trajectories: list[Trajectory]
-    advantages: F32  # one per trajectory, aligned with ``trajectories``
-    task_ids: list[str]  # tasks whose groups this batch trains (accounting)
+    refs: list[TrajRef]  # every trajectory, in batch order
+    advantages: F32  # one per trajectory, aligned with ``refs``
+    task_ids: list[str]  # tasks whose groups this batch trains (accounting), in batch order
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
     def _aligned(self) -> "Batch":
-        if len(self.advantages) // 4 != len(self.trajectories):
-            raise ValueError(f"advantages must hold one value per trajectory: {len(self.advantages) // 4} for {len(self.trajectories)}")
+        if len(self.advantages) // 4 != len(self.refs):
+            raise ValueError(f"advantages must hold one value per trajectory: {len(self.advantages) // 4} for {len(self.refs)}")
         return self
 
     def advantage_array(self) -> np.ndarray:
         return unpack(self.advantages, "<f4")
 
     def digest(self) -> str:
-        """sha256 of everything a trainer trains on: ids, tasks, advantages and, per trajectory, its ids,
-        tokens, logprobs, versions, mask, reward and finish reason (not ``created_at``, ``node_id``, ``meta``).
+        """sha256 of what a trainer trains: ids, policy, tasks, advantages and every reference (sequence,
+        trajectory id, task id); not ``created_at``. A stream sequence names one message for good, and the
+        trainer checks each fetched trajectory's ids against its reference, so this binds the content too.
         The dataflow's plan record holds it; the trainer trains a batch only if it matches."""
         head = [x.encode() for x in (self.batch_id, self.policy, *self.task_ids)]
-        parts: list[bytes] = [struct.pack(f"<{len(head) + 2}Q", len(head), len(self.advantages), *(len(x) for x in head)),
-                              *head, self.advantages]
-        for t in self.trajectories:  # every field length-prefixed: no two different contents hash the same way
-            fields = (t.traj_id.encode(), t.task_id.encode(), t.policy.encode(), str(t.index).encode(), str(t.group_size).encode(),
-                      repr(t.reward).encode(), t.finish_reason.encode(), t.prompt_ids, t.completion_ids, t.logprobs, t.versions, t.loss_mask)
-            parts.append(_TRAJ_LENGTHS.pack(*(len(f) for f in fields)))
-            parts.extend(fields)
-        return hashlib.sha256(b"".join(parts)).hexdigest()
-
-
-class ObjectRef(BaseModel):
-    """Where a payload lies in the object store, and how to check it."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str
-    nuid: str  # chunks live on the subject $O.{bucket}.C.{nuid}
-    size: int
-    chunk_size: int
-    digests: list[str]  # sha256 hex of every chunk, in order
-    digest: str  # sha256 hex of the whole payload
+        refs = [x.encode() for r in self.refs for x in (r.traj_id, r.task_id)]
+        lengths = struct.pack(f"<{len(head) + len(refs) + 3}Q", len(head), len(self.refs), len(self.advantages),
+                              *(len(x) for x in head), *(len(x) for x in refs))  # every field length-prefixed
+        seqs = struct.pack(f"<{len(self.refs)}Q", *(r.seq for r in self.refs))
+        return hashlib.sha256(b"".join([lengths, *head, seqs, *refs, self.advantages])).hexdigest()
 
 
 class WeightVersion(Message):
@@ -297,6 +322,8 @@ class Rejected(Message):
 # id: the planned batch may still come) -> no fate; anything else -> ``failed:train``.
 BATCH_STALE = "stale"
 BATCH_FORGED = "forged"
+BATCH_MISSING = "missing"  # a referenced trajectory (or its arrays in the object store) is gone from the plane
+BATCH_MISMATCH = "mismatch"  # a referenced sequence holds another trajectory, task or policy than the manifest names
 BATCH_UNPLANNED = "unplanned"  # no plan record: not a batch the dataflow planned (or its plan is gone)
 BATCH_INVALID = "invalid"  # values a trainer cannot train (policy, advantages, token ids)
 BATCH_NON_FINITE = "non_finite"  # the step's loss or gradient norm was not finite: no update was made

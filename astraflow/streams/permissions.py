@@ -9,12 +9,20 @@ Least privilege, by what each role does and nothing more:
 
 | role | publishes | pulls and acks | reads |
 |---|---|---|---|
-| ``dataflow`` | tasks, batches, ``dlq.traj``, state ``dataflow``/``autoscale.*``, fates and batch plans (``plan.*``) | durable ``dataflow`` on TRAJ | weights, DLQ, KV, TRAJ and TASK by sequence, lags, heartbeats, max-delivery advisories |
-| ``trainer-{p}`` | ``weights.{p}`` and its payload chunks, ``dlq.batch``, state ``version.{p}``/``done.{p}`` | durable ``trainer-{p}`` on BATCH | TRAJ by sequence, weights, objects, KV, batch plans |
-| ``rollout`` | trajectories, ``dlq.task``, ``dlq.weights``, state ``keyframe_request.*`` | durable ``{pool}`` on TASK | weights, objects, KV |
+| ``dataflow`` | tasks, batch manifests, ``dlq.traj``, state ``dataflow``/``autoscale.*``, fates and batch plans (``plan.*``) | durable ``dataflow`` on TRAJ | weights, DLQ, KV, TASK by sequence, trajectory objects, lags, heartbeats, max-delivery advisories |
+| ``trainer-{p}`` | ``weights.{p}`` and its payload chunks, ``dlq.batch``, state ``version.{p}``/``done.{p}`` | durable ``trainer-{p}`` on BATCH | TRAJ by sequence (direct gets), trajectory objects, weights, objects, KV, batch plans |
+| ``rollout`` | trajectories and the chunks of their arrays (trajectory bucket only), ``dlq.task``, ``dlq.weights``, state ``keyframe_request.*`` | durable ``{pool}`` on TASK | weights, objects, KV |
 | ``evaluator`` | ``dlq.weights``, state ``eval.*`` and ``keyframe_request.*`` | nothing | weights, objects, KV |
 | ``observer`` | nothing | nothing | stream and consumer info, KV, heartbeats (``astraflow status``) |
 | ``admin`` | everything (the launcher, operators) | | |
+
+Trajectory arrays too large for a message go to their own bucket (``af_{run}_traj_objects``), the
+only object bucket a rollout node may write, so a node can never overwrite weight payloads; it
+may not purge or delete anything there (objects expire with the TRAJ stream's max age). In the
+any-run table (``*``) buckets are not told apart by name either (a subject token cannot be half a
+wildcard), so there a node may write chunks into any bucket; readers check every chunk against the
+digests they were announced with, so a stray chunk is never applied, but render the table for one
+run for the tightest scoping.
 
 Every role publishes heartbeats only under its own role (``hb.{role}.*``) and subscribes only to
 its own inbox prefix (``_INBOX_{user}``), so no role reads another's replies. Durable consumers
@@ -57,6 +65,14 @@ class Scope:
     def obj_stream(self) -> str:
         return "*" if self.run == "*" else f"OBJ_af_{self.run}_weights"
 
+    @property
+    def traj_obj_bucket(self) -> str:
+        return "*" if self.run == "*" else f"af_{self.run}_traj_objects"
+
+    @property
+    def traj_obj_stream(self) -> str:
+        return "*" if self.run == "*" else f"OBJ_af_{self.run}_traj_objects"
+
     def kv(self, bucket: str, key: str) -> str:
         return f"$KV.{'*' if self.run == '*' else f'af_{self.run}_{bucket}'}.{key}"
 
@@ -83,7 +99,7 @@ def inbox_prefix(user: str) -> str:
 def _reads_state(s: Scope) -> list[str]:
     """Read the run state (KV), see that the run's streams and consumers exist (and their lag)."""
     state = s.kv_stream("state")
-    streams = [s.stream(f) for f in FAMILIES] + [state, s.kv_stream("fates"), s.obj_stream]
+    streams = [s.stream(f) for f in FAMILIES] + [state, s.kv_stream("fates"), s.obj_stream, s.traj_obj_stream]
     return [f"{API}.INFO", *(f"{API}.STREAM.INFO.{st}" for st in dict.fromkeys(streams)),
             *(f"{API}.CONSUMER.INFO.{s.stream(f)}.>" for f in dict.fromkeys(("task", "traj", "batch"))),
             f"{API}.DIRECT.GET.{state}", f"{API}.DIRECT.GET.{state}.>", f"{API}.STREAM.MSG.GET.{state}"]
@@ -105,8 +121,13 @@ def _reads_weights(s: Scope) -> list[str]:
     return [*_follows(s.stream("weights"), s.obj_stream), f"{API}.STREAM.MSG.GET.{s.stream('weights')}"]
 
 
+def _reads_trajectory_objects(s: Scope) -> list[str]:
+    """Read the arrays of trajectories too large for a message (their chunks are counted with ``STREAM.INFO``)."""
+    return _follows(s.traj_obj_stream)
+
+
 def _creates_topology(s: Scope) -> list[str]:
-    names = [s.stream(f) for f in FAMILIES] + [s.kv_stream("state"), s.kv_stream("fates"), s.obj_stream]
+    names = [s.stream(f) for f in FAMILIES] + [s.kv_stream("state"), s.kv_stream("fates"), s.obj_stream, s.traj_obj_stream]
     out = [f"{API}.STREAM.NAMES", f"{API}.STREAM.LIST"]
     for n in dict.fromkeys(names):
         out += [f"{API}.STREAM.CREATE.{n}", f"{API}.STREAM.UPDATE.{n}"]
@@ -123,8 +144,7 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
     p = Permissions(subscribe=[f"{inbox_prefix(user)}.>"])
     p.add(pub=[*_reads_state(s), s.subject("hb", f"{role}.*")])
     if role == "dataflow":
-        p.add(pub=[*_creates_topology(s), *_pulls(s.stream("traj"), "dataflow"),
-                   f"{API}.STREAM.MSG.GET.{s.stream('traj')}", f"{API}.DIRECT.GET.{s.stream('traj')}",
+        p.add(pub=[*_creates_topology(s), *_pulls(s.stream("traj"), "dataflow"), *_reads_trajectory_objects(s),
                    f"{API}.STREAM.MSG.GET.{s.stream('task')}", *_reads_weights(s), *_follows(s.stream("dlq")),
                    s.subject("task"), s.subject("batch"), s.subject("dlq", "traj"),
                    s.kv("state", "dataflow"), s.kv("state", "autoscale.*"), s.kv("fates", "plan.>"), s.kv("fates", "fate.>"),
@@ -133,7 +153,7 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
               sub=[s.subject("hb"), f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s.stream('task')}.>"])
     elif role == "trainer":
         p.add(pub=[*_pulls(s.stream("batch"), "*" if policy == "*" else f"trainer-{policy}"), *_reads_weights(s),
-                   f"{API}.STREAM.MSG.GET.{s.stream('traj')}", f"{API}.DIRECT.GET.{s.stream('traj')}",
+                   f"{API}.DIRECT.GET.{s.stream('traj')}", *_reads_trajectory_objects(s),
                    s.subject("weights", policy), s.subject("dlq", "batch"),
                    f"$O.{s.obj_bucket}.C.>", f"$O.{s.obj_bucket}.M.>", f"{API}.STREAM.PURGE.{s.obj_stream}",
                    f"$JS.*.API.STREAM.PURGE.{s.obj_stream}",
@@ -143,7 +163,8 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
     elif role == "rollout":
         pools = s.pools
         p.add(pub=[*(x for pool in pools for x in _pulls(s.stream("task"), pool)), *_reads_weights(s),
-                   s.subject("traj"), s.subject("dlq", "task"), s.subject("dlq", "weights"), s.kv("state", "keyframe_request.*")])
+                   s.subject("traj"), f"$O.{s.traj_obj_bucket}.C.>", f"$O.{s.traj_obj_bucket}.M.>",
+                   s.subject("dlq", "task"), s.subject("dlq", "weights"), s.kv("state", "keyframe_request.*")])
     elif role == "evaluator":
         p.add(pub=[*_reads_weights(s), s.subject("dlq", "weights"), s.kv("state", "eval.>"), s.kv("state", "keyframe_request.*")])
     elif role == "observer":

@@ -29,11 +29,12 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 from pydantic import BaseModel, ConfigDict
 
-from astraflow.streams.codec import DecodeError, decode, encode
+from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
 from astraflow.streams.consuming import (
     Check, Consumer, ConsumerSettings, Delivery, Follower, Lag, OnBad, Subscription, log_bad, read_history,
 )
 from astraflow.streams.credentials import Credential, redact
+from astraflow.streams.direct import read_seqs
 from astraflow.streams.kv import RunState
 from astraflow.streams.messages import Heartbeat, Message, Rejected
 from astraflow.streams.objects import ObjectStore, object_stream
@@ -42,6 +43,7 @@ from astraflow.streams.subjects import Names
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
+Oversize = Callable[[Message], Awaitable[Message]]  # a message too large to publish -> the one to publish instead
 __all__ = ["Consumer", "ConsumerSettings", "Delivery", "Follower", "Lag", "NatsOptions", "Plane", "PublishConflict", "Subscription",
            "Topology"]
 
@@ -233,7 +235,7 @@ class Plane:
         except NotFoundError:
             await self._jsm.add_stream(cfg)
             return
-        fields = ("subjects", "retention", "max_age", "max_msgs_per_subject", "num_replicas", "duplicate_window")
+        fields = ("subjects", "retention", "max_age", "max_msgs_per_subject", "num_replicas", "duplicate_window", "allow_direct")
         wanted = {f: getattr(cfg, f) for f in fields if getattr(cfg, f) not in (None, 0)}  # 0 / None: server default
         if any(getattr(have, f) != v for f, v in wanted.items()):
             try:
@@ -272,6 +274,7 @@ class Plane:
         start = last = loop.time()
         needed: list[tuple[str, str | None]] = [(n.stream(f), None) for f in ("task", "traj", "batch", "weights", "dlq")]
         needed += [(n.task_stream, n.pool_consumer(p)) for p in topo.pools] + [(n.batch_stream, n.trainer_consumer(p)) for p in topo.policies]
+        needed += [(object_stream(n.traj_object_bucket), None)]
         while True:
             missing = []
             for stream, durable in needed:
@@ -312,11 +315,13 @@ class Plane:
         n, dedup, r = self.names, topo.dedup_window, topo.replicas
         file, limits, work = api.StorageType.FILE, api.RetentionPolicy.LIMITS, api.RetentionPolicy.WORK_QUEUE
         def stream(family: str, retention: api.RetentionPolicy, dedup: float = dedup, max_age: float | None = None,
-                   per_subject: int = -1) -> api.StreamConfig:
+                   per_subject: int = -1, direct: bool = False) -> api.StreamConfig:
             return api.StreamConfig(name=n.stream(family), subjects=[n.all(family)], retention=retention, storage=file,
-                                    num_replicas=r, duplicate_window=dedup, max_age=max_age, max_msgs_per_subject=per_subject)
+                                    num_replicas=r, duplicate_window=dedup, max_age=max_age, max_msgs_per_subject=per_subject,
+                                    allow_direct=direct or None)
 
-        for cfg in (stream("task", work), stream("traj", limits, max_age=topo.traj_max_age), stream("batch", work),
+        # TRAJ allows direct gets: trainers read their batches' trajectories by sequence (streams/direct.py)
+        for cfg in (stream("task", work), stream("traj", limits, max_age=topo.traj_max_age, direct=True), stream("batch", work),
                     stream("weights", limits, per_subject=topo.weights_history), stream("dlq", limits, 0, max_age=topo.traj_max_age)):
             await self._stream(cfg)
         explicit = api.AckPolicy.EXPLICIT
@@ -338,6 +343,11 @@ class Plane:
             await self._js.object_store(n.object_bucket)
         except NotFoundError:
             await self._js.create_object_store(n.object_bucket, api.ObjectStoreConfig(storage=file, replicas=r))
+        try:  # trajectory arrays live as long as the trajectories that name them (the TRAJ stream's max age)
+            await self._js.object_store(n.traj_object_bucket)
+        except NotFoundError:
+            await self._js.create_object_store(n.traj_object_bucket, api.ObjectStoreConfig(storage=file, replicas=r,
+                                                                                           ttl=topo.traj_max_age))
         self.state.forget()
 
     # ---------------------------------------------------------------- publish
@@ -357,14 +367,23 @@ class Plane:
             raise
         return int(ack.seq)
 
-    async def publish_many(self, items: list[tuple[str, Message, str | None]]) -> None:
-        """Pipelined publish of several messages (``publish_async``), waiting for every ack."""
-        futs = []
+    async def publish_many(self, items: list[tuple[str, Message, str | None]], oversize: Oversize | None = None) -> list[int]:
+        """Pipelined publish of several messages (``publish_async``), waiting for every ack; returns their stream
+        sequences (a duplicate's is the original's). ``oversize``: what a message whose encoding exceeds ``max_payload``
+        is replaced with (published in its place); without it, such a message raises
+        :class:`~astraflow.streams.codec.MessageTooLarge` before anything is published."""
+        encoded = []
         for subject, msg, msg_id in items:
-            data = encode(msg, self.max_payload)
-            futs.append(await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None))
-        if futs:
-            await asyncio.gather(*futs)
+            try:
+                data = encode(msg, self.max_payload)
+            except MessageTooLarge:
+                if oversize is None:
+                    raise
+                data = encode(await oversize(msg), self.max_payload)
+            encoded.append((subject, data, msg_id))
+        futs = [await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None)
+                for subject, data, msg_id in encoded]
+        return [int(ack.seq) for ack in await asyncio.gather(*futs)]
 
     async def reject(self, subject: str, payload: bytes, reason: str, headers: dict[str, str] | None = None) -> None:
         """Dead-letter ``payload`` (first published on ``subject``) with ``reason`` on ``dlq.{family of subject}``."""
@@ -413,6 +432,14 @@ class Plane:
         raw = await self._jsm.get_msg(stream, seq)
         return decode(raw.data or b"", model)
 
+    async def get_many(self, stream: str, seqs: list[int], model: type[M], timeout: float = 10.0) -> list[M]:
+        """The messages at ``seqs`` of ``stream``, decoded, in the order asked: batched direct gets, a few requests
+        for the lot (``streams/direct.py``). Raises ``MissingMessages`` naming every sequence that is gone, and
+        ``DecodeError`` for one that does not decode. Decoding runs on a thread: the event loop keeps beating."""
+        api_prefix = f"$JS.{self.domain}.API" if self.domain else "$JS.API"
+        got = await read_seqs(self._nc, api_prefix, stream, seqs, timeout=timeout)
+        return await asyncio.to_thread(lambda: [decode(got[s].data, model) for s in seqs])
+
     def follower(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
                  start: Literal["last", "all"] = "last", on_bad: OnBad = log_bad, check: Check[M] | None = None) -> Follower[M]:
         """Follow ``subject`` of ``stream`` (default: the family's own stream; a mirror's name in ``domain``).
@@ -451,6 +478,10 @@ class Plane:
         bucket = self.names.object_bucket
         return ObjectStore(self._js_for(domain or self.domain), bucket, stream or object_stream(bucket), wait_missing,
                            self.max_payload)
+
+    def trajectory_objects(self) -> ObjectStore:
+        """The run's bucket for the arrays of trajectories too large for one message (``streams/trajectories.py``)."""
+        return ObjectStore(self._js, self.names.traj_object_bucket, max_payload=self.max_payload)
 
     async def wait_for_domain(self, domain: str, timeout: float = 20.0, on_wait: Callable[[str], None] | None = None) -> None:
         """Return once JetStream of ``domain`` answers on this connection (the hub, through a leafnode)."""

@@ -97,7 +97,13 @@ class Names:
 
     @property
     def object_bucket(self) -> str:
+        """Weight payloads (written by trainers)."""
         return f"af_{self.run}_weights"
+
+    @property
+    def traj_object_bucket(self) -> str:
+        """The arrays of trajectories too large for one message (written by rollout nodes)."""
+        return f"af_{self.run}_traj_objects"
 
     def max_deliveries_advisory(self, stream: str, durable: str) -> str:
         """Where the server announces a message that ran out of deliveries on ``durable``."""

@@ -15,14 +15,14 @@ if TYPE_CHECKING:
     import torch
 
     from astraflow.config import TrainerConfig
-    from astraflow.streams.messages import Batch
+    from astraflow.streams.trajectories import TrainingBatch
 
 
 class TrainerBackend(Protocol):
     rank: int  # this process's rank (0 talks to the plane)
     world_size: int  # processes training together (data parallel)
 
-    def step(self, batch: "Batch") -> dict[str, float]:
+    def step(self, batch: "TrainingBatch") -> dict[str, float]:
         """One optimizer step on the whole batch (micro-batches accumulate); returns its metrics."""
 
     def state_dict_bf16(self) -> dict[str, "torch.Tensor"]:

@@ -1,4 +1,4 @@
-"""Turn a wire ``Batch`` into padded tensors, and split them into micro-batches by token budget.
+"""Turn a batch (its trajectories in hand) into padded tensors, and split them into micro-batches by token budget.
 
 A row is prompt + completion, right-padded to the longest row; per-token tensors are aligned
 with the completion (T = longest completion). A micro-batch is a subset of rows, trimmed to its
@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from astraflow.streams.messages import Batch
+from astraflow.streams.trajectories import TrainingBatch
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Tensors:
         return Tensors(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-def to_tensors(batch: Batch, pad_id: int) -> Tensors:
+def to_tensors(batch: TrainingBatch, pad_id: int) -> Tensors:
     trajs = batch.trajectories
     B = len(trajs)
     L = max(len(t.prompt_ids) // 4 + len(t.completion_ids) // 4 for t in trajs)

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from astraflow.config import TrainerConfig
-from astraflow.streams.messages import Batch
+from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.batching import Tensors, micro_batches, to_tensors
 from astraflow.train.losses.functional import gather_logprobs, token_entropy
 from astraflow.train.objective import SUMMED, Objective, StepPlan, combine
@@ -105,7 +105,7 @@ class TorchBackend:
             full[mb.rows, : lp.shape[1]] = lp
         return full
 
-    def step(self, batch: Batch) -> dict[str, float]:
+    def step(self, batch: TrainingBatch) -> dict[str, float]:
         t0 = time.perf_counter()
         self.module.train()
         x = to_tensors(batch, self.tokenizer.pad_token_id).to(self.device)

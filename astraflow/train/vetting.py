@@ -1,13 +1,18 @@
 """What a trainer checks before it trains a batch, and before it announces weights.
 
-A batch is trained only when all of these hold; otherwise it is dead-lettered with a reason that
-starts with its code (``streams/messages.py``, ``BATCH_*``), which the dataflow reads:
+A batch arrives as a manifest (``Batch``: trajectory references, task ids, advantages); the
+trainer checks the manifest (:func:`check_plan`, :func:`check_manifest`), fetches the
+trajectories it names from the TRAJ stream, and checks them (:func:`check_batch`). A batch is
+trained only when all of these hold; otherwise it is dead-lettered with a reason that starts with
+its code (``streams/messages.py``, ``BATCH_*``), which the dataflow reads:
 
 | code | the batch is turned away when |
 |---|---|
 | ``unplanned`` | no plan record ``plan.{policy}.{batch_id}``: the dataflow never planned it (or its fate is known already) |
-| ``forged`` | its content does not hash to the plan's digest (``Batch.digest``): not the batch that was planned under that id |
+| ``forged`` | the manifest does not hash to the plan's digest (``Batch.digest``): not the batch that was planned under that id |
 | ``invalid`` | another policy's batch, advantages not one finite value per trajectory, a token id outside the model's vocabulary |
+| ``missing`` | a referenced trajectory is gone from the TRAJ stream (past its max age), or its arrays from the object store |
+| ``mismatch`` | a referenced sequence holds another trajectory, task or policy than the manifest names |
 | ``stale`` | its oldest token is more than ``max_staleness + max_batch_backlog`` versions behind the trainer (see :func:`allowed_lag`) |
 
 A step whose loss or gradient norm is not finite makes no update (the backend skips it) and
@@ -23,9 +28,10 @@ import numpy as np
 import torch
 
 from astraflow.config import Recipe
-from astraflow.streams.messages import BATCH_FORGED, BATCH_INVALID, BATCH_STALE, BATCH_UNPLANNED, Batch
+from astraflow.streams.messages import BATCH_FORGED, BATCH_INVALID, BATCH_MISMATCH, BATCH_STALE, BATCH_UNPLANNED, Batch
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import BatchPlanRecord, StateSchemaError
+from astraflow.streams.trajectories import TrainingBatch
 
 
 def allowed_lag(recipe: Recipe) -> int:
@@ -39,15 +45,26 @@ def allowed_lag(recipe: Recipe) -> int:
     return recipe.dataflow.max_staleness + recipe.dataflow.max_batch_backlog
 
 
-def check_batch(batch: Batch, policy: str, vocab: int, version: int, max_lag: int) -> str | None:
-    """The values a trainer cannot train, then staleness; a rejection reason, or None."""
-    if batch.policy != policy or any(t.policy != policy for t in batch.trajectories):
-        return f"{BATCH_INVALID}: a batch of {batch.policy!r} (or holding other policies' trajectories) for the trainer of {policy!r}"
+def check_manifest(batch: Batch, policy: str) -> str | None:
+    """What the manifest alone says is wrong (before anything is fetched); a rejection reason, or None."""
+    if batch.policy != policy:
+        return f"{BATCH_INVALID}: a batch of {batch.policy!r} for the trainer of {policy!r}"
     adv = batch.advantage_array()
-    if not batch.trajectories or len(adv) != len(batch.trajectories):
-        return f"{BATCH_INVALID}: {len(adv)} advantages for {len(batch.trajectories)} trajectories"
+    if not batch.refs or len(adv) != len(batch.refs):
+        return f"{BATCH_INVALID}: {len(adv)} advantages for {len(batch.refs)} trajectories"
     if not np.isfinite(adv).all():
         return f"{BATCH_INVALID}: {int((~np.isfinite(adv)).sum())} non-finite advantages"
+    return None
+
+
+def check_batch(batch: TrainingBatch, vocab: int, version: int, max_lag: int) -> str | None:
+    """The fetched trajectories: each is the one its reference names (id, task, policy), its token ids fit the
+    model, then staleness; a rejection reason, or None."""
+    policy = batch.policy
+    for ref, t in zip(batch.manifest.refs, batch.trajectories, strict=True):
+        if (t.traj_id, t.task_id, t.policy) != (ref.traj_id, ref.task_id, policy):
+            return (f"{BATCH_MISMATCH}: sequence {ref.seq} holds {t.traj_id} (task {t.task_id}, policy {t.policy}), "
+                    f"the manifest names {ref.traj_id} (task {ref.task_id}, policy {policy})")
     for t in batch.trajectories:
         ids = np.concatenate([np.frombuffer(t.prompt_ids, "<i4"), np.frombuffer(t.completion_ids, "<i4")])
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
@@ -69,7 +86,7 @@ async def check_plan(plane: Plane, policy: str, batch: Batch) -> str | None:
         return f"{BATCH_UNPLANNED}: the dataflow planned no batch {batch.batch_id!r} (or its fate is known already)"
     digest = batch.digest()
     if digest != plan.digest:
-        return (f"{BATCH_FORGED}: {batch.batch_id} holds {len(batch.trajectories)} trajectories hashing to {digest[:16]}, "
+        return (f"{BATCH_FORGED}: {batch.batch_id} names {len(batch.refs)} trajectories hashing to {digest[:16]}, "
                 f"the plan {plan.trajectories} hashing to {plan.digest[:16]}")
     return None
 

@@ -4,8 +4,11 @@ One trainer per policy; each has its own durable consumer (``trainer-{policy}``)
 subject, and none waits for another. Per batch, in this order:
 
 1. vet (``train/vetting.py``): a redelivered batch whose id is already trained is acked
-   without training; a batch the dataflow did not plan (no plan record, or another content),
-   with values the model cannot take, or too stale is dead-lettered with its reason, untrained;
+   without training; a manifest the dataflow did not plan (no plan record, or another content)
+   is dead-lettered with its reason, untrained; then the trajectories it names are fetched from
+   the TRAJ stream by sequence (batched, offloaded arrays resolved), each checked to be the one
+   its reference names; one gone, another than named, with values the model cannot take, or
+   too stale makes the batch dead-lettered too (a failed read is retried: the batch is nak'ed);
 2. step; a step whose loss or gradient norm is not finite made no update: the batch is
    dead-lettered (``non_finite``) and counted (``skipped_steps``);
 3. the new weights are checked finite (never checkpointed or announced otherwise: the trainer
@@ -35,16 +38,19 @@ from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.models import build_model, load_tokenizer
 from astraflow.runtime import every, stop_event, watch_server
-from astraflow.streams.messages import BATCH_NON_FINITE, BATCH_STEP_FAILED, Batch, Heartbeat, TrainerStats
+from astraflow.streams.codec import DecodeError
+from astraflow.streams.direct import MissingMessages
+from astraflow.streams.messages import BATCH_INVALID, BATCH_MISSING, BATCH_NON_FINITE, BATCH_STEP_FAILED, Batch, Heartbeat, TrainerStats
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.streams.state import DoneRecord, StateReadError
+from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, fetch_trajectories
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.distributed import Collective, barrier_for
 from astraflow.train.resume import start
 from astraflow.train.sft import sft
-from astraflow.train.vetting import allowed_lag, check_batch, check_plan, non_finite
+from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan, non_finite
 from astraflow.weights.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -138,15 +144,16 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
             if not got:
                 continue
             d = got[0]
-            if d.msg.batch_id in seen:  # trained before a crash that came before its ack
-                log.info("%s was trained before the restart: ack without training", d.msg.batch_id)
+            manifest = d.msg
+            if manifest.batch_id in seen:  # trained before a crash that came before its ack
+                log.info("%s was trained before the restart: ack without training", manifest.batch_id)
                 metrics.inc({"redelivered_trained_batches": 1})
                 await d.ack()
                 continue
             try:
-                refused = await check_plan(plane, policy, d.msg) or check_batch(d.msg, policy, vocab, version, max_lag)
+                refused = await check_plan(plane, policy, manifest) or check_manifest(manifest, policy)
             except StateReadError as e:  # the plan could not be read: neither train nor turn it away
-                log.warning("%s: %s; trying again", d.msg.batch_id, e)
+                log.warning("%s: %s; trying again", manifest.batch_id, e)
                 await d.nak(delay=1.0)
                 continue
             if refused is not None:
@@ -155,10 +162,21 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 continue
             keep = asyncio.create_task(_keep_alive(d, keepalive_s))
             try:
+                t_fetch = time.monotonic()
+                batch = await _fetch(plane, d, metrics)
+                if batch is None:
+                    continue
+                fetch_s = time.monotonic() - t_fetch
+                metrics.inc({"fetch_seconds": fetch_s})
+                refused = check_batch(batch, vocab, version, max_lag)
+                if refused is not None:
+                    metrics.inc({"rejected_batches": 1})
+                    await d.reject(refused)
+                    continue
                 try:
-                    step = await asyncio.to_thread(run_op, "step", d.msg)
+                    step = await asyncio.to_thread(run_op, "step", batch)
                 except Exception as e:
-                    log.exception("step on %s failed", d.msg.batch_id)
+                    log.exception("step on %s failed", batch.batch_id)
                     await d.reject(f"{BATCH_STEP_FAILED}: {e}")
                     continue
                 if step.get("skipped"):  # the loss or the gradient norm was not finite: the backend made no update
@@ -167,22 +185,22 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                     continue
                 crash_point("after_step", version + 1)
                 version += 1
-                trained.append(d.msg.batch_id)
-                seen.add(d.msg.batch_id)
+                trained.append(batch.batch_id)
+                seen.add(batch.batch_id)
                 elapsed = time.monotonic() - started
-                last = {**step, "wait_frac": waited / elapsed, "batch_wait_s": wait}
+                last = {**step, "wait_frac": waited / elapsed, "batch_wait_s": wait, "fetch_s": fetch_s}
                 state = await asyncio.to_thread(run_op, "state")
                 bad = non_finite(state)
                 if bad:  # not the data's doing (the step was finite and clipped): stop before anything is written
                     await d.reject(f"{BATCH_NON_FINITE}: the weights after the step hold NaN or inf ({', '.join(bad[:3])})")
-                    raise RuntimeError(f"{policy} weights turned non-finite after {d.msg.batch_id}; nothing was checkpointed or "
+                    raise RuntimeError(f"{policy} weights turned non-finite after {batch.batch_id}; nothing was checkpointed or "
                                        "announced: a restart resumes from the last checkpoint")
                 if ckpt is not None and version % cfg.checkpoint_every == 0:
-                    meta = CheckpointMeta(version=version, policy=policy, trained=trained, last_batch_ids=[d.msg.batch_id],
+                    meta = CheckpointMeta(version=version, policy=policy, trained=trained, last_batch_ids=[batch.batch_id],
                                           last_metrics=last, lineage=at.lineage, lineage_base=at.base)
                     await asyncio.to_thread(run_op, "save", meta)
                     crash_point("after_checkpoint", version)
-                ann = await publisher.publish(state, version, [d.msg.batch_id], last)
+                ann = await publisher.publish(state, version, [batch.batch_id], last)
                 crash_point("after_publish", version)
             finally:
                 keep.cancel()
@@ -190,7 +208,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
             crash_point("after_ack", version)
             metrics.set({**last, "version": version})
             metrics.inc({"trained_tokens": step["tokens"], "trained_batches": 1})
-            log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (%s)", version, d.msg.batch_id, step["loss"],
+            log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (%s)", version, batch.batch_id, step["loss"],
                      step["reward_mean"], 100 * last["wait_frac"], ann.encoding)
         if version >= at.base + cfg.steps:  # finished, not stopped
             await plane.state.put(DoneRecord(policy=policy, version=version))
@@ -198,6 +216,21 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
         stop.set()
         await asyncio.gather(beats, watchdog, return_exceptions=True)
         await plane.close()
+
+
+async def _fetch(plane: Plane, d: Delivery[Batch], metrics: Metrics) -> TrainingBatch | None:
+    """The trajectories the manifest names, whole, in its order; None when the batch was dead-lettered (one is gone
+    or does not decode) or given back to be tried again (a read failed for a reason that says nothing about it)."""
+    try:
+        return TrainingBatch(d.msg, await fetch_trajectories(plane, d.msg))
+    except (MissingMessages, PayloadUnavailable, DecodeError) as e:
+        metrics.inc({"rejected_batches": 1})
+        code = BATCH_INVALID if isinstance(e, DecodeError) else BATCH_MISSING
+        await d.reject(f"{code}: {e}")
+    except Exception as e:  # a timeout, a lost connection
+        log.warning("fetching the trajectories of %s failed (%s: %s); trying again", d.msg.batch_id, type(e).__name__, e)
+        await d.nak(delay=1.0)
+    return None
 
 
 async def _keep_alive(d: Delivery[Batch], every_s: float) -> None:

@@ -1,0 +1,130 @@
+"""Many messages of a stream by sequence, in a few requests: batched direct gets (ADR-31).
+
+A trainer reads the trajectories its batch manifest names this way. The wanted sequences are
+sorted and cut into runs of consecutive ones (:func:`runs`); each run is one request
+``{"seq": first, "batch": n, "max_bytes": B}`` to ``$JS.API.DIRECT.GET.{stream}``, which the
+server answers with the messages, in order, then an end-of-batch marker (status 204). No consumer
+is made or deleted, and nothing between runs is sent. Runs are requested concurrently, at most
+``in_flight`` at a time and ``max_bytes`` each, so no run waits for another's round trip and the
+bytes in flight stay bounded; a run the server cut at ``max_bytes`` goes on from the next sequence.
+
+A sequence that is gone (deleted, or expired by the stream's max age) is skipped by the server,
+which sends the next one there is instead (or answers 404): it is reported, with every other gone
+sequence, by :class:`MissingMessages`. The stream must allow direct gets (``allow_direct``; the
+plane's topology sets it on the TRAJ stream). A server older than 2.11 answers each request with
+one message: the reads still complete, one request per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+DEFAULT_MAX_BYTES = 8 << 20  # per request: what one answer may carry before the server cuts it
+DEFAULT_IN_FLIGHT = 8  # requests answered at once
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMsg:
+    seq: int
+    subject: str
+    data: bytes
+
+
+class MissingMessages(LookupError):
+    """Sequences the stream no longer holds (deleted, or past its max age)."""
+
+    def __init__(self, stream: str, seqs: list[int]) -> None:
+        self.stream, self.seqs = stream, seqs
+        shown = ", ".join(map(str, seqs[:8])) + (f" and {len(seqs) - 8} more" if len(seqs) > 8 else "")
+        super().__init__(f"{len(seqs)} sequence(s) of {stream} are gone: {shown}")
+
+
+class DirectGetError(RuntimeError):
+    """The server refused a direct get (a bad request, or a stream without ``allow_direct``)."""
+
+
+def runs(seqs: Iterable[int]) -> list[tuple[int, int]]:
+    """Distinct sequences as runs of consecutive ones, ``(first, count)``, ascending."""
+    out: list[tuple[int, int]] = []
+    for s in sorted(set(seqs)):
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((s, 1))
+    return out
+
+
+async def read_seqs(nc: Client, api_prefix: str, stream: str, seqs: Iterable[int], max_bytes: int = DEFAULT_MAX_BYTES,
+                    in_flight: int = DEFAULT_IN_FLIGHT, timeout: float = 10.0) -> dict[int, StreamMsg]:
+    """The messages at ``seqs`` of ``stream`` (``api_prefix``: ``$JS.API``, or ``$JS.{domain}.API``), by sequence.
+
+    Raises :class:`MissingMessages` when some are gone, :class:`DirectGetError` when the server refuses,
+    ``asyncio.TimeoutError`` when an answer stalls for ``timeout`` seconds."""
+    wanted = runs(seqs)
+    inbox = nc.new_inbox()
+    answers: dict[str, asyncio.Queue[Msg]] = {}
+
+    async def route(msg: Msg) -> None:
+        queue = answers.get(msg.subject)
+        if queue is not None:  # an answer to a request given up on is dropped
+            queue.put_nowait(msg)
+
+    sub = await nc.subscribe(f"{inbox}.*", cb=route, pending_bytes_limit=max(64 << 20, 4 * in_flight * max_bytes))
+    got: dict[int, StreamMsg] = {}
+    ids = itertools.count()
+    slots = asyncio.Semaphore(in_flight)
+
+    async def request(first: int, last: int) -> int:
+        """One batched get of ``[first, last]``; returns the highest sequence of the range that arrived (first - 1: none)."""
+        reply = f"{inbox}.{next(ids)}"
+        queue = answers[reply] = asyncio.Queue()
+        body = {"seq": first, "batch": last - first + 1, "max_bytes": max_bytes}
+        highest = first - 1
+        try:
+            await nc.publish(f"{api_prefix}.DIRECT.GET.{stream}", json.dumps(body).encode(), reply=reply)
+            while True:
+                msg = await asyncio.wait_for(queue.get(), timeout)
+                headers = msg.headers or {}
+                status = headers.get("Status")
+                if status in ("204", "404"):  # end of the batch; nothing at or after ``first``
+                    return highest
+                if status:
+                    raise DirectGetError(f"direct get on {stream} refused: {status} {msg.data.decode(errors='replace')[:200]} "
+                                         "(503: the stream does not allow direct gets)")
+                seq = int(headers["Nats-Sequence"])
+                if seq <= last:  # past ``last``: the server filled the batch beyond a gone sequence
+                    got[seq] = StreamMsg(seq, headers.get("Nats-Subject", ""), msg.data)
+                    highest = max(highest, seq)
+                if "Nats-Num-Pending" not in headers:  # a server before 2.11 answers one message, without an end marker
+                    return highest
+        finally:
+            del answers[reply]
+
+    async def read_run(first: int, count: int) -> None:
+        async with slots:
+            last, start = first + count - 1, first
+            while start <= last:
+                highest = await request(start, last)
+                if highest < start:  # nothing of the rest is there
+                    return
+                start = highest + 1  # cut at max_bytes (or past gone ones): go on after what arrived
+
+    reads = [asyncio.ensure_future(read_run(first, count)) for first, count in wanted]
+    try:
+        await asyncio.gather(*reads)
+    finally:  # one run failed: the others stop too
+        for r in reads:
+            r.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
+        await sub.unsubscribe()
+    gone = [s for first, count in wanted for s in range(first, first + count) if s not in got]
+    if gone:
+        raise MissingMessages(stream, gone)
+    return got
