@@ -237,6 +237,7 @@ def poisoned_announcements(base: WeightVersion) -> Fields:
         return Poison("weights", fld, label, base.model_copy(update=update), expect)
 
     future = st.integers(v + 10**6, 2**62)
+    ahead = {"version": v + 10**6, "encoding": "keyframe", "base_version": None, "base_digest": None, "keyframe_version": v + 10**6}
     out = [
         ("version", st.integers(-(2**62), -1).map(lambda x: mk("version", f"version {x}", "< 0", version=x))),
         ("version", st.integers(0, v).map(lambda x: mk("version", f"v{x} again, another state (the past)", "announced", version=x,
@@ -251,15 +252,15 @@ def poisoned_announcements(base: WeightVersion) -> Fields:
         ("keyframe_version", future.map(lambda x: mk("keyframe_version", f"keyframe v{x} naming keyframe v{x + 1}", "names keyframe_version", version=x,
                                 encoding="keyframe", base_version=None, base_digest=None, keyframe_version=x + 1))),
         ("state_digest", st.text("xyz!", min_size=1, max_size=70).map(lambda d: mk("state_digest", f"state_digest {d[:10]!r}", "not a sha256",
-                                                                  version=v + 10**6, state_digest=d))),
-        ("objects", st.integers(0, 3).filter(lambda k: k != 1).map(lambda k: mk("objects", f"{k} objects", "objects", version=v + 10**6,
+                                                                  **ahead, state_digest=d))),
+        ("objects", st.integers(0, 3).filter(lambda k: k != 1).map(lambda k: mk("objects", f"{k} objects", "objects", **ahead,
                                                                     objects=[ref] * k))),
-        ("objects", st.integers(1, 50).map(lambda k: mk("objects", f"{len(ref.digests) + k} chunk digests", "chunk digests", version=v + 10**6,
+        ("objects", st.integers(1, 50).map(lambda k: mk("objects", f"{len(ref.digests) + k} chunk digests", "chunk digests", **ahead,
                                             objects=[ref.model_copy(update={"digests": ref.digests + [SHA] * k})]))),
-        ("objects", st.sampled_from(["a.b", "x y", "*", ">", ""]).map(lambda s: mk("objects", f"object id {s!r}", "subject token", version=v + 10**6,
+        ("objects", st.sampled_from(["a.b", "x y", "*", ">", ""]).map(lambda s: mk("objects", f"object id {s!r}", "subject token", **ahead,
                                                                        objects=[ref.model_copy(update={"nuid": s})]))),
         ("policy", st.sampled_from(["critic", "verifier"]).map(lambda p: mk("policy", f"policy {p!r} on solver's subject", "of policy", policy=p,
-                                                                 version=v + 10**6))),
+                                                                 **ahead))),
     ]
     return by_field(out)
 

@@ -178,6 +178,9 @@ async def test_every_poisoned_announcement_is_dead_lettered_and_the_real_ones_st
         await sync.refresh(wait=0.2)
     assert sync.version == 3 and engine_digest(sync) == trainer.digest
     assert missed(poisons, await dead_letters(plane, "weights")) == []
+    late = node(plane)  # an evaluator stepping to a version reads the history: a foreign copy never stands in for it
+    await late.goto(2)
+    assert engine_digest(late) == real[2].state_digest
 
 
 # ------------------------------------------------------------------------------------------- heartbeats, run state
