@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 
 from astraflow.streams.codec import encode
 from astraflow.streams.messages import Batch, Heartbeat, Message, RolloutStats, Task, TrainerStats, Trajectory, WeightVersion
+from astraflow.streams.state import BatchPlanRecord
 
 T = TypeVar("T")
 HUGE = 300_000  # tokens: a 3.9 MB trajectory, under the 8 MB max_payload
@@ -78,6 +80,20 @@ def draw_each(fields: Fields, n: int, at: int = 0) -> list[Poison]:
     return [p for i, strategy in enumerate(fields.values()) for p in draw(strategy, n, at + i)]
 
 
+def nth(fields: Fields, i: int, at: int, per_field: int) -> Poison:
+    """The ``i``-th poison of a campaign of ``per_field`` per field, each derived from its own base message: field
+    after field, from one seeded draw of ``per_field`` per field (so the same ``i`` and ``at`` give the same poison)."""
+    names = sorted(fields)
+    k = i % len(names)
+    drawn = draw(fields[names[k]], per_field, at * 1009 + k)  # fewer when the field has fewer distinct poisons
+    return drawn[(i // len(names)) % len(drawn)]
+
+
+def plan_record(b: Batch, policy: str) -> BatchPlanRecord:
+    """The plan record the dataflow writes for ``b`` for ``policy``'s trainer (forged here: a writer the permissions let through)."""
+    return BatchPlanRecord(policy=policy, batch_id=b.batch_id, digest=b.digest(), trajectories=len(b.trajectories))
+
+
 def draw(strategy: st.SearchStrategy[T], n: int, at: int = 0) -> list[T]:
     """``n`` examples of ``strategy``, the same ones for the same ``at`` seed (hypothesis, generate phase only)."""
     out: list[T] = []
@@ -114,45 +130,46 @@ def poisoned_trajectories(base: Trajectory, view: RunView) -> Fields:
     checks (``dataflow/validate.py``, ingest) turn away, with the code they name it by."""
     n = len(base.completion_ids) // 4
     assert n > 0, "derive poisons from a trajectory with completion tokens"
-    task, pol, g = base.task_id, base.policy, view.group_size
+    g = view.group_size
 
-    def mk(fld: str, label: str, expect: str, **update: Any) -> Poison:
-        return Poison("trajectory", fld, label, base.model_copy(update=update), expect)
+    def poison(name: str, values: st.SearchStrategy[Any], expect: str, update: Callable[[Any], dict[str, Any]],
+               label: str = "{name} {v!r}") -> tuple[str, st.SearchStrategy[Poison]]:
+        return name, values.map(lambda v: Poison("trajectory", name, label.format(name=name, v=v), base.model_copy(update=update(v)),
+                                                 expect))
 
-    def ids(i: int, task_id: str = task, policy: str = pol) -> dict[str, Any]:
+    def ids(i: int = base.index, task_id: str = base.task_id, policy: str = base.policy) -> dict[str, Any]:
         return {"index": i, "traj_id": f"{task_id}.{policy}.{i}", "task_id": task_id, "policy": policy}
 
-    out = [
-        ("traj_id", st.text("abcxyz.-_0123456789", min_size=1, max_size=40).filter(lambda s: s != base.traj_id).map(
-            lambda s: mk("traj_id", f"traj_id {s!r}", "invalid traj_id", traj_id=s))),
-        ("task_id", st.integers(1, 10**9).map(lambda k: mk("task_id", f"a task never issued (x{k})", "invalid task", **ids(base.index, f"x{k}")))),
-        ("policy", st.sampled_from(["critic", "evil", "x" * 64]).map(lambda p: mk("policy", f"policy {p[:12]!r}", "invalid policy", **ids(base.index, policy=p)))),
-        ("index", st.one_of(st.integers(-(2**31), -1), st.integers(g, 2**31 - 1)).map(
-            lambda i: mk("index", f"index {i}", "invalid index", **ids(i)))),
-        ("group_size", st.integers(-(2**31), 2**31 - 1).filter(lambda k: k != g).map(lambda k: mk("group_size", f"group_size {k}", "invalid group_size",
-                                                                                group_size=k))),
-        ("prompt_ids", st.just(mk("prompt_ids", "empty prompt", "invalid prompt", prompt_ids=b""))),
-        ("prompt_ids", st.one_of(st.integers(view.vocab, 2**31 - 1), st.integers(-(2**31), -1)).map(
-            lambda t: mk("prompt_ids", f"prompt token {t}", "invalid token", prompt_ids=_i32([t, *base.prompt_tokens()])))),
-        ("completion_ids", st.one_of(st.integers(view.vocab, 2**31 - 1), st.integers(-(2**31), -1)).map(
-            lambda t: mk("completion_ids", f"completion token {t}", "invalid token", completion_ids=_i32([t, *base.completion()[1:]])))),
-        ("completion_ids", st.integers(view.max_new_tokens + 1, HUGE).map(lambda k: mk("completion_ids", f"{k} completion tokens", "invalid length",
-                                                                     **_tokens(base, np.full(k, 5))))),
-        ("logprobs", st.one_of(NON_FINITE, st.floats(0.01, 1e30)).map(lambda x: mk("logprobs", f"logprob {x}", "invalid logprob",
-                                                                       logprobs=_f32(np.r_[x, base.behaviour_logprobs()[1:]])))),
-        ("versions", st.integers(view.newest + 10**6, 2**31 - 1).map(lambda v: mk("versions", f"a token of v{v} (the future)", "invalid version",
-                                                                      versions=_i32(np.full(n, v))))),
-        ("versions", st.integers(-(2**31), -2).map(lambda v: mk("versions", f"generated tokens of v{v} (the past)", "invalid version",
-                                                   versions=_i32(np.full(n, v))))),
-        ("loss_mask", st.integers(2, 255).map(lambda m: mk("loss_mask", f"loss_mask {m}", "invalid mask",
-                                             loss_mask=np.r_[m, base.mask()[1:]].astype("<u1").tobytes()))),
-        ("reward", st.one_of(NON_FINITE, st.floats(1e31, 3e38), st.floats(-3e38, -1e31)).map(
-            lambda r: mk("reward", f"reward {r:g}", "invalid reward", reward=r))),
-        ("reward", st.sampled_from(["stop", "length"]).map(lambda f: mk("reward", f"no reward, finish {f}", "invalid reward", reward=None,
-                                                             finish_reason=f))),
-        ("created_at", NON_FINITE.map(lambda x: mk("created_at", f"created_at {x}", "invalid time", created_at=x))),
-    ]
-    return by_field(out)
+    bad_token = st.one_of(st.integers(view.vocab, 2**31 - 1), st.integers(-(2**31), -1))
+    return by_field([
+        poison("traj_id", st.text("abcxyz.-_0123456789", min_size=1, max_size=40).filter(lambda s: s != base.traj_id),
+               "invalid traj_id", lambda s: {"traj_id": s}),
+        poison("task_id", st.integers(1, 10**9).map(lambda k: f"x{k}"), "invalid task", lambda t: ids(task_id=t),
+               "a task never issued ({v})"),
+        poison("policy", st.sampled_from(["critic", "evil", "x" * 64]), "invalid policy", lambda p: ids(policy=p)),
+        poison("index", st.one_of(st.integers(-(2**31), -1), st.integers(g, 2**31 - 1)), "invalid index", lambda i: ids(i)),
+        poison("group_size", st.integers(-(2**31), 2**31 - 1).filter(lambda k: k != g), "invalid group_size",
+               lambda k: {"group_size": k}),
+        poison("prompt_ids", st.just(b""), "invalid prompt", lambda e: {"prompt_ids": e}, "an empty prompt"),
+        poison("prompt_ids", bad_token, "invalid token", lambda t: {"prompt_ids": _i32([t, *base.prompt_tokens()])}, "prompt token {v}"),
+        poison("completion_ids", bad_token, "invalid token", lambda t: {"completion_ids": _i32([t, *base.completion()[1:]])},
+               "completion token {v}"),
+        poison("completion_ids", st.integers(view.max_new_tokens + 1, HUGE), "invalid length", lambda k: _tokens(base, np.full(k, 5)),
+               "{v} completion tokens"),
+        poison("logprobs", st.one_of(NON_FINITE, st.floats(0.01, 1e30)), "invalid logprob",
+               lambda x: {"logprobs": _f32(np.r_[x, base.behaviour_logprobs()[1:]])}, "logprob {v}"),
+        poison("versions", st.integers(view.newest + 10**6, 2**31 - 1), "invalid version", lambda v: {"versions": _i32(np.full(n, v))},
+               "tokens of v{v} (the future)"),
+        poison("versions", st.integers(-(2**31), -2), "invalid version", lambda v: {"versions": _i32(np.full(n, v))},
+               "generated tokens of v{v} (the past)"),
+        poison("loss_mask", st.integers(2, 255), "invalid mask", lambda m: {"loss_mask": np.r_[m, base.mask()[1:]].astype("<u1").tobytes()},
+               "loss_mask {v}"),
+        poison("reward", st.one_of(NON_FINITE, st.floats(1e31, 3e38), st.floats(-3e38, -1e31)), "invalid reward",
+               lambda r: {"reward": r}, "reward {v:g}"),
+        poison("reward", st.sampled_from(["stop", "length"]), "invalid reward", lambda f: {"reward": None, "finish_reason": f},
+               "no reward, finish {v}"),
+        poison("created_at", NON_FINITE, "invalid time", lambda x: {"created_at": x}),
+    ])
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -160,32 +177,34 @@ def poisoned_tasks(base: Task, view: RunView) -> Fields:
     """One field of a valid task of the run (``base``) set to a value a rollout node turns away
     (``rollout/task_checks.py``, or the codec), with the code it names."""
 
-    def mk(fld: str, label: str, expect: str, **update: Any) -> Poison:
-        return Poison("task", fld, label, base.model_copy(update=update), expect)
+    def poison(name: str, values: st.SearchStrategy[Any], code: str, update: Callable[[Any], dict[str, Any]],
+               label: str = "{name} {v!r}") -> tuple[str, st.SearchStrategy[Poison]]:
+        return name, values.map(lambda v: Poison("task", name, label.format(name=name, v=v)[:80], base.model_copy(update=update(v)),
+                                                 f"impossible task {code}"))
 
-    out = [
-        ("workflow", st.sampled_from(["evil", "multi_turn_tools", "x" * 64]).filter(lambda w: w != view.workflow).map(
-            lambda w: mk("workflow", f"workflow {w[:12]!r}", "impossible task workflow", workflow=w))),
-        ("policy", st.sampled_from(["verifier", "evil"]).map(lambda p: mk("policy", f"policy {p!r}", "impossible task policy", policy=p))),
-        ("min_versions", st.sampled_from(["critic", "evil"]).map(lambda p: mk("min_versions", f"min_versions of policy {p!r}", "impossible task policy",
-                                                              min_versions={**base.min_versions, p: 0}))),
-        ("group_size", st.integers(1, 10**9).filter(lambda k: k != view.group_size).map(
-            lambda k: mk("group_size", f"group_size {k}", "impossible task group_size", group_size=k))),
-        ("group_size", st.integers(-(2**31), 0).map(lambda k: Poison("task", "group_size", f"group_size {k}",
-                                                      Task.model_construct(**{**dict(base), "group_size": k}), "group_size"))),
-        ("min_versions", st.integers(view.newest + 1000, 2**62).map(lambda v: mk("min_versions", f"needs v{v}", "impossible task version",
-                                                                min_versions={view.policy: v}))),
-        ("created_at", NON_FINITE.map(lambda x: mk("created_at", f"created_at {x}", "impossible task time", created_at=x))),
-        ("deadline", st.one_of(NON_FINITE, st.floats(-1e12, -1.0), st.floats(8 * 86400.0, 1e12)).map(
-            lambda d: mk("deadline", f"deadline created_at{d:+g}", "impossible task time",
-                         deadline=d if not math.isfinite(d) else base.created_at + d))),
-        ("prompt", st.integers(view.context - view.max_new_tokens + 1, 32 * view.context).map(
-            lambda k: mk("prompt", f"a prompt of {k} characters", "impossible task prompt", prompt="1" * k))),
-        ("prompt", st.just(mk("prompt", "a prompt of 2 MB", "impossible task prompt", prompt="7" * 2_000_000))),
-        ("meta", st.one_of(st.just({}), st.just({"answer": {"x": 1}}), st.text("abc+-", min_size=1, max_size=8).map(lambda a: {"answer": a}),
-                  st.just({"answer": "9" * 5000})).map(lambda m: mk("meta", f"meta {str(m)[:24]}", "impossible task meta", meta=m))),
-    ]
-    return by_field(out)
+    def constructed(k: int) -> Poison:  # a value the model refuses: built without validation, refused by the codec
+        return Poison("task", "group_size", f"group_size {k}", Task.model_construct(**{**dict(base), "group_size": k}), "group_size")
+
+    far = st.one_of(NON_FINITE, st.floats(-1e12, -1.0), st.floats(8 * 86400.0, 1e12))
+    metas = st.one_of(st.just({}), st.just({"answer": {"x": 1}}), st.text("abc+-", min_size=1, max_size=8).map(lambda a: {"answer": a}),
+                      st.just({"answer": "9" * 5000}))
+    return by_field([
+        poison("workflow", st.sampled_from(["evil", "multi_turn_tools", "x" * 64]).filter(lambda w: w != view.workflow), "workflow",
+               lambda w: {"workflow": w}),
+        poison("policy", st.sampled_from(["verifier", "evil"]), "policy", lambda p: {"policy": p}),
+        poison("min_versions", st.sampled_from(["critic", "evil"]), "policy", lambda p: {"min_versions": {**base.min_versions, p: 0}},
+               "min_versions of policy {v!r}"),
+        poison("min_versions", st.integers(view.newest + 1000, 2**62), "version", lambda v: {"min_versions": {view.policy: v}},
+               "needs v{v}"),
+        poison("group_size", st.integers(1, 10**9).filter(lambda k: k != view.group_size), "group_size", lambda k: {"group_size": k}),
+        ("group_size", st.integers(-(2**31), 0).map(constructed)),
+        poison("created_at", NON_FINITE, "time", lambda x: {"created_at": x}),
+        poison("deadline", far, "time", lambda d: {"deadline": base.created_at + d}, "deadline created_at{v:+g}"),
+        poison("prompt", st.integers(view.context - view.max_new_tokens + 1, 32 * view.context), "prompt", lambda k: {"prompt": "1" * k},
+               "a prompt of {v} characters"),
+        poison("prompt", st.just(2_000_000), "prompt", lambda k: {"prompt": "7" * k}, "a prompt of {v} characters"),
+        poison("meta", metas, "meta", lambda m: {"meta": m}),
+    ])
 
 
 def foreign_tasks(base: Task) -> st.SearchStrategy[Poison]:
@@ -200,29 +219,30 @@ def poisoned_batches(base: Batch, view: RunView) -> Fields:
     plan record that matches them (``extra['plan']``: a writer the permissions let through), values it cannot train."""
     k = len(base.trajectories)
 
-    def mk(fld: str, label: str, expect: str, plan: bool, **update: Any) -> Poison:
-        return Poison("batch", fld, label, base.model_copy(update=update), expect, extra={"plan": plan})
+    def poison(name: str, values: st.SearchStrategy[Any], expect: str, update: Callable[[Any], dict[str, Any]], label: str,
+               plan: bool | str = True) -> tuple[str, st.SearchStrategy[Poison]]:
+        return name, values.map(lambda v: Poison("batch", name, label.format(v=v), base.model_copy(update=update(v)), expect,
+                                                 extra={"plan": plan}))
 
-    def traj0(**update: Any) -> list[Trajectory]:
+    def first(**update: Any) -> list[Trajectory]:
         return [base.trajectories[0].model_copy(update=update), *base.trajectories[1:]]
 
-    out = [
-        ("batch_id", st.integers(1, 10**9).map(lambda i: mk("batch_id", f"batch f{i}, never planned", "unplanned", False, batch_id=f"f{i}"))),
-        ("advantages", st.floats(-10, 10).map(lambda a: Poison("batch", "advantages", f"other advantages ({a:.2f}) under a planned id",
-                                                base.model_copy(update={"advantages": _f32(np.full(k, a))}), "forged",
-                                                extra={"plan": "base"}))),
-        ("advantages", st.one_of(NON_FINITE.map(lambda x: _f32(np.r_[x, np.zeros(k - 1)])), st.integers(0, 3 * k).filter(lambda m: m != k).map(
-            lambda m: _f32(np.zeros(m)))).map(lambda a: mk("advantages", f"{len(a) // 4} advantages, or non-finite", "invalid", True,
-                                                           advantages=a))),
-        ("policy", st.sampled_from(["verifier", "critic"]).map(lambda p: mk("policy", f"policy {p!r}", "invalid", True, policy=p))),
-        ("trajectories", st.integers(view.vocab, 2**31 - 1).map(lambda t: mk("trajectories", f"token {t}", "invalid", True, trajectories=traj0(
-            completion_ids=_i32([t, *base.trajectories[0].completion()[1:]]))))),
-        ("trajectories", st.integers(-(2**31), -(10**6)).map(lambda v: mk("trajectories", f"tokens of v{v}", "stale", True,
-                                                         trajectories=[t.model_copy(update={"versions": _i32(np.full(len(t.versions) // 4, v))})
-                                                                       for t in base.trajectories]))),
-        ("advantages", st.floats(1e38, 3e38).map(lambda a: mk("advantages", f"advantages {a:.1e}", "non_finite", True, advantages=_f32(np.full(k, a))))),
-    ]
-    return by_field(out)
+    def aged(v: int) -> list[Trajectory]:
+        return [t.model_copy(update={"versions": _i32(np.full(len(t.versions) // 4, v))}) for t in base.trajectories]
+
+    wrong = st.one_of(NON_FINITE.map(lambda x: _f32(np.r_[x, np.zeros(k - 1)])),
+                      st.integers(0, 3 * k).filter(lambda m: m != k).map(lambda m: _f32(np.zeros(m))))
+    return by_field([
+        poison("batch_id", st.integers(1, 10**9), "unplanned", lambda i: {"batch_id": f"f{i}"}, "batch f{v}, never planned", plan=False),
+        poison("advantages", st.floats(-10, 10), "forged", lambda a: {"advantages": _f32(np.full(k, a))},
+               "other advantages ({v:.2f}) under a planned id", plan="base"),
+        poison("advantages", wrong, "invalid", lambda a: {"advantages": a}, "advantages {v!r:.40}"),
+        poison("advantages", st.floats(1e38, 3e38), "non_finite", lambda a: {"advantages": _f32(np.full(k, a))}, "advantages {v:.1e}"),
+        poison("policy", st.sampled_from(["verifier", "critic"]), "invalid", lambda p: {"policy": p}, "policy {v!r}"),
+        poison("trajectories", st.integers(view.vocab, 2**31 - 1), "invalid",
+               lambda t: {"trajectories": first(completion_ids=_i32([t, *base.trajectories[0].completion()[1:]]))}, "token {v}"),
+        poison("trajectories", st.integers(-(2**31), -(10**6)), "stale", lambda v: {"trajectories": aged(v)}, "tokens of v{v}"),
+    ])
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -233,36 +253,39 @@ def poisoned_announcements(base: WeightVersion) -> Fields:
     """Announcements impossible on their face, or from the past (``weights/checks.py``), derived from a real one."""
     v, ref = base.version, base.objects[0]
 
-    def mk(fld: str, label: str, expect: str, **update: Any) -> Poison:
-        return Poison("weights", fld, label, base.model_copy(update=update), expect)
+    def poison(name: str, values: st.SearchStrategy[Any], expect: str, update: Callable[[Any], dict[str, Any]],
+               label: str) -> tuple[str, st.SearchStrategy[Poison]]:
+        return name, values.map(lambda x: Poison("weights", name, label.format(v=x), base.model_copy(update=update(x)), expect))
 
-    future = st.integers(v + 10**6, 2**62)
-    ahead = {"version": v + 10**6, "encoding": "keyframe", "base_version": None, "base_digest": None, "keyframe_version": v + 10**6}
-    out = [
-        ("version", st.integers(-(2**62), -1).map(lambda x: mk("version", f"version {x}", "< 0", version=x))),
-        ("version", st.integers(0, v).map(lambda x: mk("version", f"v{x} again, another state (the past)", "announced", version=x,
-                                                       encoding="keyframe", base_version=None, base_digest=None, keyframe_version=x,
-                                                       state_digest=SHA))),
-        ("base_version", future.map(lambda x: mk("base_version", f"delta v{x} onto v{x}", "not an earlier version", version=x, encoding="delta",
-                                base_version=x, base_digest=SHA, keyframe_version=0))),
-        ("base_version", future.map(lambda x: mk("base_version", f"delta v{x} without a base", "without a base", version=x, encoding="delta",
-                                base_version=None, base_digest=None))),
-        ("base_version", future.map(lambda x: mk("base_version", f"keyframe v{x} with a base", "names a base", version=x, encoding="keyframe",
-                                base_version=x - 1, base_digest=SHA, keyframe_version=x))),
-        ("keyframe_version", future.map(lambda x: mk("keyframe_version", f"keyframe v{x} naming keyframe v{x + 1}", "names keyframe_version", version=x,
-                                encoding="keyframe", base_version=None, base_digest=None, keyframe_version=x + 1))),
-        ("state_digest", st.text("xyz!", min_size=1, max_size=70).map(lambda d: mk("state_digest", f"state_digest {d[:10]!r}", "not a sha256",
-                                                                  **ahead, state_digest=d))),
-        ("objects", st.integers(0, 3).filter(lambda k: k != 1).map(lambda k: mk("objects", f"{k} objects", "objects", **ahead,
-                                                                    objects=[ref] * k))),
-        ("objects", st.integers(1, 50).map(lambda k: mk("objects", f"{len(ref.digests) + k} chunk digests", "chunk digests", **ahead,
-                                            objects=[ref.model_copy(update={"digests": ref.digests + [SHA] * k})]))),
-        ("objects", st.sampled_from(["a.b", "x y", "*", ">", ""]).map(lambda s: mk("objects", f"object id {s!r}", "subject token", **ahead,
-                                                                       objects=[ref.model_copy(update={"nuid": s})]))),
-        ("policy", st.sampled_from(["critic", "verifier"]).map(lambda p: mk("policy", f"policy {p!r} on solver's subject", "of policy", policy=p,
-                                                                 **ahead))),
-    ]
-    return by_field(out)
+    def keyframe(x: int, **update: Any) -> dict[str, Any]:  # a version x that is otherwise possible
+        return {"version": x, "encoding": "keyframe", "base_version": None, "base_digest": None, "keyframe_version": x, **update}
+
+    def delta(x: int, **update: Any) -> dict[str, Any]:
+        return {"version": x, "encoding": "delta", "base_version": x - 1, "base_digest": SHA, "keyframe_version": 0, **update}
+
+    future, ahead = st.integers(v + 10**6, 2**62), v + 10**6
+    return by_field([
+        poison("version", st.integers(-(2**62), -1), "< 0", lambda x: keyframe(x), "version {v}"),
+        poison("version", st.integers(0, v), "announced", lambda x: keyframe(x, state_digest=SHA), "v{v} again, another state (the past)"),
+        poison("base_version", future, "not an earlier version", lambda x: delta(x, base_version=x), "delta v{v} onto itself"),
+        poison("base_version", future, "without a base", lambda x: delta(x, base_version=None, base_digest=None),
+               "delta v{v} without a base"),
+        poison("base_version", future, "names a base", lambda x: keyframe(x, base_version=x - 1, base_digest=SHA),
+               "keyframe v{v} with a base"),
+        poison("keyframe_version", future, "names keyframe_version", lambda x: keyframe(x, keyframe_version=x + 1),
+               "keyframe v{v} naming a later keyframe"),
+        poison("state_digest", st.text("xyz!", min_size=1, max_size=70), "not a sha256", lambda d: keyframe(ahead, state_digest=d),
+               "state_digest {v!r:.12}"),
+        poison("objects", st.integers(0, 3).filter(lambda k: k != 1), "objects", lambda k: keyframe(ahead, objects=[ref] * k),
+               "{v} objects"),
+        poison("objects", st.integers(1, 50), "chunk digests",
+               lambda k: keyframe(ahead, objects=[ref.model_copy(update={"digests": ref.digests + [SHA] * k})]),
+               "{v} chunk digests too many"),
+        poison("objects", st.sampled_from(["a.b", "x y", "*", ">", ""]), "subject token",
+               lambda s: keyframe(ahead, objects=[ref.model_copy(update={"nuid": s})]), "object id {v!r}"),
+        poison("policy", st.sampled_from(["critic", "verifier"]), "of policy", lambda p: keyframe(ahead, policy=p),
+               "policy {v!r} on solver's subject"),
+    ])
 
 
 # ---------------------------------------------------------------------------------------------- heartbeats
@@ -272,18 +295,19 @@ def poisoned_heartbeats(worker: str, pool: str = "raas") -> Fields:
     dead-lettered; the consumers (dataflow's autoscale, the launcher) must stay up and finite."""
     bad = st.one_of(NON_FINITE, st.sampled_from([-1e308, 1e308, -1.0]))
 
-    def mk(fld: str, label: str, **kw: Any) -> Poison:
-        return Poison("heartbeat", fld, label, Heartbeat(**{"worker_id": worker, "pool": pool, "stats": RolloutStats(joined=True), **kw}))
+    def poison(name: str, values: st.SearchStrategy[Any], fields: Callable[[Any], dict[str, Any]],
+               label: str) -> tuple[str, st.SearchStrategy[Poison]]:
+        base = {"worker_id": worker, "pool": pool, "stats": RolloutStats(joined=True)}
+        return name, values.map(lambda x: Poison("heartbeat", name, label.format(v=x), Heartbeat(**{**base, **fields(x)})))
 
-    out = [
-        ("stats", bad.map(lambda x: mk("stats", f"gen_s {x}", stats=RolloutStats(joined=True, gen_s=x)))),
-        ("stats", bad.map(lambda x: mk("stats", f"a trainer's wait_s {x} on a rollout subject", policy="solver", stats=TrainerStats(wait_s=x,
-                                                                                                                  wait_frac=x)))),
-        ("ts", bad.map(lambda x: mk("ts", f"ts {x}", ts=x))),
-        ("version", st.integers(-(2**62), 2**62).map(lambda v: mk("version", f"version {v}", version=v))),
-        ("worker_id", st.integers(1, 200).map(lambda k: mk("worker_id", f"{k} node ids", worker_id=f"{worker}-{k}"))),
-    ]
-    return by_field(out)
+    return by_field([
+        poison("stats", bad, lambda x: {"stats": RolloutStats(joined=True, gen_s=x)}, "gen_s {v}"),
+        poison("stats", bad, lambda x: {"policy": "solver", "stats": TrainerStats(wait_s=x, wait_frac=x)},
+               "a trainer's wait_s {v} on a rollout subject"),
+        poison("ts", bad, lambda x: {"ts": x}, "ts {v}"),
+        poison("version", st.integers(-(2**62), 2**62), lambda x: {"version": x}, "version {v}"),
+        poison("worker_id", st.integers(1, 200), lambda k: {"worker_id": f"{worker}-{k}"}, "node id {v}"),
+    ])
 
 
 # ---------------------------------------------------------------------------------------------- run state

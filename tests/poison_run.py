@@ -39,15 +39,15 @@ from astraflow.config import Recipe
 from astraflow.models import encode_prompt, load_tokenizer, model_limits
 from astraflow.streams.codec import decode, encode
 from astraflow.streams.credentials import issue, server_users
-from astraflow.streams.messages import Batch, Heartbeat, Rejected, RolloutStats, Task, Trajectory, WeightVersion
+from astraflow.streams.messages import Batch, Rejected, Task, Trajectory, WeightVersion
 from astraflow.streams.permissions import Scope, render_accounts
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.state import BatchPlanRecord, DoneRecord, VersionRecord
 from astraflow.tasks import load_split
 from poison import (
-    Poison, RunView, draw, foreign_tasks, poisoned_announcements, poisoned_batches, poisoned_heartbeats, poisoned_keyframe_requests,
-    poisoned_tasks, poisoned_trajectories,
+    Poison, RunView, draw, foreign_tasks, nth, plan_record, poisoned_announcements, poisoned_batches, poisoned_heartbeats,
+    poisoned_keyframe_requests, poisoned_tasks, poisoned_trajectories,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,16 +126,11 @@ def honest_sample(task: Task, i: int, version: int) -> Trajectory:
                       versions=np.full(n, version, "<i4").tobytes(), loss_mask=np.ones(n, "<u1").tobytes(), reward=1.0)
 
 
-def round_robin(fields: dict[str, Any], i: int, at: int, per_field: int) -> Poison:
-    """The ``i``-th poison of a campaign of ``per_field`` poisons per field: field after field, from one seeded draw per field."""
-    names = sorted(fields)
-    k = i % len(names)
-    return draw(fields[names[k]], per_field, at * 1009 + k)[(i // len(names)) % per_field]
-
-
 # ------------------------------------------------------------------------------------------- the rollout attacker
-async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: int, at: int, camp: Campaign) -> None:
+async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: int, at: int, camp: Campaign, within: float = 300) -> None:
+    """``within``: seconds to find the real tasks to poison (the run may end first: then fewer are tried)."""
     plane = await connect(cred_dir, "rollout", run)
+    deadline = time.monotonic() + within
     n = plane.names
     try:
         # trajectories: one poisoned answer per real task pulled from the pool, field after field
@@ -145,7 +140,7 @@ async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: in
         wanted = per_field * len(template)
         tasks = plane.consumer(n.task_stream, n.pool_consumer(recipe.rollout.pool), Task)
         done, held = 0, None
-        while held is None:  # each task answered as soon as it is pulled: held ones hold the dataflow's budget
+        while held is None and time.monotonic() < deadline:  # each task answered as soon as pulled: held ones hold the budget
             for d in await tasks.pull(batch=4, timeout=2.0):
                 if not ISSUED.match(d.msg.task_id) or held is not None:  # not the dataflow's (another attacker's): for the nodes
                     await d.nak(delay=0.5)
@@ -155,7 +150,7 @@ async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: in
                     continue
                 version = await newest(plane, recipe.primary)
                 base = honest_sample(d.msg, done % recipe.dataflow.group_size, max(version, d.msg.min_versions.get(recipe.primary, 0)))
-                p = round_robin(poisoned_trajectories(base, view_of(recipe, version)), done, at, per_field)
+                p = nth(poisoned_trajectories(base, view_of(recipe, version)), done, at, per_field)
                 t = p.msg
                 assert isinstance(t, Trajectory)
                 await plane.publish(n.traj(t.policy), t)
@@ -166,18 +161,21 @@ async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: in
                     camp.gave_up += 1
                 camp.poisons.append(p)
                 done += 1
-        camp.held_failed = held.msg.task_id
-        await held.reject("forged: this node gives up on a task it holds")  # within a node's rights: the task fails, counted
+        if held is not None:
+            camp.held_failed = held.msg.task_id
+            await held.reject("forged: this node gives up on a task it holds")  # within a node's rights: the task fails, counted
 
-        # forged task rejections: garbage, a task never issued, a real task held by another node
-        for k, payload in enumerate([b"", b"\x01garbage", encode(held.msg.model_copy(update={"task_id": f"t9{at:07d}"}))]):
+        # forged task rejections: garbage, a task never issued
+        never = Task(task_id=f"t9{at:07d}", workflow=recipe.workflow, policy=recipe.primary, prompt_id="p", prompt="1+1=",
+                     group_size=recipe.dataflow.group_size)
+        for k, payload in enumerate([b"", b"\x01garbage", encode(never)]):
             rej = Rejected(subject=n.task(recipe.workflow), reason="forged " * 500, worker_id=f"evil-{k}", payload=payload)
             await plane.publish(n.dlq("task"), rej)
             camp.unjudged.append(Poison("rejected", "payload", f"forged rejection {k}", rej))
 
         # heartbeats on the rollout subjects, and keyframe requests: nothing to dead-letter, the run must not mind
         for i in range(per_field * 5):
-            p = round_robin(poisoned_heartbeats("evil"), i, at, per_field)
+            p = nth(poisoned_heartbeats("evil"), i, at, per_field)
             await plane._nc.publish(n.hb("rollout", f"evil-{i}"), encode(p.msg))  # type: ignore[arg-type]
             camp.unjudged.append(p)
         for p in draw(poisoned_keyframe_requests(recipe.policy_names), per_field * 2, at):
@@ -185,7 +183,7 @@ async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: in
             camp.unjudged.append(p)
 
         # what the permissions refuse a node: each must fail without being stored
-        tries = {"task": (n.task(recipe.workflow), held.msg), "batch": (n.batch(recipe.primary), Batch(
+        tries = {"task": (n.task(recipe.workflow), never), "batch": (n.batch(recipe.primary), Batch(
                      batch_id="x", policy=recipe.primary, trajectories=[], advantages=b"", task_ids=[])),
                  "weights": (n.weights(recipe.primary), WeightVersion(policy=recipe.primary, version=10**6, encoding="keyframe",
                                                                       state_digest="a" * 64, keyframe_version=10**6, objects=[])),
@@ -240,7 +238,7 @@ async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, 
         train, _ = load_split(recipe.data)
         for i in range(per_field * len(poisoned_tasks(_task(train[0], recipe, 0, version), view))):
             base = _task(train[i % len(train)], recipe, i, version)
-            p = round_robin(poisoned_tasks(base, view), i, at, per_field)
+            p = nth(poisoned_tasks(base, view), i, at, per_field)
             await plane.publish(n.task(getattr(p.msg, "workflow", recipe.workflow)), p.msg)  # type: ignore[arg-type]
             camp.poisons.append(p)
         for p in draw(foreign_tasks(_task(train[1], recipe, -1, version)), per_field, at):
@@ -249,19 +247,19 @@ async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, 
 
         real = [await plane.get(n.traj_stream, seq, Trajectory) for seq in range(1, 17)]
         rng = np.random.default_rng(at)
-        base_batch = Batch(batch_id=f"x{at}", policy=policy, trajectories=real, advantages=rng.standard_normal(len(real)).astype("<f4").tobytes(),
+        advantages = rng.standard_normal(len(real)).astype("<f4").tobytes()
+        base_batch = Batch(batch_id=f"x{at}", policy=policy, trajectories=real, advantages=advantages,
                            task_ids=sorted({t.task_id for t in real}))
         fields = poisoned_batches(base_batch, view)
         for i in range(per_field * len(fields)):
-            p = round_robin(fields, i, at, per_field)
+            p = nth(fields, i, at, per_field)
             b = p.msg
             assert isinstance(b, Batch)
             if p.extra.get("plan") == "base":
-                await plane.state.put(BatchPlanRecord(policy=policy, batch_id=base_batch.batch_id, digest=base_batch.digest(),
-                                                      trajectories=len(real)))
-            elif p.extra.get("plan"):
+                await plane.state.put(plan_record(base_batch, policy))
+            elif p.extra.get("plan"):  # one plan record per forged batch: ids of their own
                 b = b.model_copy(update={"batch_id": f"{b.batch_id}-{i}"})
-                await plane.state.put(BatchPlanRecord(policy=policy, batch_id=b.batch_id, digest=b.digest(), trajectories=len(b.trajectories)))
+                await plane.state.put(plan_record(b, policy))
                 p = Poison(p.kind, p.field, p.label, b, p.expect, extra=p.extra)
             await plane.publish(n.batch(policy), b)
             camp.poisons.append(p)
@@ -270,7 +268,7 @@ async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, 
         assert last is not None
         fields = poisoned_announcements(last)
         for i in range(per_field * len(fields)):
-            p = round_robin(fields, i, at, per_field)
+            p = nth(fields, i, at, per_field)
             await plane.publish(n.weights(policy), p.msg)  # type: ignore[arg-type]
             camp.poisons.append(p)
 
@@ -339,10 +337,7 @@ def stale_rejection(dlq_batches: list[Rejected], batch_id: str) -> str | None:
         try:
             if decode(r.payload, Batch).batch_id == batch_id:
                 return r.reason
-        except Exception:  # noqa: BLE001 - a forged payload
+        except Exception:  # a forged payload
             continue
     return None
 
-
-__all__ = ["Campaign", "Verdict", "admin_attack", "connect", "finite_summary", "rollout_attack", "secured_server", "stale_rejection",
-           "start_up", "until", "verdict", "versions", "Heartbeat", "RolloutStats"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -24,16 +23,18 @@ from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows.base import PolicyHandle
 from astraflow.rollout.workflows.single_turn import SingleTurn
 from astraflow.streams.codec import encode
-from astraflow.streams.messages import Rejected, Task, Trajectory
+from astraflow.streams.messages import Batch, Rejected, Task, Trajectory
 from astraflow.streams.plane import Plane
-from astraflow.streams.state import AutoscaleRecord, BatchPlanRecord, FateRecord
+from astraflow.streams.state import AutoscaleRecord, FateRecord
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.synthetic import sample_batches
 from astraflow.train.vetting import check_batch, check_plan
 from astraflow.weights.publish import WeightPublisher
-from poison import Poison, RunView, draw_each, poisoned_announcements, poisoned_batches, poisoned_heartbeats, \
-    poisoned_keyframe_requests, poisoned_tasks, poisoned_trajectories
+from poison import (
+    Poison, RunView, draw_each, nth, plan_record, poisoned_announcements, poisoned_batches, poisoned_heartbeats, poisoned_keyframe_requests,
+    poisoned_tasks, poisoned_trajectories,
+)
 from test_dataflow import Harness, recipe
 from test_dataflow_trust import good
 from weights_helpers import Trainer, engine_digest, node
@@ -69,14 +70,9 @@ async def test_every_poisoned_trajectory_is_dead_lettered_by_its_check_and_the_d
     got = await h.task_sub.pull(batch=80, timeout=1)
     tasks = [d.msg for d in got]
     view = RunView(vocab=384, group_size=2, max_new_tokens=h.recipe.rollout.max_new_tokens, context=64, newest=0)
-    fields = poisoned_trajectories(good(tasks[0], "solver", 0, 0), view)
-    poisons = []  # one poison per real task (a settled task's later copies are judged only as copies)
-    for i, p in enumerate(draw_each(fields, PER_FIELD, at=1)):
-        t, task = p.msg, tasks[i]
-        assert isinstance(t, Trajectory)
-        ids = {"task_id": task.task_id, "traj_id": t.traj_id.replace(tasks[0].task_id, task.task_id, 1)} if t.task_id == tasks[0].task_id else {}
-        poisons.append(Poison(p.kind, p.field, p.label, t.model_copy(update=ids), p.expect))
-    assert len(poisons) >= 12 * PER_FIELD and len(poisons) <= len(tasks)
+    n = PER_FIELD * len(poisoned_trajectories(good(tasks[0], "solver", 0, 0), view))
+    assert n <= len(tasks)  # one poison per real task (a settled task's later copies are judged only as copies)
+    poisons = [nth(poisoned_trajectories(good(t, "solver", 0, 0), view), i, 1, PER_FIELD) for i, t in enumerate(tasks[:n])]
     await h.node.publish_many([(h.node.names.traj(p.msg.policy), p.msg, None) for p in poisons])  # type: ignore[union-attr]
     for d in got:
         await d.ack()
@@ -111,9 +107,9 @@ async def test_every_poisoned_task_is_dead_lettered_by_the_node_which_serves_the
     node = RolloutNode(r, plane, "n1", handles=handles, workflow=SingleTurn(get_reward("arithmetic")))
     base = Task(task_id="b0", workflow="single_turn", policy="solver", prompt_id="p", prompt="2+2=", group_size=2, meta={"answer": "4"},
                 min_versions={"solver": 0})
-    poisons = [Poison(p.kind, p.field, p.label, p.msg.model_copy(update={"task_id": f"q{i}"}) if p.field != "group_size" or
-                      p.msg.group_size >= 1 else type(p.msg).model_construct(**{**dict(p.msg), "task_id": f"q{i}"}), p.expect)  # type: ignore[union-attr]
-               for i, p in enumerate(draw_each(poisoned_tasks(base, RunView(384, 2, 4, 64, 0)), PER_FIELD, at=2))]
+    fields = poisoned_tasks(base, RunView(384, 2, 4, 64, 0))
+    poisons = [nth(poisoned_tasks(base.model_copy(update={"task_id": f"q{i}"}), RunView(384, 2, 4, 64, 0)), i, 2, PER_FIELD)
+               for i in range(PER_FIELD * len(fields))]
     goods = [base.model_copy(update={"task_id": f"g{i}"}) for i in range(3)]
     stop = asyncio.Event()
     run = asyncio.create_task(node.run(stop))
@@ -138,23 +134,22 @@ async def test_every_poisoned_task_is_dead_lettered_by_the_node_which_serves_the
 
 # ------------------------------------------------------------------------------------------- batches
 async def test_every_poisoned_batch_is_turned_away_by_the_trainers_checks(plane: Plane):
-    r = parse_recipe({"name": "b", "model": {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
-                      "dataflow": {"group_size": 2, "groups_per_batch": 2, "max_tasks_in_flight": 4}})
+    tiny = {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+    r = parse_recipe({"name": "b", "model": tiny, "dataflow": {"group_size": 2, "groups_per_batch": 2, "max_tasks_in_flight": 4}})
     model = build_model(r.policies["solver"].model, TOK)
-    (base,) = sample_batches(model, TOK, [p.prompt for p in load_split(r.data)[0][:4]], groups_per_batch=2, group_size=2, max_new_tokens=4,
-                             version=10, prefix="base")
+    prompts = [p.prompt for p in load_split(r.data)[0][:4]]
+    (base,) = sample_batches(model, TOK, prompts, groups_per_batch=2, group_size=2, max_new_tokens=4, version=10, prefix="base")
     backend = build_backend("torch", model, TOK, r.policies["solver"].trainer, temperature=1.0)
     poisons = draw_each(poisoned_batches(base, RunView(384, 2, 4, 64, 10)), PER_FIELD, at=3)
     for p in poisons:
-        if p.extra.get("plan") == "base":
-            await plane.state.put(BatchPlanRecord(policy="solver", batch_id=base.batch_id, digest=base.digest(), trajectories=4))
-        elif p.extra.get("plan"):  # a forged plan record that matches: only the values can turn it away
-            b = p.msg
-            await plane.state.put(BatchPlanRecord(policy="solver", batch_id=b.batch_id, digest=b.digest(), trajectories=len(b.trajectories)))
-        reason = await check_plan(plane, "solver", p.msg) or check_batch(p.msg, "solver", 384, version=12, max_lag=4)  # type: ignore[arg-type]
+        batch = p.msg
+        assert isinstance(batch, Batch)
+        if p.extra.get("plan"):  # a forged plan record: of the base (another content under its id), or one that matches
+            await plane.state.put(plan_record(base if p.extra["plan"] == "base" else batch, "solver"))
+        reason = await check_plan(plane, "solver", batch) or check_batch(batch, "solver", 384, version=12, max_lag=4)
         if reason is None:  # values it can take: the step itself must refuse (a non-finite loss makes no update)
             before = {k: v.clone() for k, v in model.state_dict().items()}
-            step = backend.step(p.msg)
+            step = backend.step(batch)
             reason = f"non_finite: loss {step['loss']}" if step["skipped"] else "trained"
             assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), p.label
         assert p.expect in reason, (p.label, reason)

@@ -106,12 +106,12 @@ MAX_RG_SIZE = 1_000_000  # reasoning-gym builds the whole dataset to score one e
 def _rg_meta(meta: dict[str, Any]) -> str | None:
     if not isinstance(meta.get("rg_task"), str) or not meta["rg_task"]:
         return "meta['rg_task'] is not a dataset name"
-    values = {k: meta.get(k) for k in ("rg_size", "rg_seed", "rg_index")}
-    bad = [k for k, v in values.items() if not isinstance(v, int) or isinstance(v, bool)]
+    bad = [k for k in ("rg_size", "rg_seed", "rg_index") if not isinstance(meta.get(k), int) or isinstance(meta.get(k), bool)]
     if bad:
         return f"meta {bad} are not integers"
-    if not 0 < values["rg_size"] <= MAX_RG_SIZE or not 0 <= values["rg_index"] < values["rg_size"]:
-        return f"rg_index {values['rg_index']} of a dataset of {values['rg_size']} (at most {MAX_RG_SIZE})"
+    size, index = int(meta["rg_size"]), int(meta["rg_index"])
+    if not 0 < size <= MAX_RG_SIZE or not 0 <= index < size:
+        return f"rg_index {index} of a dataset of {size} (at most {MAX_RG_SIZE})"
     return None
 
 
