@@ -50,7 +50,7 @@ def live_run(base: Path, steps: int, per_field: int | None, at: int) -> dict[str
     server, cred_dir = secured_server(tmp, run)
     sets = {"trainer.steps": steps, "eval.every": steps, "plane.batch_ack_wait": 10}
     up = start_up(run_dir, server.url, cred_dir, sets, tmp / "up.log")
-    camp, judged, stale, t0 = Campaign(), None, None, time.monotonic()
+    camp, judged, stale, t0, error = Campaign(), None, None, time.monotonic(), ""
     try:
         if per_field:
             async def attack() -> None:
@@ -62,7 +62,10 @@ def live_run(base: Path, steps: int, per_field: int | None, at: int) -> dict[str
                 await asyncio.gather(rollout_attack(cred_dir, run, recipe, per_field, at, camp),
                                      admin_attack(cred_dir, run, recipe, run_dir, per_field, at + 1, camp, 10))
 
-            asyncio.run(attack())
+            try:
+                asyncio.run(attack())
+            except Exception as e:  # the attacker's failure, not the run's: reported, the run still judged
+                error = f"{type(e).__name__}: {e}"
         code = up.wait(timeout=1800)
         if per_field:
             judged = asyncio.run(verdict(cred_dir, run, camp))
@@ -91,12 +94,16 @@ def live_run(base: Path, steps: int, per_field: int | None, at: int) -> dict[str
     }
     if per_field:
         assert judged is not None
+        checks["attack ran"] = not error
         checks |= {"every poison dead-lettered": not judged.missed, "permissions refused": bool(camp.denied) and all(camp.denied.values()),
                    "bare trainer refused": camp.rogue_trainer[0] != 0 and "--fresh-lineage" in camp.rogue_trainer[1],
                    "stolen batch stale": stale is not None and stale.startswith("stale: ")}
-    return {"run": run, "wall_s": round(time.monotonic() - t0, 1), "final": summary.get("final_reward"), "checks": checks,
-            "tried": judged.tried if judged else Counter(), "caught": judged.caught if judged else Counter(),
-            "missed": judged.missed if judged else [], "unjudged": Counter(p.name for p in camp.unjudged), "fates": acc.get("fates", {})}
+    result = {"run": run, "wall_s": round(time.monotonic() - t0, 1), "final": summary.get("final_reward"), "checks": checks,
+              "tried": judged.tried if judged else Counter(), "caught": judged.caught if judged else Counter(),
+              "missed": judged.missed if judged else [], "unjudged": Counter(p.name for p in camp.unjudged), "fates": acc.get("fates", {}),
+              "error": error}
+    print(json.dumps(result), flush=True)  # each run as it ends: a campaign cut short keeps what it measured
+    return result
 
 
 def main() -> None:

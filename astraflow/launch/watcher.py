@@ -3,8 +3,8 @@
 Like any operator, the launcher reads only the plane: heartbeats, weight announcements, the run
 state. Every weight version becomes a line of ``metrics.jsonl`` (once, however often a session
 restarts; only announcements a node would follow, ``weights/checks.py``: what a foreign writer
-announced that no trainer could have made is dead-lettered, not recorded), every held-out evaluation a line of ``evals.jsonl``, and the pool is sampled into
-``pool.jsonl``. Counts come from the server (trajectories stored in the TRAJ stream), not from
+announced that no trainer could have made is dead-lettered, not recorded), every held-out
+evaluation a line of ``evals.jsonl``, and the pool is sampled into ``pool.jsonl``. Counts come from the server (trajectories stored in the TRAJ stream), not from
 heartbeats, so they survive restarts and never go stale.
 """
 

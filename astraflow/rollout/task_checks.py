@@ -113,7 +113,10 @@ def _times(task: Task) -> TaskProblem | None:
 
 
 def check_prompt(prompt: str, rules: TaskRules, count_tokens: Callable[[str, str], int]) -> TaskProblem | None:
-    """The encoded prompt leaves every policy's model room for ``max_new_tokens``; ``count_tokens(policy, text)``."""
+    """The encoded prompt leaves every policy's model room for ``max_new_tokens``; ``count_tokens(policy, text)``.
+    A prompt whose UTF-8 bytes (+1) fit is not encoded: no tokenizer makes more tokens than that of a text."""
+    if len(prompt.encode()) + 1 + rules.max_new_tokens <= min(rules.contexts.values()):
+        return None
     for p in sorted(rules.policies):
         n = count_tokens(p, prompt)
         if n + rules.max_new_tokens > rules.contexts[p]:
