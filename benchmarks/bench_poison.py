@@ -41,6 +41,17 @@ from poison_run import (  # noqa: E402
 )
 
 
+CAUGHT_BY = {  # kind -> whose check catches it, and how it shows
+    "trajectory": "dataflow: dlq.traj, fate invalid:R",
+    "task": "rollout node: dlq.task (a task never issued: dataflow, dlq.traj)",
+    "batch": "trainer: dlq.batch",
+    "weights": "nodes, evaluator, launcher: dlq.weights; dataflow ignores; trainer steps over",
+    "heartbeat": "not dead-lettered (liveness): autoscale advice stays finite",
+    "keyframe_request": "not dead-lettered (run state): trainer only makes keyframes",
+    "rejected": "not dead-lettered (a DLQ entry): dataflow ignores what is not its in-flight task",
+}
+
+
 def live_run(base: Path, steps: int, per_field: int | None, at: int) -> dict[str, Any]:
     """One run (clean when ``per_field`` is None); what it reported and, under attack, what the campaign found."""
     run = ("poison" if per_field else "clean") + uuid.uuid4().hex[:6]
@@ -101,7 +112,7 @@ def live_run(base: Path, steps: int, per_field: int | None, at: int) -> dict[str
     result = {"run": run, "wall_s": round(time.monotonic() - t0, 1), "final": summary.get("final_reward"), "checks": checks,
               "tried": judged.tried if judged else Counter(), "caught": judged.caught if judged else Counter(),
               "missed": judged.missed if judged else [], "unjudged": Counter(p.name for p in camp.unjudged), "fates": acc.get("fates", {}),
-              "error": error}
+              "denied": camp.denied, "error": error}
     print(json.dumps(result), flush=True)  # each run as it ends: a campaign cut short keeps what it measured
     return result
 
@@ -123,19 +134,23 @@ def main() -> None:
     for r in poisoned:
         r["checks"]["held-out within noise"] = r["final"] is not None and r["final"] >= floor
 
-    tried, caught, unjudged = Counter[str](), Counter[str](), Counter[str]()
+    tried, caught, unjudged, denied = Counter[str](), Counter[str](), Counter[str](), Counter[str]()
     for r in poisoned:
         tried.update(r["tried"])
         caught.update(r["caught"])
         unjudged.update(r["unjudged"])
+        denied.update({k: int(ok) for k, ok in r["denied"].items()})
     t = Table(title=f"poisoned messages ({a.runs} runs, {a.per_field} per field and attacker, seeded)")
-    for c in ("kind.field", "tried", "dead-lettered with its check's reason"):
-        t.add_column(c, justify="left" if c == "kind.field" else "right")
+    for c in ("kind.field", "tried", "caught", "by"):
+        t.add_column(c, justify="right" if c in ("tried", "caught") else "left")
     for name in sorted(tried):
-        t.add_row(name, str(tried[name]), str(caught[name]))
+        t.add_row(name, str(tried[name]), str(caught[name]), CAUGHT_BY[name.split(".")[0]])
     for name in sorted(unjudged):
-        t.add_row(name, str(unjudged[name]), "n/a (not dead-lettered: the run must not mind)")
-    t.add_row("total", str(sum(tried.values()) + sum(unjudged.values())), str(sum(caught.values())))
+        t.add_row(name, str(unjudged[name]), "-", CAUGHT_BY[name.split(".")[0]])
+    for name in sorted(denied):
+        t.add_row(f"rollout may not: {name}", str(len(poisoned)), str(denied[name]), "the server's permissions (refused, never stored)")
+    t.add_row("total", str(sum(tried.values()) + sum(unjudged.values()) + len(poisoned) * len(denied)),
+              str(sum(caught.values()) + sum(denied.values())), "")
     console.print(t)
 
     t = Table(title="runs")

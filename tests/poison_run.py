@@ -245,7 +245,9 @@ async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, 
             await plane.publish(n.task(recipe.workflow), p.msg)  # type: ignore[arg-type]
             camp.poisons.append(Poison("task", "task_id", p.label, p.msg, p.expect, extra={"dlq": "traj"}))
 
+        now = await newest(plane, policy)  # tokens of the current weights: only its poisoned field turns a batch away
         real = [await plane.get(n.traj_stream, seq, Trajectory) for seq in range(1, 17)]
+        real = [t.model_copy(update={"versions": np.full(len(t.completion_ids) // 4, now, "<i4").tobytes()}) for t in real]
         rng = np.random.default_rng(at)
         advantages = rng.standard_normal(len(real)).astype("<f4").tobytes()
         base_batch = Batch(batch_id=f"x{at}", policy=policy, trajectories=real, advantages=advantages,

@@ -29,9 +29,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 150
 PER_FIELD = 2  # poisons per field and attacker (seeded: the same ones every run)
 SETS = {"trainer.steps": STEPS, "eval.every": STEPS, "plane.batch_ack_wait": 10}
-# held-out reward (greedy, 100 prompts) at v150 of clean runs on this recipe (BENCHMARKS.md, "Poison suite"): 0.xx-0.xx;
-# the floor sits below the lowest by more than the spread, and above the warm start's ~0.2 (a run poisoned into not learning)
-HELD_OUT_FLOOR = 0.30
+# held-out reward (greedy, 100 prompts) at v150 of clean runs of this set-up: 0.73-0.77 (7 runs, BENCHMARKS.md "Poison suite"),
+# 0.35 at v0. The floor sits 0.18 below the lowest (4 binomial standard deviations of 100 prompts) and 0.2 above v0, so noise
+# cannot break it while a run poisoned into not learning cannot pass it
+HELD_OUT_FLOOR = 0.55
 
 
 def test_a_live_run_under_poison_finishes_learns_and_dead_letters_every_poison(tmp_path: Path):
