@@ -15,9 +15,12 @@ import torch
 
 from astraflow.config import parse_recipe
 from astraflow.dataflow.pool import PoolAdvisor
+from astraflow.launch.rundir import RunDir
+from astraflow.launch.watcher import RunWatcher
 from astraflow.models import build_model, load_tokenizer
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.rollout.engines.testing import ScriptEngine
+from astraflow.rollout.evaluator import evaluated
 from astraflow.rollout.node import RolloutNode
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows.base import PolicyHandle
@@ -25,7 +28,7 @@ from astraflow.rollout.workflows.single_turn import SingleTurn
 from astraflow.streams.codec import encode
 from astraflow.streams.messages import Batch, Rejected, Task, Trajectory
 from astraflow.streams.plane import Plane
-from astraflow.streams.state import AutoscaleRecord, FateRecord
+from astraflow.streams.state import AutoscaleRecord, EvalRecord, FateRecord
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.synthetic import sample_batches
@@ -218,3 +221,18 @@ async def test_forged_task_rejections_fail_only_what_they_name_and_the_accountin
     await h.turn(3)
     acc = h.acc()
     assert acc.adds_up and acc.fates == {"failed:rollout": 1} and acc.in_flight == h.df.ledger.issued - 1
+
+
+async def test_an_unreadable_evaluation_record_is_evaluated_again_and_never_stops_the_launcher(plane: Plane, tmp_path):
+    r = parse_recipe({"name": "e", "eval": {"every": 5}, "trainer": {"steps": 10}})
+    rundir = RunDir(tmp_path / "run")
+    rundir.prepare()
+    watcher = RunWatcher(plane, r, rundir, {0, 5, 10})
+    await plane.state.put(EvalRecord(policy="solver", version=10, reward=0.5))
+    for v, raw in ((0, b"garbage"), (5, b'{"v": 1, "policy": "solver", "version": 5, "reward": NaN}')):  # as a leaked credential may
+        await plane._js.publish(f"$KV.{plane.names.state_bucket}.eval.solver.{v}", raw)
+        assert not await evaluated(plane, "solver", v)  # the evaluator does it again, overwriting the value
+    assert await evaluated(plane, "solver", 10)
+    await watcher._poll_evals()  # the launcher leaves them out of its figures and goes on
+    assert [row["version"] for row in rundir.rows("evals.jsonl")] == [10] and watcher._evals == {0, 5, 10}
+    await watcher.stop()

@@ -11,6 +11,7 @@ heartbeats, so they survive restarts and never go stale.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,9 +22,10 @@ from astraflow.launch.rundir import RunDir
 from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat, RolloutStats, TrainerStats, WeightVersion
 from astraflow.streams.plane import Plane, Subscription
-from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord
+from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord, StateSchemaError
 from astraflow.weights.checks import announcement_problem, order_problem
 
+log = logging.getLogger(__name__)
 STALE_BEATS = 3  # a worker silent for this many heartbeat periods is gone
 SAMPLE_EVERY_S = 2.0
 
@@ -125,7 +127,12 @@ class RunWatcher:
     async def _poll_evals(self) -> None:
         epol = self.recipe.eval_policy
         for v in sorted(self.wanted_evals - self._evals):
-            got = await self.plane.state.get(EvalRecord, epol, v)
+            try:
+                got = await self.plane.state.get(EvalRecord, epol, v)
+            except StateSchemaError as e:  # not a record (a writer the permissions let through): no figure, the run goes on
+                log.warning("evaluation of %s v%d is not readable, left out of the figures: %s", epol, v, e)
+                self._evals.add(v)
+                continue
             if got is None:
                 continue
             self._evals.add(v)

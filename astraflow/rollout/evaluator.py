@@ -38,7 +38,7 @@ from astraflow.rollout.workflows.registry import evaluation_of, get_workflow, wo
 from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, EvaluatorStats, Heartbeat
-from astraflow.streams.state import EvalRecord, VersionRecord
+from astraflow.streams.state import EvalRecord, StateSchemaError, VersionRecord
 from astraflow.tasks import Problem, load_split
 from astraflow.weights.sync import WeightSync
 
@@ -163,6 +163,16 @@ def export_eval(metrics: Metrics, result: dict[str, float], version: int, held: 
     metrics.inc({"evaluations": 1, "eval_seconds": seconds})
 
 
+async def evaluated(plane: Plane, policy: str, version: int) -> bool:
+    """An evaluation of ``version`` is recorded already (a restarted evaluator skips it). A value that is not a
+    valid record is evaluated again and overwritten, not trusted and not fatal."""
+    try:
+        return await plane.state.get(EvalRecord, policy, version) is not None
+    except StateSchemaError as e:
+        log.warning("evaluation of %s v%d is not a valid record (%s): evaluating it again", policy, version, e)
+        return False
+
+
 async def _announced(plane: Plane, policy: str) -> int:
     record = await plane.state.get(VersionRecord, policy)
     return record.version if record is not None else -1
@@ -199,7 +209,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
                 await asyncio.sleep(0.5)
             if stop.is_set():
                 break
-            if await plane.state.get(EvalRecord, policy, v) is not None:
+            if await evaluated(plane, policy, v):
                 continue  # already evaluated (a restarted evaluator)
             await sync.goto(v)
             t0 = time.perf_counter()
