@@ -37,7 +37,7 @@ class Poison:
     field: str  # the field that was poisoned
     label: str  # what was done to it
     msg: Message | None = None  # what is published (None: ``raw``)
-    expect: str = ""  # a substring of the dead-letter reason the consumer gives it ("" : none expected)
+    expect: str = ""  # a substring of the dead-letter reason the consumer gives it, or alternatives "a|b" ("": none expected)
     raw: bytes = b""  # bytes written as they are (run-state records, forged payloads)
     key: str = ""  # run-state key (``keyframe_request.solver``) or subject suffix
     extra: dict[str, Any] = field(default_factory=dict)  # what the injector needs besides (a plan record to forge, …)
@@ -50,6 +50,10 @@ class Poison:
     @property
     def name(self) -> str:
         return f"{self.kind}.{self.field}"
+
+    def named_by(self, reason: str) -> bool:
+        """``reason`` is one its consumer's check gives it."""
+        return any(e in reason for e in self.expect.split("|"))
 
 
 @dataclass(frozen=True)
@@ -237,7 +241,9 @@ def poisoned_batches(base: Batch, view: RunView) -> Fields:
         poison("advantages", st.floats(-10, 10), "forged", lambda a: {"advantages": _f32(np.full(k, a))},
                "other advantages ({v:.2f}) under a planned id", plan="base"),
         poison("advantages", wrong, "invalid", lambda a: {"advantages": a}, "advantages {v!r:.40}"),
-        poison("advantages", st.floats(1e38, 3e38), "non_finite", lambda a: {"advantages": _f32(np.full(k, a))}, "advantages {v:.1e}"),
+        # a step on them overflows: no update (or stale, when the trainer moved on past the allowed lag before pulling it)
+        poison("advantages", st.floats(1e38, 3e38), "non_finite|stale", lambda a: {"advantages": _f32(np.full(k, a))},
+               "advantages {v:.1e}"),
         poison("policy", st.sampled_from(["verifier", "critic"]), "invalid", lambda p: {"policy": p}, "policy {v!r}"),
         poison("trajectories", st.integers(view.vocab, 2**31 - 1), "invalid",
                lambda t: {"trajectories": first(completion_ids=_i32([t, *base.trajectories[0].completion()[1:]]))}, "token {v}"),

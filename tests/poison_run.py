@@ -313,7 +313,7 @@ async def verdict(cred_dir: Path, run: str, camp: Campaign) -> Verdict:
         if p.extra.get("dlq") == "traj":  # a task never issued: served, its trajectories turned away by the dataflow
             ok = any("invalid task" in r and p.expect in r for r in reasons_by_kind.get("traj", []))
         else:
-            ok = any(p.expect in r for r in entries.get(p.payload, []))
+            ok = any(p.named_by(r) for r in entries.get(p.payload, []))
         if ok:
             caught[p.name] += 1
         else:
