@@ -29,10 +29,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 150
 PER_FIELD = 2  # poisons per field and attacker (seeded: the same ones every run)
 SETS = {"trainer.steps": STEPS, "eval.every": STEPS, "plane.batch_ack_wait": 10}
-# held-out reward (greedy, 100 prompts) at v150 of 7 clean runs of this set-up: 0.64-0.85, mean 0.74, standard deviation
-# 0.06 (BENCHMARKS.md, "Poison suite"); 0.35 at v0. The floor sits under the mean less 4 standard deviations (0.49): noise
+# held-out reward (greedy, 100 prompts) at v150 of 9 clean runs of this set-up: 0.64-0.85, mean 0.74, standard deviation
+# 0.06 (BENCHMARKS.md, "Poison suite"); 0.35 at v0. The floor sits under the mean less 4 standard deviations (0.52): noise
 # does not break it, and a run poisoned into not learning stays near v0's, below it
-HELD_OUT_FLOOR = 0.48
+HELD_OUT_FLOOR = 0.50
 
 
 def test_a_live_run_under_poison_finishes_learns_and_dead_letters_every_poison(tmp_path: Path):
