@@ -7,6 +7,7 @@ helpers step the service loop until a condition holds, with a bound on the numbe
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Callable
 
@@ -17,7 +18,9 @@ from astraflow.config import parse_recipe
 from astraflow.dataflow.autoscale import Meter
 from astraflow.dataflow.service import Dataflow
 from astraflow.streams.dataflow_state import Accounting, DataflowState
-from astraflow.streams.messages import Batch, DataflowStats, Heartbeat, RolloutStats, Task, TrainerStats, Trajectory, WeightVersion
+from astraflow.streams.messages import (
+    Batch, DataflowStats, Heartbeat, ObjectRef, RolloutStats, Task, TrainerStats, Trajectory, WeightVersion,
+)
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.state import AutoscaleRecord, FateRecord, VersionRecord
 from astraflow.streams.trajectories import TrainingBatch, fetch_trajectories
@@ -121,8 +124,11 @@ class Harness:
         return out
 
     async def announce(self, policy: str, version: int, batch_ids: list[str]) -> None:
-        ann = WeightVersion(policy=policy, version=version, encoding="keyframe", state_digest="x", keyframe_version=version,
-                            objects=[], batch_ids=batch_ids)
+        """A keyframe announcement as a trainer makes it (well formed: the dataflow follows only possible ones)."""
+        digest = hashlib.sha256(f"{policy}-{version}".encode()).hexdigest()
+        ref = ObjectRef(name=f"{policy}/v{version}", nuid=f"n{version}", size=0, chunk_size=1, digests=[digest], digest=digest)
+        ann = WeightVersion(policy=policy, version=version, encoding="keyframe", state_digest=digest, keyframe_version=version,
+                            objects=[ref], batch_ids=batch_ids)
         await self.trainer.publish(self.trainer.names.weights(policy), ann, msg_id=f"{policy}-w{version}")
         await self.trainer.state.put(VersionRecord(policy=policy, version=version))
         self.versions[policy] = version

@@ -58,6 +58,7 @@ def write_recipe(tmp: Path) -> Path:
         "rollout": {"engine": {"type": "scripted", "latency": "constant", "latency_median_s": 0.2, "concurrency": 4},
                     "tasks_per_generate": 2, "max_new_tokens": 3, "drain_timeout": 1.0, "plugins": [str(tmp / "gate_plugin.py")]},
         "plane": {"task_ack_wait": 3.0},
+        "dataflow": {"group_size": GROUP},
         "eval": {"enabled": False},
     }
     path = tmp / "recipe.yaml"

@@ -32,12 +32,13 @@ STATE = {"w": torch.arange(16, dtype=torch.float32).reshape(4, 4)}
 
 
 def recipe(workflow: Any = "single_turn", **rollout: Any):  # noqa: ANN201
-    return parse_recipe({"name": "w", "workflow": workflow, "rollout": {"tasks_per_generate": 2, **rollout}})
+    return parse_recipe({"name": "w", "workflow": workflow, "rollout": {"tasks_per_generate": 2, **rollout},
+                         "dataflow": {"group_size": 2}})
 
 
 def task(i: int, **kw: Any) -> Task:
-    return Task(task_id=f"t{i}", workflow="single_turn", policy="solver", prompt_id=f"p{i}", prompt="2+2=", group_size=2,
-                meta={"answer": "4"}, **kw)
+    return Task(**{"task_id": f"t{i}", "workflow": "single_turn", "policy": "solver", "prompt_id": f"p{i}", "prompt": "2+2=",
+                   "group_size": 2, "meta": {"answer": "4"}, **kw})
 
 
 async def trajectories(plane: Plane, n: int, timeout: float = 30.0) -> list[Trajectory]:
@@ -101,7 +102,7 @@ async def test_refresh_lands_between_turns_and_versions_stay_true(plane: Plane):
     stop = asyncio.Event()
     run = asyncio.create_task(node.run(stop))
     try:
-        await plane.publish(plane.names.task("multi_turn_tools"), task(1), "t1")
+        await plane.publish(plane.names.task("multi_turn_tools"), task(1, workflow="multi_turn_tools"), "t1")
         got = await trajectories(plane, 2)
     finally:
         stop.set()

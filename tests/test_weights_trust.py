@@ -56,8 +56,10 @@ async def test_a_node_dead_letters_impossible_announcements_and_follows_the_real
     for (expected, ann), rej in zip(forged.items(), rejected, strict=True):
         assert expected in rej.reason and rej.subject == plane.names.weights("solver")
         assert decode(rej.payload, WeightVersion) == ann  # the original bytes, kept for the operator
-    with pytest.raises(PublishConflict):  # and the trainer will not announce after what it did not announce
-        await pub.publish(trainer.step(), 4)
+    ann = await pub.publish(trainer.step(), 4)  # the trainer steps over what no trainer could have made (a rival stops it:
+    assert ann.version == 4 and ann.base_version == 3  # test_two_trainers_of_one_policy_never_announce_one_version_twice)
+    await sync.wait_for(4, timeout=10)
+    assert engine_digest(sync) == trainer.digest
 
 
 async def test_two_trainers_of_one_policy_never_announce_one_version_twice(plane: Plane):
@@ -66,11 +68,17 @@ async def test_two_trainers_of_one_policy_never_announce_one_version_twice(plane
     await first.publish(a.model.state_dict(), 0)
     first.follows(await plane.last_seq(plane.names.weights_stream, plane.names.weights("solver")))
     second.follows(await plane.last_seq(plane.names.weights_stream, plane.names.weights("solver")))  # both resume from v0
-    await first.publish(a.step(), 1)
+    v1 = await first.publish(a.step(), 1)
     with pytest.raises(PublishConflict):
         await second.publish(b.step(), 1)
+    third = WeightPublisher(plane, "solver")  # a rival that holds v1's weights too (same checkpoint)
+    third.image, third.image_digest, third.image_version = first.image, first.image_digest, 1
+    third.follows(await plane.last_seq(plane.names.weights_stream, plane.names.weights("solver")))
+    await first.publish(a.step(), 2)
+    with pytest.raises(PublishConflict):  # a possible newer version is another trainer's: never stepped over
+        await third.publish(b.step(), 2)
     anns = await plane.history(plane.names.weights("solver"), WeightVersion)
-    assert [x.version for x in anns] == [0, 1] and anns[1].state_digest == a.digest
+    assert [x.version for x in anns] == [0, 1, 2] and anns[1] == v1 and anns[2].state_digest == a.digest
 
 
 async def test_the_history_skips_impossible_announcements_when_planning(plane: Plane):

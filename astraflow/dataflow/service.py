@@ -55,6 +55,7 @@ from astraflow.streams.plane import Consumer, NatsOptions, Plane
 from astraflow.streams.state import VersionRecord
 from astraflow.streams.trajectories import resolve_all
 from astraflow.tasks import load_split
+from astraflow.weights.checks import announcement_problem
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Dataflow:
         self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
                                        self.newest_version, lambda trajs: resolve_all(trajectory_objects, trajs))
         self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
-        self.watch = Watch(plane, recipe.rollout.pool)
+        self.watch = Watch(plane, recipe.rollout.pool, recipe.policy_names)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
 
     # ------------------------------------------------------------ the loop
@@ -119,6 +120,8 @@ class Dataflow:
         now = time.time()
         for hb in beats:
             self.pool.seen(hb, now)
+        if self.watch.ignored:
+            self.stats["ignored_announcements"] = self.watch.ignored
 
     def context(self) -> Context:
         return context(self.lanes, self.recipe.dataflow.max_staleness)
@@ -161,10 +164,13 @@ class Dataflow:
 
     async def newest_version(self, policy: str) -> int:
         """The newest announced version of ``policy`` as the plane holds it now (ingest asks when a token
-        claims a version this dataflow has not heard of yet); the lane's own when the plane has none."""
+        claims a version this dataflow has not heard of yet); the lane's own when the plane has none, or when
+        its last announcement is one no trainer could have made (``weights/checks.py``)."""
         try:
             ann = await self.plane.last(self.plane.names.weights_stream, self.plane.names.weights(policy), WeightVersion)
         except DecodeError:
+            ann = None
+        if ann is not None and announcement_problem(ann, policy) is not None:
             ann = None
         return max(self.lanes[policy].version, ann.version if ann is not None else 0)
 

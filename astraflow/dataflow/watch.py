@@ -1,7 +1,9 @@
 """What the dataflow follows on the plane besides trajectories, as plain events.
 
-- weight announcements (``weights.>``, from the start of the stream's history): a policy's
-  current version, and which batches its trainer trained (``batch_ids``);
+- weight announcements (``weights.{policy}``, from the start of the stream's history): a policy's
+  current version, and which batches its trainer trained (``batch_ids``); only those a node would
+  follow (``weights/checks.py``: possible on their face and newer than the last), so a foreign
+  writer can neither move a version nor mark a batch trained with an impossible or past one;
 - the dead-letter stream for tasks and batches: a task a rollout node gave up on (``failed:…``),
   a batch a trainer turned away, with the code its reason starts with (``messages.reason_code``);
 - the server's max-deliveries advisories for the pool's consumer: a task nobody could serve;
@@ -15,11 +17,13 @@ a task fails only while it is still in flight).
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from astraflow.streams.codec import DecodeError, decode
 from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, WeightVersion, reason_code
 from astraflow.streams.plane import Plane, Subscription
+from astraflow.weights.checks import announcement_problem, order_problem
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +57,20 @@ Event = Trained | TaskFailed | BatchFailed
 class Watch:
     """Subscriptions that turn plane events into a list the service drains once per loop."""
 
-    def __init__(self, plane: Plane, pool: str) -> None:
+    def __init__(self, plane: Plane, pool: str, policies: tuple[str, ...]) -> None:
         self.plane = plane
         self.pool = pool
+        self.policies = policies
+        self.newest: dict[str, WeightVersion] = {}  # per policy: the newest announcement followed
+        self.ignored = 0  # announcements turned away (impossible, or not newer than the newest)
         self.events: list[Event] = []
         self.beats: list[Heartbeat] = []
         self.subs: list[Subscription] = []
 
     async def start(self) -> None:
         n, plane = self.plane.names, self.plane
-        self.subs.append(await plane.follow(n.all("weights"), WeightVersion, self._on_weights))
+        for policy in self.policies:
+            self.subs.append(await plane.follow(n.weights(policy), WeightVersion, self._on_weights_of(policy)))
         for kind in ("task", "batch"):
             self.subs.append(await plane.follow(n.dlq(kind), Rejected, self._on_dlq))
         self.subs.append(await plane.on_max_deliveries(n.task_stream, n.pool_consumer(self.pool), self._on_max_deliveries))
@@ -80,8 +88,19 @@ class Watch:
     def _on_beat(self, hb: Heartbeat) -> None:
         self.beats.append(hb)  # not ``self.beats.append`` bound once: ``drain`` swaps the list
 
-    async def _on_weights(self, ann: WeightVersion) -> None:
-        self.events.append(Trained(ann.policy, ann.version, tuple(ann.batch_ids)))
+    def _on_weights_of(self, policy: str) -> Callable[[WeightVersion], Awaitable[None]]:
+        async def on_weights(ann: WeightVersion) -> None:
+            newest = self.newest.get(policy)
+            problem = announcement_problem(ann, policy) or order_problem(ann, newest)
+            if problem is not None or (newest is not None and ann.version <= newest.version):  # impossible, past, or a repeat
+                self.ignored += problem is not None
+                if problem is not None:
+                    log.warning("announcement on %s ignored: %s", policy, problem)
+                return
+            self.newest[policy] = ann
+            self.events.append(Trained(policy, ann.version, tuple(ann.batch_ids)))
+
+        return on_weights
 
     async def _on_dlq(self, rej: Rejected) -> None:
         family = rej.subject.split(".")[2] if rej.subject.count(".") >= 2 else ""

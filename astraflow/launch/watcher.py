@@ -2,15 +2,18 @@
 
 Like any operator, the launcher reads only the plane: heartbeats, weight announcements, the run
 state. Every weight version becomes a line of ``metrics.jsonl`` (once, however often a session
-restarts), every held-out evaluation a line of ``evals.jsonl``, and the pool is sampled into
-``pool.jsonl``. Counts come from the server (trajectories stored in the TRAJ stream), not from
+restarts; only announcements a node would follow, ``weights/checks.py``: what a foreign writer
+announced that no trainer could have made is dead-lettered, not recorded), every held-out
+evaluation a line of ``evals.jsonl``, and the pool is sampled into ``pool.jsonl``. Counts come from the server (trajectories stored in the TRAJ stream), not from
 heartbeats, so they survive restarts and never go stale.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +22,10 @@ from astraflow.launch.rundir import RunDir
 from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat, RolloutStats, TrainerStats, WeightVersion
 from astraflow.streams.plane import Plane, Subscription
-from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord
+from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord, StateSchemaError
+from astraflow.weights.checks import announcement_problem, order_problem
 
+log = logging.getLogger(__name__)
 STALE_BEATS = 3  # a worker silent for this many heartbeat periods is gone
 SAMPLE_EVERY_S = 2.0
 
@@ -63,7 +68,9 @@ class RunWatcher:
         self._start = time.time()
         self._sampled: tuple[float, int] | None = None
         self._targets: list[dict[str, Any]] = []
-        self._announcements = plane.follower(plane.names.all("weights"), WeightVersion, start="all")
+        self._newest: dict[str, WeightVersion] = {}  # per policy: the newest announcement recorded
+        self._announcements = [plane.follower(plane.names.weights(p), WeightVersion, start="all", check=self._possible_on(p))
+                               for p in recipe.policy_names]
 
     async def start(self) -> None:
         self.subs.append(await self.plane.on_heartbeats(self._on_beat))
@@ -71,10 +78,22 @@ class RunWatcher:
     async def stop(self) -> None:
         for s in self.subs:
             await s.stop()
-        await self._announcements.close()
+        for follower in self._announcements:
+            await follower.close()
 
     def _on_beat(self, hb: Heartbeat) -> None:
         self.live.beats[hb.worker_id] = (hb, time.monotonic())
+
+    def _possible_on(self, policy: str) -> Callable[[WeightVersion], str | None]:
+        def check(ann: WeightVersion) -> str | None:
+            """The follower's check, in stream order: why no trainer of ``policy`` could have made ``ann``, or None."""
+            newest = self._newest.get(policy)
+            problem = announcement_problem(ann, policy) or order_problem(ann, newest)
+            if problem is None and (newest is None or ann.version > newest.version):
+                self._newest[policy] = ann
+            return problem
+
+        return check
 
     def run_time(self) -> float:
         """Seconds of this run, every session included."""
@@ -91,7 +110,8 @@ class RunWatcher:
         """One turn: announcements, evaluations, lags and a pool sample."""
         traj = await self.plane.stream_msgs(self.plane.names.traj_stream)
         self.live.trajectories = traj or 0
-        for ann in await self._announcements.fetch(wait):
+        anns = [a for i, f in enumerate(self._announcements) for a in await f.fetch(wait if i == 0 else 0.0)]
+        for ann in anns:
             key = (ann.policy, ann.version, ann.state_digest)
             if key in self._recorded:
                 continue
@@ -107,7 +127,12 @@ class RunWatcher:
     async def _poll_evals(self) -> None:
         epol = self.recipe.eval_policy
         for v in sorted(self.wanted_evals - self._evals):
-            got = await self.plane.state.get(EvalRecord, epol, v)
+            try:
+                got = await self.plane.state.get(EvalRecord, epol, v)
+            except StateSchemaError as e:  # not a record (a writer the permissions let through): no figure, the run goes on
+                log.warning("evaluation of %s v%d is not readable, left out of the figures: %s", epol, v, e)
+                self._evals.add(v)
+                continue
             if got is None:
                 continue
             self._evals.add(v)

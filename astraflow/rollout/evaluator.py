@@ -11,6 +11,10 @@ workflow says how it is evaluated (``Workflow.evaluation``): ``workflow`` plays 
 through the recipe's own workflow, so a tool-using agent is scored with its tools;
 ``single_turn`` scores the evaluated policy's single-turn answers with the recipe's reward
 (multi-policy workflows, agent code).
+
+Held-out problems pass the rollout node's task checks first (``task_checks.py``: a prompt the
+model can hold, a ``meta`` the reward can score); one that fails is left out with its reason
+logged, so a bad problem never stops evaluations (``n`` in the record counts those scored).
 """
 
 from __future__ import annotations
@@ -25,16 +29,17 @@ import torch
 
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving, start_metrics_server
-from astraflow.models import encode_prompt
+from astraflow.models import encode_prompt, load_tokenizer
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams, close_engine
 from astraflow.rollout.node import make_handle
 from astraflow.rollout.rewards import get_reward
-from astraflow.rollout.workflows.registry import evaluation_of, get_workflow
+from astraflow.rollout.task_checks import TaskRules, check_content, check_prompt
+from astraflow.rollout.workflows.registry import evaluation_of, get_workflow, workflow_class
 from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, EvaluatorStats, Heartbeat
-from astraflow.streams.state import EvalRecord, VersionRecord
-from astraflow.tasks import load_split
+from astraflow.streams.state import EvalRecord, StateSchemaError, VersionRecord
+from astraflow.tasks import Problem, load_split
 from astraflow.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -129,12 +134,43 @@ def evaluate(handle: Any, problems: list[Any], reward_name: str, max_new_tokens:
     return _summary(greedy, samples, k)
 
 
+def scorable(recipe: Recipe, problems: list[Problem]) -> list[Problem]:
+    """The problems a rollout node would play (``task_checks``: prompt length and fit, the reward's meta check);
+    each one left out is logged with its reason. None left is a bad data set: that raises."""
+    uses_reward = getattr(workflow_class(recipe.workflow), "uses_reward", True) or evaluation_of(recipe.workflow) == "single_turn"
+    rules = TaskRules.of(recipe, uses_reward)
+
+    def count(policy: str, text: str) -> int:
+        return len(encode_prompt(load_tokenizer(recipe.policies[policy].model.tokenizer), text))
+
+    out = []
+    for p in problems:
+        problem = check_content(p.prompt, p.meta, rules) or check_prompt(p.prompt, rules, count)
+        if problem is None:
+            out.append(p)
+        else:
+            log.warning("held-out problem %s left out: %s", p.prompt_id, problem.reason)
+    if problems and not out:
+        raise ValueError(f"no held-out problem can be evaluated: {len(problems)} fail the task checks (see the log)")
+    return out
+
+
 def export_eval(metrics: Metrics, result: dict[str, float], version: int, held: int, seconds: float) -> None:
     """The last evaluation as gauges (``astraflow_evaluator_{reward,avg_at_k,pass_at_k,k,evaluated_version,version}``)
     and counters (``astraflow_evaluator_{evaluations,eval_seconds}_total``)."""
     metrics.set({"reward": result["reward"], "avg_at_k": result["avg@k"], "pass_at_k": result["pass@k"],
                  "k": result["k"], "evaluated_version": version, "version": held})
     metrics.inc({"evaluations": 1, "eval_seconds": seconds})
+
+
+async def evaluated(plane: Plane, policy: str, version: int) -> bool:
+    """An evaluation of ``version`` is recorded already (a restarted evaluator skips it). A value that is not a
+    valid record is evaluated again and overwritten, not trusted and not fatal."""
+    try:
+        return await plane.state.get(EvalRecord, policy, version) is not None
+    except StateSchemaError as e:
+        log.warning("evaluation of %s v%d is not a valid record (%s): evaluating it again", policy, version, e)
+        return False
 
 
 async def _announced(plane: Plane, policy: str) -> int:
@@ -155,7 +191,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
     await plane.ensure_topology(recipe.topology(), create=False)
     handle = make_handle(recipe, policy)
     sync = WeightSync(plane, policy, handle.engine)
-    _, held_out = load_split(recipe.data)
+    held_out = scorable(recipe, load_split(recipe.data)[1])
     stop = stop_event()
     ev = recipe.eval
     done: list[tuple[int, float]] = []
@@ -173,7 +209,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
                 await asyncio.sleep(0.5)
             if stop.is_set():
                 break
-            if await plane.state.get(EvalRecord, policy, v) is not None:
+            if await evaluated(plane, policy, v):
                 continue  # already evaluated (a restarted evaluator)
             await sync.goto(v)
             t0 = time.perf_counter()

@@ -1,7 +1,10 @@
 """The RaaS node (``astraflow worker rollout``): pull tasks from the pool's shared durable consumer, roll out, publish.
 
 Joining = binding the shared consumer, fetching the current weights, pulling tasks. A task is
-acked only after its trajectories are stored. A task the node cannot serve yet (weights older
+acked only after its trajectories are stored. A task the node can never serve (another
+workflow or policy, another group size, a floor above any announced version, a prompt the model
+cannot hold, a meta the reward cannot score: ``task_checks.py``) is dead-lettered with its
+reason before it reaches the workflow. A task the node cannot serve yet (weights older
 than the task allows) is nak'ed back with a delay. A node told to stop (SIGTERM) stops
 pulling, finishes what it holds within ``rollout.drain_timeout`` and naks the rest back to
 the pool. A node that dies is covered by the server's ``ack_wait`` redelivery; its
@@ -26,10 +29,11 @@ from typing import Any, Callable
 
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving, start_metrics_server
-from astraflow.models import load_tokenizer
+from astraflow.models import encode_prompt, load_tokenizer
 from astraflow.rollout.engines.base import SamplingParams, StaleWeights, close_engine
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.rewards import get_reward
+from astraflow.rollout.task_checks import TaskProblem, TaskRules, check_prompt, check_task, check_versions
 from astraflow.rollout.workflows.agent_sessions import AgentHost, NodeServices
 from astraflow.rollout.workflows.base import PolicyHandle, Workflow
 from astraflow.rollout.workflows.registry import check_policies, get_workflow
@@ -80,12 +84,13 @@ class RolloutNode:
             check_policies(recipe.workflow, recipe.policy_names)
             workflow = get_workflow(recipe.workflow_options, get_reward(recipe.reward))
         self.workflow = workflow
+        self.task_rules = TaskRules.of(recipe, uses_reward=getattr(workflow, "uses_reward", True))
         self.handles = handles if handles is not None else {p: make_handle(recipe, p) for p in recipe.policy_names}
         domain = recipe.rollout.weights_domain
         self.syncs = {p: WeightSync(plane, p, h.engine, domain=domain) for p, h in self.handles.items()}
         self.stats: dict[str, float] = {"tasks": 0.0, "trajectories": 0.0, "tokens": 0.0, "gen_s": 0.0, "pull_s": 0.0, "publish_s": 0.0,
                                         "failed": 0.0, "stale_naks": 0.0, "drained_naks": 0.0, "held": 0.0, "refreshes": 0.0,
-                                        "refresh_s": 0.0, "refresh_errors": 0.0, "joined": 0.0}
+                                        "refresh_s": 0.0, "refresh_errors": 0.0, "joined": 0.0, "rejected_tasks": 0.0}
         self.announced = {p: -1 for p in self.handles}  # newest version seen announced, per policy
         self.draining = False
         self._last_full_refresh = 0.0
@@ -179,6 +184,47 @@ class RolloutNode:
     def ready_for(self, task: Task) -> bool:
         return all(self.syncs[p].version >= v for p, v in task.min_versions.items() if p in self.syncs)
 
+    # ------------------------------------------------------------ task checks
+    def newest_versions(self) -> dict[str, int]:
+        """The newest version of each policy this node knows was announced (KV, follower, or held)."""
+        out = {}
+        for p, sync in self.syncs.items():
+            followed = sync.newest.version if sync.newest is not None else -1
+            out[p] = max(self.announced[p], followed, sync.version)
+        return out
+
+    async def task_problem(self, task: Task) -> TaskProblem | None:
+        """Why this node can never serve ``task`` (``task_checks.py``), or None. A floor above the newest version
+        it knows is confirmed on the plane first (its view may lag a trainer that just announced)."""
+        rules = self.task_rules
+        problem = check_task(task, rules) or check_prompt(task.prompt, rules, self._count_tokens)
+        if problem is not None or check_versions(task, self.newest_versions(), rules.window) is None:
+            return problem
+        try:
+            for p in self.syncs:
+                record = await self.plane.state.get(VersionRecord, p)
+                if record is not None:
+                    self.announced[p] = max(self.announced[p], record.version)
+        except StateReadError as e:  # not confirmed: the task waits (nak) rather than being turned away on a guess
+            log.warning("cannot confirm the newest versions (%s); task %s waits", e, task.task_id)
+            return None
+        return check_versions(task, self.newest_versions(), rules.window)
+
+    def _count_tokens(self, policy: str, text: str) -> int:
+        return len(encode_prompt(self.handles[policy].tokenizer, text))
+
+    async def servable(self, got: list[Delivery[Task]]) -> list[Delivery[Task]]:
+        """The deliveries this node can serve; the others go to the DLQ (``dlq.task``) with their reason."""
+        out = []
+        for d in got:
+            problem = await self.task_problem(d.msg)
+            if problem is None:
+                out.append(d)
+                continue
+            self.stats["rejected_tasks"] += 1
+            await d.reject(problem.reason)
+        return out
+
     # ------------------------------------------------------------ liveness
     async def beat(self) -> None:
         self.export_metrics()
@@ -263,13 +309,14 @@ class RolloutNode:
 
     async def _publish_session(self, trajs: list[Trajectory]) -> None:
         t0 = time.perf_counter()
-        await self.plane.publish_many([(self.plane.names.traj(t.policy), t, t.traj_id) for t in trajs])
+        await publish_trajectories(self.plane, trajs)  # a long session goes by reference, like any trajectory
         self.stats["publish_s"] += time.perf_counter() - t0
         self.stats["tasks"] += 1
         self.stats["trajectories"] += len(trajs)
         self.stats["tokens"] += sum(len(t.completion_ids) // 4 for t in trajs)
 
     async def handle(self, got: list[Delivery[Task]], stop: asyncio.Event, ack_wait: float, max_deliver: int) -> None:
+        got = await self.servable(got)
         ready = [d for d in got if self.ready_for(d.msg)]
         stale = [d for d in got if d not in ready]
         if stale:

@@ -112,9 +112,9 @@ class EvalRecord(Record):
     parts: ClassVar[tuple[str, ...]] = ("policy", "version")
     policy: str
     version: int = Field(ge=0)
-    reward: float  # greedy held-out reward
-    avg_at_k: float = Field(0.0, alias="avg@k")
-    pass_at_k: float = Field(0.0, alias="pass@k")
+    reward: float = Field(allow_inf_nan=False)  # greedy held-out reward
+    avg_at_k: float = Field(0.0, alias="avg@k", allow_inf_nan=False)
+    pass_at_k: float = Field(0.0, alias="pass@k", allow_inf_nan=False)
     k: int = Field(1, ge=1)
     n: int = Field(0, ge=0)  # held-out prompts scored
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)

@@ -46,6 +46,7 @@ from astraflow.streams.messages import WeightVersion
 from astraflow.streams.plane import Plane
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.distributed import Collective
+from astraflow.weights.checks import in_order
 from astraflow.weights.delta import state_digest
 from astraflow.weights.publish import WeightPublisher
 from astraflow.weights.sync import WeightSync
@@ -70,11 +71,16 @@ def new_lineage() -> str:
 
 
 async def last_announcement(plane: Plane, publisher: WeightPublisher, policy: str) -> WeightVersion | None:
-    """The newest ``weights.{policy}`` announcement on the plane, or None; the publisher's next announcement
-    must follow exactly it (a second trainer of the policy that announced meanwhile makes that publish fail)."""
+    """The newest ``weights.{policy}`` announcement a node would follow (``checks.in_order``: what a foreign writer
+    put there that no trainer could have made does not count), or None; the publisher's next announcement must
+    follow exactly the subject's last message (a second trainer of the policy that announced meanwhile makes that
+    publish fail)."""
     seq = await plane.last_seq(plane.names.weights_stream, plane.names.weights(policy))
     publisher.follows(seq)
-    return await plane.get(plane.names.weights_stream, seq, WeightVersion) if seq else None
+    if not seq:
+        return None
+    valid = in_order(await plane.history(plane.names.weights(policy), WeightVersion), policy)
+    return valid[-1] if valid else None
 
 
 def adopt(publisher: WeightPublisher, state: dict[str, torch.Tensor], last: WeightVersion) -> None:

@@ -13,11 +13,17 @@ live follower; skipped when read from the history) and never plans a chain throu
 |  | size / chunk size; an object id that is not a subject token |
 | order (live only) | ``version`` is not above the newest this node has seen of the policy (:func:`order_problem`; |
 |  | the same announcement again is ignored, not rejected) |
+
+Every reader of announcements applies them, not only nodes: the dataflow (versions and trained
+batches), the launcher (``metrics.jsonl``), a trainer reading where its policy stands
+(:func:`in_order`) and a publisher whose announcement the server refused because something was
+announced after its own (:func:`foreign_harmless`: it steps over what no trainer could have made).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from astraflow.streams.messages import WeightVersion
 
@@ -74,3 +80,22 @@ def order_problem(ann: WeightVersion, newest: WeightVersion | None) -> str | Non
     if ann.version == newest.version:
         return f"v{ann.version} announced again with another state ({ann.state_digest[:12]}, first {newest.state_digest[:12]})"
     return f"v{ann.version} announced after v{newest.version}: versions only rise"
+
+
+def in_order(anns: Iterable[WeightVersion], policy: str) -> list[WeightVersion]:
+    """The announcements of a history (oldest first) a node would have followed: possible on their face, each
+    newer than the newest before it (a repeat of the same announcement dropped)."""
+    out: list[WeightVersion] = []
+    for ann in anns:
+        newest = out[-1] if out else None
+        if announcement_problem(ann, policy) is None and order_problem(ann, newest) is None and \
+                (newest is None or ann.version > newest.version):
+            out.append(ann)
+    return out
+
+
+def foreign_harmless(ann: WeightVersion, policy: str, own_version: int) -> bool:
+    """An announcement another writer put on ``policy``'s subject that no trainer of it could have made: impossible
+    on its face, or not newer than ``own_version`` (the publisher's own last). Nodes turn those away; a
+    trainer steps over them. Anything else is another trainer's version."""
+    return announcement_problem(ann, policy) is not None or ann.version <= own_version

@@ -15,7 +15,10 @@ announcement (base version and digest, object refs with sizes and digests, the s
 is published last and is the commit point; if it fails, the new chunks are purged. Each
 announcement expects to follow the publisher's previous one on the subject (the server checks
 it): if another trainer of the policy announced in between, this one's publish fails
-(``PublishConflict``) instead of putting a second state under a version number. Then, in a
+(``PublishConflict``) instead of putting a second state under a version number. What else a
+writer the permissions let through put on the subject (an announcement impossible on its face, or
+not newer than this publisher's last: ``checks.foreign_harmless``, which every node turns away)
+is stepped over, so it cannot stop the trainer. Then, in a
 background task (one at a time), the retention plan deletes what the last ``keep_versions``
 versions no longer need, from the bucket and from every region mirror in ``mirror_domains``.
 """
@@ -29,13 +32,15 @@ from typing import Literal, Mapping
 import torch
 
 from astraflow.streams.messages import ObjectRef, WeightVersion
-from astraflow.streams.plane import Plane
+from astraflow.streams.plane import Plane, PublishConflict
 from astraflow.streams.state import KeyframeRequest, VersionRecord
+from astraflow.weights.checks import foreign_harmless, in_order
 from astraflow.weights.delta import encode_delta, encode_keyframe, state_digest, to_bf16_state
 from astraflow.weights.retention import Key, execute_retention, key_of, plan_retention
 
 log = logging.getLogger(__name__)
 Encoding = Literal["keyframe", "delta"]
+STEP_OVERS = 8  # refused publishes in a row before a foreign writer counts as another trainer anyway
 
 
 class NonFiniteWeights(ValueError):
@@ -134,12 +139,8 @@ class WeightPublisher:
             state_digest=digest, keyframe_version=version if is_key else self.keyframe_version, objects=[ref],
             batch_ids=list(batch_ids or []), metrics=dict(metrics or {}), lineage=self.lineage,
         )
-        subject = self.plane.names.weights(self.policy)
         try:  # the commit point: a retry of the same state is deduplicated by the server; another writer's is refused
-            if self._subject_seq is None:
-                self._subject_seq = await self.plane.last_seq(self.plane.names.weights_stream, subject)
-            self._subject_seq = await self.plane.publish(subject, ann, msg_id=f"{self.policy}-w{version}-{digest[:16]}",
-                                                         after=self._subject_seq)
+            self._subject_seq = await self._announce(ann, msg_id=f"{self.policy}-w{version}-{digest[:16]}")
         except BaseException:
             await asyncio.shield(self._discard(ref))
             raise
@@ -155,6 +156,35 @@ class WeightPublisher:
         if self._gc is None or self._gc.done():  # off the training path: a slow or unreachable mirror never stalls a step
             self._gc = asyncio.create_task(self._collect_logged())
         return ann
+
+    async def _announce(self, ann: WeightVersion, msg_id: str) -> int:
+        """Publish ``ann`` right after the last announcement this publisher knows of; its stream sequence. A refusal
+        because of announcements no trainer could have made (``foreign_harmless``) is retried after them."""
+        subject = self.plane.names.weights(self.policy)
+        if self._subject_seq is None:
+            self._subject_seq = await self.plane.last_seq(self.plane.names.weights_stream, subject)
+        for _ in range(STEP_OVERS):
+            try:
+                return await self.plane.publish(subject, ann, msg_id=msg_id, after=self._subject_seq)
+            except PublishConflict:
+                seq = await self._past_foreign(subject)
+                if seq is None:
+                    raise
+                self._subject_seq = seq
+        raise PublishConflict(f"{subject}: still refused after stepping over foreign announcements {STEP_OVERS} times")
+
+    async def _past_foreign(self, subject: str) -> int | None:
+        """The subject's last sequence if everything after this publisher's last announcement is harmless (logged
+        and stepped over), else None (another trainer announced)."""
+        last = await self.plane.last_seq(self.plane.names.weights_stream, subject)
+        anns = await self.plane.history(subject, WeightVersion)  # undecodable ones are skipped (and harmless)
+        own = next((i for i in range(len(anns) - 1, -1, -1) if key_of(anns[i]) == (self.image_version, self.image_digest)), -1)
+        after = anns[own + 1:]
+        mine = -1 if self.image_version is None else self.image_version
+        if not all(foreign_harmless(a, self.policy, mine) for a in after):
+            return None
+        log.warning("weights %s: stepping over %d announcements no trainer could have made (after v%d)", self.policy, len(after), mine)
+        return last
 
     async def wait_retention(self) -> None:
         """Finish retention up to the last publish: wait for the pass in flight, then run one more
@@ -177,7 +207,7 @@ class WeightPublisher:
         except Exception as e:  # retention of older objects is best effort; publishing is not
             log.warning("weights %s: could not read earlier announcements: %s", self.policy, e)
             return
-        for ann in anns:
+        for ann in in_order(anns, self.policy):  # never what a foreign writer put there: its objects may be anyone's
             self.history.setdefault(key_of(ann), ann)
         self._seeded = True
 

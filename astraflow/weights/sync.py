@@ -23,7 +23,8 @@ reload, the engine's lock held).
 An announcement that is impossible on its face (``weights/checks.py``: another policy, a base
 that is not older, a keyframe version past the version, object sizes and digest counts that do
 not match, a version not above the newest seen) is never planned from: from the live follower it
-goes to the DLQ (``dlq.weights``) with the reason (``rejected``), from the history it is skipped.
+goes to the DLQ (``dlq.weights``) with the reason (``rejected``), from the history it is skipped
+(``skipped_history``), and so is one not newer than the announcements before it (``in_order``).
 
 A node in a region reads the mirrors in its leaf's JetStream domain (``domain=``).
 """
@@ -42,7 +43,7 @@ from astraflow.streams.messages import WeightVersion
 from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError
 from astraflow.streams.plane import Plane
 from astraflow.weights import delta as _delta
-from astraflow.weights.checks import announcement_problem, order_problem
+from astraflow.weights.checks import announcement_problem, in_order, order_problem
 from astraflow.weights.delta import DeltaError, apply_delta, decode_keyframe, state_digest
 from astraflow.weights.publish import request_keyframe
 from astraflow.weights.retention import Key, base_key, key_of
@@ -194,7 +195,7 @@ class WeightSync:
 
     async def _history(self) -> dict[Key, WeightVersion]:
         anns = await self.plane.history(self.subject, WeightVersion, stream=self.ann_stream, domain=self.domain, on_bad=self._bad)
-        valid = [a for a in anns if announcement_problem(a, self.policy) is None]
+        valid = in_order(anns, self.policy)  # a foreign copy of a past version never stands in for the real one (goto)
         if len(valid) < len(anns):
             self.stats["skipped_history"] += len(anns) - len(valid)
         history = {key_of(a): a for a in valid}

@@ -3,24 +3,67 @@
 Each is a real verifier: exact integer match for generated arithmetic, math-verify for math
 answers, reasoning-gym's own scorer for its tasks, tests run in a sandbox for code
 (``code``), and exact match / token F1 for QA (``qa_em``, ``qa_f1``).
+
+A reward may also say what its ``meta`` must hold (``register(name, check=...)``): a check
+returns why a task's meta cannot be scored (no reference answer, tests that do not parse,
+sandbox limits out of range), or None. Rollout nodes ask it before they play a task
+(:func:`meta_problem`, ``rollout/task_checks.py``), so a task the reward would crash on is
+dead-lettered with that reason instead of failing its workflow again and again.
 """
 
 from __future__ import annotations
 
+import math as _math
 import re
 from functools import lru_cache
 from typing import Any, Callable
 
 Reward = Callable[[str, dict[str, Any]], float]
+MetaCheck = Callable[[dict[str, Any]], str | None]  # why ``meta`` cannot be scored, or None
 REWARDS: dict[str, Reward] = {}
+META_CHECKS: dict[str, MetaCheck] = {}
+_INT = re.compile(r"^\s*(-?\d+)\s*$")
+MAX_ANSWER_CHARS = 2_000  # a reference answer longer than this is not one (int() refuses > 4300 digits; parsers slow down)
 
 
-def register(name: str) -> Callable[[Reward], Reward]:
+def register(name: str, check: MetaCheck | None = None) -> Callable[[Reward], Reward]:
     def deco(fn: Reward) -> Reward:
         REWARDS[name] = fn
+        if check is not None:
+            META_CHECKS[name] = check
         return fn
 
     return deco
+
+
+def meta_problem(name: str, meta: dict[str, Any]) -> str | None:
+    """Why the reward ``name`` cannot score a task with ``meta`` (its registered check), or None (no check: trusted)."""
+    check = META_CHECKS.get(name)
+    if check is None:
+        return None
+    try:
+        return check(meta)
+    except Exception as e:  # a check that trips over the meta has found a problem with it
+        return f"{type(e).__name__}: {e}"
+
+
+def _answer(meta: dict[str, Any], key: str = "answer") -> str | None:
+    """The reference answer as a string the reward can read, or a problem."""
+    if key not in meta:
+        return f"no {key!r} in meta"
+    a = meta[key]
+    if not isinstance(a, (str, int)) or isinstance(a, bool):
+        return f"meta[{key!r}] is a {type(a).__name__}, not a string"
+    if len(str(a)) > MAX_ANSWER_CHARS:
+        return f"meta[{key!r}] has {len(str(a))} characters (at most {MAX_ANSWER_CHARS})"
+    return None
+
+
+def _integer_answer(meta: dict[str, Any]) -> str | None:
+    problem = _answer(meta)
+    if problem is None and not _INT.match(str(meta["answer"])):
+        return f"meta['answer'] {str(meta['answer'])[:40]!r} is not an integer"
+    return problem
 
 
 def get_reward(name: str) -> Reward:
@@ -30,17 +73,15 @@ def get_reward(name: str) -> Reward:
         raise ValueError(f"unknown reward {name!r}; registered: {sorted(REWARDS)}") from None
 
 
-_INT = re.compile(r"^\s*(-?\d+)\s*$")
 
-
-@register("arithmetic")
+@register("arithmetic", check=_integer_answer)
 def arithmetic(text: str, meta: dict[str, Any]) -> float:
     """1 if the completion is exactly the integer answer (whitespace aside), else 0."""
     m = _INT.match(text)
     return 1.0 if m and int(m.group(1)) == int(meta["answer"]) else 0.0
 
 
-@register("math")
+@register("math", check=_answer)
 def math(text: str, meta: dict[str, Any]) -> float:
     """math-verify: parse the completion's final answer and check it against the reference.
 
@@ -59,6 +100,21 @@ def math(text: str, meta: dict[str, Any]) -> float:
     return 1.0 if pred and verify(gold, pred, timeout_seconds=t) else 0.0
 
 
+MAX_RG_SIZE = 1_000_000  # reasoning-gym builds the whole dataset to score one entry: bound it
+
+
+def _rg_meta(meta: dict[str, Any]) -> str | None:
+    if not isinstance(meta.get("rg_task"), str) or not meta["rg_task"]:
+        return "meta['rg_task'] is not a dataset name"
+    bad = [k for k in ("rg_size", "rg_seed", "rg_index") if not isinstance(meta.get(k), int) or isinstance(meta.get(k), bool)]
+    if bad:
+        return f"meta {bad} are not integers"
+    size, index = int(meta["rg_size"]), int(meta["rg_index"])
+    if not 0 < size <= MAX_RG_SIZE or not 0 <= index < size:
+        return f"rg_index {index} of a dataset of {size} (at most {MAX_RG_SIZE})"
+    return None
+
+
 @lru_cache(maxsize=8)
 def _rg_dataset(task: str, size: int, seed: int) -> Any:
     import reasoning_gym
@@ -66,7 +122,7 @@ def _rg_dataset(task: str, size: int, seed: int) -> Any:
     return reasoning_gym.create_dataset(task, size=size, seed=seed)
 
 
-@register("reasoning_gym")
+@register("reasoning_gym", check=_rg_meta)
 def reasoning_gym_score(text: str, meta: dict[str, Any]) -> float:
     """reasoning-gym's own scorer for the entry the prompt came from."""
     ds = _rg_dataset(meta["rg_task"], int(meta["rg_size"]), int(meta["rg_seed"]))
@@ -82,7 +138,44 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-@register("code")
+MAX_TESTS = 256
+MAX_TEST_CHARS = 20_000
+SANDBOX_LIMITS = {"timeout_s": (0.0, 600.0), "cpu_s": (0.0, 600.0), "memory_mb": (16.0, 65_536.0)}  # (above, at most)
+
+
+def _parses(src: str, what: str) -> str | None:
+    try:
+        compile(src, f"<{what}>", "exec")
+    except (SyntaxError, ValueError) as e:  # ValueError: a NUL byte
+        return f"{what} does not parse: {e}"
+    return None
+
+
+def _code_meta(meta: dict[str, Any]) -> str | None:
+    tests = meta.get("tests")
+    if not isinstance(tests, list) or not tests or len(tests) > MAX_TESTS:
+        return f"meta['tests'] must be a list of 1 to {MAX_TESTS} Python statements"
+    for i, t in enumerate(tests):
+        if not isinstance(t, str) or len(t) > MAX_TEST_CHARS:
+            return f"meta['tests'][{i}] is not a statement of at most {MAX_TEST_CHARS} characters"
+        if (problem := _parses(t, f"meta['tests'][{i}]")) is not None:
+            return problem
+    for key in ("setup", "reference"):  # code run before the candidate; the solution test generators are checked on
+        if key not in meta:
+            continue
+        if not isinstance(meta[key], str):
+            return f"meta[{key!r}] is a {type(meta[key]).__name__}, not source code"
+        if (problem := _parses(meta[key], f"meta[{key!r}]")) is not None:
+            return problem
+    for key, (low, high) in SANDBOX_LIMITS.items():
+        if key in meta:
+            v = meta[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _math.isfinite(v) or not low < v <= high:
+                return f"meta[{key!r}] = {v!r}: a number in ({low:g}, {high:g}]"
+    return None
+
+
+@register("code", check=_code_meta)
 def code(text: str, meta: dict[str, Any]) -> float:
     """Fraction of ``meta["tests"]`` (Python statements, usually asserts) the completion's code passes.
 
@@ -111,14 +204,24 @@ def _golds(meta: dict[str, Any]) -> list[str]:
     return [str(g) for g in golds]
 
 
-@register("qa_em")
+def _qa_meta(meta: dict[str, Any]) -> str | None:
+    golds = meta.get("answers")
+    if golds:
+        if not isinstance(golds, list) or not all(isinstance(g, (str, int)) and not isinstance(g, bool) for g in golds):
+            return "meta['answers'] is not a list of strings"
+        longest = max(len(str(g)) for g in golds)
+        return None if longest <= MAX_ANSWER_CHARS else f"a reference answer of {longest} characters (at most {MAX_ANSWER_CHARS})"
+    return _answer(meta)
+
+
+@register("qa_em", check=_qa_meta)
 def qa_exact_match(text: str, meta: dict[str, Any]) -> float:
     """1 if the normalised completion equals a normalised reference (``meta["answers"]`` or ``meta["answer"]``)."""
     pred = _normalize(text)
     return 1.0 if any(pred == _normalize(g) for g in _golds(meta)) else 0.0
 
 
-@register("qa_f1")
+@register("qa_f1", check=_qa_meta)
 def qa_f1(text: str, meta: dict[str, Any]) -> float:
     """Best token-level F1 (SQuAD) between the normalised completion and a reference."""
     pred = _normalize(text).split()

@@ -57,6 +57,7 @@ def task_seed(task: Task) -> int:
 class EnvHttp:
     policies = ("solver",)
     evaluation: Evaluation = "workflow"  # played in the environment
+    uses_reward = False  # the environment is the verifier: a node does not ask the recipe's reward about the meta
 
     def __init__(self, reward: Reward, options: EnvHttpOptions) -> None:
         url = options.url
