@@ -193,6 +193,9 @@ class TrainerConfig(Strict):
     """Where the torch backend trains (auto: cuda when available). The deepspeed backend uses its accelerator."""
     zero_stage: int = Field(1, ge=0, le=3)
     """deepspeed: ZeRO stage (0: plain data parallel, 1: optimizer state, 2: + gradients, 3: + parameters)."""
+    peer_timeout: float = Field(60.0, gt=0)
+    """Several ranks (torchrun / deepspeed launcher): a rank that hears no heartbeat from a peer for this many seconds
+    exits with code 75, so that its supervisor restarts the whole group from the last checkpoint (docs/training.md)."""
     max_grad_norm: float = Field(1.0, gt=0)
     keyframe_every: int = Field(10, ge=1)
     """A full keyframe every K versions (and at start); deltas in between."""
