@@ -42,14 +42,14 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
 
 
 def build_model(cfg: "ModelConfig", tokenizer: Any) -> "torch.nn.Module":
-    """A causal LM from ``cfg``: ``arch: qwen2`` built from a config (tiny, CPU) or a pretrained path."""
+    """A causal LM from ``cfg``: a pretrained path, or a tiny ``arch`` (``qwen2`` dense, ``qwen3_moe`` experts) built from the config."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if cfg.pretrained:
         return AutoModelForCausalLM.from_pretrained(cfg.pretrained, torch_dtype=getattr(torch, cfg.dtype))
     torch.manual_seed(cfg.seed)
-    conf = Qwen2Config(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -62,7 +62,14 @@ def build_model(cfg: "ModelConfig", tokenizer: Any) -> "torch.nn.Module":
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Qwen2ForCausalLM(conf)
+    model: torch.nn.Module
+    if cfg.arch == "qwen3_moe":
+        # every layer sparse; top-k weights renormalised (as Qwen3-30B-A3B); no router auxiliary loss in RL
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                                                   moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1,
+                                                   norm_topk_prob=True, output_router_logits=False))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
     return model.to(getattr(torch, cfg.dtype))
 
 
