@@ -120,3 +120,16 @@ def test_moe_same_loss_and_weights_as_torch(setup, stage):
     for a, b in zip(ref_m, ds_m):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
     assert _max_diff(ref_w, ds_w) < 1e-6
+
+
+def test_every_rank_runs_as_many_micro_batches():
+    """ZeRO-2/3 reduce gradients at every backward: a rank with fewer micro-batches pads with zero-weight stand-ins."""
+    from types import SimpleNamespace
+
+    from astraflow.train.deepspeed_backend import DeepSpeedBackend
+
+    mbs = ["m0", "m1", "m2", "m3", "m4"]
+    shares = [DeepSpeedBackend._share(SimpleNamespace(world_size=2, rank=r), mbs) for r in (0, 1)]  # type: ignore[arg-type]
+    assert shares[0] == [("m0", 2.0), ("m2", 2.0), ("m4", 2.0)]
+    assert shares[1] == [("m1", 2.0), ("m3", 2.0), ("m0", 0.0)]
+    assert DeepSpeedBackend._share(SimpleNamespace(world_size=4, rank=3), mbs[:2]) == [("m0", 0.0)]  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ batches in the same order whatever the kills do. Then: one announcement per vers
 trained once; losses and gradient norms equal the one-process torch backend's to a relative 1e-5
 (observed <= 5e-7: float32 sums in another order); and the two runs announce bit-identical states at
 every version: a resumed 2-rank group continues exactly (a lossy resume would differ between two
-different kill points).
+different kill points). Batches split into 2 or 3 micro-batches: with 3, rank 1 pads its share.
 """
 
 from __future__ import annotations
@@ -121,10 +121,11 @@ def log_tail(*paths: Path) -> str:
 
 async def test_two_ranks_match_one_rank_and_resume_exactly_after_a_rank_is_killed(nats_server, tmp_path):
     recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=STEPS, backend="deepspeed", zero_stage=2,
-                                       micro_batch_tokens=40, peer_timeout=PEER_TIMEOUT)
+                                       micro_batch_tokens=36, peer_timeout=PEER_TIMEOUT)
     batches = make_batches(recipe, "solver", STEPS)
     reference = one_rank_reference(recipe, batches)
-    assert all(m["micro_batches"] >= 2 for m in reference)  # both ranks have micro-batches of their own
+    # 2 micro-batches (one per rank) and 3 (rank 1 pads its share with a zero-weight stand-in: ZeRO-2 reduces at every backward)
+    assert {m["micro_batches"] for m in reference} == {2.0, 3.0}
     env = group_env(tmp_path)
     records = {}
     for launcher in ("torchrun", "plain"):

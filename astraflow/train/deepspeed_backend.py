@@ -5,9 +5,11 @@ One process on CPU (gloo, the tests) or N GPUs under the deepspeed launcher (NCC
     deepspeed --num_gpus 8 -m astraflow.cli worker trainer --recipe ... --set trainer.backend=deepspeed
 
 Every rank holds the whole batch (rank 0 pulls it from the plane and broadcasts it, see
-``train/distributed.py``); rank r runs micro-batches r, r+W, r+2W, ... Each micro-batch loss is
-normalised over the whole batch and scaled by W, because DeepSpeed averages gradients over the
-W ranks: the accumulated gradient is the full-batch gradient, as with the torch backend.
+``train/distributed.py``); rank r runs micro-batches r, r+W, r+2W, ..., padded with zero-weight
+stand-ins to the same count on every rank (ZeRO-2/3 reduce gradients at every backward). Each
+micro-batch loss is normalised over the whole batch and scaled by W, because DeepSpeed averages
+gradients over the W ranks: the accumulated gradient is the full-batch gradient, as with the
+torch backend.
 Gradients accumulate with ``set_gradient_accumulation_boundary`` (the last micro-batch of a
 step is the boundary) and ``backward(scale_wrt_gas=False)``, then one ``engine.step()``.
 """
@@ -96,9 +98,11 @@ class DeepSpeedBackend(TorchBackend):
         return contextlib.nullcontext()  # bf16 mode casts the module itself
 
     def _share(self, mbs: list[Tensors]) -> list[tuple[Tensors, float]]:
+        """Micro-batches r, r+W, ...; then zero-weight stand-ins up to ceil(M / W): every rank runs as many backward
+        passes, because ZeRO-2/3 reduce gradients at each one (unequal counts would pair unrelated collectives)."""
         W = self.world_size
         mine = [(mb, float(W)) for mb in mbs[self.rank :: W]]
-        return mine or [(mbs[0], 0.0)]  # every rank takes part in the gradient reduction
+        return mine + [(mbs[0], 0.0)] * (-(-len(mbs) // W) - len(mine))
 
     def _zero_grad(self) -> None:
         pass  # engine.step() clears the gradients
