@@ -90,7 +90,8 @@ def worker(
     role: str = typer.Argument(..., help="dataflow | rollout | trainer | evaluator"),
     recipe: str = typer.Option(..., help="Recipe YAML (the run directory's recipe.yaml)."),
     nats: Optional[str] = typer.Option(None, help="nats URL(s) of the run's plane (default: the credential's)."),
-    run: Optional[str] = typer.Option(None, help="Run id (subject scope; default: the credential's)."),
+    run: Optional[str] = typer.Option(None, "--run", "--run-id", help="Run id (subject scope; default: the credential's); "
+                                                                     "--run-id under torchrun, whose parser takes --run for --run-path."),
     credential: Optional[str] = Credential,
     id: Optional[str] = typer.Option(None, "--id", help="Worker id (default: ROLE-PID)."),
     policy: Optional[str] = typer.Option(None, help="Trainer: the policy to train (default: the first)."),

@@ -25,11 +25,17 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+EXPERT_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size")
+
+
 class ModelConfig(Strict):
     pretrained: str | None = None
-    """Local path or hub id of a pretrained model (GPU recipes). None: build a tiny Qwen2 from the fields below."""
+    """Local path or hub id of a pretrained model (GPU recipes). None: build a tiny model of ``arch`` from the fields below."""
     tokenizer: str = "byt5"
     """``byt5`` (byte-level, needs no files) or a tokenizer path / id."""
+    arch: Literal["qwen2", "qwen3_moe"] = "qwen2"
+    """What is built from the fields below: ``qwen2`` (dense) or ``qwen3_moe`` (Mixture-of-Experts: every layer's MLP is
+    ``num_experts`` experts, ``experts_per_token`` of them routed per token, top-k with renormalised weights)."""
     hidden_size: int = Field(64, gt=0)
     intermediate_size: int = Field(256, gt=0)
     num_layers: int = Field(2, gt=0)
@@ -40,15 +46,33 @@ class ModelConfig(Strict):
     """Sliding-window attention: each token attends to itself and the ``attention_window - 1`` before it, at a cost
     linear in the row length (``astraflow/window_attention.py``), so long rows train and generate on a CPU.
     None: full causal attention. Built models only (not with ``pretrained``)."""
+    num_experts: int | None = Field(None, ge=2)
+    """qwen3_moe: experts per layer (default 8)."""
+    experts_per_token: int | None = Field(None, ge=1)
+    """qwen3_moe: experts each token is routed to (top-k; default 2)."""
+    moe_intermediate_size: int | None = Field(None, gt=0)
+    """qwen3_moe: hidden width of one expert (default ``intermediate_size / experts_per_token``)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype of the model on each role (weights travel as bf16 regardless)."""
     seed: int = 0
 
     @model_validator(mode="after")
-    def _window_on_built_models(self) -> "ModelConfig":
+    def _built_model_fields(self) -> "ModelConfig":
         if self.attention_window is not None and self.pretrained:
             raise ValueError("model.attention_window applies to models built from the config; a pretrained model keeps its "
                              "own attention (remove one of the two)")
+        given = [f for f in EXPERT_FIELDS if getattr(self, f) is not None]
+        if self.arch != "qwen3_moe":
+            if given:
+                raise ValueError(f"{given[0]} applies only to arch qwen3_moe (arch is {self.arch})")
+            return self
+        if self.pretrained:
+            raise ValueError("arch qwen3_moe builds a model from this config; a pretrained model brings its own architecture")
+        self.num_experts = self.num_experts or 8
+        self.experts_per_token = self.experts_per_token or 2
+        self.moe_intermediate_size = self.moe_intermediate_size or max(1, self.intermediate_size // self.experts_per_token)
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) must not exceed num_experts ({self.num_experts})")
         return self
 
 
@@ -204,6 +228,13 @@ class TrainerConfig(Strict):
     """Where the torch backend trains (auto: cuda when available). The deepspeed backend uses its accelerator."""
     zero_stage: int = Field(1, ge=0, le=3)
     """deepspeed: ZeRO stage (0: plain data parallel, 1: optimizer state, 2: + gradients, 3: + parameters)."""
+    peer_timeout: float = Field(60.0, gt=0)
+    """Several ranks (torchrun / deepspeed launcher): a rank that hears no heartbeat from a peer for this many seconds
+    exits with code 75, so that its supervisor restarts the whole group from the last checkpoint (docs/training.md)."""
+    unrouted_experts: Literal["step", "hold"] = "step"
+    """Mixture-of-Experts models, torch backend: ``step``: plain AdamW, whose momentum and weight decay move an expert
+    even in a step where no token was routed to it; ``hold``: such an expert keeps its weights and AdamW moments
+    through the step (lazy per expert), so it stays out of the weight delta (train/experts.py, docs/training.md)."""
     max_grad_norm: float = Field(1.0, gt=0)
     keyframe_every: int = Field(10, ge=1)
     """A full keyframe every K versions (and at start); deltas in between."""
@@ -271,6 +302,16 @@ class PolicyConfig(Strict):
     @classmethod
     def _token(cls, v: str) -> str:
         return check_token("policy", v)
+
+    @model_validator(mode="after")
+    def _held_experts(self) -> "PolicyConfig":
+        if self.trainer.unrouted_experts == "hold":
+            if self.model.arch != "qwen3_moe":
+                raise ValueError(f"trainer.unrouted_experts: hold applies only to Mixture-of-Experts models (model.arch is {self.model.arch})")
+            if self.trainer.backend != "torch":
+                raise ValueError("trainer.unrouted_experts: hold needs the torch backend (DeepSpeed's optimizer owns flat "
+                                 "partitions of the weights, not expert rows)")
+        return self
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

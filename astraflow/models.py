@@ -42,14 +42,14 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
 
 
 def build_model(cfg: "ModelConfig", tokenizer: Any) -> "torch.nn.Module":
-    """A causal LM from ``cfg``: ``arch: qwen2`` built from a config (tiny, CPU) or a pretrained path."""
+    """A causal LM from ``cfg``: a pretrained path, or a tiny ``arch`` (``qwen2`` dense, ``qwen3_moe`` experts) built from the config."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if cfg.pretrained:
         return AutoModelForCausalLM.from_pretrained(cfg.pretrained, torch_dtype=getattr(torch, cfg.dtype))
     torch.manual_seed(cfg.seed)
-    conf = Qwen2Config(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -62,12 +62,20 @@ def build_model(cfg: "ModelConfig", tokenizer: Any) -> "torch.nn.Module":
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    conf: Any
+    if cfg.arch == "qwen3_moe":
+        # every layer sparse; top-k weights renormalised (as Qwen3-30B-A3B); no router auxiliary loss in RL
+        conf = Qwen3MoeConfig(**common, num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                              moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True,
+                              output_router_logits=False)
+    else:
+        conf = Qwen2Config(**common)
     if cfg.attention_window is not None:  # linear in the row length (window_attention.py)
         from astraflow.window_attention import register
 
         conf.attention_window = cfg.attention_window
         conf._attn_implementation = register()
-    model = Qwen2ForCausalLM(conf)
+    model = Qwen3MoeForCausalLM(conf) if cfg.arch == "qwen3_moe" else Qwen2ForCausalLM(conf)
     return model.to(getattr(torch, cfg.dtype))
 
 

@@ -1,7 +1,8 @@
 """Every shipped recipe loads (CPU and GPU configurations), and every CPU recipe runs briefly.
 
 `arithmetic` (tests/test_end_to_end.py) and `math-multi-agent` (tests/test_workflows_multi.py)
-are run at more length elsewhere; here each other CPU recipe runs two optimizer steps with
+are run at more length elsewhere; here each other CPU recipe (and `arithmetic/moe.yaml`, the
+Mixture-of-Experts variant) runs two optimizer steps with
 every role a process against the module's nats-server, and must announce versions 0..2 for
 every policy and record held-out evaluations.
 """
@@ -19,7 +20,7 @@ from astraflow.config import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_YAML = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "recipes").glob("*/*.yaml"))
-CPU_RECIPES = ["math", "math-efficient-data", "code", "code-multi-agent", "search", "alfworld", "webshop"]
+CPU_RECIPES = ["math", "math-efficient-data", "code", "code-multi-agent", "search", "alfworld", "webshop", "arithmetic/moe.yaml"]
 
 
 @pytest.mark.parametrize("path", ALL_YAML)
@@ -37,7 +38,7 @@ def test_every_seed_recipe_is_shipped():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_RECIPES)
 def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
-    run_dir = tmp_path / f"{name}-run"
+    run_dir = tmp_path / f"{name.replace('/', '-').replace('.', '-')}-run"  # the run id comes from the folder name: no dots
     sets = ["trainer.steps=2", "eval.every=2", "rollout.nodes=1"]
     if load_recipe(ROOT / "recipes" / name).policies[load_recipe(ROOT / "recipes" / name).primary].sft.steps:
         sets.append("sft.steps=10")

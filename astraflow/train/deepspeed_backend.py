@@ -5,9 +5,11 @@ One process on CPU (gloo, the tests) or N GPUs under the deepspeed launcher (NCC
     deepspeed --num_gpus 8 -m astraflow.cli worker trainer --recipe ... --set trainer.backend=deepspeed
 
 Every rank holds the whole batch (rank 0 pulls it from the plane and broadcasts it, see
-``train/distributed.py``); rank r runs micro-batches r, r+W, r+2W, ... Each micro-batch loss is
-normalised over the whole batch and scaled by W, because DeepSpeed averages gradients over the
-W ranks: the accumulated gradient is the full-batch gradient, as with the torch backend.
+``train/distributed.py``); rank r runs micro-batches r, r+W, r+2W, ..., padded with zero-weight
+stand-ins to the same count on every rank (ZeRO-2/3 reduce gradients at every backward). Each
+micro-batch loss is normalised over the whole batch and scaled by W, because DeepSpeed averages
+gradients over the W ranks: the accumulated gradient is the full-batch gradient, as with the
+torch backend.
 Gradients accumulate with ``set_gradient_accumulation_boundary`` (the last micro-batch of a
 step is the boundary) and ``backward(scale_wrt_gas=False)``, then one ``engine.step()``.
 """
@@ -25,6 +27,8 @@ from typing import Any, Mapping
 import deepspeed
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
 from safetensors.torch import save_file
 
 from astraflow.config import TrainerConfig
@@ -38,15 +42,22 @@ TAG = "deepspeed"  # sub-directory of a checkpoint holding DeepSpeed's own files
 
 
 def init_distributed() -> tuple[int, int]:
-    """Join the launcher's process group, or make a one-process group (gloo on CPU, on a free port)."""
+    """Join the launcher's process group, or make a one-process group (gloo on CPU, on a free port).
+
+    The group meets in the launcher's store under a prefix of its life (``TORCHELASTIC_RESTART_COUNT``):
+    torchrun's agent keeps one store across restarts, and a restarted rank must not read the addresses
+    the dead group's ranks left there (gloo then connects to a dead peer and fails)."""
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:  # not under a launcher: a group of one
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         on_cpu = not torch.cuda.is_available()
-        if on_cpu and os.environ["WORLD_SIZE"] == "1":
-            # the shared-memory allreduce op only helps several CPU ranks; skip its C++ build (~30 s)
+        if on_cpu:  # DeepSpeed's shared-memory allreduce serves only its inference (inference_all_reduce): skip its C++ build (~30 s)
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
+        store, rank, world_size = next(rendezvous("env://"))
+        life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group("gloo" if on_cpu else "nccl", store=PrefixStore(f"astraflow/life-{life}", store), rank=rank,
+                                world_size=world_size)
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -87,9 +98,11 @@ class DeepSpeedBackend(TorchBackend):
         return contextlib.nullcontext()  # bf16 mode casts the module itself
 
     def _share(self, mbs: list[Tensors]) -> list[tuple[Tensors, float]]:
+        """Micro-batches r, r+W, ...; then zero-weight stand-ins up to ceil(M / W): every rank runs as many backward
+        passes, because ZeRO-2/3 reduce gradients at each one (unequal counts would pair unrelated collectives)."""
         W = self.world_size
         mine = [(mb, float(W)) for mb in mbs[self.rank :: W]]
-        return mine or [(mbs[0], 0.0)]  # every rank takes part in the gradient reduction
+        return mine + [(mbs[0], 0.0)] * (-(-len(mbs) // W) - len(mine))
 
     def _zero_grad(self) -> None:
         pass  # engine.step() clears the gradients

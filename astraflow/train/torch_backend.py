@@ -22,6 +22,7 @@ from safetensors.torch import load_model, save_model
 from astraflow.config import TrainerConfig
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.batching import Tensors, micro_batches, to_tensors
+from astraflow.train.experts import expert_params, hold_quiet_experts
 from astraflow.train.losses.functional import gather_logprobs, token_entropy
 from astraflow.train.objective import SUMMED, Objective, StepPlan, combine
 from astraflow.weights.delta import to_bf16_state
@@ -48,6 +49,8 @@ class TorchBackend:
         # π_ref: the version-0 weights, frozen (a resumed trainer loads them from its checkpoint)
         self.ref = _frozen_copy(self.module) if cfg.kl_coef > 0 else None
         self.model, self.opt = self._wrap(self.module)
+        # trainer.unrouted_experts: hold: the experts no token was routed to sit the step out (train/experts.py)
+        self.held_experts = expert_params(self.module) if cfg.unrouted_experts == "hold" else []
 
     # ------------------------------------------------------------------ hooks for subclasses
     def _device(self) -> torch.device:
@@ -79,7 +82,8 @@ class TorchBackend:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.max_grad_norm))
         stepped = loss_finite and math.isfinite(grad_norm)
         if stepped:
-            self.opt.step()
+            with hold_quiet_experts(self.opt, self.held_experts):
+                self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return grad_norm, stepped
 

@@ -92,7 +92,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
     ckpt = None
     if checkpoint_dir is not None:
         ckpt = Checkpointer(Path(checkpoint_dir), keep=cfg.checkpoint_keep, rank=backend.rank, barrier=barrier_for(backend))
-    run_op = Collective(backend, ckpt)
+    run_op = Collective(backend, ckpt, peer_timeout=cfg.peer_timeout)
     if backend.rank != 0:  # data-parallel ranks follow rank 0, which alone talks to the plane
         await asyncio.to_thread(run_op.follow)
         return
