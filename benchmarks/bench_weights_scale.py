@@ -29,10 +29,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -45,6 +47,7 @@ from rich.table import Table
 from astraflow.weights import delta as codec
 
 PIECE = 2 * 1024 * 1024  # the object store's chunk size: what a node receives at a time
+THIS, BASELINE = "this", "baseline"
 _T = TypeVar("_T")
 
 
@@ -90,14 +93,25 @@ def peak_extra(fn: Callable[[], _T]) -> tuple[_T, int]:
     return out, rss()[1] - before
 
 
-def best(fn: Callable[[], object], repeats: int, setup: Callable[[], None] = lambda: None) -> float:
-    times = []
-    for _ in range(repeats):
-        setup()
-        start = time.perf_counter()
+class Timer:
+    """Best wall and CPU seconds of each figure over interleaved repeats (CPU: all threads of the process)."""
+
+    def __init__(self) -> None:
+        self.best: dict[tuple[str, str], tuple[float, float]] = {}
+
+    def run(self, codec_name: str, figure: str, fn: Callable[[], object]) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        old = self.best.get((codec_name, figure), (math.inf, math.inf))
+        self.best[codec_name, figure] = (min(old[0], wall), min(old[1], cpu))
+
+    def figures(self, codec_name: str) -> dict[str, float]:
+        out = {}
+        for (name, figure), (wall, cpu) in self.best.items():
+            if name == codec_name:
+                out[f"{figure}_s"], out[f"{figure}_cpu_s"] = wall, cpu
+        return out
 
 
 def pieces(payload: bytes, size: int = PIECE) -> Iterator[memoryview]:
@@ -133,54 +147,55 @@ def load_codec(path: str) -> ModuleType:
     return module
 
 
-def keyframe_figures(mod: ModuleType, state: dict[str, torch.Tensor], digest: str, repeats: int,
-                     streaming: bool) -> dict[str, float]:
-    payload, enc_rss = peak_extra(lambda: mod.encode_keyframe(state))
-    t_enc = best(lambda: mod.encode_keyframe(state), repeats)
-    decoded, dec_rss = peak_extra(lambda: mod.decode_keyframe(payload))
-    assert codec.state_digest(decoded) == digest, "keyframe round trip"
-    del decoded
-    t_dec = best(lambda: mod.decode_keyframe(payload), repeats)
-    out = {"bytes": len(payload), "encode_s": t_enc, "decode_s": t_dec, "encode_rss": enc_rss, "decode_rss": dec_rss}
-    if streaming:
-        size, out["stream_encode_rss"] = peak_extra(lambda: drain(codec.iter_encode_keyframe(state)))
-        assert size == len(payload)
-        out["stream_encode_s"] = best(lambda: drain(codec.iter_encode_keyframe(state)), repeats)
-        decoded, out["stream_decode_rss"] = peak_extra(lambda: stream_decode(payload))
-        assert codec.state_digest(decoded) == digest, "streamed keyframe round trip"
+def keyframe_phase(codecs: dict[str, ModuleType], state: dict[str, torch.Tensor], digest: str, repeats: int,
+                   timer: Timer, out: dict[str, dict[str, Any]]) -> None:
+    """Encode and decode with every codec (the streaming forms with this one), interleaved."""
+    payloads = {}
+    for name, mod in codecs.items():
+        payloads[name], out[name]["encode_rss"] = peak_extra(partial(mod.encode_keyframe, state))
+        decoded, out[name]["decode_rss"] = peak_extra(partial(mod.decode_keyframe, payloads[name]))
+        assert codec.state_digest(decoded) == digest, f"{name}: keyframe round trip"
+        out[name]["bytes"] = len(payloads[name])
         del decoded
-        out["stream_decode_s"] = best(lambda: stream_decode(payload), repeats)
-    return out
+    size, out[THIS]["stream_encode_rss"] = peak_extra(lambda: drain(codec.iter_encode_keyframe(state)))
+    decoded, out[THIS]["stream_decode_rss"] = peak_extra(lambda: stream_decode(payloads[THIS]))
+    assert size == len(payloads[THIS]) and codec.state_digest(decoded) == digest, "streamed keyframe round trip"
+    del decoded
+    for _ in range(repeats):
+        for name, mod in codecs.items():
+            timer.run(name, "encode", partial(mod.encode_keyframe, state))
+            timer.run(name, "decode", partial(mod.decode_keyframe, payloads[name]))
+        timer.run(THIS, "stream_encode", lambda: drain(codec.iter_encode_keyframe(state)))
+        timer.run(THIS, "stream_decode", lambda: stream_decode(payloads[THIS]))
 
 
-def delta_figures(mod: ModuleType, base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], digest: str,
-                  repeats: int, streaming: bool) -> dict[str, float]:
-    (payload, stats), enc_rss = peak_extra(lambda: mod.encode_delta(base, new))
-    t_enc = best(lambda: mod.encode_delta(base, new), repeats)
+def delta_phase(codecs: dict[str, ModuleType], base: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+                digest: str, repeats: int, timer: Timer, out: dict[str, dict[str, Any]]) -> None:
+    """Encode and apply with every codec onto a fresh copy of the base (the streaming forms with this one)."""
     target: dict[str, torch.Tensor] = {}
 
-    def fresh() -> None:
+    def fresh() -> dict[str, torch.Tensor]:
         target.clear()
         target.update({k: v.clone() for k, v in base.items()})
+        return target
 
-    fresh()
-    _, apply_rss = peak_extra(lambda: mod.apply_delta(target, payload))
-    assert codec.state_digest(target) == digest, "delta round trip"
-    t_apply = best(lambda: mod.apply_delta(target, payload), repeats, setup=fresh)
-    out = {"bytes": len(payload), "n_changed": stats.n_changed, "encode_s": t_enc, "apply_s": t_apply,
-           "encode_rss": enc_rss, "apply_rss": apply_rss}
-    if streaming:
-        out["stream_encode_s"] = best(lambda: drain(codec.iter_encode_delta(base, new)), repeats)
+    payloads = {}
+    for name, mod in codecs.items():
+        (payloads[name], stats), out[name]["encode_rss"] = peak_extra(partial(mod.encode_delta, base, new))
+        _, out[name]["apply_rss"] = peak_extra(partial(mod.apply_delta, fresh(), payloads[name]))
+        assert codec.state_digest(target) == digest, f"{name}: delta round trip"
+        out[name].update(bytes=len(payloads[name]), n_changed=stats.n_changed)
+    _, out[THIS]["stream_apply_rss"] = peak_extra(lambda: stream_apply(fresh(), payloads[THIS]))
+    assert codec.state_digest(target) == digest, "streamed delta round trip"
+    for _ in range(repeats):
+        for name, mod in codecs.items():
+            timer.run(name, "encode", partial(mod.encode_delta, base, new))
+            fresh()
+            timer.run(name, "apply", partial(mod.apply_delta, target, payloads[name]))
+        timer.run(THIS, "stream_encode", lambda: drain(codec.iter_encode_delta(base, new)))
         fresh()
-        _, out["stream_apply_rss"] = peak_extra(lambda: stream_apply(target, payload))
-        assert codec.state_digest(target) == digest, "streamed delta round trip"
-        out["stream_apply_s"] = best(lambda: stream_apply(target, payload), repeats, setup=fresh)
+        timer.run(THIS, "stream_apply", lambda: stream_apply(target, payloads[THIS]))
     target.clear()
-    return out
-
-
-def digest_seconds(mod: ModuleType, state: dict[str, torch.Tensor], repeats: int) -> float:
-    return best(lambda: mod.state_digest(state), repeats)
 
 
 def copy_gbps(state: dict[str, torch.Tensor], model_bytes: int, repeats: int) -> float:
@@ -192,70 +207,73 @@ def copy_gbps(state: dict[str, torch.Tensor], model_bytes: int, repeats: int) ->
         for d, s in zip(dst, src, strict=True):
             np.copyto(d, s)
 
-    return model_bytes / best(copy, repeats) / 1e9
+    timer = Timer()
+    for _ in range(repeats):
+        timer.run("", "copy", copy)
+    return model_bytes / timer.best["", "copy"][0] / 1e9
 
 
 def render(r: dict[str, Any], console: Console) -> None:
     mb = r["model_bytes"]
-    has_base = "baseline" in r
+    names = list(r["codecs"])
+    load = ", ".join(f"{x:.1f}" for x in r["loadavg"])
     table = Table(title=f"Weight codec at {r['params'] / 1e9:.2f} B params ({mb / 1e9:.2f} GB bf16), lr {r['lr']:g}, "
-                        f"{r['cpu_count']} cores")
+                        f"{r['cpu_count']} cores (load average {load}); best of {r['repeats']}, wall (CPU) seconds")
     table.add_column("figure")
-    table.add_column(f"codec v{r['format_version']}", justify="right")
-    if has_base:
-        table.add_column(f"baseline v{r['baseline']['format_version']}", justify="right")
-        table.add_column("speed-up / ratio", justify="right")
+    for name in names:
+        table.add_column(f"{name}: format v{r['codecs'][name]['format_version']}", justify="right")
+    if len(names) > 1:
+        table.add_column(f"{names[1]} / {names[0]}", justify="right")
 
-    def gbps(s: float) -> str:
-        return f"{mb / s / 1e9:.2f} GB/s ({s:.2f} s)"
+    def speed(phase: str, figure: str) -> tuple[Callable[[dict[str, Any]], str], Callable[[dict[str, Any]], float]]:
+        def fmt(c: dict[str, Any]) -> str:
+            wall, cpu = c[phase][f"{figure}_s"], c[phase][f"{figure}_cpu_s"]
+            return f"{mb / wall / 1e9:.2f} GB/s ({wall:.2f} s, cpu {cpu:.2f} s)"
+        return fmt, lambda c: c[phase][f"{figure}_s"]
 
-    def gib(n: float) -> str:
-        return f"{n / 2**30:.2f} GiB"
+    def value(phase: str, key: str, fmt: Callable[[float], str]) -> tuple[Callable[[dict[str, Any]], str],
+                                                                              Callable[[dict[str, Any]], float]]:
+        return lambda c: fmt(c[phase][key]), lambda c: c[phase][key]
 
-    def row(label: str, path: tuple[str, str], fmt: Callable[[float], str], better: str = "") -> None:
-        new = r[path[0]].get(path[1])
-        if new is None:
-            return
-        cells = [label, fmt(new)]
-        if has_base:
-            old = r["baseline"][path[0]].get(path[1])
-            ratio = {"time": (old, new, "x"), "size": (new, old, "")}.get(better) if old else None
-            cells += ["", ""] if old is None else [fmt(old), f"{ratio[0] / ratio[1]:.2f}{ratio[2]}" if ratio else ""]
-        table.add_row(*cells)
+    def row(label: str, cell: tuple[Callable[[dict[str, Any]], str], Callable[[dict[str, Any]], float]]) -> None:
+        fmt, key = cell
+        cells = [fmt(r["codecs"][n]) if _has(r["codecs"][n], key) else "" for n in names]
+        if len(names) > 1:
+            a, b = (r["codecs"][n] for n in names)
+            cells.append(f"{key(b) / key(a):.2f}" if _has(a, key) and _has(b, key) and key(a) else "")
+        table.add_row(label, *cells)
 
-    row("keyframe payload", ("keyframe", "bytes"), lambda b: f"{b / 1e9:.3f} GB ({b / mb:.3f} of raw)", "size")
-    row("keyframe encode", ("keyframe", "encode_s"), gbps, "time")
-    row("keyframe decode", ("keyframe", "decode_s"), gbps, "time")
-    row("keyframe encode, streamed pieces", ("keyframe", "stream_encode_s"), gbps)
-    row("keyframe decode, fed 2 MiB pieces", ("keyframe", "stream_decode_s"), gbps)
-    row("delta payload", ("delta", "bytes"), lambda b: f"{b / 1e6:.1f} MB", "size")
-    row("delta bytes / changed value", ("delta", "bytes_per_changed"), lambda b: f"{b:.3f}", "size")
-    row("delta encode", ("delta", "encode_s"), gbps, "time")
-    row("delta apply (all checked first)", ("delta", "apply_s"), gbps, "time")
-    row("delta encode + apply", ("delta", "encode_apply_s"), lambda s: f"{s:.2f} s", "time")
-    row("delta encode, streamed pieces", ("delta", "stream_encode_s"), gbps)
-    row("delta apply, fed 2 MiB pieces", ("delta", "stream_apply_s"), gbps)
-    row("state_digest", ("digest", "seconds"), gbps, "time")
-    for phase, key in (("keyframe", "encode_rss"), ("keyframe", "decode_rss"), ("keyframe", "stream_encode_rss"),
-                       ("keyframe", "stream_decode_rss"), ("delta", "encode_rss"), ("delta", "apply_rss"),
-                       ("delta", "stream_apply_rss")):
-        row(f"peak RSS added: {phase} {key.removesuffix('_rss').replace('_', ' ')}", (phase, key), gib, "size")
+    gb = lambda b: f"{b / 1e9:.3f} GB ({b / mb:.3f} of raw)"
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    row("keyframe payload", value("keyframe", "bytes", gb))
+    row("keyframe encode", speed("keyframe", "encode"))
+    row("keyframe encode, streamed pieces", speed("keyframe", "stream_encode"))
+    row("keyframe decode", speed("keyframe", "decode"))
+    row("keyframe decode, fed 2 MiB pieces", speed("keyframe", "stream_decode"))
+    row("delta payload", value("delta", "bytes", lambda b: f"{b / 1e6:.1f} MB"))
+    row("delta bytes / changed value", value("delta", "bytes_per_changed", lambda b: f"{b:.3f}"))
+    row("delta encode", speed("delta", "encode"))
+    row("delta encode, streamed pieces", speed("delta", "stream_encode"))
+    row("delta apply (whole payload checked first)", speed("delta", "apply"))
+    row("delta apply, fed 2 MiB pieces", speed("delta", "stream_apply"))
+    row("delta encode + apply", value("delta", "encode_apply_s", lambda s: f"{s:.2f} s"))
+    row("state_digest", speed("digest", "digest"))
+    for phase, step in (("keyframe", "encode"), ("keyframe", "stream_encode"), ("keyframe", "decode"),
+                        ("keyframe", "stream_decode"), ("delta", "encode"), ("delta", "apply"), ("delta", "stream_apply")):
+        row(f"peak RSS added: {phase} {step.replace('_', ' ')}", value(phase, f"{step}_rss", gib))
     console.print(table)
-    d = r["delta"]
+    d = r["codecs"][THIS]["delta"]
     console.print(f"changed values: {d['n_changed'] / 1e6:.1f} M of {r['params'] / 1e6:.0f} M "
-                  f"({100 * d['n_changed'] / r['params']:.2f} %); resident before the runs: {gib(r['rss_start'])} "
+                  f"({100 * d['n_changed'] / r['params']:.2f} %); resident before the runs: {r['rss_start'] / 2**30:.2f} GiB "
                   f"(two bf16 versions); one-thread numpy copy of the state: {r['copy_gbps']:.2f} GB/s")
 
 
-def measure(mod: ModuleType, v0: dict[str, torch.Tensor], v1: dict[str, torch.Tensor], digests: tuple[str, str],
-            repeats: int, streaming: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"format_version": mod.DELTA_FORMAT_VERSION}
-    out["keyframe"] = keyframe_figures(mod, v0, digests[0], repeats, streaming)
-    out["delta"] = delta_figures(mod, v0, v1, digests[1], repeats, streaming)
-    out["delta"]["bytes_per_changed"] = out["delta"]["bytes"] / out["delta"]["n_changed"]
-    out["delta"]["encode_apply_s"] = out["delta"]["encode_s"] + out["delta"]["apply_s"]
-    out["digest"] = {"seconds": digest_seconds(mod, v1, repeats)}
-    return out
+def _has(c: dict[str, Any], key: Callable[[dict[str, Any]], float]) -> bool:
+    try:
+        key(c)
+    except KeyError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -265,23 +283,35 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline", help="another delta.py to measure side by side (e.g. the previous codec)")
     args = parser.parse_args()
-    console = Console(width=120)
+    console = Console(width=140)
 
     with console.status("building the state"):
         v0, v1 = simulate(qwen3_layout(args.quick), args.lr)
     model_bytes = sum(t.numel() * t.element_size() for t in v0.values())
     digests = (codec.state_digest(v0), codec.state_digest(v1))
+    codecs = {THIS: codec} | ({BASELINE: load_codec(args.baseline)} if args.baseline else {})
+    out: dict[str, dict[str, Any]] = {n: {"format_version": m.DELTA_FORMAT_VERSION} for n, m in codecs.items()}
     report: dict[str, Any] = {
         "quick": args.quick, "lr": args.lr, "repeats": args.repeats, "params": sum(t.numel() for t in v0.values()),
-        "model_bytes": model_bytes, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "workers": codec.WORKERS, "rss_start": rss()[0], "copy_gbps": copy_gbps(v0, model_bytes, args.repeats),
+        "model_bytes": model_bytes, "cpu_count": os.cpu_count(), "workers": codec.WORKERS, "rss_start": rss()[0],
+        "copy_gbps": copy_gbps(v0, model_bytes, args.repeats), "baseline_path": args.baseline, "codecs": out,
     }
-    with console.status("this codec"):
-        report.update(measure(codec, v0, v1, digests, args.repeats, streaming=True))
-    if args.baseline:
-        with console.status("baseline codec"):
-            report["baseline"] = {"path": args.baseline,
-                                  **measure(load_codec(args.baseline), v0, v1, digests, args.repeats, streaming=False)}
+    phases: dict[str, dict[str, dict[str, Any]]] = {"keyframe": {n: {} for n in codecs}, "delta": {n: {} for n in codecs}}
+    timers = {"keyframe": Timer(), "delta": Timer(), "digest": Timer()}
+    with console.status("keyframes"):
+        keyframe_phase(codecs, v0, digests[0], args.repeats, timers["keyframe"], phases["keyframe"])
+    with console.status("deltas"):
+        delta_phase(codecs, v0, v1, digests[1], args.repeats, timers["delta"], phases["delta"])
+    with console.status("digests"):
+        for _ in range(args.repeats):
+            for name, mod in codecs.items():
+                timers["digest"].run(name, "digest", partial(mod.state_digest, v1))
+    for name in codecs:
+        for phase, timer in timers.items():
+            out[name][phase] = phases.get(phase, {}).get(name, {}) | timer.figures(name)
+        d = out[name]["delta"]
+        d.update(bytes_per_changed=d["bytes"] / d["n_changed"], encode_apply_s=d["encode_s"] + d["apply_s"])
+    report["loadavg"] = os.getloadavg()
     render(report, console)
     print(json.dumps(report))
 
