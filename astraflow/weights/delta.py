@@ -737,10 +737,10 @@ def _decode_change(t: _Tensor, part: _Part) -> _Change:
     planes = _decompress(t.name, part.frames, m)
     gaps = _from_planes(planes[:c.width], np.empty(m, dtype=np.uint32))
     diff = _from_planes(planes[c.width:], np.empty(m, dtype=np_uint))
-    idx = gaps.astype(np.int64)  # i_k = g_0 + ... + g_k + k
-    idx += 1
-    np.cumsum(idx, out=idx)
-    idx -= 1
+    if int(gaps.max()) >= n:  # so g + 1 below cannot wrap
+        raise DeltaError(f"tensor {t.name!r}: chunk at {part.start}: position gap beyond its {n} values")
+    gaps[1:] += 1
+    idx = np.cumsum(gaps, dtype=np.int64)  # i_k = g_0 + (g_1 + 1) + ... + (g_k + 1)
     if idx[-1] >= n or np.count_nonzero(diff) != m:
         raise DeltaError(f"tensor {t.name!r}: chunk at {part.start}: position beyond its {n} values or no change")
     return _Change(part.start, part.end, idx, _unzigzag(diff))
@@ -758,13 +758,13 @@ def _add_in_place(target: torch.Tensor, bits: _Bits, changes: list[_Change]) -> 
     view = target.detach().view(bits.int_dtype)
     direct = view.device.type == "cpu" and view.is_contiguous()
     work = view if direct else view.to("cpu").contiguous()
-    flat = work.numpy().reshape(-1).view(bits.np_uint)
-    for ch in changes:
-        seg = flat[ch.start:ch.end]
+    flat = work.reshape(-1)
+    for ch in changes:  # torch adds wrap like numpy's, and index_add_ releases the GIL (numpy's add.at does not)
+        diff = torch.from_numpy(ch.diff.view(f"i{bits.itemsize}"))
         if ch.idx is None:
-            seg += ch.diff
+            flat[ch.start:ch.end] += diff
         else:
-            seg[ch.idx] += ch.diff
+            flat[ch.start:ch.end].index_add_(0, torch.from_numpy(ch.idx), diff)
     if not direct:
         view.copy_(work)
 
