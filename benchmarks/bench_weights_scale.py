@@ -27,6 +27,7 @@ The last stdout line is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import json
 import math
@@ -87,6 +88,7 @@ def rss() -> tuple[int, int]:
 
 def peak_extra(fn: Callable[[], _T]) -> tuple[_T, int]:
     """fn's result and the peak RSS it added above what was resident when it started."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap pages would otherwise be reused unseen
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     before = rss()[0]
     out = fn()
