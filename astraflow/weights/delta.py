@@ -533,24 +533,16 @@ class _Pieces:
             self.total += view.nbytes
 
     def take(self, n: int) -> memoryview:
-        if self._pieces and self._pieces[0].nbytes >= n:
-            head = self._pieces[0]
-            self._pieces[0] = head[n:]
-            self.size -= n
-            if not self._pieces[0].nbytes:
-                self._pieces.popleft()
-            return head[:n]
-        out = bytearray(n)
-        pos = 0
-        while pos < n:
+        """The next n bytes (n <= size): a slice of the first piece, or one copy when they span pieces."""
+        parts, left = [], n
+        while left:
             piece = self._pieces.popleft()
-            k = min(n - pos, piece.nbytes)
-            out[pos:pos + k] = piece[:k]
-            if k < piece.nbytes:
-                self._pieces.appendleft(piece[k:])
-            pos += k
+            parts.append(piece[:left])
+            if left < piece.nbytes:
+                self._pieces.appendleft(piece[left:])
+            left -= parts[-1].nbytes
         self.size -= n
-        return memoryview(out)
+        return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
 
 
 def _parse_layout(rows: memoryview, n_tensors: int) -> list[_Tensor]:
