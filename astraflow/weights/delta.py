@@ -427,17 +427,20 @@ def _section(encoded: list[_Encoded]) -> list[bytes]:
 
 
 def _iter_encode(kind: int, layout: list[_Tensor], work: Iterable[_T], fn: Callable[[_T], _Encoded],
-                 chunk: int) -> Generator[bytes, None, int]:
+                 chunk: int) -> Generator[bytes, None, tuple[int, int]]:
     """Yields the payload piece by piece (head + layout, then each section once all its chunks are
-    encoded); `work` holds one item per chunk, in layout order. Returns the number of changed values."""
-    yield _head(kind, layout, chunk)
-    results = _map(fn, work, parallel=sum(t.numel for t in layout) >= PARALLEL_MIN_ELEMENTS)
-    n_changed = 0
+    encoded); `work` holds one item per chunk, in layout order. Returns (changed values, payload bytes)."""
+    head = _head(kind, layout, chunk)
+    yield head
+    results = _map(fn, work, parallel=_large(layout))
+    n_changed, size = 0, len(head)
     for t in layout:
         encoded = [next(results) for _ in _chunk_spans(t.numel, chunk)]
         n_changed += sum(e.chunk.n_changed for e in encoded)
-        yield from _section(encoded)
-    return n_changed
+        for piece in _section(encoded):
+            size += len(piece)
+            yield piece
+    return n_changed, size
 
 
 def _check_chunk(chunk: int) -> None:
@@ -478,27 +481,19 @@ def iter_encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.
             b, n = _flat_bits(base[t.name], t.bits), _flat_bits(new[t.name], t.bits)
             yield from ((b[i:j], n[i:j]) for i, j in _chunk_spans(t.numel, chunk_elements))
 
-    size = 0
-    pieces = _iter_encode(KIND_DELTA, layout, work(), _delta_chunk, chunk_elements)
-    while True:
-        try:
-            piece = next(pieces)
-        except StopIteration as stop:
-            return _stats(layout, stop.value, size)
-        size += len(piece)
-        yield piece
+    n_changed, size = yield from _iter_encode(KIND_DELTA, layout, work(), _delta_chunk, chunk_elements)
+    return _stats(layout, n_changed, size)
 
 
 def encode_delta(base: Mapping[str, torch.Tensor],
                  new: Mapping[str, torch.Tensor]) -> tuple[bytes, DeltaStats]:
     """Delta turning `base` into `new`; both must hold the same names, shapes and dtypes."""
-    pieces = iter_encode_delta(base, new)
-    parts: list[bytes] = []
-    while True:
-        try:
+    pieces, parts = iter_encode_delta(base, new), []
+    try:
+        while True:
             parts.append(next(pieces))
-        except StopIteration as stop:
-            return b"".join(parts), stop.value
+    except StopIteration as end:  # the generator's return value
+        return b"".join(parts), end.value
 
 
 def naive_delta_size(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> int:
