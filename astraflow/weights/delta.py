@@ -408,8 +408,9 @@ def _delta_chunk(pair: tuple[np.ndarray, np.ndarray]) -> _Encoded:
     return _encoded(MODE_SPARSE, width, m, _to_planes((gaps, width), (diff, size)))
 
 
-def _chunk_spans(numel: int, chunk: int) -> list[tuple[int, int]]:
-    return [(a, min(a + chunk, numel)) for a in range(0, numel, chunk)]
+def _chunk_spans(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """[start, end) of each chunk (lazy: a corrupt layout may claim a huge numel)."""
+    return ((a, min(a + chunk, numel)) for a in range(0, numel, chunk))
 
 
 def _head(kind: int, layout: list[_Tensor], chunk: int) -> bytes:
