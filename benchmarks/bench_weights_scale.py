@@ -86,9 +86,14 @@ def rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
+def trim() -> None:
+    """Give free heap pages back, so each step starts from the same heap and its peak RSS shows."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def peak_extra(fn: Callable[[], _T]) -> tuple[_T, int]:
     """fn's result and the peak RSS it added above what was resident when it started."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # free heap pages would otherwise be reused unseen
+    trim()
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     before = rss()[0]
     out = fn()
@@ -101,12 +106,14 @@ class Timer:
     def __init__(self) -> None:
         self.best: dict[tuple[str, str], tuple[float, float]] = {}
 
-    def run(self, codec_name: str, figure: str, fn: Callable[[], object]) -> None:
+    def run(self, codec_name: str, figure: str, fn: Callable[[], _T]) -> _T:
+        trim()
         wall, cpu = time.perf_counter(), time.process_time()
-        fn()
+        out = fn()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         old = self.best.get((codec_name, figure), (math.inf, math.inf))
         self.best[codec_name, figure] = (min(old[0], wall), min(old[1], cpu))
+        return out
 
     def figures(self, codec_name: str) -> dict[str, float]:
         out = {}
@@ -151,24 +158,28 @@ def load_codec(path: str) -> ModuleType:
 
 def keyframe_phase(codecs: dict[str, ModuleType], state: dict[str, torch.Tensor], digest: str, repeats: int,
                    timer: Timer, out: dict[str, dict[str, Any]]) -> None:
-    """Encode and decode with every codec (the streaming forms with this one), interleaved."""
-    payloads = {}
+    """Encode and decode with every codec (the streaming forms with this one), interleaved; one payload
+    is resident at a time."""
     for name, mod in codecs.items():
-        payloads[name], out[name]["encode_rss"] = peak_extra(partial(mod.encode_keyframe, state))
-        decoded, out[name]["decode_rss"] = peak_extra(partial(mod.decode_keyframe, payloads[name]))
+        payload, out[name]["encode_rss"] = peak_extra(partial(mod.encode_keyframe, state))
+        decoded, out[name]["decode_rss"] = peak_extra(partial(mod.decode_keyframe, payload))
         assert codec.state_digest(decoded) == digest, f"{name}: keyframe round trip"
-        out[name]["bytes"] = len(payloads[name])
+        out[name]["bytes"] = len(payload)
         del decoded
-    size, out[THIS]["stream_encode_rss"] = peak_extra(lambda: drain(codec.iter_encode_keyframe(state)))
-    decoded, out[THIS]["stream_decode_rss"] = peak_extra(lambda: stream_decode(payloads[THIS]))
-    assert size == len(payloads[THIS]) and codec.state_digest(decoded) == digest, "streamed keyframe round trip"
-    del decoded
+        if mod is codec:
+            size, out[name]["stream_encode_rss"] = peak_extra(lambda: drain(codec.iter_encode_keyframe(state)))
+            decoded, out[name]["stream_decode_rss"] = peak_extra(partial(stream_decode, payload))
+            assert size == len(payload) and codec.state_digest(decoded) == digest, "streamed keyframe round trip"
+            del decoded
+        del payload
     for _ in range(repeats):
         for name, mod in codecs.items():
-            timer.run(name, "encode", partial(mod.encode_keyframe, state))
-            timer.run(name, "decode", partial(mod.decode_keyframe, payloads[name]))
-        timer.run(THIS, "stream_encode", lambda: drain(codec.iter_encode_keyframe(state)))
-        timer.run(THIS, "stream_decode", lambda: stream_decode(payloads[THIS]))
+            payload = timer.run(name, "encode", partial(mod.encode_keyframe, state))
+            timer.run(name, "decode", partial(mod.decode_keyframe, payload))
+            if mod is codec:
+                timer.run(name, "stream_encode", lambda: drain(codec.iter_encode_keyframe(state)))
+                timer.run(name, "stream_decode", partial(stream_decode, payload))
+            del payload
 
 
 def delta_phase(codecs: dict[str, ModuleType], base: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
