@@ -275,11 +275,11 @@ def _map(fn: Callable[[_T], _R], items: Iterable[_T], parallel: bool) -> Iterato
             yield window.popleft().result()
 
 
-def _compressor() -> zstandard.ZstdCompressor:
-    """One compressor per thread (a compression context is not thread-safe)."""
-    if (c := getattr(_local, "compressor", None)) is None:
-        c = _local.compressor = zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS)
-    return c
+def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    """This thread's compressor and decompressor (zstd contexts are not thread-safe)."""
+    if (pair := getattr(_local, "zstd", None)) is None:
+        pair = _local.zstd = (zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS), zstandard.ZstdDecompressor())
+    return pair
 
 
 # ---------------------------------------------------------------- planes
@@ -346,7 +346,7 @@ def _unzigzag(z: np.ndarray) -> np.ndarray:
 
 
 def _compress(planes: list[np.ndarray]) -> list[bytes]:
-    c = _compressor()
+    c = _zstd()[0]
     return [c.compress(p.data) for p in planes]
 
 
@@ -354,7 +354,7 @@ def _decompress(name: str, frames: list[memoryview], count: int) -> list[np.ndar
     """Frames of `count` bytes each, checked (content size before decoding, then the checksum)."""
     out = []
     try:
-        d = zstandard.ZstdDecompressor()
+        d = _zstd()[1]
         for frame in frames:
             if zstandard.get_frame_parameters(frame).content_size != count:
                 raise DeltaError(f"tensor {name!r}: frame size does not match its index")
