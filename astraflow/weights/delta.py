@@ -595,17 +595,20 @@ def _parse_index(t: _Tensor, index: memoryview, chunk: int, kind: int) -> list[t
 
 
 class _Reader:
-    """Incremental parser: feed() bytes in any split, get the sections they complete (index checked,
-    frames unread). The head and layout are checked (magic, version, kind, crc) as they arrive."""
+    """Incremental parser: feed() bytes in any split, get what they complete (indexes checked, frames
+    unread): whole sections, or with by_part each chunk as a one-part section as soon as its frames
+    are in. The head and layout are checked (magic, version, kind, crc) as they arrive."""
 
-    def __init__(self, kind: int) -> None:
+    def __init__(self, kind: int, by_part: bool = False) -> None:
         self.kind = kind
+        self.by_part = by_part
         self.layout: list[_Tensor] | None = None
         self._pieces = _Pieces()
-        self._state = "head"  # then layout, (section, index, frames) per tensor, done
+        self._state = "head"  # then layout, (section, index, frames of each chunk) per tensor, done
         self._need = _HEAD.size  # bytes the current state reads
         self._next = 0  # the tensor whose section comes next
         self._rows: list[tuple[int, int, _Chunk]] = []  # its index, once read
+        self._parts: list[_Part] = []  # its chunks read so far
         self._n_tensors = self._chunk = self._crc = 0  # from the head; _crc: of what the state reads
 
     @property
@@ -617,12 +620,11 @@ class _Reader:
         return self._pieces.total
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[_Section]:
-        """Sections completed by `data` (kept by reference: do not change it afterwards)."""
+        """Sections (or parts) completed by `data` (kept by reference: do not change it afterwards)."""
         self._pieces.add(data)
         out: list[_Section] = []
         while not self.done and self._pieces.size >= self._need:
-            if (section := self._step(self._pieces.take(self._need))) is not None:
-                out.append(section)
+            out += self._step(self._pieces.take(self._need))
         if self.done and self._pieces.size:
             raise DeltaError(f"{self._pieces.size} bytes past the last section: corrupt payload")
         return out
@@ -632,7 +634,7 @@ class _Reader:
             where = "head" if self.layout is None else f"section of tensor {self.layout[self._next].name!r}"
             raise DeltaError(f"payload truncated after {self.received} bytes, in the {where}")
 
-    def _step(self, data: memoryview) -> _Section | None:
+    def _step(self, data: memoryview) -> list[_Section]:
         if self._state == "head":
             self._read_head(data)
         elif self._state == "layout":
@@ -648,11 +650,14 @@ class _Reader:
             t = self.layout[self._next]
             if zlib.crc32(data) != self._crc:
                 raise DeltaError(f"tensor {t.name!r}: index corrupt (crc mismatch)")
-            self._rows = _parse_index(t, data, self._chunk, self.kind)
-            self._need, self._state = sum(sum(c.frame_lens) for _, _, c in self._rows), "frames"
+            self._rows, self._parts = _parse_index(t, data, self._chunk, self.kind), []
+            return self._next_part()
         else:
-            return self._finish_section(data)
-        return None
+            a, b, row = self._rows[len(self._parts)]
+            ends = list(accumulate(row.frame_lens, initial=0))
+            self._parts.append(_Part(a, b, row, [data[i:j] for i, j in pairwise(ends)]))
+            return self._next_part()
+        return []
 
     def _read_head(self, data: memoryview) -> None:
         magic, version, kind, flags, n_tensors, chunk, layout_len, crc = _HEAD.unpack(data)
@@ -670,17 +675,17 @@ class _Reader:
         assert self.layout is not None
         self._state, self._need = ("section", _SECTION_HEAD.size) if self._next < len(self.layout) else ("done", 0)
 
-    def _finish_section(self, data: memoryview) -> _Section:
+    def _next_part(self) -> list[_Section]:
+        """What the last step completed; then read the next chunk's frames, or the next section."""
         assert self.layout is not None
-        parts, pos = [], 0
-        for a, b, c in self._rows:
-            ends = list(accumulate(c.frame_lens, initial=pos))
-            parts.append(_Part(a, b, c, [data[i:j] for i, j in pairwise(ends)]))
-            pos = ends[-1]
-        section = _Section(self.layout[self._next], parts)
+        t = self.layout[self._next]
+        out = [_Section(t, self._parts[-1:])] if self.by_part and self._parts else []
+        if len(self._parts) < len(self._rows):
+            self._state, self._need = "frames", sum(self._rows[len(self._parts)][2].frame_lens)
+            return out
         self._next += 1
         self._start_section()
-        return section
+        return out if self.by_part else [_Section(t, self._parts)]
 
 
 def _read_all(payload: bytes | bytearray | memoryview, kind: int) -> tuple[_Reader, list[_Section]]:
@@ -785,8 +790,8 @@ class _Streaming:
     flight, so feed() blocks while the workers are behind); a job's error is raised by the next
     feed() or by close(), and from then on by every call."""
 
-    def __init__(self, kind: int) -> None:
-        self._reader = _Reader(kind)
+    def __init__(self, kind: int, by_part: bool = False) -> None:
+        self._reader = _Reader(kind, by_part)
         self._pool: ThreadPoolExecutor | None = None
         self._running: deque[Future[None]] = deque()
         self._error: BaseException | None = None
@@ -884,19 +889,24 @@ class DeltaApplier(_Streaming):
 
 
 class KeyframeDecoder(_Streaming):
-    """Decodes a keyframe payload while its bytes arrive: feed() pieces split anywhere, close()
-    returns fresh contiguous CPU tensors, bit-identical to the encoded state, in payload order."""
+    """Decodes a keyframe payload while its bytes arrive, each chunk as soon as its frames are in:
+    feed() pieces split anywhere, close() returns fresh contiguous CPU tensors, bit-identical to the
+    encoded state, in payload order."""
 
     def __init__(self) -> None:
-        super().__init__(KIND_KEYFRAME)
+        super().__init__(KIND_KEYFRAME, by_part=True)
         self._out: dict[str, torch.Tensor] = {}
+        self._flat: dict[str, np.ndarray] = {}  # their bits, which the chunks fill (disjoint ranges)
+
+    def _on_layout(self, layout: list[_Tensor]) -> None:
+        for t in layout:
+            signed = torch.empty(t.shape, dtype=t.bits.int_dtype)
+            self._out[t.name] = signed.view(t.bits.dtype)
+            self._flat[t.name] = signed.numpy().reshape(-1).view(t.bits.np_uint)
 
     def _jobs(self, section: _Section) -> list[Callable[[], None]]:
         t = section.tensor
-        signed = torch.empty(t.shape, dtype=t.bits.int_dtype)
-        self._out[t.name] = signed.view(t.bits.dtype)
-        flat = signed.numpy().reshape(-1).view(t.bits.np_uint)
-        return [partial(_decode_raw, t, p, flat) for p in section.parts]  # chunks fill disjoint ranges
+        return [partial(_decode_raw, t, p, self._flat[t.name]) for p in section.parts]
 
     def close(self) -> dict[str, torch.Tensor]:
         self._finish()
