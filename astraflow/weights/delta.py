@@ -6,7 +6,7 @@ subnormals survive. Applying a delta requires each state tensor to have exactly 
 name, shape and dtype; a model running in another dtype keeps a bf16 image, applies deltas onto
 the image and copies it into the model.
 
-RL updates under bf16 are bit-for-bit sparse (96-99.6 % of values unchanged per step): a tiny
+RL updates under bf16 are bit-for-bit sparse (95-99.6 % of values unchanged per step): a tiny
 update flips a value only where it crosses a rounding boundary, by one ulp. Tensors are cut into
 chunks of ``chunk_elements`` values. Per chunk, a delta stores the changed positions ``i_0 < i_1
 < ...`` (relative to the chunk) as gaps ``g_k = i_k - i_{k-1} - 1`` (``i_{-1} = -1``) of
@@ -20,8 +20,10 @@ planes are runs of zeros. Chunks compress and decompress in parallel.
 
 The payload streams: the head and layout are known before anything is encoded, and each tensor's
 section (index, then frames) follows in layout order, so a publisher sends sections as they are
-encoded (`iter_encode_delta`, `iter_encode_keyframe`) and a node applies each section once its
-bytes have arrived (`DeltaApplier`, `KeyframeDecoder`), every frame of it checked first.
+encoded (`iter_encode_delta`, `iter_encode_keyframe`) and a node works while fetching:
+`DeltaApplier` applies each section once all its bytes are in, every frame of it checked first;
+`KeyframeDecoder` decodes each chunk once its frames are in. The whole-payload functions are thin
+wrappers over the same code; `apply_delta` checks the whole payload before touching the state.
 
 Byte layout (integers little-endian)::
 
