@@ -133,6 +133,13 @@ def drain(it: Iterator[bytes]) -> int:
     return sum(len(p) for p in it)
 
 
+def first_section_s(it: Iterator[bytes]) -> float:
+    """Seconds until the encoder hands out its first section (after the head): when publishing can start."""
+    start = time.perf_counter()
+    next(it), next(it)
+    return time.perf_counter() - start
+
+
 def stream_decode(payload: bytes) -> dict[str, torch.Tensor]:
     decoder = codec.KeyframeDecoder()
     for piece in pieces(payload):
@@ -168,6 +175,7 @@ def keyframe_phase(codecs: dict[str, ModuleType], state: dict[str, torch.Tensor]
         del decoded
         if mod is codec:
             size, out[name]["stream_encode_rss"] = peak_extra(lambda: drain(codec.iter_encode_keyframe(state)))
+            out[name]["first_section_s"] = first_section_s(codec.iter_encode_keyframe(state))
             decoded, out[name]["stream_decode_rss"] = peak_extra(partial(stream_decode, payload))
             assert size == len(payload) and codec.state_digest(decoded) == digest, "streamed keyframe round trip"
             del decoded
@@ -261,6 +269,7 @@ def render(r: dict[str, Any], console: Console) -> None:
     row("keyframe payload", value("keyframe", "bytes", gb))
     row("keyframe encode", speed("keyframe", "encode"))
     row("keyframe encode, streamed pieces", speed("keyframe", "stream_encode"))
+    row("keyframe encode, first section out after", value("keyframe", "first_section_s", lambda s: f"{s:.2f} s"))
     row("keyframe decode", speed("keyframe", "decode"))
     row("keyframe decode, fed 2 MiB pieces", speed("keyframe", "stream_decode"))
     row("delta payload", value("delta", "bytes", lambda b: f"{b / 1e6:.1f} MB"))
