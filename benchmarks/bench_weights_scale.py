@@ -9,9 +9,12 @@ version 0 is ``bf16(w)``; one AdamW step at ``lr`` (1e-6) with decoupled weight 
 ``w <- w - lr * (sign(g) + 0.01 w)`` with ``g ~ N(0, 1)`` fresh per element: the update of
 Adam's first (bias-corrected) step, whose ``m / sqrt(v)`` is exactly ``sign(g)``; later steps
 have ``|m / sqrt(v)| <= 1``, so this is the densest update of that lr. Version 1 is ``bf16(w)``.
-The master is dropped once both versions of a tensor exist.
+Masters come from a seeded generator, so each version is built on its own (tensor by tensor, the
+master dropped at once): the keyframe runs hold version 0 only; the deltas apply onto version 0
+itself, put back by a reverse delta after each run.
 
-Measured, each the best of ``--repeats``: keyframe encode / decode (GB/s of raw bf16 bytes),
+Measured, each the best of ``--repeats`` in wall and in CPU seconds (all threads), the codecs
+interleaved repeat by repeat: keyframe encode / decode (GB/s of raw bf16 bytes),
 delta encode / apply (and bytes per changed value), the streaming forms (pieces out of
 ``iter_encode_*``; ``DeltaApplier`` / ``KeyframeDecoder`` fed 2 MiB pieces, the object-store
 chunk size), ``state_digest``, and the peak RSS each step adds above what was resident before
@@ -67,17 +70,16 @@ def qwen3_layout(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
-def simulate(layout: list[tuple[str, tuple[int, ...]]], lr: float,
-             seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """bf16 versions 0 and 1 around one AdamW-like step of fp32 masters (see the module doc)."""
+def simulate(layout: list[tuple[str, tuple[int, ...]]], lr: float, version: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """bf16 version 0 or 1 around one AdamW-like step of fp32 masters (see the module doc); the same
+    seed gives the same masters, so the versions can be built one at a time."""
     gen = torch.Generator().manual_seed(seed)
-    v0, v1 = {}, {}
+    state = {}
     for name, shape in layout:
         master = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen).mul_(0.02)
-        v0[name] = master.bfloat16()
         step = torch.randn(shape, generator=gen).sign_().add_(master, alpha=0.01)  # sign(g) + wd * w
-        v1[name] = master.sub_(step, alpha=lr).bfloat16()
-    return v0, v1
+        state[name] = (master.sub_(step, alpha=lr) if version else master).bfloat16()
+    return state
 
 
 def rss() -> tuple[int, int]:
@@ -191,32 +193,32 @@ def keyframe_phase(codecs: dict[str, ModuleType], state: dict[str, torch.Tensor]
 
 
 def delta_phase(codecs: dict[str, ModuleType], base: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
-                digest: str, repeats: int, timer: Timer, out: dict[str, dict[str, Any]]) -> None:
-    """Encode and apply with every codec onto a fresh copy of the base (the streaming forms with this one)."""
-    target: dict[str, torch.Tensor] = {}
+                digests: tuple[str, str], repeats: int, timer: Timer, out: dict[str, dict[str, Any]]) -> None:
+    """Encode with every codec, and apply onto the base itself (the streaming forms with this one); after
+    each apply a reverse delta puts the base back, so no third copy of the state is needed."""
+    reverse, _ = codec.encode_delta(new, base)
 
-    def fresh() -> dict[str, torch.Tensor]:
-        target.clear()
-        target.update({k: v.clone() for k, v in base.items()})
-        return target
+    def applied(what: str) -> None:
+        assert codec.state_digest(base) == digests[1], f"{what}: delta round trip"
+        codec.apply_delta(base, reverse)
 
     payloads = {}
     for name, mod in codecs.items():
         (payloads[name], stats), out[name]["encode_rss"] = peak_extra(partial(mod.encode_delta, base, new))
-        _, out[name]["apply_rss"] = peak_extra(partial(mod.apply_delta, fresh(), payloads[name]))
-        assert codec.state_digest(target) == digest, f"{name}: delta round trip"
+        _, out[name]["apply_rss"] = peak_extra(partial(mod.apply_delta, base, payloads[name]))
+        applied(name)
         out[name].update(bytes=len(payloads[name]), n_changed=stats.n_changed)
-    _, out[THIS]["stream_apply_rss"] = peak_extra(lambda: stream_apply(fresh(), payloads[THIS]))
-    assert codec.state_digest(target) == digest, "streamed delta round trip"
+    _, out[THIS]["stream_apply_rss"] = peak_extra(lambda: stream_apply(base, payloads[THIS]))
+    applied("streamed")
     for _ in range(repeats):
         for name, mod in codecs.items():
             timer.run(name, "encode", partial(mod.encode_delta, base, new))
-            fresh()
-            timer.run(name, "apply", partial(mod.apply_delta, target, payloads[name]))
+            timer.run(name, "apply", partial(mod.apply_delta, base, payloads[name]))
+            applied(name)
         timer.run(THIS, "stream_encode", lambda: drain(codec.iter_encode_delta(base, new)))
-        fresh()
-        timer.run(THIS, "stream_apply", lambda: stream_apply(target, payloads[THIS]))
-    target.clear()
+        timer.run(THIS, "stream_apply", lambda: stream_apply(base, payloads[THIS]))
+        applied("streamed")
+    assert codec.state_digest(base) == digests[0], "base restored"
 
 
 def copy_gbps(state: dict[str, torch.Tensor], model_bytes: int, repeats: int) -> float:
@@ -286,8 +288,8 @@ def render(r: dict[str, Any], console: Console) -> None:
     console.print(table)
     d = r["codecs"][THIS]["delta"]
     console.print(f"changed values: {d['n_changed'] / 1e6:.1f} M of {r['params'] / 1e6:.0f} M "
-                  f"({100 * d['n_changed'] / r['params']:.2f} %); resident before the runs: {r['rss_start'] / 2**30:.2f} GiB "
-                  f"(two bf16 versions); one-thread numpy copy of the state: {r['copy_gbps']:.2f} GB/s")
+                  f"({100 * d['n_changed'] / r['params']:.2f} %); resident for the delta runs: "
+                  f"{r['rss_start'] / 2**30:.2f} GiB (two bf16 versions; one for the keyframe runs); one-thread numpy copy of the state: {r['copy_gbps']:.2f} GB/s")
 
 
 def _has(c: dict[str, Any], key: Callable[[dict[str, Any]], float]) -> bool:
@@ -307,23 +309,27 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=140)
 
-    with console.status("building the state"):
-        v0, v1 = simulate(qwen3_layout(args.quick), args.lr)
+    layout = qwen3_layout(args.quick)
+    with console.status("building version 0"):
+        v0 = simulate(layout, args.lr, version=0)
     model_bytes = sum(t.numel() * t.element_size() for t in v0.values())
-    digests = (codec.state_digest(v0), codec.state_digest(v1))
     codecs = {THIS: codec} | ({BASELINE: load_codec(args.baseline)} if args.baseline else {})
     out: dict[str, dict[str, Any]] = {n: {"format_version": m.DELTA_FORMAT_VERSION} for n, m in codecs.items()}
     report: dict[str, Any] = {
         "quick": args.quick, "lr": args.lr, "repeats": args.repeats, "params": sum(t.numel() for t in v0.values()),
-        "model_bytes": model_bytes, "cpu_count": os.cpu_count(), "workers": codec.WORKERS, "rss_start": rss()[0],
+        "model_bytes": model_bytes, "cpu_count": os.cpu_count(), "workers": codec.WORKERS,
         "copy_gbps": copy_gbps(v0, model_bytes, args.repeats), "baseline_path": args.baseline, "codecs": out,
     }
     phases: dict[str, dict[str, dict[str, Any]]] = {"keyframe": {n: {} for n in codecs}, "delta": {n: {} for n in codecs}}
     timers = {"keyframe": Timer(), "delta": Timer(), "digest": Timer()}
     with console.status("keyframes"):
-        keyframe_phase(codecs, v0, digests[0], args.repeats, timers["keyframe"], phases["keyframe"])
+        keyframe_phase(codecs, v0, codec.state_digest(v0), args.repeats, timers["keyframe"], phases["keyframe"])
+    with console.status("building version 1"):
+        v1 = simulate(layout, args.lr, version=1)  # only now: a keyframe's payloads and decoded copy are gone
+    report["rss_start"] = rss()[0]
     with console.status("deltas"):
-        delta_phase(codecs, v0, v1, digests[1], args.repeats, timers["delta"], phases["delta"])
+        digests = (codec.state_digest(v0), codec.state_digest(v1))
+        delta_phase(codecs, v0, v1, digests, args.repeats, timers["delta"], phases["delta"])
     with console.status("digests"):
         for _ in range(args.repeats):
             for name, mod in codecs.items():
