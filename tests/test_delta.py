@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from itertools import pairwise
+
 import numpy as np
 import pytest
 import torch
@@ -10,13 +14,17 @@ from hypothesis import strategies as st
 
 from astraflow.weights.delta import (
     DELTA_FORMAT_VERSION,
+    DeltaApplier,
     DeltaError,
     DeltaStats,
+    KeyframeDecoder,
     apply_delta,
     changed_tensors,
     decode_keyframe,
     encode_delta,
     encode_keyframe,
+    iter_encode_delta,
+    iter_encode_keyframe,
     naive_delta_size,
     state_digest,
     to_bf16_state,
@@ -325,3 +333,212 @@ def test_changed_tensors_reads_the_table_only():
     assert changed_tensors(payload) == {"a", "b"}
     with pytest.raises(DeltaError, match="truncated"):
         changed_tensors(payload[:-1])
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def encode_pieces(base, new, chunk_elements):
+    """The pieces of iter_encode_delta and its returned stats."""
+    it = iter_encode_delta(base, new, chunk_elements)
+    pieces = []
+    while True:
+        try:
+            pieces.append(next(it))
+        except StopIteration as stop:
+            return pieces, stop.value
+
+
+def split(payload: bytes, cuts: list[int]) -> list[bytes]:
+    bounds = sorted({0, len(payload), *(c % (len(payload) + 1) for c in cuts)})
+    return [payload[a:b] for a, b in pairwise(bounds)]
+
+
+@PROPERTY
+@given(version_pairs(), st.integers(1, 600), st.lists(st.integers(0, 10**6), max_size=12))
+def test_streamed_delta_matches_whole_and_applies_from_any_split(pair, chunk_elements, cuts):
+    base, new = pair
+    pieces, stats = encode_pieces(base, new, chunk_elements)
+    payload = b"".join(pieces)
+    assert stats.payload_bytes == len(payload) and stats.n_changed == encode_delta(base, new)[1].n_changed
+    target = clone(base)
+    applier = DeltaApplier(target)
+    for piece in split(payload, cuts):
+        applier.feed(piece)
+    assert applier.close() == stats
+    assert same_bits(target, new)
+    other = clone(base)
+    assert apply_delta(other, memoryview(payload)) == stats and same_bits(other, new)
+
+
+@PROPERTY
+@given(version_pairs(), st.integers(1, 600), st.lists(st.integers(0, 10**6), max_size=12))
+def test_streamed_keyframe_decodes_from_any_split(pair, chunk_elements, cuts):
+    _, state = pair
+    payload = b"".join(iter_encode_keyframe(state, chunk_elements))
+    decoder = KeyframeDecoder()
+    for piece in split(payload, cuts):
+        decoder.feed(piece)
+    decoded = decoder.close()
+    assert same_bits(decoded, state) and list(decoded) == list(state)
+    assert same_bits(decode_keyframe(bytearray(payload)), state)
+
+
+def test_whole_payload_is_the_streamed_pieces():
+    base, new, payload = small_pair()
+    pieces, stats = encode_pieces(base, new, 1 << 22)
+    assert b"".join(pieces) == payload and stats == encode_delta(base, new)[1]
+    assert b"".join(iter_encode_keyframe(new)) == encode_keyframe(new)
+
+
+def test_encoder_checks_the_states_before_the_first_piece():
+    base, new, _ = small_pair()
+    pieces = iter_encode_delta(dict(base, a=base["a"].reshape(-1)), new)
+    with pytest.raises(DeltaError, match="'a'.*shape"):
+        next(pieces)
+    with pytest.raises(DeltaError, match="chunk_elements"):
+        next(iter_encode_keyframe(new, chunk_elements=0))
+
+
+def section_spans(payload: bytes, itemsizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Byte span of each tensor's section, read with the layout documented in the codec."""
+    _, _, _, _, n_tensors, chunk, layout_len, _ = struct.unpack_from("<4sHBBIIII", payload)
+    pos, names, numels = 24, [], []
+    for _ in range(n_tensors):
+        (name_len,) = struct.unpack_from("<H", payload, pos)
+        names.append(payload[pos + 2:pos + 2 + name_len].decode())
+        ndim = payload[pos + 3 + name_len]
+        numels.append(int(np.prod(struct.unpack_from(f"<{ndim}Q", payload, pos + 4 + name_len))))
+        pos += 4 + name_len + 8 * ndim
+    assert pos == 24 + layout_len
+    spans = {}
+    for name, numel in zip(names, numels, strict=True):
+        start = pos
+        index_len, _ = struct.unpack_from("<II", payload, pos)
+        row, pos = pos + 8, pos + 8 + index_len
+        for _ in range(-(-numel // chunk)):
+            mode, width, _ = struct.unpack_from("<BBI", payload, row)
+            planes = [0, width + itemsizes[name], itemsizes[name], itemsizes[name]][mode]
+            pos += sum(struct.unpack_from(f"<{planes}I", payload, row + 6))
+            row += 6 + 4 * planes
+        spans[name] = (start, pos)
+    assert pos == len(payload)
+    return spans
+
+
+def three_tensor_pair() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], bytes]:
+    rng = np.random.default_rng(2)
+    base = {name: random_tensor(rng, torch.bfloat16, (300,)) for name in ("a", "b", "c")}
+    new = {k: perturb(rng, v, 0.2, small=True) for k, v in base.items()}
+    return base, new, encode_delta(base, new)[0]
+
+
+def test_applier_never_applies_a_corrupted_section():
+    base, new, payload = three_tensor_pair()
+    start, end = section_spans(payload, {"a": 2, "b": 2, "c": 2})["b"]
+    for pos in range(start, end):  # every byte of b's section: head, index, frames
+        corrupt = bytearray(payload)
+        corrupt[pos] ^= 0x5A
+        target = clone(base)
+        applier = DeltaApplier(target)
+        with pytest.raises(DeltaError):
+            applier.feed(bytes(corrupt[:end]))
+            applier.feed(bytes(corrupt[end:]))
+            applier.close()
+        assert same_bits({"b": target["b"]}, {"b": base["b"]}), pos
+        assert any(same_bits({"a": target["a"]}, {"a": v["a"]}) for v in (base, new))  # whole or not at all
+        assert same_bits({"c": target["c"]}, {"c": base["c"]})
+        with pytest.raises(DeltaError):  # a failed applier stays failed
+            applier.feed(b"")
+
+
+@pytest.mark.parametrize("cut_in", ["head", "a", "b", "c"])
+def test_applier_refuses_a_truncated_payload(cut_in):
+    base, new, payload = three_tensor_pair()
+    spans = section_spans(payload, {"a": 2, "b": 2, "c": 2})
+    cut = 10 if cut_in == "head" else (spans[cut_in][0] + spans[cut_in][1]) // 2
+    target = clone(base)
+    applier = DeltaApplier(target)
+    applier.feed(payload[:cut])
+    with pytest.raises(DeltaError, match="truncated"):
+        applier.close()
+    for name, (start, end) in spans.items():  # whole sections applied, the cut one untouched
+        assert same_bits({name: target[name]}, {name: (new if end <= cut else base)[name]})
+
+
+def test_applier_refuses_trailing_bytes():
+    base, _, payload = three_tensor_pair()
+    applier = DeltaApplier(clone(base))
+    with pytest.raises(DeltaError, match="past the last section"):
+        applier.feed(payload + b"\0")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda s: s.pop("b"), "missing"),
+    (lambda s: s.update(b=s["b"].reshape(3, 100)), "'b'.*shape"),
+    (lambda s: s.update(c=s["c"].half()), "'c'.*dtype"),
+    (lambda s: s.update(d=torch.zeros(1, dtype=torch.bfloat16)), "extra"),
+])
+def test_applier_refuses_a_base_of_another_layout_before_touching_anything(change, match):
+    base, _, payload = three_tensor_pair()
+    target = clone(base)
+    change(target)
+    before = clone(target)
+    applier = DeltaApplier(target)
+    with pytest.raises(DeltaError, match=match):
+        applier.feed(payload)
+    assert same_bits(target, before)
+
+
+def test_applier_on_a_base_of_other_values_is_caught_by_the_state_digest():
+    base, new, payload = three_tensor_pair()
+    other = {k: perturb(np.random.default_rng(3), v, 0.5, small=False) for k, v in base.items()}
+    applier = DeltaApplier(other)
+    applier.feed(payload)
+    applier.close()  # the codec cannot know the values it was encoded against
+    assert state_digest(other) != state_digest(new)
+
+
+def test_applier_and_decoder_refuse_the_other_kind():
+    base, new, payload = three_tensor_pair()
+    with pytest.raises(DeltaError, match="kind"):
+        DeltaApplier(clone(base)).feed(encode_keyframe(new))
+    with pytest.raises(DeltaError, match="kind"):
+        KeyframeDecoder().feed(payload)
+    with pytest.raises(DeltaError, match="truncated"):
+        KeyframeDecoder().close()
+
+
+def test_applier_runs_sections_on_worker_threads(monkeypatch):
+    monkeypatch.setattr("astraflow.weights.delta.PARALLEL_MIN_ELEMENTS", 1)
+    monkeypatch.setattr("astraflow.weights.delta.WORKERS", 2)
+    rng = np.random.default_rng(4)
+    base = {f"w{i}": random_tensor(rng, torch.bfloat16, (64, 64)) for i in range(12)}
+    new = {k: perturb(rng, v, 0.05, small=True) for k, v in base.items()}
+    payload = b"".join(encode_pieces(base, new, 1000)[0])
+    target = clone(base)
+    applier = DeltaApplier(target)
+    for piece in split(payload, list(range(0, len(payload), 777))):
+        applier.feed(piece)
+    applier.close()
+    assert same_bits(target, new)
+    assert same_bits(decode_keyframe(b"".join(iter_encode_keyframe(new, 1000))), new)
+    corrupt = bytearray(payload)
+    corrupt[-3] ^= 1  # in the last tensor's last frame
+    target = clone(base)
+    applier = DeltaApplier(target)
+    with pytest.raises(DeltaError):
+        applier.feed(bytes(corrupt))
+        applier.close()
+    assert same_bits({"w11": target["w11"]}, {"w11": base["w11"]})
+
+
+def test_digest_is_sha256_over_names_dtypes_shapes_and_tensor_hashes():
+    state = {"b": torch.arange(4, dtype=torch.bfloat16), "a": torch.ones(2, 3, dtype=torch.float32)}
+    h = hashlib.sha256(b"AFSD2")
+    for name in ("a", "b"):
+        t = state[name]
+        meta = f"{name}\0{t.dtype}\0{tuple(t.shape)}".encode()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        h.update(struct.pack("<Q", len(meta)) + meta + hashlib.sha256(raw).digest())
+    assert state_digest(state) == h.hexdigest()

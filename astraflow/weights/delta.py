@@ -2,69 +2,100 @@
 
 Pure: no I/O, no messaging. The codec works on the *bits* of the dtype recorded in the payload
 (bf16 and fp16 as uint16, fp32 as uint32), so decoding is bit-exact; NaNs, signed zeros and
-subnormals survive. `apply_delta` requires each state tensor to have exactly the payload's name,
-shape and dtype; a model running in another dtype keeps a bf16 image, applies deltas onto the
-image and copies it into the model.
+subnormals survive. Applying a delta requires each state tensor to have exactly the payload's
+name, shape and dtype; a model running in another dtype keeps a bf16 image, applies deltas onto
+the image and copies it into the model.
 
-RL updates under bf16 are bit-for-bit sparse (97-99.6 % of values unchanged per step): a tiny
-update flips a value only where it crosses a rounding boundary, by one ulp. Per tensor, a delta
-stores the changed positions ``i_0 < i_1 < ...`` as gaps ``g_k = i_k - i_{k-1} - 1`` (``i_{-1}
-= -1``) of ``width`` bytes (the fewest that hold the largest gap), and the wrapping differences
-``new_bits - base_bits`` zigzag-mapped (0, -1, 1, -2 -> 0, 1, 2, 3: a one-ulp step is 1 or 2).
-Both are split into byte planes (all lowest bytes, then the next, ...), so high planes are runs
-of zeros. Where most values change, a dense plane of zigzag differences is cheaper. Each
-tensor's section is its own zstd frame (content size and checksum written): tensors compress
-and decompress in parallel, and damage is reported per tensor.
+RL updates under bf16 are bit-for-bit sparse (95-99.6 % of values unchanged per step): a tiny
+update flips a value only where it crosses a rounding boundary, by one ulp. Tensors are cut into
+chunks of ``chunk_elements`` values. Per chunk, a delta stores the changed positions ``i_0 < i_1
+< ...`` (relative to the chunk) as gaps ``g_k = i_k - i_{k-1} - 1`` (``i_{-1} = -1``) of
+``width`` bytes (the fewest that hold the largest gap), and the wrapping differences ``new_bits
+- base_bits`` zigzag-mapped (0, -1, 1, -2 -> 0, 1, 2, 3: a one-ulp step is 1 or 2). Where most
+values change, a dense plane of zigzag differences is cheaper. A keyframe chunk stores the bits.
+Values are split into byte planes (all lowest bytes, then the next, ...) and each plane is its
+own zstd frame (content size and checksum written): the exponent plane of weights compresses to
+~1/3, mantissa planes do not and zstd stores them raw at memory speed; high gap and difference
+planes are runs of zeros. Chunks compress and decompress in parallel.
+
+The payload streams: the head and layout are known before anything is encoded, and each tensor's
+section (index, then frames) follows in layout order, so a publisher sends sections as they are
+encoded (`iter_encode_delta`, `iter_encode_keyframe`) and a node works while fetching:
+`DeltaApplier` applies each section once all its bytes are in, every frame of it checked first;
+`KeyframeDecoder` decodes each chunk once its frames are in. The whole-payload functions are thin
+wrappers over the same code; `apply_delta` checks the whole payload before touching the state.
 
 Byte layout (integers little-endian)::
 
-    payload := header | table | frame * (tensors whose frame_len > 0), in table order
-    header  := b"AFWV" | u16 format_version | u8 kind (1 keyframe, 2 delta) | u8 flags (0)
-               | u32 n_tensors | u32 table_len | u32 crc32(table)                 (20 bytes)
-    table   := entry * n_tensors
-    entry   := u16 name_len | name (utf-8) | u8 dtype (1 bf16, 2 fp16, 3 fp32) | u8 ndim
-               | u8 mode | u8 width | u64 dim * ndim | u64 n_changed | u64 frame_len
-    frame   := zstd(section); the section's length follows from the entry:
-      mode 0 UNCHANGED  n_changed = 0                        no frame
-      mode 1 SPARSE     gap planes (n_changed * width) | diff planes (n_changed * itemsize)
-      mode 2 DENSE      diff planes (numel * itemsize)
-      mode 3 RAW        planes of the bits (numel * itemsize), n_changed = numel; keyframes only
+    payload := head | layout | section * n_tensors                          (layout order)
+    head    := b"AFWV" | u16 format_version | u8 kind (1 keyframe, 2 delta) | u8 flags (0)
+               | u32 n_tensors | u32 chunk_elements | u32 layout_len | u32 crc32(layout)  (24 B)
+    layout  := (u16 name_len | name (utf-8) | u8 dtype (1 bf16, 2 fp16, 3 fp32) | u8 ndim
+               | u64 dim * ndim) * n_tensors
+    section := u32 index_len | u32 crc32(index) | index | frame * (planes of its chunks)
+    index   := chunk * ceil(numel / chunk_elements)         (chunk j holds values [j C, (j+1) C))
+    chunk   := u8 mode | u8 width | u32 n_changed | u32 frame_len * planes
+    frame   := zstd(plane), in index order; a plane holds one byte of each of `count` values:
+      mode 0 UNCHANGED  n_changed = 0                 planes: none
+      mode 1 SPARSE     0 < n_changed <= chunk_len    gaps (width planes), differences (itemsize)
+      mode 2 DENSE      0 < n_changed <= chunk_len    zigzag differences (itemsize planes)
+      mode 3 RAW        n_changed = chunk_len         the bits (itemsize planes); keyframes only
+    count is n_changed for SPARSE planes, chunk_len otherwise.
+
+`state_digest` is sha256 over b"AFSD2" then, per tensor in sorted name order, ``u64 len(meta) |
+meta | sha256(raw bytes)`` with meta = ``name \\0 dtype \\0 shape``: tensors hash in parallel.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import os
 import struct
+import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import (
+    Callable,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+)
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import accumulate
+from functools import partial
+from itertools import accumulate, pairwise
 from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
 import zstandard
 
-DELTA_FORMAT_VERSION = 1
+DELTA_FORMAT_VERSION = 2
 MAGIC = b"AFWV"
 KIND_KEYFRAME, KIND_DELTA = 1, 2
 MODE_UNCHANGED, MODE_SPARSE, MODE_DENSE, MODE_RAW = 0, 1, 2, 3
-# Level 1, but matches of 7+ bytes only and a small hash table: planes are mostly literals;
-# measured on real AdamW deltas ~20 % faster than plain level 1 (level 3: larger and slower).
-_ZSTD_PARAMS = zstandard.ZstdCompressionParameters.from_level(
-    1, min_match=7, hash_log=12, write_checksum=1, write_content_size=1)
-DENSE_RATIO = 0.75  # dense plane once the sparse section would exceed this share of it
-WORKERS = min(4, os.cpu_count() or 1)  # numpy and zstd release the GIL
+CHUNK_ELEMENTS = 1 << 22  # values per chunk: the unit of parallel work (8 MB of bf16)
+MAX_CHUNK_ELEMENTS = 1 << 31  # so gaps fit 4 bytes and frames a u32
+# Fast strategy with a 64-entry hash table: planes are almost all literals, which zstd Huffman-codes;
+# a small table finds few short matches and is 2.5x faster than level 1 on exponent planes, and smaller.
+_ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
+    strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
+    write_checksum=1, write_content_size=1)
+DENSE_RATIO = 0.75  # dense planes once the sparse ones would exceed this share of them
+WORKERS = min(4, os.cpu_count() or 1)  # numpy, zstd and hashlib release the GIL
 PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, starting threads costs more than it saves
+_BLOCK = 1 << 17  # values per pass when splitting or joining byte planes (fits in L2)
 
-_HEADER = struct.Struct("<4sHBBIII")
-_ENTRY_FIXED = struct.Struct("<BBBB")
+_HEAD = struct.Struct("<4sHBBIIII")
+_SECTION_HEAD = struct.Struct("<II")
+_CHUNK_ROW = struct.Struct("<BBI")
 _U64 = struct.Struct("<Q")
 _T = TypeVar("_T")
+_R = TypeVar("_R")
+_local = threading.local()
 
 
 class DeltaError(ValueError):
@@ -110,26 +141,47 @@ _BY_CODE = {b.code: b for b in _SUPPORTED}
 
 
 @dataclass(frozen=True)
-class _Entry:
-    """One tensor's row in the table."""
+class _Tensor:
+    """One tensor's row in the layout."""
 
     name: str
     bits: _Bits
     shape: tuple[int, ...]
-    mode: int
-    width: int = 0
-    n_changed: int = 0
-    frame_len: int = 0
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @property
-    def section_len(self) -> int:
-        if self.mode == MODE_SPARSE:
-            return self.n_changed * (self.width + self.bits.itemsize)
-        return self.numel * self.bits.itemsize if self.mode in (MODE_DENSE, MODE_RAW) else 0
+    def nbytes(self) -> int:
+        return self.numel * self.bits.itemsize
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One chunk's row in a section index."""
+
+    mode: int
+    width: int
+    n_changed: int
+    frame_lens: tuple[int, ...]
+
+
+class _Part(NamedTuple):
+    """One chunk of a parsed section: values [start, end) of the tensor, its row, its unread frames."""
+
+    start: int
+    end: int
+    row: _Chunk
+    frames: list[memoryview]
+
+
+class _Section(NamedTuple):
+    tensor: _Tensor
+    parts: list[_Part]
+
+
+# ---------------------------------------------------------------- states
 
 
 def to_bf16_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -143,25 +195,62 @@ def to_bf16_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _tensor_sha256(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    if not t.numel():  # the flat view of an empty tensor may have stride 0
+        return hashlib.sha256().digest()
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().data).digest()
+
+
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:
-    """sha256 hex over sorted names, dtypes, shapes and raw bytes."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().to("cpu").contiguous()
+    """sha256 hex over sorted names, dtypes, shapes and each tensor's sha256 (see the module doc)."""
+    names = sorted(state)
+    by_size = sorted(names, key=lambda n: -state[n].numel() * state[n].element_size())  # largest first
+    hashes = dict(zip(by_size, _map(_tensor_sha256, [state[n] for n in by_size],
+                                    parallel=sum(state[n].numel() for n in names) >= PARALLEL_MIN_ELEMENTS)))
+    h = hashlib.sha256(b"AFSD2")
+    for name in names:
+        t = state[name]
         meta = f"{name}\0{t.dtype}\0{tuple(t.shape)}".encode()
-        h.update(_U64.pack(len(meta)) + meta)
-        if t.numel():  # the flat view of an empty tensor may have stride 0
-            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        h.update(_U64.pack(len(meta)) + meta + hashes[name])
     return h.hexdigest()
 
 
-def _bits_of(name: str, t: torch.Tensor) -> _Bits:
-    if len(name.encode()) > 0xFFFF:
-        raise DeltaError(f"tensor name longer than 65535 bytes: {name[:64]!r}...")
-    bits = _BY_DTYPE.get(t.dtype)
-    if bits is None:
-        raise DeltaError(f"tensor {name!r}: dtype {t.dtype} unsupported (bf16, fp16, fp32 only)")
-    return bits
+def _layout_of(state: Mapping[str, torch.Tensor]) -> list[_Tensor]:
+    layout = []
+    for name, t in state.items():
+        if len(name.encode()) > 0xFFFF:
+            raise DeltaError(f"tensor name longer than 65535 bytes: {name[:64]!r}...")
+        bits = _BY_DTYPE.get(t.dtype)
+        if bits is None:
+            raise DeltaError(f"tensor {name!r}: dtype {t.dtype} unsupported (bf16, fp16, fp32 only)")
+        layout.append(_Tensor(name, bits, tuple(t.shape)))
+    return layout
+
+
+def _require_layout(state: Mapping[str, torch.Tensor], layout: list[_Tensor], what: str) -> None:
+    names = {t.name for t in layout}
+    missing, extra = sorted(names - set(state)), sorted(set(state) - names)
+    if missing or extra:
+        raise DeltaError(f"{what} tensor set differs: missing {missing[:5]}, extra {extra[:5]}")
+    for row in layout:
+        t = state[row.name]
+        if tuple(t.shape) != row.shape:
+            raise DeltaError(f"tensor {row.name!r}: {what} shape {tuple(t.shape)} != {row.shape}")
+        if t.dtype != row.bits.dtype:
+            raise DeltaError(f"tensor {row.name!r}: {what} dtype {t.dtype} != {row.bits.dtype}")
+
+
+def _require_no_aliases(state: Mapping[str, torch.Tensor]) -> None:
+    """Differences added twice into shared memory would corrupt it: refuse aliased tensors."""
+    spans = sorted(  # (device, first byte, past the last byte, name); strides are >= 0
+        (str(t.device), t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum(
+            (n - 1) * s for n, s in zip(t.shape, t.stride()))), name)
+        for name, t in state.items() if t.numel())
+    for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in pairwise(spans):
+        if dev_a == dev_b and start_b < end_a:
+            raise DeltaError(f"tensors {a!r} and {b!r} share memory; apply onto unaliased "
+                             "tensors (e.g. a to_bf16_state copy)")
 
 
 def _flat_bits(t: torch.Tensor, bits: _Bits) -> np.ndarray:
@@ -170,18 +259,76 @@ def _flat_bits(t: torch.Tensor, bits: _Bits) -> np.ndarray:
     return t.view(bits.int_dtype).numpy().reshape(-1).view(bits.np_uint)
 
 
-def _to_planes(values: np.ndarray, nbytes: int) -> np.ndarray:
-    """Unsigned integers -> (nbytes, n) uint8 planes, least significant byte first."""
-    le = values.astype(values.dtype.newbyteorder("<"), copy=False)
-    return np.ascontiguousarray(le.view(np.uint8).reshape(-1, values.itemsize).T[:nbytes])
+# ---------------------------------------------------------------- threads
 
 
-def _from_planes(buf: np.ndarray, count: int, nbytes: int, dtype: type) -> np.ndarray:
-    planes = buf.reshape(nbytes, count)
-    out = planes[-1].astype(dtype)
-    for k in range(nbytes - 2, -1, -1):
-        out <<= 8
-        out |= planes[k]
+def _map(fn: Callable[[_T], _R], items: Iterable[_T], parallel: bool) -> Iterator[_R]:
+    """fn over items, results in order; on WORKERS threads with at most 2 * WORKERS in flight."""
+    if WORKERS < 2 or not parallel:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        window: deque[Future[_R]] = deque()
+        for item in items:
+            window.append(pool.submit(fn, item))
+            if len(window) >= 2 * WORKERS:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+
+
+def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    """This thread's compressor and decompressor (zstd contexts are not thread-safe)."""
+    if (pair := getattr(_local, "zstd", None)) is None:
+        pair = _local.zstd = (zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS), zstandard.ZstdDecompressor())
+    return pair
+
+
+# ---------------------------------------------------------------- planes
+
+
+def _scratch(slot: str, n: int, dtype: type[np.generic]) -> np.ndarray:
+    """n values of this thread's reusable buffer `slot`: on a fresh allocation, faulting the pages
+    in costs more than the pass over them. Valid until the thread asks for the slot again."""
+    bufs: dict[str, np.ndarray] = _local.__dict__.setdefault("scratch", {})
+    size = n * np.dtype(dtype).itemsize
+    if (buf := bufs.get(slot)) is None or buf.size < size:
+        buf = bufs[slot] = np.empty(size, dtype=np.uint8)
+    return buf[:size].view(dtype)
+
+
+def _blocks(n: int) -> Iterator[slice]:
+    """Spans of _BLOCK values: a pass per plane over a block that stays in cache, not over the chunk."""
+    return (slice(a, a + _BLOCK) for a in range(0, n, _BLOCK))
+
+
+def _to_planes(*parts: tuple[np.ndarray, int]) -> list[np.ndarray]:
+    """(unsigned values, nbytes) -> nbytes uint8 planes each, plane k = (values >> 8k) & 0xFF, in
+    this thread's scratch."""
+    out = _scratch("planes", sum(v.size * k for v, k in parts), np.uint8)
+    planes: list[np.ndarray] = []
+    for values, nbytes in parts:
+        n, first = values.size, sum(p.size for p in planes)
+        mine = [out[first + k * n:first + (k + 1) * n] for k in range(nbytes)]
+        for b in _blocks(n):
+            for k, plane in enumerate(mine):
+                np.right_shift(values[b], 8 * k, out=plane[b], casting="unsafe")
+        planes += mine
+    return planes
+
+
+def _from_planes(planes: list[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """Inverse of _to_planes into `out` (Horner: out = ((p_n-1 << 8) | p_n-2) << 8 ...)."""
+    for b in _blocks(out.size):
+        o = out[b]
+        if len(planes) == 1:
+            np.copyto(o, planes[0][b], casting="unsafe")
+            continue
+        np.left_shift(planes[-1][b], 8, out=o, dtype=out.dtype)
+        for k in range(len(planes) - 2, -1, -1):
+            np.bitwise_or(o, planes[k][b], out=o, casting="unsafe")
+            if k:
+                o <<= 8
     return out
 
 
@@ -200,278 +347,576 @@ def _unzigzag(z: np.ndarray) -> np.ndarray:
     return out
 
 
-def _map(entries: list[_Entry], fn: Callable[..., _T], *iterables: Iterable) -> Iterator[_T]:
-    """fn over tensors, results in order; on a few threads when the state is large."""
-    if WORKERS < 2 or sum(e.numel for e in entries) < PARALLEL_MIN_ELEMENTS:
-        yield from map(fn, *iterables)
-        return
-    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        yield from pool.map(fn, *iterables)
+def _compress(planes: list[np.ndarray]) -> list[bytes]:
+    c = _zstd()[0]
+    return [c.compress(p.data) for p in planes]
 
 
-def _compress(parts: list[np.ndarray]) -> bytes:
-    size = sum(p.nbytes for p in parts)
-    if not size:
-        return b""
-    stream = zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS).compressobj(size=size)
-    return b"".join([stream.compress(p.data) for p in parts if p.size] + [stream.flush()])
+def _decompress(name: str, frames: list[memoryview], count: int) -> list[np.ndarray]:
+    """Frames of `count` bytes each, checked (content size before decoding, then the checksum)."""
+    out = []
+    try:
+        d = _zstd()[1]
+        for frame in frames:
+            if zstandard.get_frame_parameters(frame).content_size != count:
+                raise DeltaError(f"tensor {name!r}: frame size does not match its index")
+            plane = d.decompress(frame)
+            if len(plane) != count:
+                raise DeltaError(f"tensor {name!r}: frame of {len(plane)} bytes, expected {count}")
+            out.append(np.frombuffer(plane, dtype=np.uint8))
+    except zstandard.ZstdError as exc:
+        raise DeltaError(f"tensor {name!r}: corrupt data: {exc}") from exc
+    return out
 
 
-def _gaps(idx: np.ndarray, n: int) -> np.ndarray:
-    """g_k = i_k - i_{k-1} - 1 with i_{-1} = -1, for sorted positions."""
-    gaps: np.ndarray = np.empty(idx.size, dtype=np.uint32 if n <= 2**32 else np.uint64)
+# ---------------------------------------------------------------- encoding
+
+
+class _Encoded(NamedTuple):
+    chunk: _Chunk
+    frames: list[bytes]
+
+
+def _encoded(mode: int, width: int, n_changed: int, planes: list[np.ndarray]) -> _Encoded:
+    frames = _compress(planes)
+    return _Encoded(_Chunk(mode, width, n_changed, tuple(len(f) for f in frames)), frames)
+
+
+def _keyframe_chunk(bits: np.ndarray) -> _Encoded:
+    return _encoded(MODE_RAW, 0, bits.size, _to_planes((bits, bits.itemsize)))
+
+
+def _gaps(idx: np.ndarray) -> np.ndarray:
+    """g_k = i_k - i_{k-1} - 1 with i_{-1} = -1, for sorted positions below 2**32."""
+    gaps = np.empty(idx.size, dtype=np.uint32)
     gaps[0] = idx[0]
     np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
     gaps[1:] -= 1
     return gaps
 
 
-def _delta_record(entry: _Entry, base: np.ndarray, new: np.ndarray) -> tuple[_Entry, bytes]:
-    idx = np.flatnonzero(base != new)
-    n, m, size = new.size, idx.size, entry.bits.itemsize
+def _delta_chunk(pair: tuple[np.ndarray, np.ndarray]) -> _Encoded:
+    base, new = pair
+    idx = np.flatnonzero(np.not_equal(base, new, out=_scratch("changed", new.size, np.bool_)))
+    n, m, size = new.size, idx.size, new.itemsize
     if m == 0:
-        return entry, b""
-    gaps = _gaps(idx, n)
+        return _Encoded(_Chunk(MODE_UNCHANGED, 0, 0, ()), [])
+    gaps = _gaps(idx)
     width = max(1, (int(gaps.max()).bit_length() + 7) // 8)
     if m * (width + size) > DENSE_RATIO * n * size:
-        entry = dataclasses.replace(entry, mode=MODE_DENSE, n_changed=m)
-        parts = [_to_planes(_zigzag(new - base), size)]
-    else:
-        entry = dataclasses.replace(entry, mode=MODE_SPARSE, width=width, n_changed=m)
-        diff = _zigzag(np.take(new, idx) - np.take(base, idx))
-        parts = [_to_planes(gaps, width), _to_planes(diff, size)]
-    frame = _compress(parts)
-    return dataclasses.replace(entry, frame_len=len(frame)), frame
+        diff = np.subtract(new, base, out=_scratch("diff", n, new.dtype.type))
+        return _encoded(MODE_DENSE, 0, m, _to_planes((_zigzag(diff), size)))
+    diff = _zigzag(np.take(new, idx) - np.take(base, idx))
+    return _encoded(MODE_SPARSE, width, m, _to_planes((gaps, width), (diff, size)))
 
 
-def _keyframe_record(entry: _Entry, t: torch.Tensor) -> tuple[_Entry, bytes]:
-    frame = _compress([_to_planes(_flat_bits(t, entry.bits), entry.bits.itemsize)])
-    return dataclasses.replace(entry, n_changed=entry.numel, frame_len=len(frame)), frame
+def _chunk_spans(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """[start, end) of each chunk (lazy: a corrupt layout may claim a huge numel)."""
+    return ((a, min(a + chunk, numel)) for a in range(0, numel, chunk))
 
 
-def _pack(kind: int, records: Iterable[tuple[_Entry, bytes]]) -> tuple[bytes, list[_Entry]]:
-    records = list(records)
-    table = bytearray()
-    for e, _ in records:
-        name = e.name.encode()
-        table += struct.pack("<H", len(name)) + name
-        table += _ENTRY_FIXED.pack(e.bits.code, len(e.shape), e.mode, e.width)
-        table += struct.pack(f"<{len(e.shape)}QQQ", *e.shape, e.n_changed, e.frame_len)
-    header = _HEADER.pack(MAGIC, DELTA_FORMAT_VERSION, kind, 0, len(records), len(table),
-                          zlib.crc32(table))
-    return b"".join([header, table, *(f for _, f in records)]), [e for e, _ in records]
+def _head(kind: int, layout: list[_Tensor], chunk: int) -> bytes:
+    rows = bytearray()
+    for t in layout:
+        name = t.name.encode()
+        rows += struct.pack(f"<H{len(name)}sBB{len(t.shape)}Q", len(name), name, t.bits.code, len(t.shape), *t.shape)
+    return _HEAD.pack(MAGIC, DELTA_FORMAT_VERSION, kind, 0, len(layout), chunk, len(rows), zlib.crc32(rows)) + rows
+
+
+def _section(encoded: list[_Encoded]) -> list[bytes]:
+    index = b"".join(_CHUNK_ROW.pack(e.chunk.mode, e.chunk.width, e.chunk.n_changed)
+                     + struct.pack(f"<{len(e.frames)}I", *e.chunk.frame_lens) for e in encoded)
+    return [_SECTION_HEAD.pack(len(index), zlib.crc32(index)) + index] + [f for e in encoded for f in e.frames]
+
+
+def _iter_encode(kind: int, layout: list[_Tensor], work: Iterable[_T], fn: Callable[[_T], _Encoded],
+                 chunk: int) -> Generator[bytes, None, tuple[int, int]]:
+    """Yields the payload piece by piece (head + layout, then each section once all its chunks are
+    encoded); `work` holds one item per chunk, in layout order. Returns (changed values, payload bytes)."""
+    head = _head(kind, layout, chunk)
+    yield head
+    results = _map(fn, work, parallel=_large(layout))
+    n_changed, size = 0, len(head)
+    for t in layout:
+        encoded = [next(results) for _ in _chunk_spans(t.numel, chunk)]
+        n_changed += sum(e.chunk.n_changed for e in encoded)
+        for piece in _section(encoded):
+            size += len(piece)
+            yield piece
+    return n_changed, size
+
+
+def _check_chunk(chunk: int) -> None:
+    if not 1 <= chunk <= MAX_CHUNK_ELEMENTS:
+        raise DeltaError(f"chunk_elements {chunk} outside [1, {MAX_CHUNK_ELEMENTS}]")
+
+
+def iter_encode_keyframe(state: Mapping[str, torch.Tensor], chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[bytes]:
+    """The keyframe payload of `state`, piece by piece as it is encoded (pieces concatenate to it)."""
+    layout = _layout_of(state)
+    _check_chunk(chunk_elements)
+
+    def work() -> Iterator[np.ndarray]:
+        for t in layout:  # a tensor's bits are fetched (copied if on another device) when its chunks start
+            bits = _flat_bits(state[t.name], t.bits)
+            yield from (bits[a:b] for a, b in _chunk_spans(t.numel, chunk_elements))
+
+    yield from _iter_encode(KIND_KEYFRAME, layout, work(), _keyframe_chunk, chunk_elements)
 
 
 def encode_keyframe(state: Mapping[str, torch.Tensor]) -> bytes:
-    """The full state, bits byte-planed, one zstd frame per tensor."""
-    entries = [_Entry(n, _bits_of(n, t), tuple(t.shape), MODE_RAW) for n, t in state.items()]
-    return _pack(KIND_KEYFRAME, _map(entries, _keyframe_record, entries, state.values()))[0]
+    """The full state, bits byte-planed, one zstd frame per plane of each chunk."""
+    return b"".join(iter_encode_keyframe(state))
+
+
+def iter_encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
+                      chunk_elements: int = CHUNK_ELEMENTS) -> Generator[bytes, None, DeltaStats]:
+    """The delta turning `base` into `new`, piece by piece as it is encoded; returns its DeltaStats.
+
+    Both states must hold the same names, shapes and dtypes (checked before the first piece).
+    """
+    layout = _layout_of(new)
+    _require_layout(base, layout, "base")
+    _check_chunk(chunk_elements)
+
+    def work() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for t in layout:
+            b, n = _flat_bits(base[t.name], t.bits), _flat_bits(new[t.name], t.bits)
+            yield from ((b[i:j], n[i:j]) for i, j in _chunk_spans(t.numel, chunk_elements))
+
+    n_changed, size = yield from _iter_encode(KIND_DELTA, layout, work(), _delta_chunk, chunk_elements)
+    return _stats(layout, n_changed, size)
 
 
 def encode_delta(base: Mapping[str, torch.Tensor],
                  new: Mapping[str, torch.Tensor]) -> tuple[bytes, DeltaStats]:
     """Delta turning `base` into `new`; both must hold the same names, shapes and dtypes."""
-    entries = _paired_entries(base, new)
-
-    def record(e: _Entry) -> tuple[_Entry, bytes]:
-        return _delta_record(e, _flat_bits(base[e.name], e.bits), _flat_bits(new[e.name], e.bits))
-
-    payload, entries = _pack(KIND_DELTA, _map(entries, record, entries))
-    return payload, _stats(entries, len(payload))
+    pieces, parts = iter_encode_delta(base, new), []
+    try:
+        while True:
+            parts.append(next(pieces))
+    except StopIteration as end:  # the generator's return value
+        return b"".join(parts), end.value
 
 
 def naive_delta_size(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> int:
     """Bytes of the naive format: one (uint32 index, value) pair per changed element."""
-    return sum((4 + e.bits.itemsize) * int(np.count_nonzero(
-        _flat_bits(base[e.name], e.bits) != _flat_bits(new[e.name], e.bits)))
-        for e in _paired_entries(base, new))
+    layout = _layout_of(new)
+    _require_layout(base, layout, "base")
+    return sum((4 + t.bits.itemsize) * int(np.count_nonzero(
+        _flat_bits(base[t.name], t.bits) != _flat_bits(new[t.name], t.bits))) for t in layout)
 
 
-def _paired_entries(base: Mapping[str, torch.Tensor],
-                    new: Mapping[str, torch.Tensor]) -> list[_Entry]:
-    entries = [_Entry(n, _bits_of(n, t), tuple(t.shape), MODE_UNCHANGED) for n, t in new.items()]
-    _require_layout(base, entries, "base")
-    return entries
+def _stats(layout: list[_Tensor], n_changed: int, payload_bytes: int) -> DeltaStats:
+    return DeltaStats(n_elements=sum(t.numel for t in layout), n_changed=n_changed,
+                      payload_bytes=payload_bytes, model_bytes=sum(t.nbytes for t in layout))
 
 
-def _stats(entries: list[_Entry], payload_bytes: int) -> DeltaStats:
-    return DeltaStats(n_elements=sum(e.numel for e in entries),
-                      n_changed=sum(e.n_changed for e in entries),
-                      payload_bytes=payload_bytes,
-                      model_bytes=sum(e.numel * e.bits.itemsize for e in entries))
+# ---------------------------------------------------------------- parsing
 
 
-def _require_layout(state: Mapping[str, torch.Tensor], entries: list[_Entry], what: str) -> None:
-    names = {e.name for e in entries}
-    missing, extra = sorted(names - set(state)), sorted(set(state) - names)
-    if missing or extra:
-        raise DeltaError(f"{what} tensor set differs: missing {missing[:5]}, extra {extra[:5]}")
-    for e in entries:
-        t = state[e.name]
-        if tuple(t.shape) != e.shape:
-            raise DeltaError(f"tensor {e.name!r}: {what} shape {tuple(t.shape)} != {e.shape}")
-        if t.dtype != e.bits.dtype:
-            raise DeltaError(f"tensor {e.name!r}: {what} dtype {t.dtype} != {e.bits.dtype}")
+class _Pieces:
+    """Bytes received so far, taken from the front; zero-copy when one piece holds what is taken."""
+
+    def __init__(self) -> None:
+        self._pieces: deque[memoryview] = deque()
+        self.size = 0
+        self.total = 0
+
+    def add(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if view.nbytes:
+            self._pieces.append(view)
+            self.size += view.nbytes
+            self.total += view.nbytes
+
+    def take(self, n: int) -> memoryview:
+        """The next n bytes (n <= size): a slice of the first piece, or one copy when they span pieces."""
+        parts, left = [], n
+        while left:
+            piece = self._pieces.popleft()
+            parts.append(piece[:left])
+            if left < piece.nbytes:
+                self._pieces.appendleft(piece[left:])
+            left -= parts[-1].nbytes
+        self.size -= n
+        return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
 
 
-def _require_no_aliases(state: Mapping[str, torch.Tensor]) -> None:
-    """Differences added twice into shared memory would corrupt it: refuse aliased tensors."""
-    spans = sorted(  # (device, first byte, past the last byte, name); strides are >= 0
-        (str(t.device), t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum(
-            (n - 1) * s for n, s in zip(t.shape, t.stride()))), name)
-        for name, t in state.items() if t.numel())
-    for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in zip(spans, spans[1:]):
-        if dev_a == dev_b and start_b < end_a:
-            raise DeltaError(f"tensors {a!r} and {b!r} share memory; apply onto unaliased "
-                             "tensors (e.g. a to_bf16_state copy)")
-
-
-def _check_entry(e: _Entry) -> None:
-    ok = {
-        MODE_UNCHANGED: e.n_changed == 0,
-        MODE_SPARSE: 0 < e.n_changed <= e.numel and 1 <= e.width <= 8,
-        MODE_DENSE: 0 < e.n_changed <= e.numel,
-        MODE_RAW: e.n_changed == e.numel,
-    }.get(e.mode, False)
-    if not ok or (e.frame_len == 0) != (e.section_len == 0):
-        raise DeltaError(f"tensor {e.name!r}: corrupt entry (mode {e.mode}, width {e.width}, "
-                         f"{e.n_changed} of {e.numel} changed, frame of {e.frame_len} bytes)")
-
-
-def _parse_table(table: bytes, n_tensors: int) -> list[_Entry]:
-    entries: list[_Entry] = []
+def _parse_layout(rows: memoryview, n_tensors: int) -> list[_Tensor]:
+    layout: list[_Tensor] = []
     pos = 0
     try:
         for _ in range(n_tensors):
-            (name_len,) = struct.unpack_from("<H", table, pos)
-            name = table[pos + 2:pos + 2 + name_len].decode()
-            code, ndim, mode, width = _ENTRY_FIXED.unpack_from(table, pos + 2 + name_len)
-            pos += 2 + name_len + _ENTRY_FIXED.size
-            *shape, n_changed, frame_len = struct.unpack_from(f"<{ndim}QQQ", table, pos)
-            pos += 8 * (ndim + 2)
+            (name_len,) = struct.unpack_from("<H", rows, pos)
+            name = bytes(rows[pos + 2:pos + 2 + name_len]).decode()
+            code, ndim = struct.unpack_from("<BB", rows, pos + 2 + name_len)
+            shape = struct.unpack_from(f"<{ndim}Q", rows, pos + 4 + name_len)
+            pos += 4 + name_len + 8 * ndim
             if code not in _BY_CODE:
                 raise DeltaError(f"tensor {name!r}: unknown dtype code {code}")
-            entries.append(_Entry(name, _BY_CODE[code], tuple(shape), mode, width, n_changed,
-                                  frame_len))
-            _check_entry(entries[-1])
+            layout.append(_Tensor(name, _BY_CODE[code], tuple(shape)))
     except (struct.error, UnicodeDecodeError) as exc:
-        raise DeltaError(f"corrupt tensor table: {exc}") from exc
-    if pos != len(table) or len({e.name for e in entries}) != len(entries):
-        raise DeltaError("corrupt tensor table: trailing bytes or repeated names")
-    return entries
+        raise DeltaError(f"corrupt layout: {exc}") from exc
+    if pos != len(rows) or len({t.name for t in layout}) != len(layout):
+        raise DeltaError("corrupt layout: trailing bytes or repeated names")
+    return layout
 
 
-def _unpack(payload: bytes, kind: int) -> list[tuple[_Entry, memoryview]]:
-    """Validated entries of a payload of the given kind, each with its (unread) frame."""
-    if len(payload) < _HEADER.size:
-        raise DeltaError(f"payload of {len(payload)} bytes is shorter than the header")
-    magic, version, got_kind, flags, n_tensors, table_len, crc = _HEADER.unpack_from(payload)
-    if magic != MAGIC:
-        raise DeltaError(f"bad magic {bytes(magic)!r}: not an astraflow weight payload")
-    if version != DELTA_FORMAT_VERSION:
-        raise DeltaError(f"format version {version} != supported {DELTA_FORMAT_VERSION}")
-    if got_kind != kind or flags:
-        raise DeltaError(f"payload kind {got_kind} (flags {flags}) where {kind} was expected")
-    view = memoryview(payload)
-    table = bytes(view[_HEADER.size:_HEADER.size + table_len])
-    if len(table) != table_len or zlib.crc32(table) != crc:
-        raise DeltaError("tensor table truncated or corrupt (crc mismatch)")
-    entries = _parse_table(table, n_tensors)
-    pos = _HEADER.size + table_len
-    if (expected := pos + sum(e.frame_len for e in entries)) != len(payload):
-        raise DeltaError(f"payload of {len(payload)} bytes, its table says {expected}: "
-                         "truncated or corrupt")
-    ends = list(accumulate([pos] + [e.frame_len for e in entries]))
-    return [(e, view[a:b]) for e, a, b in zip(entries, ends, ends[1:])]
+def _planes_of(mode: int, width: int, itemsize: int) -> int:
+    return {MODE_UNCHANGED: 0, MODE_SPARSE: width + itemsize, MODE_DENSE: itemsize, MODE_RAW: itemsize}[mode]
 
 
-def _decompress(e: _Entry, frame: memoryview) -> np.ndarray:
-    if not e.frame_len:
-        return np.empty(0, dtype=np.uint8)
+def _parse_index(t: _Tensor, index: memoryview, chunk: int, kind: int) -> list[tuple[int, int, _Chunk]]:
+    modes = (MODE_RAW,) if kind == KIND_KEYFRAME else (MODE_UNCHANGED, MODE_SPARSE, MODE_DENSE)
+    rows: list[tuple[int, int, _Chunk]] = []
+    pos = 0
     try:
-        if zstandard.get_frame_parameters(frame).content_size != e.section_len:
-            raise DeltaError(f"tensor {e.name!r}: frame size does not match its entry")
-        section = zstandard.ZstdDecompressor().decompress(frame)
-    except zstandard.ZstdError as exc:
-        raise DeltaError(f"tensor {e.name!r}: corrupt data: {exc}") from exc
-    if len(section) != e.section_len:
-        raise DeltaError(f"tensor {e.name!r}: {len(section)} bytes, expected {e.section_len}")
-    return np.frombuffer(section, dtype=np.uint8)
+        for a, b in _chunk_spans(t.numel, chunk):
+            mode, width, n_changed = _CHUNK_ROW.unpack_from(index, pos)
+            ok = mode in modes and {
+                MODE_UNCHANGED: n_changed == 0 and width == 0,
+                MODE_SPARSE: 0 < n_changed <= b - a and 1 <= width <= 4,
+                MODE_DENSE: 0 < n_changed <= b - a and width == 0,
+                MODE_RAW: n_changed == b - a and width == 0,
+            }[mode]
+            if not ok:
+                raise DeltaError(f"tensor {t.name!r}: corrupt chunk at {a} (mode {mode}, width {width}, "
+                                 f"{n_changed} of {b - a} changed)")
+            k = _planes_of(mode, width, t.bits.itemsize)
+            lens = struct.unpack_from(f"<{k}I", index, pos + _CHUNK_ROW.size)
+            pos += _CHUNK_ROW.size + 4 * k
+            if not all(lens):
+                raise DeltaError(f"tensor {t.name!r}: empty frame at {a}")
+            rows.append((a, b, _Chunk(mode, width, n_changed, lens)))
+    except struct.error as exc:
+        raise DeltaError(f"tensor {t.name!r}: corrupt index: {exc}") from exc
+    if pos != len(index):
+        raise DeltaError(f"tensor {t.name!r}: corrupt index: trailing bytes")
+    return rows
 
 
-def decode_keyframe(payload: bytes) -> dict[str, torch.Tensor]:
-    """Fresh contiguous CPU tensors, bit-identical to the encoded state."""
+class _Reader:
+    """Incremental parser: feed() bytes in any split, get what they complete (indexes checked, frames
+    unread): whole sections, or with by_part each chunk as a one-part section as soon as its frames
+    are in. The head and layout are checked (magic, version, kind, crc) as they arrive."""
 
-    def tensor(record: tuple[_Entry, memoryview]) -> torch.Tensor:
-        e, frame = record
-        flat = _from_planes(_decompress(e, frame), e.numel, e.bits.itemsize, e.bits.np_uint)
-        return torch.from_numpy(flat.view(f"i{e.bits.itemsize}")).view(e.bits.dtype).reshape(
-            e.shape)
+    def __init__(self, kind: int, by_part: bool = False) -> None:
+        self.kind = kind
+        self.by_part = by_part
+        self.layout: list[_Tensor] | None = None
+        self._pieces = _Pieces()
+        self._state = "head"  # then layout, (section, index, frames of each chunk) per tensor, done
+        self._need = _HEAD.size  # bytes the current state reads
+        self._next = 0  # the tensor whose section comes next
+        self._rows: list[tuple[int, int, _Chunk]] = []  # its index, once read
+        self._parts: list[_Part] = []  # its chunks read so far
+        self._n_tensors = self._chunk = self._crc = 0  # from the head; _crc: of what the state reads
 
-    records = _unpack(payload, KIND_KEYFRAME)
-    entries = [e for e, _ in records]
-    return dict(zip((e.name for e in entries), _map(entries, tensor, records), strict=True))
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    @property
+    def received(self) -> int:
+        return self._pieces.total
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[_Section]:
+        """Sections (or parts) completed by `data` (kept by reference: do not change it afterwards)."""
+        self._pieces.add(data)
+        out: list[_Section] = []
+        while not self.done and self._pieces.size >= self._need:
+            out += self._step(self._pieces.take(self._need))
+        if self.done and self._pieces.size:
+            raise DeltaError(f"{self._pieces.size} bytes past the last section: corrupt payload")
+        return out
+
+    def close(self) -> None:
+        if not self.done:
+            where = "head" if self.layout is None else f"section of tensor {self.layout[self._next].name!r}"
+            raise DeltaError(f"payload truncated after {self.received} bytes, in the {where}")
+
+    def _step(self, data: memoryview) -> list[_Section]:
+        if self._state == "head":
+            self._read_head(data)
+        elif self._state == "layout":
+            if zlib.crc32(data) != self._crc:
+                raise DeltaError("layout corrupt (crc mismatch)")
+            self.layout = _parse_layout(data, self._n_tensors)
+            self._start_section()
+        elif self._state == "section":
+            self._need, self._crc = _SECTION_HEAD.unpack(data)
+            self._state = "index"
+        elif self._state == "index":
+            assert self.layout is not None
+            t = self.layout[self._next]
+            if zlib.crc32(data) != self._crc:
+                raise DeltaError(f"tensor {t.name!r}: index corrupt (crc mismatch)")
+            self._rows, self._parts = _parse_index(t, data, self._chunk, self.kind), []
+            return self._next_part()
+        else:
+            a, b, row = self._rows[len(self._parts)]
+            ends = list(accumulate(row.frame_lens, initial=0))
+            self._parts.append(_Part(a, b, row, [data[i:j] for i, j in pairwise(ends)]))
+            return self._next_part()
+        return []
+
+    def _read_head(self, data: memoryview) -> None:
+        magic, version, kind, flags, n_tensors, chunk, layout_len, crc = _HEAD.unpack(data)
+        if magic != MAGIC:
+            raise DeltaError(f"bad magic {bytes(magic)!r}: not an astraflow weight payload")
+        if version != DELTA_FORMAT_VERSION:
+            raise DeltaError(f"format version {version} != supported {DELTA_FORMAT_VERSION}")
+        if kind != self.kind or flags:
+            raise DeltaError(f"payload kind {kind} (flags {flags}) where {self.kind} was expected")
+        _check_chunk(chunk)
+        self._n_tensors, self._chunk, self._need, self._crc = n_tensors, chunk, layout_len, crc
+        self._state = "layout"
+
+    def _start_section(self) -> None:
+        assert self.layout is not None
+        self._state, self._need = ("section", _SECTION_HEAD.size) if self._next < len(self.layout) else ("done", 0)
+
+    def _next_part(self) -> list[_Section]:
+        """What the last step completed; then read the next chunk's frames, or the next section."""
+        assert self.layout is not None
+        t = self.layout[self._next]
+        out = [_Section(t, self._parts[-1:])] if self.by_part and self._parts else []
+        if len(self._parts) < len(self._rows):
+            self._state, self._need = "frames", sum(self._rows[len(self._parts)][2].frame_lens)
+            return out
+        self._next += 1
+        self._start_section()
+        return out if self.by_part else [_Section(t, self._parts)]
 
 
-def changed_tensors(payload: bytes) -> set[str]:
-    """Names of the tensors a delta changes, from its checked header and table (no decoding)."""
-    return {e.name for e, _ in _unpack(payload, KIND_DELTA) if e.mode != MODE_UNCHANGED}
+def _read_all(payload: bytes | bytearray | memoryview, kind: int) -> tuple[_Reader, list[_Section]]:
+    reader = _Reader(kind)
+    sections = reader.feed(payload)
+    reader.close()
+    return reader, sections
+
+
+def changed_tensors(payload: bytes | bytearray | memoryview) -> set[str]:
+    """Names of the tensors a delta changes, from its checked head, layout and indexes (no decoding)."""
+    _, sections = _read_all(payload, KIND_DELTA)
+    return {s.tensor.name for s in sections if any(p.row.mode != MODE_UNCHANGED for p in s.parts)}
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _decode_raw(t: _Tensor, part: _Part, out: np.ndarray) -> None:
+    """A keyframe chunk's bits into out[start:end]."""
+    _from_planes(_decompress(t.name, part.frames, part.end - part.start), out[part.start:part.end])
 
 
 class _Change(NamedTuple):
-    """A decoded, validated record: positions (None when dense) and wrapping differences."""
+    """A decoded, checked chunk of a delta: positions in the tensor (None when dense) and differences."""
 
-    entry: _Entry
+    start: int
+    end: int
     idx: np.ndarray | None
     diff: np.ndarray
 
 
-def _decode_change(record: tuple[_Entry, memoryview]) -> _Change:
-    e, frame = record
-    sec, size, np_uint = _decompress(e, frame), e.bits.itemsize, e.bits.np_uint
-    if e.mode == MODE_DENSE:
-        return _Change(e, None, _unzigzag(_from_planes(sec, e.numel, size, np_uint)))
-    m = e.n_changed
-    gaps = _from_planes(sec[:m * e.width], m, e.width, np.uint64 if e.width > 4 else np.uint32)
-    if int(gaps.max()) >= e.numel:
-        raise DeltaError(f"tensor {e.name!r}: position gap beyond {e.numel} elements")
-    idx = gaps.astype(np.int64)
-    idx += 1
-    np.cumsum(idx, out=idx)
-    idx -= 1
-    if idx[-1] >= e.numel:
-        raise DeltaError(f"tensor {e.name!r}: changed position {idx[-1]} >= {e.numel}")
-    return _Change(e, idx, _unzigzag(_from_planes(sec[m * e.width:], m, size, np_uint)))
+def _decode_change(t: _Tensor, part: _Part) -> _Change:
+    c, n, np_uint = part.row, part.end - part.start, t.bits.np_uint
+    if c.mode == MODE_DENSE:
+        planes = _decompress(t.name, part.frames, n)
+        diff = _from_planes(planes, np.empty(n, dtype=np_uint))
+        if np.count_nonzero(diff) != c.n_changed:
+            raise DeltaError(f"tensor {t.name!r}: chunk at {part.start} changes other than {c.n_changed} values")
+        return _Change(part.start, part.end, None, _unzigzag(diff))
+    m = c.n_changed
+    planes = _decompress(t.name, part.frames, m)
+    gaps = _from_planes(planes[:c.width], np.empty(m, dtype=np.uint32))
+    diff = _from_planes(planes[c.width:], np.empty(m, dtype=np_uint))
+    if int(gaps.max()) >= n:  # so g + 1 below cannot wrap
+        raise DeltaError(f"tensor {t.name!r}: chunk at {part.start}: position gap beyond its {n} values")
+    gaps[1:] += 1
+    idx = np.cumsum(gaps, dtype=np.int64)  # i_k = g_0 + (g_1 + 1) + ... + (g_k + 1)
+    if idx[-1] >= n or np.count_nonzero(diff) != m:
+        raise DeltaError(f"tensor {t.name!r}: chunk at {part.start}: position beyond its {n} values or no change")
+    return _Change(part.start, part.end, idx, _unzigzag(diff))
 
 
-def _add_in_place(t: torch.Tensor, change: _Change) -> None:
-    """Add the wrapping differences into t's own storage (the tensor object is kept)."""
-    view = t.detach().view(change.entry.bits.int_dtype)
+def _decode_section(section: _Section) -> tuple[_Tensor, list[_Change]]:
+    t = section.tensor
+    return t, [_decode_change(t, p) for p in section.parts if p.row.mode != MODE_UNCHANGED]
+
+
+def _add_in_place(target: torch.Tensor, bits: _Bits, changes: list[_Change]) -> None:
+    """Add the wrapping differences into the tensor's own storage (the tensor object is kept)."""
+    if not changes:
+        return
+    view = target.detach().view(bits.int_dtype)
     direct = view.device.type == "cpu" and view.is_contiguous()
     work = view if direct else view.to("cpu").contiguous()
-    flat = work.numpy().reshape(-1).view(change.entry.bits.np_uint)
-    if change.idx is None:
-        flat += change.diff
-    else:
-        flat[change.idx] += change.diff
+    flat = work.reshape(-1)
+    for ch in changes:  # torch adds wrap like numpy's, and index_add_ releases the GIL (numpy's add.at does not)
+        diff = torch.from_numpy(ch.diff.view(f"i{bits.itemsize}"))
+        if ch.idx is None:
+            flat[ch.start:ch.end] += diff
+        else:
+            flat[ch.start:ch.end].index_add_(0, torch.from_numpy(ch.idx), diff)
     if not direct:
         view.copy_(work)
 
 
-def apply_delta(state: MutableMapping[str, torch.Tensor], payload: bytes) -> DeltaStats:
+def _large(layout: list[_Tensor]) -> bool:
+    return sum(t.numel for t in layout) >= PARALLEL_MIN_ELEMENTS
+
+
+def apply_delta(state: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> DeltaStats:
     """Apply a delta in place onto exactly its base.
 
-    Validates the whole payload (header, table, every frame and position) and its fit to the
+    Validates the whole payload (head, layout, every index, frame and position) and its fit to the
     state (same names, shapes and dtypes; no two tensors sharing memory) before touching any
     tensor: a refusal raises DeltaError and leaves the state as it was. Values change in the
     tensors' own storage, so views into model parameters see the new version.
     """
-    records = _unpack(payload, KIND_DELTA)
-    entries = [e for e, _ in records]
-    _require_layout(state, entries, "state")
+    reader, sections = _read_all(payload, KIND_DELTA)
+    assert reader.layout is not None
+    _require_layout(state, reader.layout, "state")
     _require_no_aliases(state)
-    changed = [(e, f) for e, f in records if e.mode != MODE_UNCHANGED]
-    changes = list(_map(entries, _decode_change, changed))  # may refuse
-    for _ in _map(entries, _add_in_place, [state[c.entry.name] for c in changes], changes):
+    parallel = _large(reader.layout)
+    decoded = list(_map(_decode_section, sections, parallel))  # may refuse
+    for _ in _map(lambda d: _add_in_place(state[d[0].name], d[0].bits, d[1]), decoded, parallel):
         pass  # nothing refuses past this point
-    return _stats(entries, len(payload))
+    return _stats(reader.layout, sum(p.row.n_changed for s in sections for p in s.parts), reader.received)
+
+
+class _Streaming:
+    """Runs the jobs of each section a _Reader completes on worker threads (at most 2 * WORKERS in
+    flight, so feed() blocks while the workers are behind); a job's error is raised by the next
+    feed() or by close(), and from then on by every call."""
+
+    def __init__(self, kind: int, by_part: bool = False) -> None:
+        self._reader = _Reader(kind, by_part)
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: deque[Future[None]] = deque()
+        self._error: BaseException | None = None
+
+    def _on_layout(self, layout: list[_Tensor]) -> None:
+        """Check the layout before any section runs (subclasses)."""
+
+    def _jobs(self, section: _Section) -> list[Callable[[], None]]:
+        raise NotImplementedError
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """The next bytes of the payload, split anywhere (kept by reference: do not change them)."""
+        self._guard(lambda: self._feed(data))
+
+    def _feed(self, data: bytes | bytearray | memoryview) -> None:
+        had_layout = self._reader.layout is not None
+        sections = self._reader.feed(data)
+        if not had_layout and (layout := self._reader.layout) is not None:
+            self._on_layout(layout)
+            if WORKERS > 1 and _large(layout):
+                self._pool = ThreadPoolExecutor(max_workers=WORKERS)
+        for job in (j for s in sections for j in self._jobs(s)):
+            self._run(job)
+        while self._running and self._running[0].done():
+            self._running.popleft().result()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        if self._pool is None:
+            job()
+            return
+        self._running.append(self._pool.submit(job))
+        if len(self._running) > 2 * WORKERS:
+            self._running.popleft().result()
+
+    def _finish(self) -> None:
+        """Check the payload ended after its last section and wait for every job."""
+        self._guard(self._drain)
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def _drain(self) -> None:
+        self._reader.close()
+        while self._running:
+            self._running.popleft().result()
+
+    def _guard(self, step: Callable[[], None]) -> None:
+        if self._error is not None:
+            raise self._error
+        try:
+            step()
+        except BaseException as exc:
+            self._error = exc
+            for f in self._running:
+                f.cancel()
+            if self._pool is not None:
+                self._pool.shutdown(cancel_futures=True)
+            raise
+
+
+class DeltaApplier(_Streaming):
+    """Applies a delta payload onto `state` in place while its bytes arrive.
+
+    feed() takes the payload in pieces split anywhere. The layout is checked against the state
+    (names, shapes, dtypes, no aliasing) before any section runs; each tensor section is checked
+    whole (index crc, every frame's size and checksum, every position) before any of its values
+    is written, then added in place. A refusal raises DeltaError (from feed() or close()) and the
+    refused section's tensor is untouched; sections before it (and others in flight) may be
+    applied, so the caller's state digest tells whether the state is the new version.
+    close() checks the payload ended after its last section and returns its DeltaStats.
+    """
+
+    def __init__(self, state: MutableMapping[str, torch.Tensor]) -> None:
+        super().__init__(KIND_DELTA)
+        self.state = state
+        self._n_changed = 0
+
+    def _on_layout(self, layout: list[_Tensor]) -> None:
+        _require_layout(self.state, layout, "state")
+        _require_no_aliases(self.state)
+
+    def _jobs(self, section: _Section) -> list[Callable[[], None]]:
+        self._n_changed += sum(p.row.n_changed for p in section.parts)
+        target = self.state[section.tensor.name]
+
+        def job() -> None:
+            t, changes = _decode_section(section)
+            _add_in_place(target, t.bits, changes)
+
+        return [job]
+
+    def close(self) -> DeltaStats:
+        self._finish()
+        assert self._reader.layout is not None
+        return _stats(self._reader.layout, self._n_changed, self._reader.received)
+
+
+class KeyframeDecoder(_Streaming):
+    """Decodes a keyframe payload while its bytes arrive, each chunk as soon as its frames are in:
+    feed() pieces split anywhere, close() returns fresh contiguous CPU tensors, bit-identical to the
+    encoded state, in payload order."""
+
+    def __init__(self) -> None:
+        super().__init__(KIND_KEYFRAME, by_part=True)
+        self._out: dict[str, torch.Tensor] = {}
+        self._flat: dict[str, np.ndarray] = {}  # their bits, which the chunks fill (disjoint ranges)
+
+    def _on_layout(self, layout: list[_Tensor]) -> None:
+        for t in layout:
+            signed = torch.empty(t.shape, dtype=t.bits.int_dtype)
+            self._out[t.name] = signed.view(t.bits.dtype)
+            self._flat[t.name] = signed.numpy().reshape(-1).view(t.bits.np_uint)
+
+    def _jobs(self, section: _Section) -> list[Callable[[], None]]:
+        t = section.tensor
+        return [partial(_decode_raw, t, p, self._flat[t.name]) for p in section.parts]
+
+    def close(self) -> dict[str, torch.Tensor]:
+        self._finish()
+        return self._out
+
+
+def decode_keyframe(payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Fresh contiguous CPU tensors, bit-identical to the encoded state."""
+    decoder = KeyframeDecoder()
+    decoder.feed(payload)
+    return decoder.close()
