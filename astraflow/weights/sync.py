@@ -24,7 +24,9 @@ An announcement that is impossible on its face (``weights/checks.py``: another p
 that is not older, a keyframe version past the version, object sizes and digest counts that do
 not match, a version not above the newest seen) is never planned from: from the live follower it
 goes to the DLQ (``dlq.weights``) with the reason (``rejected``), from the history it is skipped
-(``skipped_history``), and so is one not newer than the announcements before it (``in_order``).
+(``skipped_history``). From the history a chain is planned by (version, digest) keys, so only
+through base digests that name them; picking a version by its number (``goto``) takes the first
+announcement of it a node would have followed (``in_order``), never a later copy.
 
 A node in a region reads the mirrors in its leaf's JetStream domain (``domain=``).
 """
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 from collections import Counter
 from typing import Any, Mapping, Protocol, cast
 
@@ -42,9 +43,8 @@ import torch
 from astraflow.streams.messages import WeightVersion
 from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError
 from astraflow.streams.plane import Plane
-from astraflow.weights import delta as _delta
 from astraflow.weights.checks import announcement_problem, in_order, order_problem
-from astraflow.weights.delta import DeltaError, apply_delta, decode_keyframe, state_digest
+from astraflow.weights.delta import DeltaError, apply_delta, changed_tensors, decode_keyframe, state_digest
 from astraflow.weights.publish import request_keyframe
 from astraflow.weights.retention import Key, base_key, key_of
 
@@ -68,19 +68,6 @@ class WeightTarget(Protocol):
     def version(self) -> int: ...
 
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
-
-
-def changed_tensors(payload: bytes | bytearray | memoryview) -> set[str]:
-    """Names of the tensors a delta payload changes, read from its table (the body is not decoded)."""
-    head = _delta._HEADER
-    if len(payload) < head.size:
-        raise DeltaError(f"payload of {len(payload)} bytes is shorter than the header")
-    _, _, _, _, n, table_len, _ = head.unpack_from(payload)
-    try:
-        entries = _delta._parse_table(bytes(payload[head.size : head.size + table_len]), n)
-    except struct.error as e:
-        raise DeltaError(f"corrupt tensor table: {e}") from e
-    return {e.name for e in entries if e.mode != _delta.MODE_UNCHANGED}
 
 
 def install(engine: Any, image: Mapping[str, torch.Tensor], version: int, changed: set[str] | None) -> None:
@@ -131,6 +118,7 @@ class WeightSync:
         self.stats: Counter[str] = Counter()
         self.last_error = ""
         self.known: dict[Key, WeightVersion] = {}
+        self._followed: list[WeightVersion] = []  # the history's announcements a node would have followed (goto picks by number from these)
         self.newest: WeightVersion | None = None  # the newest valid announcement the follower passed
         self._follower = plane.follower(self.subject, WeightVersion, stream=self.ann_stream, domain=domain, on_bad=self._bad,
                                         check=self._vet)
@@ -168,10 +156,10 @@ class WeightSync:
         if version == self.version:
             return
         history = await self._history()
-        found = [a for a in history.values() if a.version == version]
+        found = [a for a in self._followed if a.version == version]  # a later copy of a past version never stands in for it
         if not found:
             raise WeightSyncError(f"v{version} of {self.policy} was never announced or is gone from {self.ann_stream}")
-        if not await self._reach(max(found, key=lambda a: a.created_at), history, ask=False):
+        if not await self._reach(found[0], history, ask=False):
             raise WeightSyncError(f"could not reach v{version} of {self.policy}: {self.last_error}")
 
     async def request_keyframe(self, reason: str) -> None:
@@ -194,10 +182,15 @@ class WeightSync:
         return problem
 
     async def _history(self) -> dict[Key, WeightVersion]:
+        """Every announcement possible on its face, by (version, state digest). A chain is planned by these keys, so
+        an announcement is only ever reached through a base digest that names it, and every state is checked
+        against its digest when applied; a restarted trainer's own v2 (another state under a number already
+        used) stays reachable for the deltas built on it. Picking a version by its number is ``goto``'s job."""
         anns = await self.plane.history(self.subject, WeightVersion, stream=self.ann_stream, domain=self.domain, on_bad=self._bad)
-        valid = in_order(anns, self.policy)  # a foreign copy of a past version never stands in for the real one (goto)
+        valid = [a for a in anns if announcement_problem(a, self.policy) is None]
         if len(valid) < len(anns):
             self.stats["skipped_history"] += len(anns) - len(valid)
+        self._followed = in_order(valid, self.policy)
         history = {key_of(a): a for a in valid}
         self.known.update(history)
         return history
