@@ -1,9 +1,11 @@
-"""Two tiny text games with the shape of ALFWorld (household tasks) and WebShop (shopping).
+"""Tiny text games with the shape of ALFWorld (household tasks), WebShop (shopping) and Terminal-Bench (a shell).
 
 Each game is deterministic given its seed: ``reset() -> observation`` then
-``step(action) -> (observation, reward, done)``. Rewards: ``rooms`` pays 1 when the goal object
-is in the goal receptacle; ``shop`` pays the fraction of wanted attributes the bought product
-has. Unknown actions cost a step and say which actions exist.
+``step(action) -> (observation, reward, done)``, and ``close()`` when the episode is over. Rewards:
+``rooms`` pays 1 when the goal object is in the goal receptacle; ``shop`` pays the fraction of
+wanted attributes the bought product has; ``terminal`` (``terminal.py``) pays 1 when the final
+state of its scratch directory passes the task's check. Unknown actions cost a step and say which
+actions exist.
 """
 
 from __future__ import annotations
@@ -12,11 +14,16 @@ import random
 import re
 from typing import Callable, Protocol
 
+from astraflow.rollout.envs.terminal import Terminal
+
 
 class Game(Protocol):
     def reset(self) -> str: ...
 
     def step(self, action: str) -> tuple[str, float, bool]: ...
+
+    def close(self) -> None:
+        """Release what the episode holds (a scratch directory); the episode is over."""
 
 
 class Rooms:
@@ -72,6 +79,9 @@ class Rooms:
             out, done = out + " Out of steps.", True
         return out, reward, done
 
+    def close(self) -> None:
+        pass
+
 
 class Shop:
     """WebShop-like: search a catalogue, open an item, buy the one that fits the instruction."""
@@ -124,5 +134,8 @@ class Shop:
             out, done = out + " Out of steps.", True
         return out, reward, done
 
+    def close(self) -> None:
+        pass
 
-GAMES: dict[str, Callable[[int], Game]] = {"rooms": Rooms, "shop": Shop}
+
+GAMES: dict[str, Callable[[int], Game]] = {"rooms": Rooms, "shop": Shop, "terminal": Terminal}
