@@ -92,9 +92,9 @@ class Shop:
 
     def __init__(self, seed: int, max_steps: int = 8) -> None:
         rng = random.Random(seed)
-        self.items = [{"id": f"i{n}", "kind": k, "color": c, "size": s, "price": rng.randint(5, 50)}
-                      for n, (k, c, s) in enumerate((k, c, s) for k in self.KINDS for c in self.COLORS for s in self.SIZES)]
-        rng.shuffle(self.items)
+        combos = [(k, c, s) for k in self.KINDS for c in self.COLORS for s in self.SIZES]
+        rng.shuffle(combos)  # ids say nothing about an item: the agent has to read the results
+        self.items = [{"id": f"i{n}", "kind": k, "color": c, "size": s, "price": rng.randint(5, 50)} for n, (k, c, s) in enumerate(combos)]
         self.want = {"kind": rng.choice(self.KINDS), "color": rng.choice(self.COLORS), "size": rng.choice(self.SIZES)}
         self.page: list[dict] = []
         self.open: dict | None = None
