@@ -39,7 +39,7 @@ def careful_or_careless(rng: random.Random) -> Expert:
     careful = rng.random() < CAREFUL
 
     def expert(task: Task, context: str) -> str:
-        verb, keyword = re.search(r"Task: (\w+) the file that contains (\w+)", context).groups()  # type: ignore[union-attr]
+        verb, keyword = re.search(r"Task: (\w+) .*the file that contains (\w+)", context).groups()  # type: ignore[union-attr]
         files = re.search(r"Files: (.*)", context).group(1).split()  # type: ignore[union-attr]
         done = re.findall(r"^> (.+)$", context, re.M)
         looked = next((i for i, c in enumerate(done) if c.startswith("grep")), None)

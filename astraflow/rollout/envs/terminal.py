@@ -53,8 +53,8 @@ class Terminal:
         self.steps, self.max_steps = 0, max_steps
 
     def instruction(self) -> str:
-        what = f"the file that contains {self.keyword}"
-        return {"copy": f"copy {what} to found.txt", "move": f"move {what} into keep/", "delete": f"delete {what}"}[self.verb]
+        where = {"copy": " to found.txt", "move": " into keep/", "delete": ""}[self.verb]
+        return f"{self.verb}{where} the file that contains {self.keyword}"
 
     def reset(self) -> str:
         return f"Task: {self.instruction()}. Then exit.\nFiles: {' '.join(self.files)}"
