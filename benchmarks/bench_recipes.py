@@ -1,7 +1,8 @@
 """Wall time and held-out reward of every CPU recipe, as shipped (or with --steps N), over one or more seeds.
 
 Runs ``astraflow up recipes/NAME`` for each recipe (embedded server, every role a process) and reads its
-summary. A recipe is a folder name or a file under ``recipes/`` (``code-multi-agent/verifier.yaml``).
+summary, and the CPU time of every process of the run (user + system: a figure the load of a
+shared machine does not inflate the way it does wall time). A recipe is a folder name or a file under ``recipes/`` (``code-multi-agent/verifier.yaml``).
 With ``--seeds N`` each recipe runs N times (``model.seed`` and ``trainer.seed`` = 0..N-1) and the table
 shows the mean and the spread. With ``--figures DIR`` the first seed's ``reward.png`` of each recipe is
 copied to ``DIR/recipe-NAME.png``. For a team recipe the table also shows the team's held-out reward
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import statistics
 import subprocess
@@ -42,15 +44,16 @@ def run(name: str, steps: int | None, seed: int, base: Path) -> dict[str, Any]:
            "--set", f"model.seed={seed}", "--set", f"trainer.seed={seed}"]
     if steps:
         cmd += ["--set", f"trainer.steps={steps}"]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)  # every process of the run (up reaps its roles)
     if proc.returncode:
         return {"recipe": name, "seed": seed, "ok": False, "wall_s": round(wall, 1), "error": proc.stderr[-300:]}
     s = json.loads((run_dir / "summary.json").read_text())
     team = s.get("held_out_others", {}).get("team", {})
     last = str(s["policies"][s["eval_policy"]]["steps"])
-    return {"recipe": name, "seed": seed, "ok": True, "wall_s": round(wall, 1), "run_dir": str(run_dir),
+    return {"recipe": name, "seed": seed, "ok": True, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "run_dir": str(run_dir),
             "policies": list(s["policies"]), "steps": int(last), "held_out_initial": s["initial_reward"],
             "held_out_final": s["final_reward"], "held_out": s["held_out_reward"],
             "team": {v: (r["reward"], r["avg@k"]) for v, r in team.items()},
@@ -80,12 +83,13 @@ def main() -> list[dict[str, Any]]:
                 shutil.copy(Path(runs[0]["run_dir"]) / "reward.png", args.figures / f"recipe-{label(name)}.png")
             results += runs
     t = Table(title="CPU recipes: wall time and held-out reward (greedy), mean (min–max) over seeds")
-    for c in ("recipe", "runs", "steps", "wall s", "held-out v0", "held-out final", "team final: pick / alone"):
+    for c in ("recipe", "runs", "steps", "wall s", "CPU s", "held-out v0", "held-out final", "team final: pick / alone"):
         t.add_column(c)
     for name in args.only.split(","):
         ok = [r for r in results if r["recipe"] == name and r["ok"]]
         team = [r["team"][str(r["steps"])] for r in ok if str(r["steps"]) in r["team"]]
         t.add_row(name, f"{len(ok)}/{args.seeds}", str(ok[0]["steps"]) if ok else "—", spread([r["wall_s"] for r in ok]),
+                  spread([r["cpu_s"] for r in ok]),
                   spread([r["held_out_initial"] for r in ok]), spread([r["held_out_final"] for r in ok]),
                   f"{spread([p for p, _ in team])} / {spread([a for _, a in team])}" if team else "—")
     Console().print(t)

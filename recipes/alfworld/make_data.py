@@ -7,8 +7,8 @@ Writes, next to this file:
 - ``demos.jsonl``: the warm start's episodes, played through the recipe's own workflow against the real
   game by a noisy demonstrator. A careful one walks the rooms until it sees the object the task names,
   takes it, walks to the room of the task's receptacle and puts it there. A careless one takes the
-  first object it sees, whatever the task names, and puts that one away (right only when the first
-  object it sees is the one asked for).
+  first object it sees, whatever the task names, and puts that one in the task's receptacle (right only
+  when the first object it sees is the one asked for; a wrong object there ends the task unpaid).
 
 Run: ``python recipes/alfworld/make_data.py`` (deterministic).
 """
@@ -35,7 +35,7 @@ ROOM_OF = {rec: room for room, rec in Rooms.RECEPTACLES.items()}
 
 def careful_or_careless(rng: random.Random) -> Expert:
     careful = rng.random() < CAREFUL
-    state: dict[str, str | None] = {"holding": None, "put": None}
+    state: dict[str, str | None] = {"holding": None}
     visited: set[str] = set()
 
     def expert(task: Task, context: str) -> str:
@@ -43,8 +43,6 @@ def careful_or_careless(rng: random.Random) -> Expert:
         room, seen = re.findall(r"You are in the (\w+)\. You see: (.*?); a \w+\.", context)[-1]
         visible = [] if seen == "nothing" else seen.split(", ")
         visited.add(room)
-        if state["put"]:
-            return "look\n"
         if state["holding"] is None:
             pick = goal_obj if goal_obj in visible else None
             if not careful and visible:
@@ -55,7 +53,6 @@ def careful_or_careless(rng: random.Random) -> Expert:
             return f"go to {next(r for r in Rooms.ROOMS if r not in visited)}\n"
         if room != ROOM_OF[goal_rec]:
             return f"go to {ROOM_OF[goal_rec]}\n"
-        state["put"] = state["holding"]
         return f"put {state['holding']} in {goal_rec}\n"
 
     return expert

@@ -6,9 +6,9 @@ Writes, next to this file:
   directory with three files, one holding a made-up keyword; copy, move or delete that file). Held-out
   seeds make keywords and file names never seen in training;
 - ``demos.jsonl``: the warm start's episodes, played through the recipe's own workflow against the real
-  game (every command runs in the sandbox) by a noisy demonstrator. A careful one looks first
-  (``grep -l WORD *.txt``), acts on the file the output names, then exits. A careless one acts on the
-  first file listed without looking (right one time in three), then exits.
+  game (every command runs in the sandbox) by a noisy demonstrator. Both look first
+  (``grep -l WORD *.txt``). A careful one acts on the file the output names, then exits; a careless one
+  does not read the output and acts on the first file listed (right one time in three), then exits.
 
 Run: ``python recipes/terminal/make_data.py`` (deterministic).
 """
@@ -28,7 +28,7 @@ from astraflow.tasks import load_split
 
 HERE = Path(__file__).resolve().parent
 EPISODES = 600
-CAREFUL = 0.3  # share of demonstrations that look before they act
+CAREFUL = 0.3  # share of demonstrations that act on what they saw; the others act on the first file listed
 
 
 def act(verb: str, name: str) -> str:
@@ -42,12 +42,11 @@ def careful_or_careless(rng: random.Random) -> Expert:
         verb, keyword = re.search(r"Task: (\w+) .*the file that contains (\w+)", context).groups()  # type: ignore[union-attr]
         files = re.search(r"Files: (.*)", context).group(1).split()  # type: ignore[union-attr]
         done = re.findall(r"^> (.+)$", context, re.M)
-        looked = next((i for i, c in enumerate(done) if c.startswith("grep")), None)
-        if careful and looked is None:
+        if not done:
             return f"grep -l {keyword} *.txt\n"
-        if len(done) == (0 if looked is None else 1):
-            name = context.split(f"> {done[looked]}\n")[1].split("\n")[0] if looked is not None else files[0]
-            return act(verb, name) + "\n"
+        if len(done) == 1:
+            seen = context.split(f"> {done[0]}\n")[1].split("\n")[0]
+            return act(verb, seen if careful else files[0]) + "\n"
         return "exit\n"
 
     return expert

@@ -2,7 +2,8 @@
 
 Each game is deterministic given its seed: ``reset() -> observation`` then
 ``step(action) -> (observation, reward, done)``, and ``close()`` when the episode is over. Rewards:
-``rooms`` pays 1 when the goal object is in the goal receptacle; ``shop`` pays the fraction of
+``rooms`` pays 1 when the goal object is put in the goal receptacle (putting another object there
+ends the task unpaid); ``shop`` pays the fraction of
 wanted attributes the bought product has; ``terminal`` (``terminal.py``) pays 1 when the final
 state of its scratch directory passes the task's check. Unknown actions cost a step and say which
 actions exist.
@@ -69,8 +70,9 @@ class Rooms:
             if self.holding == obj and rec == self.RECEPTACLES[self.room]:
                 self.holding, self.where[obj] = None, self.room
                 out = f"You put the {obj} in the {rec}."
-                if obj == self.goal_obj and rec == self.goal_rec:
-                    out, reward, done = out + " Task complete.", 1.0, True
+                if rec == self.goal_rec:  # whatever goes into the task's receptacle ends the task
+                    ok = obj == self.goal_obj
+                    out, reward, done = out + (" Task complete." if ok else " Wrong object: task failed."), float(ok), True
         elif a == "look":
             out = self._look()
         else:
