@@ -104,9 +104,15 @@ class DataConfig(Strict):
 
 class SFTConfig(Strict):
     steps: int = Field(0, ge=0)
-    """Supervised warm-start steps the trainer takes on the training answers before version 0."""
+    """Supervised warm-start steps the trainer takes before version 0: on the training prompts' reference answers,
+    or on ``demonstrations``."""
     lr: float = Field(3e-3, gt=0)
     batch_size: int = Field(64, gt=0)
+    demonstrations: str | None = None
+    """A JSONL of multi-turn demonstrations (relative paths: the recipe folder), one episode a line as
+    ``astraflow demos`` records it: the prompt, then segments of text the model wrote (trained on) and text the
+    workflow inserted (tool output, observations: masked out). Only episodes of training prompts are used.
+    None: train on ``prompt + answer``."""
 
 
 class RolloutConfig(Strict):
@@ -447,9 +453,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not p.exists():
         raise RecipeError(f"recipe {path} not found")
     data = yaml.safe_load(p.read_text()) or {}
-    data_path = (data.get("data") or {}).get("path")
-    if data_path and not Path(data_path).is_absolute():
-        data["data"]["path"] = str((p.parent / data_path).resolve())
+    for section, key in _recipe_files(data):  # files named in the recipe are relative to its folder
+        if isinstance(section[key], str) and not Path(section[key]).is_absolute():
+            section[key] = str((p.parent / section[key]).resolve())
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -462,6 +468,18 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
     return parse_recipe(data, str(p))
+
+
+def _recipe_files(data: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """Where a raw recipe names a file, as (section, key): ``data.path`` and every ``sft.demonstrations``."""
+    out = []
+    if isinstance(data.get("data"), dict) and data["data"].get("path"):
+        out.append((data["data"], "path"))
+    policies = data.get("policies") if isinstance(data.get("policies"), dict) else {}
+    for section in [data.get("sft"), *((over or {}).get("sft") for over in policies.values() if isinstance(over, dict))]:
+        if isinstance(section, dict) and section.get("demonstrations"):
+            out.append((section, "demonstrations"))
+    return out
 
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:

@@ -1,7 +1,14 @@
-"""Wall time and final held-out reward of every CPU recipe, as shipped (or with --steps N).
+"""Wall time and held-out reward of every CPU recipe, as shipped (or with --steps N), over one or more seeds.
 
-Runs ``astraflow up recipes/NAME`` for each recipe (embedded server, every role a process) and
-reads its summary. Run: ``python benchmarks/bench_recipes.py [--only math,code] [--steps N]``.
+Runs ``astraflow up recipes/NAME`` for each recipe (embedded server, every role a process) and reads its
+summary, and the CPU time of every process of the run (user + system: a figure the load of a
+shared machine does not inflate the way it does wall time). A recipe is a folder name or a file under ``recipes/`` (``code-multi-agent/verifier.yaml``).
+With ``--seeds N`` each recipe runs N times (``model.seed`` and ``trainer.seed`` = 0..N-1) and the table
+shows the mean and the spread. With ``--figures DIR`` the first seed's ``reward.png`` of each recipe is
+copied to ``DIR/recipe-NAME.png``. For a team recipe the table also shows the team's held-out reward
+(the partner's pick of k samples) against the solver alone at the same k samples.
+
+Run: ``python benchmarks/bench_recipes.py [--only search,terminal] [--steps N] [--seeds 3] [--figures benchmarks/figures]``.
 Last stdout line: JSON.
 """
 
@@ -9,46 +16,82 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ["arithmetic", "math", "math-multi-agent", "math-efficient-data", "code", "code-multi-agent", "search", "alfworld", "webshop"]
+RECIPES = ["arithmetic", "math", "math-multi-agent", "math-efficient-data", "search", "calculator", "alfworld", "webshop",
+           "terminal", "code", "code-multi-agent", "code-multi-agent/verifier.yaml"]
 
 
-def run(name: str, steps: int | None, base: Path) -> dict[str, object]:
-    run_dir = base / name
-    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(ROOT / "recipes" / name), "--run-dir", str(run_dir)]
+def label(name: str) -> str:
+    return name.replace("/", "-").removesuffix(".yaml")
+
+
+def run(name: str, steps: int | None, seed: int, base: Path) -> dict[str, Any]:
+    run_dir = base / f"{label(name)}-s{seed}"
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(ROOT / "recipes" / name), "--run-dir", str(run_dir),
+           "--set", f"model.seed={seed}", "--set", f"trainer.seed={seed}"]
     if steps:
         cmd += ["--set", f"trainer.steps={steps}"]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)  # every process of the run (up reaps its roles)
     if proc.returncode:
-        return {"recipe": name, "ok": False, "wall_s": round(wall, 1), "error": proc.stderr[-300:]}
+        return {"recipe": name, "seed": seed, "ok": False, "wall_s": round(wall, 1), "error": proc.stderr[-300:]}
     s = json.loads((run_dir / "summary.json").read_text())
-    return {"recipe": name, "ok": True, "wall_s": round(wall, 1), "policies": list(s["policies"]), "eval_policy": s["eval_policy"],
-            "steps": s["policies"][s["eval_policy"]]["steps"], "held_out_initial": s["initial_reward"], "held_out_final": s["final_reward"]}
+    team = s.get("held_out_others", {}).get("team", {})
+    last = str(s["policies"][s["eval_policy"]]["steps"])
+    return {"recipe": name, "seed": seed, "ok": True, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "run_dir": str(run_dir),
+            "policies": list(s["policies"]), "steps": int(last), "held_out_initial": s["initial_reward"],
+            "held_out_final": s["final_reward"], "held_out": s["held_out_reward"],
+            "team": {v: (r["reward"], r["avg@k"]) for v, r in team.items()},
+            "partners": {p: rows for p, rows in s.get("held_out_others", {}).items() if p != "team"}}
 
 
-def main() -> list[dict[str, object]]:
+def spread(values: list[float]) -> str:
+    if not values:
+        return "—"
+    mean = statistics.mean(values)
+    return f"{mean:.2f}" if len(values) == 1 else f"{mean:.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+def main() -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(RECIPES))
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--figures", type=Path, default=None)
     args = ap.parse_args()
+    results = []
     with tempfile.TemporaryDirectory() as d:
-        results = [run(n, args.steps, Path(d)) for n in args.only.split(",")]
-    t = Table(title="CPU recipes: wall time and held-out reward (greedy)")
-    for c in ("recipe", "steps", "wall s", "held-out v0", "held-out final"):
+        for name in args.only.split(","):
+            runs = [run(name, args.steps, seed, Path(d)) for seed in range(args.seeds)]
+            if args.figures is not None and runs[0]["ok"]:
+                args.figures.mkdir(parents=True, exist_ok=True)
+                shutil.copy(Path(runs[0]["run_dir"]) / "reward.png", args.figures / f"recipe-{label(name)}.png")
+            results += runs
+    t = Table(title="CPU recipes: wall time and held-out reward (greedy), mean (min–max) over seeds")
+    for c in ("recipe", "runs", "steps", "wall s", "CPU s", "held-out v0", "held-out final", "team final: pick / alone"):
         t.add_column(c)
-    for r in results:
-        t.add_row(str(r["recipe"]), str(r.get("steps", "—")), str(r["wall_s"]), str(r.get("held_out_initial", "failed")), str(r.get("held_out_final", "—")))
+    for name in args.only.split(","):
+        ok = [r for r in results if r["recipe"] == name and r["ok"]]
+        team = [r["team"][str(r["steps"])] for r in ok if str(r["steps"]) in r["team"]]
+        t.add_row(name, f"{len(ok)}/{args.seeds}", str(ok[0]["steps"]) if ok else "—", spread([r["wall_s"] for r in ok]),
+                  spread([r["cpu_s"] for r in ok]),
+                  spread([r["held_out_initial"] for r in ok]), spread([r["held_out_final"] for r in ok]),
+                  f"{spread([p for p, _ in team])} / {spread([a for _, a in team])}" if team else "—")
     Console().print(t)
     return results
 

@@ -20,7 +20,8 @@ from astraflow.config import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_YAML = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "recipes").glob("*/*.yaml"))
-CPU_RECIPES = ["math", "math-efficient-data", "code", "code-multi-agent", "search", "alfworld", "webshop", "arithmetic/moe.yaml"]
+CPU_RECIPES = ["math", "math-efficient-data", "code", "code-multi-agent", "code-multi-agent/verifier.yaml", "search", "calculator",
+               "alfworld", "webshop", "terminal", "arithmetic/moe.yaml"]
 
 
 @pytest.mark.parametrize("path", ALL_YAML)
@@ -31,7 +32,8 @@ def test_recipe_loads(path: str):
 
 
 def test_every_seed_recipe_is_shipped():
-    for name in ("math", "math-multi-agent", "math-efficient-data", "code", "code-multi-agent", "search", "alfworld", "webshop"):
+    for name in ("math", "math-multi-agent", "math-efficient-data", "code", "code-multi-agent", "search", "alfworld", "webshop",
+                 "calculator", "terminal"):
         assert (ROOT / "recipes" / name / "recipe.yaml").exists() and (ROOT / "recipes" / name / "gpu.yaml").exists(), name
 
 
@@ -39,7 +41,7 @@ def test_every_seed_recipe_is_shipped():
 @pytest.mark.parametrize("name", CPU_RECIPES)
 def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
     run_dir = tmp_path / f"{name.replace('/', '-').replace('.', '-')}-run"  # the run id comes from the folder name: no dots
-    sets = ["trainer.steps=2", "eval.every=2", "rollout.nodes=1"]
+    sets = ["trainer.steps=2", "eval.every=2", "rollout.nodes=1", "data.n_eval=16"]
     if load_recipe(ROOT / "recipes" / name).policies[load_recipe(ROOT / "recipes" / name).primary].sft.steps:
         sets.append("sft.steps=10")
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(ROOT / "recipes" / name), "--nats", nats_server.url,
@@ -53,6 +55,8 @@ def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
         assert [r["version"] for r in rows if r["policy"] == policy] == [0, 1, 2], policy
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["held_out_reward"]) == {"0", "2"}
+    for subject, rows in summary["held_out_others"].items():  # a team's partner and the team itself
+        assert set(rows) == {"0", "2"}, subject
 
 
 def test_loading_every_recipe_imports_no_model_stack():

@@ -19,9 +19,10 @@ from astraflow.rollout.engines.base import SamplingParams
 from astraflow.rollout.engines.testing import ScriptEngine
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows.base import PolicyHandle
-from astraflow.rollout.workflows.registry import get_workflow
+from astraflow.rollout.workflows.registry import evaluation_of, get_workflow
 from astraflow.rollout.workflows.multi_policy import parse_choice, parse_verdict
 from astraflow.streams.messages import Task
+from astraflow.tasks import Problem
 
 TOK = load_tokenizer("byt5")
 
@@ -100,6 +101,40 @@ def test_solver_testgen_rewards_valid_discriminating_tests():
     assert tg["c0.testgen.0"] == (1.0, True)  # double(3)==6 tells x+x from x*x
     assert tg["c0.testgen.1"] == (0.5, True)  # double(2)==4 passes both: judges the wrong one right
     assert tg["c1.testgen.0"] == (0.0, False)  # double(1)==3 fails the reference: invalid
+
+
+def test_solver_verifier_team_evaluation():
+    """Held out: the solver's greedy answer, its k samples, the verifier's accuracy, and the sample it picks."""
+    problems = [Problem(f"p{i}", f"{i}+1=", {"answer": str(i + 1)}) for i in range(2)]
+    solver = handle(alternating("9", "0", "9", "1", "9", "2"), "solver")  # greedy: wrong; then wrong, right per prompt
+    verifier = handle(lambda p: "yes" if p.split("=")[1].split("\n")[0] == str(int(p.split("+")[0]) + 1) else "no", "verifier")
+    wf = get_workflow("solver_verifier", get_reward("arithmetic"))
+    assert evaluation_of("solver_verifier") == "team"
+    got = wf.evaluate(problems, {"solver": solver, "verifier": verifier}, 2, 1.0)
+    assert got["solver"] == {"reward": 0.0, "avg@k": 0.5, "pass@k": 1.0, "k": 2.0, "n": 2.0}
+    assert got["verifier"]["reward"] == 1.0  # every verdict right
+    assert got["team"]["reward"] == 1.0 and got["team"]["avg@k"] == 0.5  # the verifier's pick beats one sample at random
+    lenient = handle(lambda p: "yes", "verifier")
+    solver.engine.reply = alternating("9", "0", "9", "1", "9", "2")
+    got = wf.evaluate(problems, {"solver": solver, "verifier": lenient}, 2, 1.0)
+    assert got["verifier"]["reward"] == 0.5 and got["team"]["reward"] == 0.0  # accepts the first sample: wrong
+
+
+def test_solver_testgen_team_evaluation():
+    problems = [Problem("double", "Write double(x).", {"tests": ["assert double(2) == 4", "assert double(5) == 10"],
+                                                       "reference": "def double(x):\n    return 2 * x\n", "answer": ""})]
+    solver = handle(alternating("def double(x):\n    print(2 * x)\n", "def double(x):\n    print(x)\n",
+                                "def double(x):\n    return x + x\n"), "solver")
+    gen = handle(lambda p: "assert double(3) == 6", "testgen")
+    got = get_workflow("solver_testgen", get_reward("code")).evaluate(problems, {"solver": solver, "testgen": gen}, 2, 1.0)
+    assert got["solver"]["reward"] == 0.0 and got["solver"]["avg@k"] == 0.5
+    assert got["testgen"]["reward"] == 1.0  # valid on the reference, judges both samples as the hidden tests do
+    assert got["team"]["reward"] == 1.0  # the first sample its test passes
+    solver.engine.reply = alternating("def double(x):\n    print(2 * x)\n", "def double(x):\n    print(x)\n",
+                                      "def double(x):\n    return x + x\n")
+    weak = handle(lambda p: "assert callable(double)", "testgen")
+    got = get_workflow("solver_testgen", get_reward("code")).evaluate(problems, {"solver": solver, "testgen": weak}, 2, 1.0)
+    assert got["testgen"]["reward"] == 0.5 and got["team"]["reward"] == 0.0  # a test that passes anything picks the first
 
 
 def test_multi_policy_workflow_needs_two_policies():

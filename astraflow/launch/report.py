@@ -17,6 +17,10 @@ from astraflow.launch.rundir import RunDir
 def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "finished") -> dict[str, Any]:
     versions = list(rundir.rows("metrics.jsonl"))
     evals = {int(r["version"]): r for r in rundir.rows("evals.jsonl") if r.get("policy") == recipe.eval_policy}
+    others: dict[str, dict[int, dict[str, Any]]] = {}  # a team's other subjects (its partner policies, the team)
+    for r in rundir.rows("evals.jsonl"):
+        if r.get("policy") != recipe.eval_policy:
+            others.setdefault(r["policy"], {})[int(r["version"])] = r
     per_policy = {}
     for p, cfg in recipe.policies.items():
         rows = sorted((r for r in versions if r["policy"] == p), key=lambda r: r["version"])
@@ -39,6 +43,8 @@ def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "
         "held_out_reward": {str(v): r["reward"] for v, r in sorted(evals.items())},
         "initial_reward": evals[0]["reward"] if 0 in evals else None,
         "final_reward": evals[final_v]["reward"] if final_v in evals else None,
+        "held_out_others": {subject: {str(v): {k: r[k] for k in ("reward", "avg@k", "pass@k")} for v, r in sorted(rows.items())}
+                            for subject, rows in others.items()},
         "eval_at_s": {str(v): r["run_s"] for v, r in sorted(evals.items())},
         "eval_at_rollouts": {str(v): r["rollouts"] for v, r in sorted(evals.items())},
         "policies": per_policy,
@@ -46,7 +52,7 @@ def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "
     }
     rundir.file("summary.json").write_text(json.dumps(summary, indent=2))
     pool = list(rundir.rows("pool.jsonl"))
-    plot(versions, list(evals.values()), pool, rundir.file("reward.png"), recipe.name)
+    plot(versions, list(evals.values()), pool, rundir.file("reward.png"), recipe.name, others)
     write_csv(versions, rundir.file("metrics.csv"))
     write_csv(pool, rundir.file("pool.csv"))
     t = Table(title=f"{recipe.name}: summary")
@@ -59,9 +65,10 @@ def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "
     return summary
 
 
-def plot(versions: list[dict[str, Any]], evals: list[dict[str, Any]], pool: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Four panels: reward against version; held-out reward against rollouts generated (when each
-    evaluated version was trained); trainer wait; pool throughput and size, over run time."""
+def plot(versions: list[dict[str, Any]], evals: list[dict[str, Any]], pool: list[dict[str, Any]], path: Path, title: str,
+         others: dict[str, dict[int, dict[str, Any]]] | None = None) -> None:
+    """Four panels: reward against version (with a team's other held-out subjects); held-out reward against
+    rollouts generated (when each evaluated version was trained); trainer wait; pool throughput and size, over run time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,6 +83,11 @@ def plot(versions: list[dict[str, Any]], evals: list[dict[str, Any]], pool: list
     if ev:
         a.plot([r["version"] for r in ev], [r["reward"] for r in ev], "o-", label="held-out reward (greedy)")
         b.plot([r["rollouts"] for r in ev], [r["reward"] for r in ev], "o-", color="C3")
+    for subject, rows in (others or {}).items():
+        vs = sorted(rows)
+        a.plot(vs, [rows[v]["reward"] for v in vs], "s-", label=f"held-out: {subject}")
+        if subject == "team":  # what the team picks out of k samples, against one of them at random
+            a.plot(vs, [rows[v]["avg@k"] for v in vs], "s--", label="held-out: solver alone at the same k (avg@k)")
     a.set(xlabel="policy version (optimizer steps)", ylabel="reward", ylim=(-0.02, 1.02), title="reward")
     b.set(xlabel="rollouts generated", ylabel="held-out reward", ylim=(-0.02, 1.02), title="held-out reward vs rollouts")
     for key in sorted({k for s in pool for k in s if k.startswith("wait.")}):

@@ -138,9 +138,9 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
     """Start the roles and watch the run until it finishes; returns how it ended."""
     plane = await Plane.connect(opts, rundir.run, "launcher", wait=30)
     await plane.ensure_topology(recipe.topology())  # before any role: they only look for it
-    from astraflow.rollout.evaluator import eval_versions  # lazy: pulls in the model stack
+    from astraflow.rollout.evaluator import eval_subjects, eval_versions  # lazy: pulls in the model stack
 
-    watcher = RunWatcher(plane, recipe, rundir, set(eval_versions(recipe)) if recipe.eval.enabled else set())
+    watcher = RunWatcher(plane, recipe, rundir, set(eval_versions(recipe)) if recipe.eval.enabled else set(), eval_subjects(recipe))
     await watcher.start()
     for spec in specs:
         sup.start(spec)

@@ -4,7 +4,8 @@ Like any operator, the launcher reads only the plane: heartbeats, weight announc
 state. Every weight version becomes a line of ``metrics.jsonl`` (once, however often a session
 restarts; only announcements a node would follow, ``weights/checks.py``: what a foreign writer
 announced that no trainer could have made is dead-lettered, not recorded), every held-out
-evaluation a line of ``evals.jsonl``, and the pool is sampled into ``pool.jsonl``. Counts come from the server (trajectories stored in the TRAJ stream), not from
+evaluation a line of ``evals.jsonl`` (one per subject: the evaluated policy, or a team's
+policies and the team), and the pool is sampled into ``pool.jsonl``. Counts come from the server (trajectories stored in the TRAJ stream), not from
 heartbeats, so they survive restarts and never go stale.
 """
 
@@ -53,15 +54,17 @@ class Live:
 
 
 class RunWatcher:
-    def __init__(self, plane: Plane, recipe: Recipe, rundir: RunDir, wanted_evals: set[int]) -> None:
+    def __init__(self, plane: Plane, recipe: Recipe, rundir: RunDir, wanted_evals: set[int],
+                 subjects: tuple[str, ...] = ()) -> None:
         self.plane, self.recipe, self.rundir = plane, recipe, rundir
-        self.wanted_evals = wanted_evals
+        self.subjects = subjects or (recipe.eval_policy,)  # whose evaluations are recorded (a team has several)
+        self.wanted_evals = {(s, v) for s in self.subjects for v in wanted_evals}
         self.live = Live()
         self.subs: list[Subscription] = []
         self._recorded = {(r["policy"], r["version"], r.get("state_digest")) for r in rundir.rows("metrics.jsonl")}
         for r in rundir.rows("metrics.jsonl"):
             self._seen_version(r)
-        self._evals = {int(r["version"]) for r in rundir.rows("evals.jsonl") if r.get("policy") == recipe.eval_policy}
+        self._evals = {(r["policy"], int(r["version"])) for r in rundir.rows("evals.jsonl")}
         self.live.evals = {int(r["version"]): float(r["reward"]) for r in rundir.rows("evals.jsonl")
                            if r.get("policy") == recipe.eval_policy}
         self._offset = rundir.wall_s()  # run time before this session
@@ -126,20 +129,21 @@ class RunWatcher:
 
     async def _poll_evals(self) -> None:
         epol = self.recipe.eval_policy
-        for v in sorted(self.wanted_evals - self._evals):
+        for subject, v in sorted(self.wanted_evals - self._evals):
             try:
-                got = await self.plane.state.get(EvalRecord, epol, v)
+                got = await self.plane.state.get(EvalRecord, subject, v)
             except StateSchemaError as e:  # not a record (a writer the permissions let through): no figure, the run goes on
-                log.warning("evaluation of %s v%d is not readable, left out of the figures: %s", epol, v, e)
-                self._evals.add(v)
+                log.warning("evaluation of %s v%d is not readable, left out of the figures: %s", subject, v, e)
+                self._evals.add((subject, v))
                 continue
             if got is None:
                 continue
-            self._evals.add(v)
-            self.live.evals[v] = got.reward
+            self._evals.add((subject, v))
+            if subject == epol:
+                self.live.evals[v] = got.reward
             at = [r for r in self.rundir.rows("metrics.jsonl") if r["policy"] == epol and r["version"] == v]
             rollouts = at[-1]["trajectories"] if at else self.live.trajectories  # generated when v was trained
-            self.rundir.append("evals.jsonl", {"policy": epol, "version": v, "reward": got.reward, "avg@k": got.avg_at_k,
+            self.rundir.append("evals.jsonl", {"policy": subject, "version": v, "reward": got.reward, "avg@k": got.avg_at_k,
                                                "pass@k": got.pass_at_k, "k": got.k, "rollouts": rollouts, "run_s": round(self.run_time(), 2)})
 
     async def _sample(self) -> None:

@@ -10,7 +10,10 @@ of prompts with at least one passing sample). With k = 1 both equal the greedy n
 workflow says how it is evaluated (``Workflow.evaluation``): ``workflow`` plays each prompt
 through the recipe's own workflow, so a tool-using agent is scored with its tools;
 ``single_turn`` scores the evaluated policy's single-turn answers with the recipe's reward
-(multi-policy workflows, agent code).
+(multi-policy workflows, agent code); ``team`` lets the workflow score every policy and the team
+(``solver_verifier``: the solver, the verifier's accuracy, and the answer the verifier picks out of
+k samples against the solver alone at the same k), each under its own subject
+(``eval.{policy}.{version}``, ``eval.team.{version}``), every policy held at the same version.
 
 Held-out problems pass the rollout node's task checks first (``task_checks.py``: a prompt the
 model can hold, a ``meta`` the reward can score); one that fails is left out with its reason
@@ -21,9 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -33,11 +35,13 @@ from astraflow.models import encode_prompt, load_tokenizer
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams, close_engine
 from astraflow.rollout.node import make_handle
 from astraflow.rollout.rewards import get_reward
+from astraflow.rollout.scores import PASS_THRESHOLD, pass_at_k, sample_metrics  # noqa: F401 (part of this module's API)
 from astraflow.rollout.task_checks import TaskRules, check_content, check_prompt
+from astraflow.rollout.workflows.base import TEAM
 from astraflow.rollout.workflows.registry import evaluation_of, get_workflow, workflow_class
 from astraflow.runtime import every, stop_event, watch_server
-from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, EvaluatorStats, Heartbeat
+from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import EvalRecord, StateSchemaError, VersionRecord
 from astraflow.tasks import Problem, load_split
 from astraflow.weights.sync import WeightSync
@@ -48,31 +52,6 @@ log = logging.getLogger(__name__)
 def eval_versions(recipe: Recipe) -> list[int]:
     every, last = recipe.eval.every, recipe.policies[recipe.eval_policy].trainer.steps
     return sorted({0, last, *range(every, last, every)})
-
-
-PASS_THRESHOLD = 1.0  # a sample "passes" when its reward is at least this
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one prompt with ``c`` passing samples out of ``n``: ``1 - C(n-c, k) / C(n, k)``.
-
-    With ``n == k`` (what the evaluator draws) it is 1 if any sample passed, else 0."""
-    if n <= 0 or c <= 0:
-        return 0.0
-    k = min(k, n)
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def sample_metrics(samples: Sequence[Sequence[float]], k: int, threshold: float = PASS_THRESHOLD) -> dict[str, float]:
-    """``avg@k`` (mean reward over every sample of every prompt) and ``pass@k`` (mean over prompts of
-    :func:`pass_at_k`, a sample passing when its reward >= ``threshold``) from each prompt's sample rewards."""
-    rewards = [r for s in samples for r in s]
-    if not samples or not rewards:
-        return {"avg@k": 0.0, "pass@k": 0.0}
-    passes = [pass_at_k(len(s), sum(r >= threshold for r in s), k) for s in samples]
-    return {"avg@k": sum(rewards) / len(rewards), "pass@k": sum(passes) / len(passes)}
 
 
 def _summary(greedy: list[float], samples: list[list[float]] | None, k: int) -> dict[str, float]:
@@ -178,10 +157,25 @@ async def _announced(plane: Plane, policy: str) -> int:
     return record.version if record is not None else -1
 
 
+def eval_subjects(recipe: Recipe) -> tuple[str, ...]:
+    """What gets an ``eval.{subject}.{version}`` record: the evaluated policy; for a team workflow, every policy
+    and the team (``TEAM``)."""
+    if evaluation_of(recipe.workflow) == "team":
+        return (*recipe.policy_names, TEAM)
+    return (recipe.eval_policy,)
+
+
+def evaluate_team(recipe: Recipe, handles: dict[str, Any], problems: list[Any]) -> dict[str, dict[str, float]]:
+    """A team workflow's own held-out evaluation, every policy at the version the evaluator holds."""
+    workflow = get_workflow(recipe.workflow_options, get_reward(recipe.reward))
+    return workflow.evaluate(problems, handles, recipe.eval.k, recipe.eval.temperature)  # type: ignore[attr-defined,no-any-return]
+
+
 async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "evaluator",
                 metrics_port: int | None = None) -> None:
     torch.set_num_threads(recipe.rollout.threads)
     policy = recipe.eval_policy
+    team = evaluation_of(recipe.workflow) == "team"
     metrics = None
     if metrics_port is not None:
         metrics = Metrics("evaluator", policy=policy, worker=worker_id)
@@ -189,44 +183,51 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
         log.info("Prometheus metrics on :%d/metrics", port)
     plane = await Plane.connect(nats, run, worker_id)
     await plane.ensure_topology(recipe.topology(), create=False)
-    handle = make_handle(recipe, policy)
-    sync = WeightSync(plane, policy, handle.engine)
+    followed = recipe.policy_names if team else (policy,)  # a team is evaluated with every policy at the same version
+    handles = {p: make_handle(recipe, p) for p in followed}
+    syncs = {p: WeightSync(plane, p, handles[p].engine) for p in followed}
     held_out = scorable(recipe, load_split(recipe.data)[1])
     stop = stop_event()
-    ev = recipe.eval
+    ev, last_subject = recipe.eval, eval_subjects(recipe)[-1]
     done: list[tuple[int, float]] = []
 
     async def beat() -> None:
         last = done[-1] if done else (-1, 0.0)
         stats = EvaluatorStats(evaluated=len(done), last_version=last[0], last_reward=last[1])
-        await plane.beat(Heartbeat(worker_id=worker_id, policy=policy, version=sync.version, stats=stats, metrics=serving()))
+        await plane.beat(Heartbeat(worker_id=worker_id, policy=policy, version=syncs[policy].version, stats=stats, metrics=serving()))
 
     side = [asyncio.create_task(every(HEARTBEAT_PERIOD_S, beat, stop)),
             asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))]
     try:
         for v in eval_versions(recipe):
-            while not stop.is_set() and await _announced(plane, policy) < v:
+            at = {p: min(v, recipe.policies[p].trainer.steps) for p in followed}
+            while not stop.is_set() and any([await _announced(plane, p) < at[p] for p in followed]):
                 await asyncio.sleep(0.5)
             if stop.is_set():
                 break
-            if await evaluated(plane, policy, v):
+            if await evaluated(plane, last_subject, v):
                 continue  # already evaluated (a restarted evaluator)
-            await sync.goto(v)
+            for p in followed:
+                await syncs[p].goto(at[p])
             t0 = time.perf_counter()
-            if evaluation_of(recipe.workflow) == "workflow":
-                result = await asyncio.to_thread(evaluate_with_workflow, recipe, handle, policy, held_out)
+            if team:
+                results = await asyncio.to_thread(evaluate_team, recipe, handles, held_out)
+            elif evaluation_of(recipe.workflow) == "workflow":
+                results = {policy: await asyncio.to_thread(evaluate_with_workflow, recipe, handles[policy], policy, held_out)}
             else:
-                result = await asyncio.to_thread(evaluate, handle, held_out, recipe.reward, recipe.rollout.max_new_tokens,
-                                                 ev.k, ev.temperature, recipe.rollout.top_p)
+                results = {policy: await asyncio.to_thread(evaluate, handles[policy], held_out, recipe.reward,
+                                                           recipe.rollout.max_new_tokens, ev.k, ev.temperature, recipe.rollout.top_p)}
             elapsed = time.perf_counter() - t0
-            await plane.state.put(EvalRecord(policy=policy, version=v, **result))
-            done.append((v, result["reward"]))
+            for subject, result in results.items():  # the last subject last: its record says the version is done
+                await plane.state.put(EvalRecord(policy=subject, version=v, **result))
+                log.info("eval %s v%d: held-out reward %.3f, avg@%d %.3f, pass@%d %.3f", subject, v, result["reward"],
+                         ev.k, result["avg@k"], ev.k, result["pass@k"])
+            done.append((v, results[policy]["reward"]))
             if metrics is not None:
-                export_eval(metrics, result, v, sync.version, elapsed)
-            log.info("eval %s v%d: held-out reward %.3f, avg@%d %.3f, pass@%d %.3f", policy, v, result["reward"],
-                     ev.k, result["avg@k"], ev.k, result["pass@k"])
+                export_eval(metrics, results[policy], v, syncs[policy].version, elapsed)
     finally:
         stop.set()
         await asyncio.gather(*side, return_exceptions=True)
-        close_engine(handle.engine)
+        for h in handles.values():
+            close_engine(h.engine)
         await plane.close()

@@ -250,8 +250,12 @@ class RolloutNode:
         beats = asyncio.create_task(every(2.0, self.beat, stop))
         watchdog = asyncio.create_task(watch_server(self.plane, stop, self.recipe.plane.server_gone_timeout))
         try:
-            for sync in self.syncs.values():  # joining: the current weights first
-                await sync.wait_for(0, timeout=600)
+            for policy, sync in self.syncs.items():  # joining: the current weights first, however long a warm start takes
+                while sync.version < 0 and not stop.is_set():
+                    try:
+                        await sync.wait_for(0, timeout=60)
+                    except TimeoutError as e:
+                        log.info("still waiting for the first weights of %s: %s", policy, e)
             self._last_full_refresh = time.monotonic()
             if isinstance(self.workflow, AgentHost):
                 self.endpoint = self.workflow.start(NodeServices(self.worker_id, self.handles, self._publish_from_thread,

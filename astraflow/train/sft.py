@@ -1,4 +1,10 @@
-"""Supervised warm start on reference answers, before version 0 (prompt tokens masked)."""
+"""Supervised warm start before version 0: on reference answers, or on multi-turn demonstrations.
+
+Without ``sft.demonstrations`` an example is prompt + reference answer + EOS, the answer trained on.
+With it, an example is a recorded episode (``astraflow.demonstrations``): only the text the model
+wrote is trained on; the prompt and what the workflow inserted (tool output, observations) are
+masked out, as ``loss_mask`` masks them in RL. Only episodes of training prompts are used.
+"""
 
 from __future__ import annotations
 
@@ -8,31 +14,58 @@ from typing import Any
 import torch
 
 from astraflow.config import SFTConfig
+from astraflow.demonstrations import demonstration_tokens, read_demonstrations
 from astraflow.models import encode_prompt
 from astraflow.tasks import Problem
 
+Example = tuple[list[int], list[bool]]  # token ids, trained-on flags
+
+
+def answer_examples(tokenizer: Any, problems: list[Problem]) -> list[Example]:
+    out = []
+    for p in problems:
+        prompt, answer = encode_prompt(tokenizer, p.prompt), encode_prompt(tokenizer, p.meta["answer"]) + [tokenizer.eos_token_id]
+        out.append((prompt + answer, [False] * len(prompt) + [True] * len(answer)))
+    return out
+
+
+def demonstration_examples(tokenizer: Any, problems: list[Problem], path: str, max_len: int) -> list[Example]:
+    """The episodes of ``path`` that play a training problem, tokenised; an episode longer than the model fails."""
+    train_ids = {p.prompt_id for p in problems}
+    demos = [d for d in read_demonstrations(path) if d.prompt_id in train_ids]
+    if not demos:
+        raise ValueError(f"sft.demonstrations {path}: no episode plays a training problem (held-out ones are never used)")
+    out = []
+    for d in demos:
+        ids, trained = demonstration_tokens(d, tokenizer)
+        if len(ids) > max_len:
+            raise ValueError(f"sft.demonstrations {path}: the episode of {d.prompt_id} has {len(ids)} tokens, "
+                             f"the model holds {max_len} (model.max_positions)")
+        out.append((ids, trained))
+    return out
+
 
 def sft(model: torch.nn.Module, tokenizer: Any, problems: list[Problem], cfg: SFTConfig, seed: int = 0) -> float:
-    """Train ``model`` in place on ``cfg.steps`` batches of prompt + answer; returns the last loss.
+    """Train ``model`` in place on ``cfg.steps`` batches of examples; returns the last loss.
 
     Runs on the plain module, before any backend wraps it, with its own AdamW (the RL
     optimizer starts fresh at version 0).
     """
     rng = random.Random(seed)
+    if cfg.demonstrations:
+        examples = demonstration_examples(tokenizer, problems, cfg.demonstrations, model.config.max_position_embeddings)
+    else:
+        examples = answer_examples(tokenizer, problems)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    eos, loss = tokenizer.eos_token_id, torch.tensor(0.0)
+    pad, loss = tokenizer.pad_token_id, torch.tensor(0.0)
     model.train()
     for _ in range(cfg.steps):
-        chosen = [rng.choice(problems) for _ in range(cfg.batch_size)]
-        prompts = [encode_prompt(tokenizer, p.prompt) for p in chosen]
-        seqs = [pr + encode_prompt(tokenizer, p.meta["answer"]) + [eos] for pr, p in zip(prompts, chosen)]
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in seqs], device=device)
-        labels = ids.clone()
-        for i, (pr, s) in enumerate(zip(prompts, seqs)):
-            labels[i, : len(pr)] = -100
-            labels[i, len(s) :] = -100
+        chosen = [rng.choice(examples) for _ in range(cfg.batch_size)]
+        width = max(len(ids) for ids, _ in chosen)
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s, _ in chosen], device=device)  # (B, T)
+        trained = torch.tensor([t + [False] * (width - len(t)) for _, t in chosen], device=device)  # (B, T)
+        labels = ids.masked_fill(~trained, -100)  # prompt, inserted text and padding carry no loss
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,9 +1,12 @@
-"""Two tiny text games with the shape of ALFWorld (household tasks) and WebShop (shopping).
+"""Tiny text games with the shape of ALFWorld (household tasks), WebShop (shopping) and Terminal-Bench (a shell).
 
 Each game is deterministic given its seed: ``reset() -> observation`` then
-``step(action) -> (observation, reward, done)``. Rewards: ``rooms`` pays 1 when the goal object
-is in the goal receptacle; ``shop`` pays the fraction of wanted attributes the bought product
-has. Unknown actions cost a step and say which actions exist.
+``step(action) -> (observation, reward, done)``, and ``close()`` when the episode is over. Rewards:
+``rooms`` pays 1 when the goal object is put in the goal receptacle (putting another object there
+ends the task unpaid); ``shop`` pays the fraction of
+wanted attributes the bought product has; ``terminal`` (``terminal.py``) pays 1 when the final
+state of its scratch directory passes the task's check. Unknown actions cost a step and say which
+actions exist.
 """
 
 from __future__ import annotations
@@ -12,11 +15,16 @@ import random
 import re
 from typing import Callable, Protocol
 
+from astraflow.rollout.envs.terminal import Terminal
+
 
 class Game(Protocol):
     def reset(self) -> str: ...
 
     def step(self, action: str) -> tuple[str, float, bool]: ...
+
+    def close(self) -> None:
+        """Release what the episode holds (a scratch directory); the episode is over."""
 
 
 class Rooms:
@@ -62,8 +70,9 @@ class Rooms:
             if self.holding == obj and rec == self.RECEPTACLES[self.room]:
                 self.holding, self.where[obj] = None, self.room
                 out = f"You put the {obj} in the {rec}."
-                if obj == self.goal_obj and rec == self.goal_rec:
-                    out, reward, done = out + " Task complete.", 1.0, True
+                if rec == self.goal_rec:  # whatever goes into the task's receptacle ends the task
+                    ok = obj == self.goal_obj
+                    out, reward, done = out + (" Task complete." if ok else " Wrong object: task failed."), float(ok), True
         elif a == "look":
             out = self._look()
         else:
@@ -71,6 +80,9 @@ class Rooms:
         if not done and self.steps >= self.max_steps:
             out, done = out + " Out of steps.", True
         return out, reward, done
+
+    def close(self) -> None:
+        pass
 
 
 class Shop:
@@ -82,9 +94,9 @@ class Shop:
 
     def __init__(self, seed: int, max_steps: int = 8) -> None:
         rng = random.Random(seed)
-        self.items = [{"id": f"i{n}", "kind": k, "color": c, "size": s, "price": rng.randint(5, 50)}
-                      for n, (k, c, s) in enumerate((k, c, s) for k in self.KINDS for c in self.COLORS for s in self.SIZES)]
-        rng.shuffle(self.items)
+        combos = [(k, c, s) for k in self.KINDS for c in self.COLORS for s in self.SIZES]
+        rng.shuffle(combos)  # ids say nothing about an item: the agent has to read the results
+        self.items = [{"id": f"i{n}", "kind": k, "color": c, "size": s, "price": rng.randint(5, 50)} for n, (k, c, s) in enumerate(combos)]
         self.want = {"kind": rng.choice(self.KINDS), "color": rng.choice(self.COLORS), "size": rng.choice(self.SIZES)}
         self.page: list[dict] = []
         self.open: dict | None = None
@@ -124,5 +136,8 @@ class Shop:
             out, done = out + " Out of steps.", True
         return out, reward, done
 
+    def close(self) -> None:
+        pass
 
-GAMES: dict[str, Callable[[int], Game]] = {"rooms": Rooms, "shop": Shop}
+
+GAMES: dict[str, Callable[[int], Game]] = {"rooms": Rooms, "shop": Shop, "terminal": Terminal}

@@ -2,7 +2,7 @@
 
 API (JSON in, JSON out):
 
-- ``POST /start {"env": "rooms"|"shop", "seed": int}`` → ``{"episode_id", "observation", "done": false}``
+- ``POST /start {"env": "rooms"|"shop"|"terminal", "seed": int}`` → ``{"episode_id", "observation", "done": false}``
 - ``POST /step {"episode_id", "action": str}`` → ``{"observation", "reward", "done"}``
 - ``POST /close {"episode_id"}`` → ``{"closed": true}``
 - ``GET /health`` → ``{"ok": true, "envs": [...], "open": n}``
@@ -72,8 +72,10 @@ class _Handler(JsonHandler):
             return self._reply(200, {"observation": obs, "reward": reward, "done": done})
         if self.path == "/close":
             with s.lock:
-                s.episodes.pop(body.get("episode_id", ""), None)
+                closing = s.episodes.pop(body.get("episode_id", ""), None)
                 s.stats["closed"] += 1
+            if closing is not None:
+                closing.close()
             return self._reply(200, {"closed": True})
         self._reply(404, {"error": f"no route {self.path}"})
 

@@ -186,7 +186,13 @@ def code(text: str, meta: dict[str, Any]) -> float:
 
     box = Sandbox(timeout_s=float(meta.get("timeout_s", 5.0)), cpu_s=int(meta.get("cpu_s", 5)), memory_mb=int(meta.get("memory_mb", 512)))
     src = (meta.get("setup", "") + "\n" + extract_code(text)).strip() + "\n"
-    return box.run(src, list(meta["tests"])).fraction
+    return _pass_fraction(box, src, tuple(meta["tests"]))
+
+
+@lru_cache(maxsize=4096)
+def _pass_fraction(box: Any, src: str, tests: tuple[str, ...]) -> float:
+    """Programs and tests are deterministic, and the samples of a group often repeat one another: run each pair once."""
+    return float(box.run(src, list(tests)).fraction)
 
 
 def _normalize(s: str) -> str:

@@ -1,4 +1,4 @@
-"""Run untrusted Python (a model's code) against tests in a subprocess sandbox.
+"""Run untrusted Python (a model's code) against tests, or an untrusted program in a directory, in a subprocess sandbox.
 
 Isolation, in layers:
 
@@ -11,6 +11,9 @@ Isolation, in layers:
   kernel allows it — only a loopback device that is down; otherwise the harness replaces the
   socket module's constructors before the candidate runs (best effort: a determined program
   can reach ``_socket``). ``Sandbox.network_isolation`` says which one is in force.
+
+``Sandbox.exec`` runs one program (argv, no shell) in a given directory under the same limits and
+returns its output; the terminal environment (``envs/shell.py``) runs an agent's commands with it.
 
 The harness runs each test (a Python statement, usually an ``assert``) in its own
 ``try``, so one failing test does not hide the others, and reports through a result file the
@@ -79,6 +82,13 @@ class SandboxResult:
         return sum(self.passed) / len(self.passed) if self.passed else 0.0
 
 
+@dataclass(frozen=True)
+class CommandResult:
+    output: str  # stdout and stderr, interleaved as written, cut to the sandbox's output limit
+    returncode: int | None  # None: killed at the timeout
+    timed_out: bool = False
+
+
 @lru_cache(maxsize=1)
 def _unshare_prefix() -> tuple[str, ...]:
     """The command prefix that gives a child its own (empty) network namespace, or () if none works."""
@@ -101,6 +111,7 @@ class Sandbox:
     memory_mb: int = 512
     file_mb: int = 16
     isolate_network: bool = True
+    output_chars: int = 4000  # exec: output kept (the head)
 
     @property
     def network_isolation(self) -> str:
@@ -115,6 +126,23 @@ class Sandbox:
         resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (self.file_mb * 1024 * 1024,) * 2)
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    def exec(self, argv: list[str], cwd: str) -> CommandResult:
+        """Run ``argv`` (no shell) in ``cwd`` with the limits, an empty environment and no network."""
+        prefix = _unshare_prefix() if self.isolate_network else ()
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd}
+        proc = subprocess.Popen([*prefix, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, preexec_fn=self._limits)
+        try:
+            out, _ = proc.communicate(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, _ = proc.communicate()
+            return CommandResult(out.decode(errors="replace")[: self.output_chars], None, True)
+        return CommandResult(out.decode(errors="replace")[: self.output_chars], proc.returncode)
 
     def run(self, code: str, tests: list[str]) -> SandboxResult:
         with tempfile.TemporaryDirectory(prefix="af-sandbox-") as tmp:

@@ -25,6 +25,7 @@ import numpy as np
 from astraflow.models import encode_prompt
 from astraflow.rollout.engines.base import Completion, Engine, GenerationRequest, SamplingParams, StaleWeights
 from astraflow.streams.messages import Task, Trajectory
+from astraflow.tasks import Problem
 
 
 @dataclass
@@ -110,11 +111,14 @@ def make_trajectory(task: Task, policy: str, index: int, group_size: int, prompt
     )
 
 
-Evaluation = Literal["workflow", "single_turn"]
+Evaluation = Literal["workflow", "single_turn", "team"]
 """How the evaluator scores a workflow's policy on held-out prompts. ``workflow``: each prompt is played
 through the workflow with the evaluated policy alone (a tool-using agent is scored with its tools).
 ``single_turn``: the policy's single-turn answers are scored with the recipe's reward (a workflow that
-needs partners, or agent code, is not replayed)."""
+needs partners, or agent code, is not replayed). ``team``: the workflow scores every policy and the team
+itself, with every policy at the same version (the class has an ``evaluate`` method: :class:`TeamWorkflow`)."""
+TEAM = "team"
+"""The subject under which a team workflow's own held-out score is recorded, beside each policy's."""
 
 
 class Workflow(Protocol):
@@ -129,6 +133,15 @@ class Workflow(Protocol):
         """How the evaluator scores it (a class attribute)."""
 
     def run(self, tasks: list[Task], policies: Mapping[str, PolicyHandle], node_id: str) -> list[Trajectory]: ...
+
+
+class TeamWorkflow(Workflow, Protocol):
+    """A workflow whose held-out evaluation plays the whole team (``evaluation = "team"``)."""
+
+    def evaluate(self, problems: list[Problem], policies: Mapping[str, PolicyHandle], k: int,
+                 temperature: float) -> dict[str, dict[str, float]]:
+        """Scores by subject (each policy's name, and :data:`TEAM`): ``reward``, ``avg@k``, ``pass@k``, ``k``, ``n``.
+        ``policies`` are in the recipe's order (the first solves); their handles sample as the rollout does."""
 
 
 def by_policy(tasks: list[Task]) -> dict[str, list[Task]]:

@@ -1,0 +1,66 @@
+"""Episodes of the CPU `terminal` recipe, and its noisy demonstrations.
+
+Writes, next to this file:
+
+- ``episodes.jsonl``: one seed a line; each seed is one task of the bundled ``terminal`` game (a scratch
+  directory with three files, one holding a made-up keyword; copy, move or delete that file). Held-out
+  seeds make keywords and file names never seen in training;
+- ``demos.jsonl``: the warm start's episodes, played through the recipe's own workflow against the real
+  game (every command runs in the sandbox) by a noisy demonstrator. Both look first
+  (``grep -l WORD *.txt``). A careful one acts on the file the output names, then exits; a careless one
+  does not read the output and acts on the first file listed (right one time in three), then exits.
+
+Run: ``python recipes/terminal/make_data.py`` (deterministic).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+from astraflow.config import load_recipe
+from astraflow.demonstrations import write_demonstrations
+from astraflow.rollout.experts import Expert, record
+from astraflow.streams.messages import Task
+from astraflow.tasks import load_split
+
+HERE = Path(__file__).resolve().parent
+EPISODES = 600
+CAREFUL = 0.3  # share of demonstrations that act on what they saw; the others act on the first file listed
+
+
+def act(verb: str, name: str) -> str:
+    return {"copy": f"cp {name} found.txt", "move": f"mv {name} keep/", "delete": f"rm {name}"}[verb]
+
+
+def careful_or_careless(rng: random.Random) -> Expert:
+    careful = rng.random() < CAREFUL
+
+    def expert(task: Task, context: str) -> str:
+        verb, keyword = re.search(r"Task: (\w+) .*the file that contains (\w+)", context).groups()  # type: ignore[union-attr]
+        files = re.search(r"Files: (.*)", context).group(1).split()  # type: ignore[union-attr]
+        done = re.findall(r"^> (.+)$", context, re.M)
+        if not done:
+            return f"grep -l {keyword} *.txt\n"
+        if len(done) == 1:
+            seen = context.split(f"> {done[0]}\n")[1].split("\n")[0]
+            return act(verb, seen if careful else files[0]) + "\n"
+        return "exit\n"
+
+    return expert
+
+
+def main() -> None:
+    rows = [{"id": f"term-{i}", "prompt": "", "answer": "", "seed": i} for i in range(EPISODES)]
+    (HERE / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = load_recipe(HERE)
+    train, _ = load_split(recipe.data)
+    demos = record(recipe, {recipe.primary: careful_or_careless}, train, per_problem=2, seed=0)
+    n = write_demonstrations(HERE / "demos.jsonl", demos[recipe.primary])
+    print(f"{len(rows)} episodes, {n} demonstrations, mean reward {sum(d.reward or 0 for d in demos[recipe.primary]) / n:.2f}")
+
+
+if __name__ == "__main__":
+    main()
