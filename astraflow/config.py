@@ -475,7 +475,7 @@ def _recipe_files(data: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
     out = []
     if isinstance(data.get("data"), dict) and data["data"].get("path"):
         out.append((data["data"], "path"))
-    policies = data.get("policies") if isinstance(data.get("policies"), dict) else {}
+    policies: dict[str, Any] = data["policies"] if isinstance(data.get("policies"), dict) else {}
     for section in [data.get("sft"), *((over or {}).get("sft") for over in policies.values() if isinstance(over, dict))]:
         if isinstance(section, dict) and section.get("demonstrations"):
             out.append((section, "demonstrations"))

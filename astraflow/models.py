@@ -15,10 +15,11 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
     from astraflow.config import ModelConfig
 
@@ -41,7 +42,7 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(ids)
 
 
-def build_model(cfg: "ModelConfig", tokenizer: Any) -> "torch.nn.Module":
+def build_model(cfg: "ModelConfig", tokenizer: Any) -> "PreTrainedModel":
     """A causal LM from ``cfg``: a pretrained path, or a tiny ``arch`` (``qwen2`` dense, ``qwen3_moe`` experts) built from the config."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -64,6 +65,7 @@ def build_model(cfg: "ModelConfig", tokenizer: Any) -> "torch.nn.Module":
     )
     conf: Any
     if cfg.arch == "qwen3_moe":
+        assert cfg.num_experts and cfg.experts_per_token and cfg.moe_intermediate_size  # ModelConfig fills them in
         # every layer sparse; top-k weights renormalised (as Qwen3-30B-A3B); no router auxiliary loss in RL
         conf = Qwen3MoeConfig(**common, num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                               moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True,
@@ -76,7 +78,7 @@ def build_model(cfg: "ModelConfig", tokenizer: Any) -> "torch.nn.Module":
         conf.attention_window = cfg.attention_window
         conf._attn_implementation = register()
     model = Qwen3MoeForCausalLM(conf) if cfg.arch == "qwen3_moe" else Qwen2ForCausalLM(conf)
-    return model.to(getattr(torch, cfg.dtype))
+    return cast("PreTrainedModel", model.to(getattr(torch, cfg.dtype)))
 
 
 BYT5_VOCAB = 384  # ByT5: 3 special ids + 256 bytes + 125 extra ids (``len(ByT5Tokenizer())``)

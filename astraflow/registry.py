@@ -71,7 +71,7 @@ class OptionRegistry:
         importlib.import_module(self.home)
         if name not in self._models:
             title = "".join(part.title() for part in name.split("_"))
-            self.register(create_model(f"{title}Options", __base__=Options, type=(Literal[name], name)))  # type: ignore[call-overload]
+            self.register(create_model(f"{title}Options", __base__=Options, type=(Literal[name], name)))
         return self._models[name]
 
     def get(self, name: str) -> type[Options]:

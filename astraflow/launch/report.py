@@ -83,11 +83,11 @@ def plot(versions: list[dict[str, Any]], evals: list[dict[str, Any]], pool: list
     if ev:
         a.plot([r["version"] for r in ev], [r["reward"] for r in ev], "o-", label="held-out reward (greedy)")
         b.plot([r["rollouts"] for r in ev], [r["reward"] for r in ev], "o-", color="C3")
-    for subject, rows in (others or {}).items():
-        vs = sorted(rows)
-        a.plot(vs, [rows[v]["reward"] for v in vs], "s-", label=f"held-out: {subject}")
+    for subject, by_version in (others or {}).items():
+        vs = sorted(by_version)
+        a.plot(vs, [by_version[v]["reward"] for v in vs], "s-", label=f"held-out: {subject}")
         if subject == "team":  # what the team picks out of k samples, against one of them at random
-            a.plot(vs, [rows[v]["avg@k"] for v in vs], "s--", label="held-out: solver alone at the same k (avg@k)")
+            a.plot(vs, [by_version[v]["avg@k"] for v in vs], "s--", label="held-out: solver alone at the same k (avg@k)")
     a.set(xlabel="policy version (optimizer steps)", ylabel="reward", ylim=(-0.02, 1.02), title="reward")
     b.set(xlabel="rollouts generated", ylabel="held-out reward", ylim=(-0.02, 1.02), title="held-out reward vs rollouts")
     for key in sorted({k for s in pool for k in s if k.startswith("wait.")}):

@@ -168,7 +168,7 @@ def eval_subjects(recipe: Recipe) -> tuple[str, ...]:
 def evaluate_team(recipe: Recipe, handles: dict[str, Any], problems: list[Any]) -> dict[str, dict[str, float]]:
     """A team workflow's own held-out evaluation, every policy at the version the evaluator holds."""
     workflow = get_workflow(recipe.workflow_options, get_reward(recipe.reward))
-    return workflow.evaluate(problems, handles, recipe.eval.k, recipe.eval.temperature)  # type: ignore[attr-defined,no-any-return]
+    return workflow.evaluate(problems, handles, recipe.eval.k, recipe.eval.temperature)  # type: ignore[attr-defined]
 
 
 async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "evaluator",

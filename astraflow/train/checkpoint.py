@@ -131,7 +131,7 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _numpy_state() -> list[Any]:
-    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     return [name, np.asarray(keys).tolist(), pos, has_gauss, gauss]
 
 

@@ -9,7 +9,7 @@ masked out, as ``loss_mask`` masks them in RL. Only episodes of training prompts
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -53,7 +53,7 @@ def sft(model: torch.nn.Module, tokenizer: Any, problems: list[Problem], cfg: SF
     """
     rng = random.Random(seed)
     if cfg.demonstrations:
-        examples = demonstration_examples(tokenizer, problems, cfg.demonstrations, model.config.max_position_embeddings)
+        examples = demonstration_examples(tokenizer, problems, cfg.demonstrations, int(cast(Any, model).config.max_position_embeddings))
     else:
         examples = answer_examples(tokenizer, problems)
     device = next(model.parameters()).device

@@ -32,7 +32,7 @@ class HFEngine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, device: str = "cpu") -> None:
-        self.model = model.to(device).eval()
+        self.model: Any = model.to(device).eval()  # a transformers causal LM (generate)
         self.tokenizer = tokenizer
         self.device = device
         self._version = -1

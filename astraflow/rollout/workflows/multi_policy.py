@@ -114,7 +114,7 @@ class SolverVerifier(_TwoPolicy):
     def prompt(task: Task, answer: str) -> str:
         return f"{task.prompt}{answer.strip()}\nCorrect? "
 
-    def judge(self, tasks: list[Task], texts: list[list[str]], hv: PolicyHandle, verifier: str) -> tuple[list[list[int]], list[Completion]]:
+    def judge(self, tasks: list[Task], texts: list[list[str]], hv: PolicyHandle, verifier: str) -> tuple[list[list[list[int]]], list[Completion]]:
         """The verifier's prompt for every answer (per task) and its completions, in order."""
         vprompts = [[hv.encode(self.prompt(t, x)) for x in xs] for t, xs in zip(tasks, texts)]
         vreqs = [GenerationRequest(p, hv.params) for ps in vprompts for p in ps]
