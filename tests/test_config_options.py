@@ -109,7 +109,8 @@ def test_a_plugin_engine_and_loss_are_selected_from_yaml(tmp_path):
 
 def test_workflows_declare_their_roles_and_evaluation():
     assert evaluation_of("single_turn") == evaluation_of("multi_turn_tools") == evaluation_of("env_http") == "workflow"
-    assert evaluation_of("solver_verifier") == evaluation_of("openai_agent") == "single_turn"
+    assert evaluation_of("solver_verifier") == evaluation_of("solver_testgen") == "team"  # every policy and the team, each recorded
+    assert evaluation_of("openai_agent") == evaluation_of("solver_selector") == "single_turn"
     check_policies("solver_verifier", ("codegen", "verifier"))
     with pytest.raises(ValueError, match=r"workflow 'solver_verifier' calls 2 policies \(solver, verifier\); the recipe has 1: solver"):
         check_policies("solver_verifier", ("solver",))
