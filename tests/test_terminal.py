@@ -68,7 +68,11 @@ def test_looking_then_acting_solves_every_task(seed: int):
 
 
 def test_the_checker_reads_the_final_state():
-    seeds = {Terminal(s).verb: s for s in range(30)}
+    seeds = {}
+    for s in range(30):
+        probe = Terminal(s)
+        seeds[probe.verb] = s
+        probe.close()  # each game owns a scratch directory
     assert set(seeds) == {"copy", "move", "delete"}
     for verb, seed in seeds.items():
         game = Terminal(seed)
