@@ -8,7 +8,7 @@ that same file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -249,7 +249,10 @@ class TrainerConfig(Strict):
     restart exact; N > 1 resumes from the last announced bf16 weights and the last checkpoint's optimizer."""
     checkpoint_keep: int = Field(2, ge=1)
     """Checkpoints kept on disk (the newest ones)."""
-    threads: int = Field(1, gt=0)
+    threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    """torch threads of the trainer; ``auto``: the cores its process may run on (``os.sched_getaffinity``) less those
+    the other roles ``astraflow up`` starts on the machine take (train/threads.py). Resuming exactly needs the same
+    count: ``up`` writes the number it chose into the run's recipe.yaml."""
     seed: int = 0
 
     @field_validator("plugins")

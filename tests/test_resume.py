@@ -11,6 +11,7 @@ import torch
 from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import DoneRecord
+from astraflow.train.threads import threads_for
 from astraflow.train.torch_backend import TorchBackend
 from astraflow.weights.delta import state_digest
 from astraflow.weights.sync import WeightSync
@@ -51,7 +52,7 @@ async def test_kill_at_every_crash_point_resumes_exactly(nats_server, run_id, tm
         pcfg = recipe.policies["solver"]
         tok = load_tokenizer(pcfg.model.tokenizer)
         threads = torch.get_num_threads()
-        torch.set_num_threads(pcfg.trainer.threads)
+        torch.set_num_threads(threads_for(pcfg.trainer.threads))
         try:
             torch.manual_seed(pcfg.trainer.seed)
             backend = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer)

@@ -27,7 +27,7 @@ def write_recipe(path: Path, policies: tuple[str, ...] = ("solver",), batch_ack_
                  max_batch_backlog: int = 2, **trainer: object) -> tuple[Path, Recipe]:
     """A tiny recipe; ``max_staleness`` is wide by default: the synthetic batches' tokens are all v0."""
     data = {"name": "t", "policies": list(policies), "model": TINY_MODEL, "sft": {"steps": 0},
-            "trainer": {"steps": 8, "keyframe_every": 4, "lr": 1e-3, **trainer},
+            "trainer": {"steps": 8, "keyframe_every": 4, "lr": 1e-3, "threads": 1, **trainer},
             "dataflow": {"max_staleness": max_staleness, "max_batch_backlog": max_batch_backlog},
             "plane": {"batch_ack_wait": batch_ack_wait}, "eval": {"enabled": False}}
     path.write_text(yaml.safe_dump(data))

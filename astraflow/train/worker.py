@@ -50,6 +50,7 @@ from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.distributed import Collective, barrier_for
 from astraflow.train.resume import start
 from astraflow.train.sft import sft
+from astraflow.train.threads import threads_for
 from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan, non_finite
 from astraflow.weights.publish import WeightPublisher
 
@@ -79,7 +80,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
         raise ValueError(f"policy {policy!r} is not in the recipe ({list(recipe.policies)})")
     pcfg = recipe.policies[policy]
     cfg = pcfg.trainer
-    torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(threads_for(cfg.threads))
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(pcfg.model.tokenizer)
     model = build_model(pcfg.model, tokenizer)

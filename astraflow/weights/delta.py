@@ -86,7 +86,7 @@ _ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
     write_checksum=1, write_content_size=1)
 DENSE_RATIO = 0.75  # dense planes once the sparse ones would exceed this share of them
 WORKERS = min(4, os.cpu_count() or 1)  # numpy, zstd and hashlib release the GIL
-PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, starting threads costs more than it saves
+PARALLEL_MIN_ELEMENTS = 1 << 22  # below this (8 MB of bf16), handing work to threads costs more than it saves
 _BLOCK = 1 << 17  # values per pass when splitting or joining byte planes (fits in L2)
 
 _HEAD = struct.Struct("<4sHBBIIII")
@@ -110,6 +110,7 @@ class DeltaStats:
     n_changed: int
     payload_bytes: int
     model_bytes: int
+    changed: frozenset[str] = frozenset()  # names of the tensors a delta changes (empty for a keyframe's stats)
 
     @property
     def sparsity(self) -> float:
@@ -262,19 +263,39 @@ def _flat_bits(t: torch.Tensor, bits: _Bits) -> np.ndarray:
 # ---------------------------------------------------------------- threads
 
 
+_pool_lock = threading.Lock()
+_shared: list[ThreadPoolExecutor] = []
+
+
+def _workers() -> ThreadPoolExecutor:
+    """The codec's WORKERS threads, started once per process: starting a pool per call costs more than a small
+    state's whole apply (milliseconds on a busy machine). Jobs never submit jobs, so callers cannot deadlock it."""
+    with _pool_lock:
+        if not _shared:
+            _shared.append(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="weights-codec"))
+        return _shared[0]
+
+
 def _map(fn: Callable[[_T], _R], items: Iterable[_T], parallel: bool) -> Iterator[_R]:
-    """fn over items, results in order; on WORKERS threads with at most 2 * WORKERS in flight."""
+    """fn over items, results in order; on the WORKERS threads with at most 2 * WORKERS in flight."""
     if WORKERS < 2 or not parallel:
         yield from map(fn, items)
         return
-    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        window: deque[Future[_R]] = deque()
+    pool = _workers()
+    window: deque[Future[_R]] = deque()
+    try:
         for item in items:
             window.append(pool.submit(fn, item))
             if len(window) >= 2 * WORKERS:
                 yield window.popleft().result()
         while window:
             yield window.popleft().result()
+    finally:  # an error or an abandoned generator: what has not started never runs; the rest finishes
+        for f in window:
+            f.cancel()
+        for f in window:
+            if not f.cancelled():
+                f.exception()
 
 
 def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
@@ -430,20 +451,24 @@ def _section(encoded: list[_Encoded]) -> list[bytes]:
 
 
 def _iter_encode(kind: int, layout: list[_Tensor], work: Iterable[_T], fn: Callable[[_T], _Encoded],
-                 chunk: int) -> Generator[bytes, None, tuple[int, int]]:
+                 chunk: int) -> Generator[bytes, None, tuple[int, int, frozenset[str]]]:
     """Yields the payload piece by piece (head + layout, then each section once all its chunks are
-    encoded); `work` holds one item per chunk, in layout order. Returns (changed values, payload bytes)."""
+    encoded); `work` holds one item per chunk, in layout order. Returns (changed values, payload bytes,
+    names of the tensors with a changed value)."""
     head = _head(kind, layout, chunk)
     yield head
     results = _map(fn, work, parallel=_large(layout))
-    n_changed, size = 0, len(head)
+    n_changed, size, changed = 0, len(head), set()
     for t in layout:
         encoded = [next(results) for _ in _chunk_spans(t.numel, chunk)]
-        n_changed += sum(e.chunk.n_changed for e in encoded)
+        n_tensor = sum(e.chunk.n_changed for e in encoded)
+        n_changed += n_tensor
+        if n_tensor:
+            changed.add(t.name)
         for piece in _section(encoded):
             size += len(piece)
             yield piece
-    return n_changed, size
+    return n_changed, size, frozenset(changed)
 
 
 def _check_chunk(chunk: int) -> None:
@@ -484,8 +509,8 @@ def iter_encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.
             b, n = _flat_bits(base[t.name], t.bits), _flat_bits(new[t.name], t.bits)
             yield from ((b[i:j], n[i:j]) for i, j in _chunk_spans(t.numel, chunk_elements))
 
-    n_changed, size = yield from _iter_encode(KIND_DELTA, layout, work(), _delta_chunk, chunk_elements)
-    return _stats(layout, n_changed, size)
+    n_changed, size, changed = yield from _iter_encode(KIND_DELTA, layout, work(), _delta_chunk, chunk_elements)
+    return _stats(layout, n_changed, size, changed)
 
 
 def encode_delta(base: Mapping[str, torch.Tensor],
@@ -507,9 +532,9 @@ def naive_delta_size(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.T
         _flat_bits(base[t.name], t.bits) != _flat_bits(new[t.name], t.bits))) for t in layout)
 
 
-def _stats(layout: list[_Tensor], n_changed: int, payload_bytes: int) -> DeltaStats:
+def _stats(layout: list[_Tensor], n_changed: int, payload_bytes: int, changed: frozenset[str] = frozenset()) -> DeltaStats:
     return DeltaStats(n_elements=sum(t.numel for t in layout), n_changed=n_changed,
-                      payload_bytes=payload_bytes, model_bytes=sum(t.nbytes for t in layout))
+                      payload_bytes=payload_bytes, model_bytes=sum(t.nbytes for t in layout), changed=changed)
 
 
 # ---------------------------------------------------------------- parsing
@@ -769,7 +794,7 @@ def _large(layout: list[_Tensor]) -> bool:
 
 
 def apply_delta(state: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> DeltaStats:
-    """Apply a delta in place onto exactly its base.
+    """Apply a delta in place onto exactly its base; its stats name the tensors it changed.
 
     Validates the whole payload (head, layout, every index, frame and position) and its fit to the
     state (same names, shapes and dtypes; no two tensors sharing memory) before touching any
@@ -784,7 +809,8 @@ def apply_delta(state: MutableMapping[str, torch.Tensor], payload: bytes | bytea
     decoded = list(_map(_decode_section, sections, parallel))  # may refuse
     for _ in _map(lambda d: _add_in_place(state[d[0].name], d[0].bits, d[1]), decoded, parallel):
         pass  # nothing refuses past this point
-    return _stats(reader.layout, sum(p.row.n_changed for s in sections for p in s.parts), reader.received)
+    changed = frozenset(t.name for t, changes in decoded if changes)
+    return _stats(reader.layout, sum(p.row.n_changed for s in sections for p in s.parts), reader.received, changed)
 
 
 class _Streaming:
@@ -794,7 +820,7 @@ class _Streaming:
 
     def __init__(self, kind: int, by_part: bool = False) -> None:
         self._reader = _Reader(kind, by_part)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # the shared workers, for a large state
         self._running: deque[Future[None]] = deque()
         self._error: BaseException | None = None
 
@@ -814,7 +840,7 @@ class _Streaming:
         if not had_layout and (layout := self._reader.layout) is not None:
             self._on_layout(layout)
             if WORKERS > 1 and _large(layout):
-                self._pool = ThreadPoolExecutor(max_workers=WORKERS)
+                self._pool = _workers()
         for job in (j for s in sections for j in self._jobs(s)):
             self._run(job)
         while self._running and self._running[0].done():
@@ -831,8 +857,6 @@ class _Streaming:
     def _finish(self) -> None:
         """Check the payload ended after its last section and wait for every job."""
         self._guard(self._drain)
-        if self._pool is not None:
-            self._pool.shutdown()
 
     def _drain(self) -> None:
         self._reader.close()
@@ -848,8 +872,9 @@ class _Streaming:
             self._error = exc
             for f in self._running:
                 f.cancel()
-            if self._pool is not None:
-                self._pool.shutdown(cancel_futures=True)
+            for f in self._running:  # the started ones finish (their errors are this one's consequence)
+                if not f.cancelled():
+                    f.exception()
             raise
 
 
@@ -869,13 +894,17 @@ class DeltaApplier(_Streaming):
         super().__init__(KIND_DELTA)
         self.state = state
         self._n_changed = 0
+        self._changed: set[str] = set()
 
     def _on_layout(self, layout: list[_Tensor]) -> None:
         _require_layout(self.state, layout, "state")
         _require_no_aliases(self.state)
 
     def _jobs(self, section: _Section) -> list[Callable[[], None]]:
-        self._n_changed += sum(p.row.n_changed for p in section.parts)
+        n = sum(p.row.n_changed for p in section.parts)
+        self._n_changed += n
+        if n:
+            self._changed.add(section.tensor.name)
         target = self.state[section.tensor.name]
 
         def job() -> None:
@@ -887,7 +916,7 @@ class DeltaApplier(_Streaming):
     def close(self) -> DeltaStats:
         self._finish()
         assert self._reader.layout is not None
-        return _stats(self._reader.layout, self._n_changed, self._reader.received)
+        return _stats(self._reader.layout, self._n_changed, self._reader.received, frozenset(self._changed))
 
 
 class KeyframeDecoder(_Streaming):

@@ -44,7 +44,7 @@ from astraflow.streams.messages import WeightVersion
 from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError
 from astraflow.streams.plane import Plane
 from astraflow.weights.checks import announcement_problem, in_order, order_problem
-from astraflow.weights.delta import DeltaError, apply_delta, changed_tensors, decode_keyframe, state_digest
+from astraflow.weights.delta import DeltaError, apply_delta, decode_keyframe, state_digest
 from astraflow.weights.publish import request_keyframe
 from astraflow.weights.retention import Key, base_key, key_of
 
@@ -272,17 +272,15 @@ class WeightSync:
                 # a zero-copy view: the codec slices it (typed ``bytes`` there; any buffer works)
                 payload = cast(bytes, memoryview(await self._payload(ann)))
                 if ann.encoding == "keyframe":
-                    image = await asyncio.to_thread(decode_keyframe, payload)
+                    image, digest = await asyncio.to_thread(_decode_and_hash, payload)
                     changed = None
                 else:
                     if self.image is None or ann.base_version != self.image_version or ann.base_digest != self.digest:
                         raise WeightSyncError(f"delta v{ann.version} applies onto v{ann.base_version}, the node holds v{self.image_version}")
-                    names = changed_tensors(payload)
                     image = self.image
-                    await asyncio.to_thread(apply_delta, image, payload)  # validates everything before touching the image
+                    names, digest = await asyncio.to_thread(_apply_and_hash, image, payload)  # one hop: it all releases the GIL
                     if changed is not None:
                         changed |= names
-                digest = await asyncio.to_thread(state_digest, image)
                 if digest != ann.state_digest:
                     self.image, self.digest, self.image_version = None, None, -1  # matches no version any more
                     self.stats["corrupt"] += 1
@@ -293,3 +291,15 @@ class WeightSync:
         finally:
             if self.image is not None and self.image_version != self.engine.version:
                 await asyncio.to_thread(install, self.engine, self.image, self.image_version, changed)
+
+
+def _decode_and_hash(payload: bytes) -> tuple[dict[str, torch.Tensor], str]:
+    image = decode_keyframe(payload)
+    return image, state_digest(image)
+
+
+def _apply_and_hash(image: dict[str, torch.Tensor], payload: bytes) -> tuple[frozenset[str], str]:
+    """Apply a delta onto ``image`` (every chunk, index and position checked before a value changes) and hash the
+    whole result: the announced state digest is what tells that the image is the new version."""
+    stats = apply_delta(image, payload)
+    return stats.changed, state_digest(image)

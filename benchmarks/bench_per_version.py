@@ -1,0 +1,200 @@
+"""The per-version path, side by side for two source trees: the trainer's time outside its optimizer step, and a
+node's time to apply a delta of a 2 MB model.
+
+Each tree runs in its own child processes (``PYTHONPATH`` = the tree), on a fresh embedded nats-server:
+
+1. **node**: a Qwen2 of 1.08 M parameters (hidden 128, 4 layers; 2.2 MB in bf16) takes real AdamW steps on random
+   tokens; a ``WeightPublisher`` announces each as a delta; a ``WeightSync`` with an ``hf`` engine follows. Per
+   version: the fetch (``_payload``) and the apply (``_apply_chain`` less the fetch: decode, apply, state digest,
+   install into the engine), medians.
+2. **trainer**: the arithmetic recipe's shape (the same model, 8 prompts x 8 samples per batch) trained by the real
+   trainer worker (``astraflow worker trainer``) from planned batches published beforehand, with a checkpoint
+   directory. Per version: the time between two announcements less the step, the batch fetch and the wait for the
+   batch: bf16 copy, checkpoint, encode, publish, ack, vetting.
+
+    python benchmarks/bench_per_version.py --before /path/to/old/tree [--versions 16] [--checkpoint-every 1 10]
+
+The last stdout line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = {"hidden_size": 128, "intermediate_size": 512, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+
+
+def _ms(xs: list[float]) -> float:
+    return round(1000 * statistics.median(xs), 2)
+
+
+async def node_child(versions: int) -> dict[str, object]:
+    import torch
+
+    from astraflow.config import parse_recipe
+    from astraflow.models import build_model, load_tokenizer
+    from astraflow.rollout.engines.hf import HFEngine
+    from astraflow.streams.plane import NatsOptions, Plane
+    from astraflow.streams.server import EmbeddedServer
+    from astraflow.weights.publish import WeightPublisher
+    from astraflow.weights.sync import WeightSync
+
+    torch.set_num_threads(1)
+    recipe = parse_recipe({"name": "bench", "model": MODEL})
+    pcfg = recipe.policies["solver"]
+    tok = load_tokenizer(pcfg.model.tokenizer)
+    torch.manual_seed(0)
+    model = build_model(pcfg.model, tok)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    gen = torch.Generator().manual_seed(0)
+    fetch: list[float] = []
+    chain: list[float] = []
+    sizes: list[int] = []
+    with tempfile.TemporaryDirectory() as d:
+        server = EmbeddedServer(Path(d)).start()
+        plane = await Plane.connect(NatsOptions(url=server.url), "b" + uuid.uuid4().hex[:8], "bench")
+        try:
+            await plane.ensure_topology(recipe.topology())
+            pub = WeightPublisher(plane, "solver", keyframe_every=10_000)
+            sync = WeightSync(plane, "solver", HFEngine(build_model(pcfg.model, tok), tok))
+            payload, apply_chain = sync._payload, sync._apply_chain
+
+            async def timed_payload(ann):  # noqa: ANN001, ANN202
+                t = time.perf_counter()
+                out = await payload(ann)
+                fetch.append(time.perf_counter() - t)
+                return out
+
+            async def timed_chain(c):  # noqa: ANN001, ANN202
+                t = time.perf_counter()
+                await apply_chain(c)
+                chain.append(time.perf_counter() - t)
+
+            sync._payload, sync._apply_chain = timed_payload, timed_chain  # type: ignore[method-assign]
+            await pub.publish(model.state_dict(), 0)
+            await sync.wait_for(0)
+            fetch.clear()
+            chain.clear()
+            for v in range(1, versions + 1):
+                x = torch.randint(0, 200, (8, 32), generator=gen)
+                model(input_ids=x, labels=x).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                ann = await pub.publish(model.state_dict(), v)
+                assert ann.encoding == "delta"
+                sizes.append(ann.objects[0].size)
+                await sync.wait_for(v)
+        finally:
+            await plane.close()
+            server.stop()
+    applies = [c - f for c, f in zip(chain, fetch)]
+    n_params = sum(p.numel() for p in model.state_dict().values())
+    return {"params": n_params, "bf16_mb": round(2 * n_params / 2**20, 2), "delta_kb": round(statistics.median(sizes) / 1024, 1),
+            "fetch_ms": _ms(fetch), "apply_ms": _ms(applies), "fetch_and_apply_ms": _ms(chain)}
+
+
+async def trainer_child(versions: int, checkpoint_every: int, work: Path) -> dict[str, object]:
+    import yaml
+
+    from astraflow.config import load_recipe
+    from astraflow.models import build_model, load_tokenizer
+    from astraflow.streams.messages import WeightVersion
+    from astraflow.streams.plane import NatsOptions, Plane
+    from astraflow.streams.server import EmbeddedServer
+    from astraflow.streams.state import BatchPlanRecord
+    from astraflow.streams.trajectories import TrainingBatch, publish_trajectories
+    from astraflow.tasks import load_split
+    from astraflow.train.synthetic import sample_batches
+
+    recipe_file = work / "recipe.yaml"
+    recipe_file.write_text(yaml.safe_dump({
+        "name": "bench", "model": MODEL, "sft": {"steps": 0}, "eval": {"enabled": False},
+        "trainer": {"steps": versions, "checkpoint_every": checkpoint_every, "threads": 1},
+        "dataflow": {"max_staleness": 64, "group_size": 8, "groups_per_batch": 8}}))
+    recipe = load_recipe(recipe_file)
+    pcfg = recipe.policies["solver"]
+    tok = load_tokenizer(pcfg.model.tokenizer)
+    train, _ = load_split(recipe.data)
+    batches = sample_batches(build_model(pcfg.model, tok), tok, [p.prompt for p in train[:64]], n_batches=versions,
+                             groups_per_batch=8, group_size=8, max_new_tokens=8, logprob_noise=0.2, seed=0)
+    server = EmbeddedServer(work / "nats").start()
+    run = "b" + uuid.uuid4().hex[:8]
+    plane = await Plane.connect(NatsOptions(url=server.url), run, "bench")
+    try:
+        await plane.ensure_topology(recipe.topology())
+        placed = []
+        for b in batches:
+            seqs = await publish_trajectories(plane, b.trajectories)
+            refs = [r.model_copy(update={"seq": s}) for r, s in zip(b.manifest.refs, seqs, strict=True)]
+            placed.append(TrainingBatch(b.manifest.model_copy(update={"refs": refs}), b.trajectories))
+        await plane.state.put_many([BatchPlanRecord(policy="solver", batch_id=b.batch_id, digest=b.manifest.digest(),
+                                                    trajectories=len(b.manifest.refs)) for b in placed])
+        await plane.publish_many([(plane.names.batch("solver"), b.manifest, b.batch_id) for b in placed])
+        cmd = [sys.executable, "-m", "astraflow.cli", "worker", "trainer", "--recipe", str(recipe_file), "--nats", server.url,
+               "--run", run, "--id", "trainer-solver", "--policy", "solver", "--checkpoint-dir", str(work / "ckpt")]
+        with open(work / "trainer.log", "wb") as log:
+            rc = await asyncio.to_thread(subprocess.call, cmd, stdout=log, stderr=subprocess.STDOUT)
+        if rc != 0:
+            raise RuntimeError(f"trainer exited {rc}: {(work / 'trainer.log').read_text()[-2000:]}")
+        anns = [a for a in await plane.history(plane.names.weights("solver"), WeightVersion)]
+    finally:
+        await plane.close()
+        server.stop()
+    out, step = [], []
+    for prev, a in zip(anns[1:], anns[2:]):  # from v2: v1's interval holds the trainer's start-up
+        m = a.metrics
+        out.append(a.created_at - prev.created_at - m["step_s"] - m["fetch_s"] - m["batch_wait_s"])
+        step.append(m["step_s"])
+    return {"checkpoint_every": checkpoint_every, "versions": len(anns) - 1, "step_ms": _ms(step), "outside_step_ms": _ms(out),
+            "outside_frac": round(statistics.median(out) / statistics.median(step), 3)}
+
+
+def run_child(tree: Path, args: list[str]) -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env, cwd=tree)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip()[-1500:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> dict[str, object]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", type=Path, required=False, help="the baseline source tree")
+    ap.add_argument("--after", type=Path, default=ROOT)
+    ap.add_argument("--versions", type=int, default=16)
+    ap.add_argument("--checkpoint-every", type=int, nargs="+", default=[1, 10])
+    ap.add_argument("--child", choices=["node", "trainer"], help=argparse.SUPPRESS)
+    ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child == "node":
+        return asyncio.run(node_child(args.versions))
+    if args.child == "trainer":
+        return asyncio.run(trainer_child(args.versions, args.checkpoint_every[0], args.work))
+    trees = {"before": args.before, "after": args.after} if args.before else {"after": args.after}
+    out: dict[str, object] = {"model": MODEL, "versions": args.versions, "node": {}, "trainer": {}}
+    for name, tree in trees.items():
+        out["node"][name] = run_child(tree, ["--child", "node", "--versions", str(args.versions)])  # type: ignore[index]
+        print(name, "node", out["node"][name], flush=True)  # type: ignore[index]
+    for every in args.checkpoint_every:
+        for name, tree in trees.items():
+            with tempfile.TemporaryDirectory() as d:
+                r = run_child(tree, ["--child", "trainer", "--versions", str(args.versions), "--checkpoint-every", str(every),
+                                     "--work", d])
+            out["trainer"][f"{name}, checkpoint_every {every}"] = r  # type: ignore[index]
+            print(name, "trainer", r, flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
