@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel
 
     from astraflow.config import ModelConfig
