@@ -262,9 +262,10 @@ def poisoned_batches(base: TrainingBatch, view: RunView) -> Fields:
         poison("advantages", st.floats(1e38, 3e38), "non_finite|stale", lambda a: {"advantages": _f32(np.full(k, a))},
                "advantages {v:.1e}"),
         poison("policy", st.sampled_from(["verifier", "critic"]), "invalid", lambda p: {"policy": p}, "policy {v!r}"),
-        poison("refs", st.integers(1, k - 1), "mismatch", lambda j: ref0(seq=m.refs[j].seq), "ref 0 at trajectory {v}'s sequence"),
-        poison("refs", st.integers(1, 10**9), "mismatch", lambda i: ref0(task_id=f"x{i}"), "ref 0 naming task x{v}"),
-        poison("refs", st.integers(2**40, 2**62), "missing", lambda q: ref0(seq=q), "ref 0 at sequence {v}, never written"),
+        # one field each, so that every campaign draws each: a reference to another trajectory, another task, nothing
+        poison("refs.target", st.integers(1, k - 1), "mismatch", lambda j: ref0(seq=m.refs[j].seq), "ref 0 at trajectory {v}'s sequence"),
+        poison("refs.task_id", st.integers(1, 10**9), "mismatch", lambda i: ref0(task_id=f"x{i}"), "ref 0 naming task x{v}"),
+        poison("refs.seq", st.integers(2**40, 2**62), "missing", lambda q: ref0(seq=q), "ref 0 at sequence {v}, never written"),
         poison("refs", st.integers(1, k - 1), "invalid", lambda j: {"refs": m.refs[:-j]},
                "{v} refs fewer than advantages (misaligned)"),
         carried("trajectories", st.integers(view.vocab, 2**31 - 1), "invalid",

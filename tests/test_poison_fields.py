@@ -173,7 +173,8 @@ async def test_every_poisoned_batch_is_turned_away_by_the_trainers_checks(plane:
     base = TrainingBatch(sampled.manifest.model_copy(update={"refs": refs}), sampled.trajectories)
     backend = build_backend("torch", model, TOK, r.policies["solver"].trainer, temperature=1.0)
     poisons = draw_each(poisoned_batches(base, RunView(384, 2, 4, 64, 10)), PER_FIELD, at=3)
-    assert {p.field for p in poisons} == {"batch_id", "advantages", "policy", "refs", "trajectories"}
+    assert {p.field for p in poisons} == {"batch_id", "advantages", "policy", "refs", "refs.target", "refs.task_id", "refs.seq",
+                                          "trajectories"}
     for p in poisons:
         if "trajectories" in p.extra:  # poisoned values: on the TRAJ stream first, as a node's, the manifest naming them
             p = published_at(p, await publish_copies(plane, p.extra["trajectories"]))
