@@ -42,9 +42,9 @@ from poison_run import (  # noqa: E402
 
 
 CAUGHT_BY = {  # kind -> whose check catches it, and how it shows
-    "trajectory": "dataflow: dlq.traj, fate invalid:R",
+    "trajectory": "dataflow: dlq.traj, fate invalid:R (outside the wire's range: the codec, fate invalid:schema)",
     "task": "rollout node: dlq.task (a task never issued: dataflow, dlq.traj)",
-    "batch": "trainer: dlq.batch",
+    "batch": "trainer: dlq.batch (the manifest, then the trajectories fetched by sequence)",
     "weights": "nodes, evaluator, launcher: dlq.weights; dataflow ignores; trainer steps over",
     "heartbeat": "not dead-lettered (liveness): autoscale advice stays finite",
     "keyframe_request": "not dead-lettered (run state): trainer only makes keyframes",

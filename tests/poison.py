@@ -14,7 +14,7 @@ Shared by ``tests/test_poison_fields.py`` (the per-field sweep, service level), 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -24,7 +24,9 @@ from hypothesis import strategies as st
 
 from astraflow.streams.codec import encode
 from astraflow.streams.messages import Batch, Heartbeat, Message, RolloutStats, Task, TrainerStats, Trajectory, WeightVersion
+from astraflow.streams.plane import Plane
 from astraflow.streams.state import BatchPlanRecord
+from astraflow.streams.trajectories import TrainingBatch
 
 T = TypeVar("T")
 HUGE = 300_000  # tokens: a 3.9 MB trajectory, under the 8 MB max_payload
@@ -94,8 +96,9 @@ def nth(fields: Fields, i: int, at: int, per_field: int) -> Poison:
 
 
 def plan_record(b: Batch, policy: str) -> BatchPlanRecord:
-    """The plan record the dataflow writes for ``b`` for ``policy``'s trainer (forged here: a writer the permissions let through)."""
-    return BatchPlanRecord(policy=policy, batch_id=b.batch_id, digest=b.digest(), trajectories=len(b.trajectories))
+    """The plan record the dataflow writes for manifest ``b`` for ``policy``'s trainer (forged here: a writer the
+    permissions let through)."""
+    return BatchPlanRecord(policy=policy, batch_id=b.batch_id, digest=b.digest(), trajectories=len(b.refs))
 
 
 def draw(strategy: st.SearchStrategy[T], n: int, at: int = 0) -> list[T]:
@@ -218,37 +221,71 @@ def foreign_tasks(base: Task) -> st.SearchStrategy[Poison]:
 
 
 # ---------------------------------------------------------------------------------------------- batches
-def poisoned_batches(base: Batch, view: RunView) -> Fields:
-    """Batches a trainer turns away (``train/vetting.py``): unplanned, forged under a planned id, and, with a forged
-    plan record that matches them (``extra['plan']``: a writer the permissions let through), values it cannot train."""
-    k = len(base.trajectories)
+def poisoned_batches(base: TrainingBatch, view: RunView) -> Fields:
+    """Batches a trainer turns away (``train/vetting.py``, ``train/worker.py``): manifests unplanned or forged under a
+    planned id; and, with a forged plan record that matches them (``extra['plan']``: a writer the permissions let
+    through), manifests it cannot train or whose references name what the TRAJ stream does not hold there, and
+    trajectories whose values it cannot train. ``base``'s manifest names its trajectories where they lie on the
+    TRAJ stream. A poison of the trajectories' values carries them (``extra['trajectories']``, in manifest order):
+    they are published first, as a rollout node's, and the manifest pointed at them (:func:`published_at`)."""
+    m, trajs = base.manifest, base.trajectories
+    k = len(m.refs)
 
     def poison(name: str, values: st.SearchStrategy[Any], expect: str, update: Callable[[Any], dict[str, Any]], label: str,
                plan: bool | str = True) -> tuple[str, st.SearchStrategy[Poison]]:
-        return name, values.map(lambda v: Poison("batch", name, label.format(v=v), base.model_copy(update=update(v)), expect,
+        return name, values.map(lambda v: Poison("batch", name, label.format(v=v), m.model_copy(update=update(v)), expect,
                                                  extra={"plan": plan}))
 
+    def carried(name: str, values: st.SearchStrategy[Any], expect: str, poisoned: Callable[[Any], list[Trajectory]],
+                label: str) -> tuple[str, st.SearchStrategy[Poison]]:
+        return name, values.map(lambda v: Poison("batch", name, label.format(v=v), m, expect,
+                                                 extra={"plan": True, "trajectories": poisoned(v)}))
+
+    def ref0(**update: Any) -> dict[str, Any]:
+        return {"refs": [m.refs[0].model_copy(update=update), *m.refs[1:]]}
+
     def first(**update: Any) -> list[Trajectory]:
-        return [base.trajectories[0].model_copy(update=update), *base.trajectories[1:]]
+        return [trajs[0].model_copy(update=update), *trajs[1:]]
 
     def aged(v: int) -> list[Trajectory]:
-        return [t.model_copy(update={"versions": _i32(np.full(len(t.versions) // 4, v))}) for t in base.trajectories]
+        return [t.model_copy(update={"versions": _i32(np.full(len(t.versions) // 4, v))}) for t in trajs]
 
     wrong = st.one_of(NON_FINITE.map(lambda x: _f32(np.r_[x, np.zeros(k - 1)])),
-                      st.integers(0, 3 * k).filter(lambda m: m != k).map(lambda m: _f32(np.zeros(m))))
+                      st.integers(0, 3 * k).filter(lambda n: n != k).map(lambda n: _f32(np.zeros(n))))
     return by_field([
         poison("batch_id", st.integers(1, 10**9), "unplanned", lambda i: {"batch_id": f"f{i}"}, "batch f{v}, never planned", plan=False),
         poison("advantages", st.floats(-10, 10), "forged", lambda a: {"advantages": _f32(np.full(k, a))},
                "other advantages ({v:.2f}) under a planned id", plan="base"),
+        # a count that is not one per reference: the codec refuses the manifest ("invalid batch"); a non-finite one the trainer
         poison("advantages", wrong, "invalid", lambda a: {"advantages": a}, "advantages {v!r:.40}"),
         # a step on them overflows: no update (or stale, when the trainer moved on past the allowed lag before pulling it)
         poison("advantages", st.floats(1e38, 3e38), "non_finite|stale", lambda a: {"advantages": _f32(np.full(k, a))},
                "advantages {v:.1e}"),
         poison("policy", st.sampled_from(["verifier", "critic"]), "invalid", lambda p: {"policy": p}, "policy {v!r}"),
-        poison("trajectories", st.integers(view.vocab, 2**31 - 1), "invalid",
-               lambda t: {"trajectories": first(completion_ids=_i32([t, *base.trajectories[0].completion()[1:]]))}, "token {v}"),
-        poison("trajectories", st.integers(-(2**31), -(10**6)), "stale", lambda v: {"trajectories": aged(v)}, "tokens of v{v}"),
+        # one field each, so that every campaign draws each: a reference to another trajectory, another task, nothing
+        poison("refs.target", st.integers(1, k - 1), "mismatch", lambda j: ref0(seq=m.refs[j].seq), "ref 0 at trajectory {v}'s sequence"),
+        poison("refs.task_id", st.integers(1, 10**9), "mismatch", lambda i: ref0(task_id=f"x{i}"), "ref 0 naming task x{v}"),
+        poison("refs.seq", st.integers(2**40, 2**62), "missing", lambda q: ref0(seq=q), "ref 0 at sequence {v}, never written"),
+        poison("refs", st.integers(1, k - 1), "invalid", lambda j: {"refs": m.refs[:-j]},
+               "{v} refs fewer than advantages (misaligned)"),
+        carried("trajectories", st.integers(view.vocab, 2**31 - 1), "invalid",
+                lambda t: first(completion_ids=_i32([t, *trajs[0].completion()[1:]])), "token {v}"),
+        carried("trajectories", st.integers(-(2**31), -(10**6)), "stale", aged, "tokens of v{v}"),
     ])
+
+
+def published_at(p: Poison, seqs: list[int]) -> Poison:
+    """``p`` with its manifest naming, in order, the trajectories it carries (``extra['trajectories']``) published
+    at ``seqs``."""
+    assert isinstance(p.msg, Batch)
+    refs = [r.model_copy(update={"seq": s}) for r, s in zip(p.msg.refs, seqs, strict=True)]
+    return replace(p, msg=p.msg.model_copy(update={"refs": refs}))
+
+
+async def publish_copies(plane: Plane, trajs: list[Trajectory]) -> list[int]:
+    """Publish ``trajs`` on the TRAJ stream as a node may (rollout credential); their stream sequences. Without
+    ``Nats-Msg-Id``: a copy under the id of a published trajectory must not be deduplicated away."""
+    return await plane.publish_many([(plane.names.traj(t.policy), t, None) for t in trajs])
 
 
 # ---------------------------------------------------------------------------------------------- weights

@@ -10,8 +10,11 @@ afterwards. Two attackers:
   permissions refuse it (tasks, batches, announcements, batch rejections, trainer state), which must
   not land;
 * **admin** (the permissions let everything through, so only the consumers' own checks stand):
-  poisoned tasks derived from the run's prompts and tasks it never issued, poisoned batches derived
-  from real trajectories (with plan records forged to match where that gets them past the plan check),
+  poisoned tasks derived from the run's prompts and tasks it never issued, poisoned batch manifests
+  naming real trajectories by their TRAJ stream sequences (with plan records forged to match where that
+  gets them past the plan check; references to another trajectory, to a sequence never written, fewer
+  than the advantages; trajectories with poisoned values, published first with the rollout credential
+  as a node's are: the permissions let no other role but admin publish trajectories),
   impossible and past announcements derived from the real ones; and two scenarios: a batch
   taken from the trainers' consumer and held until it is redelivered long after (dropped as stale), and
   a second trainer started without its checkpoints (it must refuse, announcing nothing).
@@ -29,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +42,16 @@ from astraflow.config import Recipe
 from astraflow.models import encode_prompt, load_tokenizer, model_limits
 from astraflow.streams.codec import decode, encode
 from astraflow.streams.credentials import issue, server_users
-from astraflow.streams.messages import Batch, Rejected, Task, Trajectory, WeightVersion
+from astraflow.streams.messages import Batch, Rejected, Task, Trajectory, TrajRef, WeightVersion
 from astraflow.streams.permissions import Scope, render_accounts
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.state import BatchPlanRecord, DoneRecord, VersionRecord
+from astraflow.streams.trajectories import TrainingBatch
 from astraflow.tasks import load_split
 from poison import (
     Poison, RunView, draw, foreign_tasks, nth, plan_record, poisoned_announcements, poisoned_batches, poisoned_heartbeats,
-    poisoned_keyframe_requests, poisoned_tasks, poisoned_trajectories,
+    poisoned_keyframe_requests, poisoned_tasks, poisoned_trajectories, publish_copies, published_at,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,7 +188,7 @@ async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: in
 
         # what the permissions refuse a node: each must fail without being stored
         tries = {"task": (n.task(recipe.workflow), never), "batch": (n.batch(recipe.primary), Batch(
-                     batch_id="x", policy=recipe.primary, trajectories=[], advantages=b"", task_ids=[])),
+                     batch_id="x", policy=recipe.primary, refs=[], advantages=b"", task_ids=[])),
                  "weights": (n.weights(recipe.primary), WeightVersion(policy=recipe.primary, version=10**6, encoding="keyframe",
                                                                       state_digest="a" * 64, keyframe_version=10**6, objects=[])),
                  "dlq.batch": (n.dlq("batch"), Rejected(subject=n.batch(recipe.primary), reason="stale: x", worker_id="e", payload=b""))}
@@ -245,26 +249,36 @@ async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, 
             await plane.publish(n.task(recipe.workflow), p.msg)  # type: ignore[arg-type]
             camp.poisons.append(Poison("task", "task_id", p.label, p.msg, p.expect, extra={"dlq": "traj"}))
 
-        now = await newest(plane, policy)  # tokens of the current weights: only its poisoned field turns a batch away
+        # batches: manifests over 16 real trajectories at their sequences (tokens of the current weights: only the poisoned
+        # field turns a batch away); poisoned trajectory values published first by a rollout credential, as a node's
+        now = await newest(plane, policy)
         real = [await plane.get(n.traj_stream, seq, Trajectory) for seq in range(1, 17)]
-        real = [t.model_copy(update={"versions": np.full(len(t.completion_ids) // 4, now, "<i4").tobytes()}) for t in real]
-        rng = np.random.default_rng(at)
-        advantages = rng.standard_normal(len(real)).astype("<f4").tobytes()
-        base_batch = Batch(batch_id=f"x{at}", policy=policy, trajectories=real, advantages=advantages,
-                           task_ids=sorted({t.task_id for t in real}))
-        fields = poisoned_batches(base_batch, view)
-        for i in range(per_field * len(fields)):
-            p = nth(fields, i, at, per_field)
-            b = p.msg
-            assert isinstance(b, Batch)
-            if p.extra.get("plan") == "base":
-                await plane.state.put(plan_record(base_batch, policy))
-            elif p.extra.get("plan"):  # one plan record per forged batch: ids of their own
-                b = b.model_copy(update={"batch_id": f"{b.batch_id}-{i}"})
-                await plane.state.put(plan_record(b, policy))
-                p = Poison(p.kind, p.field, p.label, b, p.expect, extra=p.extra)
-            await plane.publish(n.batch(policy), b)
-            camp.poisons.append(p)
+        fresh = [t.model_copy(update={"versions": np.full(len(t.completion_ids) // 4, now, "<i4").tobytes()}) for t in real]
+        node = await connect(cred_dir, "rollout", run)
+        try:
+            seqs = await publish_copies(node, fresh)
+            rng = np.random.default_rng(at)
+            manifest = Batch(batch_id=f"x{at}", policy=policy, refs=[TrajRef(seq=q, traj_id=t.traj_id, task_id=t.task_id)
+                                                                     for q, t in zip(seqs, fresh, strict=True)],
+                             advantages=rng.standard_normal(len(fresh)).astype("<f4").tobytes(),
+                             task_ids=sorted({t.task_id for t in fresh}))
+            fields = poisoned_batches(TrainingBatch(manifest, fresh), view)
+            for i in range(per_field * len(fields)):
+                p = nth(fields, i, at, per_field)
+                if "trajectories" in p.extra:
+                    p = published_at(p, await publish_copies(node, p.extra["trajectories"]))
+                b = p.msg
+                assert isinstance(b, Batch)
+                if p.extra.get("plan") == "base":
+                    await plane.state.put(plan_record(manifest, policy))
+                elif p.extra.get("plan"):  # one plan record per forged batch: ids of their own
+                    b = b.model_copy(update={"batch_id": f"{b.batch_id}-{i}"})
+                    await plane.state.put(plan_record(b, policy))
+                    p = replace(p, msg=b)
+                await plane.publish(n.batch(policy), b)
+                camp.poisons.append(p)
+        finally:
+            await node.close()
 
         last = await plane.last(n.weights_stream, n.weights(policy), WeightVersion)
         assert last is not None

@@ -1,9 +1,9 @@
 """The poison sweep, field by field, at service level against a real nats-server: for every message
 type a node or a leaked credential can put on the plane, each field set to well-formed but wrong
 values (``tests/poison.py``: property-generated from a real message, a bounded seeded sample per
-field). Each poisoned message reaches the DLQ with the reason its consumer's check gives, its task
-gets a counted fate, and the consumer keeps serving. ``tests/test_poison.py`` injects the same
-poisons into a live ``astraflow up`` run."""
+field). Each poisoned message reaches the DLQ with the reason its consumer's check gives (the codec's,
+for a value outside the wire's range), its task gets a counted fate, and the consumer keeps serving.
+``tests/test_poison.py`` injects the same poisons into a live ``astraflow up`` run."""
 
 from __future__ import annotations
 
@@ -25,18 +25,20 @@ from astraflow.rollout.node import RolloutNode
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows.base import PolicyHandle
 from astraflow.rollout.workflows.single_turn import SingleTurn
-from astraflow.streams.codec import encode
-from astraflow.streams.messages import Batch, Rejected, Task, Trajectory
+from astraflow.streams.codec import DecodeError, decode, encode
+from astraflow.streams.direct import MissingMessages
+from astraflow.streams.messages import BATCH_MISSING, Batch, Rejected, Task, Trajectory
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import AutoscaleRecord, EvalRecord, FateRecord
+from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, fetch_trajectories, publish_trajectories
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.synthetic import sample_batches
-from astraflow.train.vetting import check_batch, check_plan
+from astraflow.train.vetting import check_batch, check_manifest, check_plan
 from astraflow.weights.publish import WeightPublisher
 from poison import (
     Poison, RunView, draw_each, nth, plan_record, poisoned_announcements, poisoned_batches, poisoned_heartbeats, poisoned_keyframe_requests,
-    poisoned_tasks, poisoned_trajectories,
+    poisoned_tasks, poisoned_trajectories, publish_copies, published_at,
 )
 from test_dataflow import Harness, recipe
 from test_dataflow_trust import good
@@ -84,12 +86,19 @@ async def test_every_poisoned_trajectory_is_dead_lettered_by_its_check_and_the_d
         if sum(h.df.stats[k] for k in h.df.stats if k.startswith("invalid.")) >= len(poisons):
             break
     await h.turn(2)
-    assert missed(poisons, await dead_letters(h.node, "traj")) == []
+    dlq = await dead_letters(h.node, "traj")
+    assert missed(poisons, dlq) == []
+    # every poison claiming a task the dataflow waits on settles it, those the codec turns away (an index or group size
+    # outside the wire's range: the consumer dead-letters them undecoded) too: the dataflow reads their ids back from dlq.traj
     settled = {p.msg.task_id for p in poisons if p.expect not in ("invalid task", "invalid policy")}  # type: ignore[union-attr]
+    undecoded = {p.msg.task_id for p in poisons if any(r.startswith("invalid trajectory:") for r in dlq[p.payload])}  # type: ignore[union-attr]
     acc = h.acc()
     assert acc.adds_up and sum(v for k, v in acc.fates.items() if k.startswith("invalid:")) == len(settled)
-    record = await h.plane.state.get(FateRecord, "solver", sorted(settled)[0])
-    assert record is not None and record.fate.startswith("invalid:")
+    assert undecoded and acc.fates.get("invalid:schema") == len(undecoded), acc.fates
+    checked = await h.plane.state.get(FateRecord, "solver", sorted(settled - undecoded)[0])
+    undecodable = await h.plane.state.get(FateRecord, "solver", sorted(undecoded)[0])
+    assert checked is not None and checked.fate.startswith("invalid:") and checked.fate != "invalid:schema"
+    assert undecodable is not None and undecodable.fate == "invalid:schema"
     for _ in range(3):  # the dataflow keeps issuing, batching and training
         await h.turn(2)
         await h.rollout()
@@ -136,21 +145,44 @@ async def test_every_poisoned_task_is_dead_lettered_by_the_node_which_serves_the
 
 
 # ------------------------------------------------------------------------------------------- batches
+async def vetted(plane: Plane, payload: bytes, vocab: int, version: int, max_lag: int) -> tuple[str | None, TrainingBatch | None]:
+    """What a trainer makes of a manifest's bytes (``train/worker.py``, in its order): the codec (its consumer
+    dead-letters what does not decode), the plan, the manifest, the fetch by sequence, the trajectories fetched."""
+    try:
+        manifest = decode(payload, Batch)
+    except DecodeError as e:
+        return str(e), None
+    refused = await check_plan(plane, "solver", manifest) or check_manifest(manifest, "solver")
+    if refused is not None:
+        return refused, None
+    try:
+        batch = TrainingBatch(manifest, await fetch_trajectories(plane, manifest))
+    except (MissingMessages, PayloadUnavailable) as e:
+        return f"{BATCH_MISSING}: {e}", None
+    return check_batch(batch, vocab, version, max_lag), batch
+
+
 async def test_every_poisoned_batch_is_turned_away_by_the_trainers_checks(plane: Plane):
     tiny = {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
     r = parse_recipe({"name": "b", "model": tiny, "dataflow": {"group_size": 2, "groups_per_batch": 2, "max_tasks_in_flight": 4}})
     model = build_model(r.policies["solver"].model, TOK)
     prompts = [p.prompt for p in load_split(r.data)[0][:4]]
-    (base,) = sample_batches(model, TOK, prompts, groups_per_batch=2, group_size=2, max_new_tokens=4, version=10, prefix="base")
+    (sampled,) = sample_batches(model, TOK, prompts, groups_per_batch=2, group_size=2, max_new_tokens=4, version=10, prefix="base")
+    seqs = await publish_trajectories(plane, sampled.trajectories)  # as nodes publish them: the manifest names them there
+    refs = [ref.model_copy(update={"seq": q}) for ref, q in zip(sampled.manifest.refs, seqs, strict=True)]
+    base = TrainingBatch(sampled.manifest.model_copy(update={"refs": refs}), sampled.trajectories)
     backend = build_backend("torch", model, TOK, r.policies["solver"].trainer, temperature=1.0)
     poisons = draw_each(poisoned_batches(base, RunView(384, 2, 4, 64, 10)), PER_FIELD, at=3)
+    assert {p.field for p in poisons} == {"batch_id", "advantages", "policy", "refs", "refs.target", "refs.task_id", "refs.seq",
+                                          "trajectories"}
     for p in poisons:
-        batch = p.msg
-        assert isinstance(batch, Batch)
+        if "trajectories" in p.extra:  # poisoned values: on the TRAJ stream first, as a node's, the manifest naming them
+            p = published_at(p, await publish_copies(plane, p.extra["trajectories"]))
         if p.extra.get("plan"):  # a forged plan record: of the base (another content under its id), or one that matches
-            await plane.state.put(plan_record(base if p.extra["plan"] == "base" else batch, "solver"))
-        reason = await check_plan(plane, "solver", batch) or check_batch(batch, "solver", 384, version=12, max_lag=4)
+            await plane.state.put(plan_record(base.manifest if p.extra["plan"] == "base" else p.msg, "solver"))  # type: ignore[arg-type]
+        reason, batch = await vetted(plane, p.payload, 384, version=12, max_lag=4)
         if reason is None:  # values it can take: the step itself must refuse (a non-finite loss makes no update)
+            assert batch is not None
             before = {k: v.clone() for k, v in model.state_dict().items()}
             step = backend.step(batch)
             reason = f"non_finite: loss {step['loss']}" if step["skipped"] else "trained"

@@ -29,7 +29,10 @@ Each delivery of the TRAJ stream goes through, in order:
    yet, the task is settled in this lane as ``invalid:{code}`` (its partial group released; the
    task is not issued again: its prompt comes round in the next epoch). Otherwise (a task
    unknown or settled, a copy of a sample held already) nothing else changes. Every rejection is
-   counted as ``invalid.{code}`` in heartbeats.
+   counted as ``invalid.{code}`` in heartbeats. A trajectory that does not even decode (a value
+   outside the wire's range) is dead-lettered by the consumer before ingest sees it; the dataflow
+   reads the ids it claims back from ``dlq.traj`` and settles its task the same way, as
+   ``invalid:schema`` (:meth:`TrajectoryIngest.undecodable`).
 2. assembly per ``(task, policy)`` (``groups.Assembler``); the delivery stays held, unacked,
    until its group's fate is decided.
 3. ``land`` (pure) for a group that completes: curator feedback on every completed group, then
@@ -227,6 +230,15 @@ class TrajectoryIngest:
         self.journal.hold(t.traj_id, d)
         if held is not None:
             self.complete(self.lanes[t.policy], held)
+
+    def undecodable(self, lane: PolicyLane, task_id: str, traj_id: str, reason: str) -> None:
+        """A sample its consumer dead-lettered because it did not decode (a value outside the wire's range), naming
+        ``task_id`` (read from the DLQ, ``watch.SampleUndecodable``): its task is settled ``invalid:schema`` as an invalid
+        sample's is, when this lane still waits on it and holds no copy of the sample. Otherwise nothing changes."""
+        if lane.is_closed(task_id) or not self.waits_on(lane, task_id) or self.journal.holds(traj_id) or lane.is_buffered(task_id):
+            return
+        self.stats["invalid.schema"] += 1
+        self.invalidate(lane, task_id, "schema", reason)
 
     def invalidate(self, lane: PolicyLane, task_id: str, code: str, reason: str) -> None:
         """Settle ``task_id`` in ``lane`` as ``invalid:{code}``: out of flight (primary), its partial group released."""

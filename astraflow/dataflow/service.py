@@ -45,7 +45,7 @@ from astraflow.dataflow.ledger import Ledger
 from astraflow.dataflow.pool import PoolAdvisor
 from astraflow.dataflow.serving import BatchServer
 from astraflow.dataflow.validate import Limits
-from astraflow.dataflow.watch import BatchFailed, TaskFailed, Trained, Watch
+from astraflow.dataflow.watch import BatchFailed, SampleUndecodable, TaskFailed, Trained, Watch
 from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.codec import DecodeError
@@ -108,6 +108,8 @@ class Dataflow:
                 self.ingest.abandon(e.task_id)
                 lane.settle(e.task_id, f"failed:{e.reason}")
                 self.journal.record(lane.name, e.task_id, f"failed:{e.reason}", error=e.detail)
+            elif isinstance(e, SampleUndecodable):
+                self.ingest.undecodable(lane, e.task_id, e.traj_id, e.detail)
             elif isinstance(e, BatchFailed):
                 if e.code == BATCH_FORGED:  # another content under a planned id: the planned batch is still to come
                     self.stats["forged_batches"] += 1

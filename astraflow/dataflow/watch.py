@@ -6,6 +6,9 @@
   writer can neither move a version nor mark a batch trained with an impossible or past one;
 - the dead-letter stream for tasks and batches: a task a rollout node gave up on (``failed:…``),
   a batch a trainer turned away, with the code its reason starts with (``messages.reason_code``);
+  and for trajectories: one the dataflow's consumer could not decode (a value outside the wire's
+  range, e.g. ``index < 0``), with the ids it claims when they can be read (strings), so ingest
+  can settle its task as it settles any invalid sample's (only the dataflow writes ``dlq.traj``);
 - the server's max-deliveries advisories for the pool's consumer: a task nobody could serve;
 - heartbeats: live rollout nodes of the pool (and how busy they are), trainers' wait fraction.
 
@@ -20,8 +23,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from astraflow.streams.codec import DecodeError, decode
-from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, WeightVersion, reason_code
+from astraflow.streams.codec import DecodeError, decode, fields_of
+from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, Trajectory, WeightVersion, reason_code
 from astraflow.streams.plane import Plane, Subscription
 from astraflow.weights.checks import announcement_problem, order_problem
 
@@ -51,7 +54,17 @@ class BatchFailed:
     code: str = ""  # why the trainer turned it away (``messages.BATCH_*``)
 
 
-Event = Trained | TaskFailed | BatchFailed
+@dataclass(frozen=True)
+class SampleUndecodable:
+    """A trajectory dead-lettered because it did not decode, and the ids it claims (unchecked strings)."""
+
+    task_id: str
+    policy: str
+    traj_id: str
+    detail: str = ""
+
+
+Event = Trained | TaskFailed | BatchFailed | SampleUndecodable
 
 
 class Watch:
@@ -71,7 +84,7 @@ class Watch:
         n, plane = self.plane.names, self.plane
         for policy in self.policies:
             self.subs.append(await plane.follow(n.weights(policy), WeightVersion, self._on_weights_of(policy)))
-        for kind in ("task", "batch"):
+        for kind in ("task", "batch", "traj"):
             self.subs.append(await plane.follow(n.dlq(kind), Rejected, self._on_dlq))
         self.subs.append(await plane.on_max_deliveries(n.task_stream, n.pool_consumer(self.pool), self._on_max_deliveries))
         self.subs.append(await plane.on_heartbeats(self._on_beat))
@@ -111,8 +124,14 @@ class Watch:
             elif family == "batch":
                 batch = decode(rej.payload, Batch)
                 self.events.append(BatchFailed(batch.batch_id, batch.policy, rej.reason[:300], reason_code(rej.reason)))
+            elif family == "traj":
+                decode(rej.payload, Trajectory)  # it decodes: ingest's own checks turned it away, and settled its task then
         except DecodeError:
-            pass  # the original itself was malformed: never one of our tasks or batches
+            if family == "traj":  # the consumer turned it away undecoded: ingest never saw the task it claims
+                ids = [fields_of(rej.payload, Trajectory).get(k) for k in ("task_id", "policy", "traj_id")]
+                if all(isinstance(x, str) for x in ids):
+                    self.events.append(SampleUndecodable(*ids, rej.reason[:300]))
+            # otherwise the original itself was malformed: never one of our tasks or batches
 
     async def _on_max_deliveries(self, seq: int) -> None:
         try:

@@ -7,7 +7,7 @@ message is the reason written to the dead-letter queue.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 import zstandard
@@ -41,6 +41,27 @@ def encode(msg: Message, max_payload: int | None = None) -> bytes:
 
 
 def decode(data: bytes, expected: type[M]) -> M:
+    fields = _envelope(data, expected)
+    if isinstance(fields, dict) and fields.get("v", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise DecodeError(f"schema version {fields.get('v')} not supported (this build speaks {SCHEMA_VERSION})")
+    try:  # strict: what the exported schemas accept (no lists for packed arrays, no strings for numbers)
+        return expected.model_validate(fields, strict=True, context=WIRE)
+    except ValidationError as e:
+        raise DecodeError(f"invalid {expected.kind}: {e.errors(include_url=False)}") from None
+
+
+def fields_of(data: bytes, expected: type[Message]) -> dict[str, Any]:
+    """The fields of an envelope of ``expected``'s kind as sent, unvalidated ({} when ``data`` is not one): to read
+    the ids of a message that failed its model. Nothing in them is checked: the caller checks what it reads."""
+    try:
+        fields = _envelope(data, expected)
+    except DecodeError:
+        return {}
+    return fields if isinstance(fields, dict) else {}
+
+
+def _envelope(data: bytes, expected: type[Message]) -> Any:
+    """The unvalidated fields of ``data``, an envelope of ``expected``'s kind; DecodeError when it is not one."""
     if not data:
         raise DecodeError("empty payload")
     flag, body = data[:1], data[1:]
@@ -59,10 +80,4 @@ def decode(data: bytes, expected: type[M]) -> M:
     if obj["k"] != expected.kind:
         known = "known" if obj["k"] in KINDS else "unknown"
         raise DecodeError(f"expected {expected.kind}, got {known} kind {obj['k']!r}")
-    fields = obj["d"]
-    if isinstance(fields, dict) and fields.get("v", SCHEMA_VERSION) != SCHEMA_VERSION:
-        raise DecodeError(f"schema version {fields.get('v')} not supported (this build speaks {SCHEMA_VERSION})")
-    try:  # strict: what the exported schemas accept (no lists for packed arrays, no strings for numbers)
-        return expected.model_validate(fields, strict=True, context=WIRE)
-    except ValidationError as e:
-        raise DecodeError(f"invalid {expected.kind}: {e.errors(include_url=False)}") from None
+    return obj["d"]
