@@ -221,6 +221,7 @@ async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, 
                        ack_wait: float) -> None:
     plane = await connect(cred_dir, "admin", run)
     n, policy = plane.names, recipe.primary
+    rogue: asyncio.subprocess.Process | None = None
     try:
         # the stale redelivery: take a batch as a trainer would, die holding it; it comes back after ack_wait
         trainer_sub = await Plane.connect(NatsOptions.from_credential(str(cred_dir / "admin.json")), run, "attacker-dead-trainer")
@@ -291,6 +292,9 @@ async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, 
         out, _ = await asyncio.wait_for(rogue.communicate(), 300)
         camp.rogue_trainer = (rogue.returncode or 0, out.decode(errors="replace")[-3000:])
     finally:
+        if rogue is not None and rogue.returncode is None:  # a campaign cut short must not leave it training
+            rogue.kill()
+            await rogue.wait()
         await plane.close()
 
 

@@ -75,7 +75,7 @@ def adapt_config(text: str, store_dir: Path, ports: dict[int, int]) -> str:
     for old, new in ports.items():
         text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
     text = re.sub(r"(?m)^\s*http:.*$", "", text)
-    return re.sub(r'(?m)^(\s*store_dir:).*$', lambda m: f'{m.group(1)} "{store_dir}"', text)
+    return re.sub(r'(store_dir:)\s*("[^"\n]*"|[^\s}]+)', lambda m: f'{m.group(1)} "{store_dir}"', text)  # on its own line or inline
 
 
 class EmbeddedServer:
