@@ -868,6 +868,7 @@ class DeltaApplier(_Streaming):
     def __init__(self, state: MutableMapping[str, torch.Tensor]) -> None:
         super().__init__(KIND_DELTA)
         self.state = state
+        self.changed: set[str] = set()  # names of the tensors whose sections change values, as sections arrive
         self._n_changed = 0
 
     def _on_layout(self, layout: list[_Tensor]) -> None:
@@ -877,6 +878,8 @@ class DeltaApplier(_Streaming):
     def _jobs(self, section: _Section) -> list[Callable[[], None]]:
         self._n_changed += sum(p.row.n_changed for p in section.parts)
         target = self.state[section.tensor.name]
+        if any(p.row.mode != MODE_UNCHANGED for p in section.parts):
+            self.changed.add(section.tensor.name)
 
         def job() -> None:
             t, changes = _decode_section(section)
