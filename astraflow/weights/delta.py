@@ -798,6 +798,11 @@ class _Streaming:
         self._running: deque[Future[None]] = deque()
         self._error: BaseException | None = None
 
+    @property
+    def received(self) -> int:
+        """Bytes fed so far."""
+        return self._reader.received
+
     def _on_layout(self, layout: list[_Tensor]) -> None:
         """Check the layout before any section runs (subclasses)."""
 

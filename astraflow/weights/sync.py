@@ -50,8 +50,8 @@ from typing import Any, Callable, Mapping, Protocol, cast
 
 import torch
 
-from astraflow.streams.messages import WeightVersion
-from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError
+from astraflow.streams.messages import ObjectRef, WeightVersion
+from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError, ObjectStore
 from astraflow.streams.plane import Plane
 from astraflow.weights.checks import announcement_problem, in_order, order_problem
 from astraflow.weights.delta import DeltaApplier, DeltaError, KeyframeDecoder, state_digest
@@ -69,9 +69,22 @@ class WeightSyncError(RuntimeError):
 class Sink(Protocol):
     """What a payload is fed to while it is fetched (``DeltaApplier``, ``KeyframeDecoder``)."""
 
+    @property
+    def received(self) -> int: ...
+
     def feed(self, data: bytes) -> None: ...
 
     def close(self) -> object: ...
+
+
+async def fetch_into(objects: ObjectStore, ref: ObjectRef, sink: Sink) -> object:
+    """Feed ``ref``'s chunks to ``sink`` while they are fetched, each once it checks (sha256, length; the last
+    once the whole payload's sha256 checks too), on a worker thread while the next ones arrive; what
+    ``sink.close()`` returns."""
+    async with aclosing(objects.iter_chunks(ref)) as chunks:
+        async for chunk in chunks:
+            await asyncio.to_thread(sink.feed, chunk)
+    return await asyncio.to_thread(sink.close)
 
 
 class WeightTarget(Protocol):
@@ -268,8 +281,8 @@ class WeightSync:
 
     # ------------------------------------------------------------------ fetching and applying
     async def _feed(self, ann: WeightVersion, make: Callable[[], Sink], in_place: bool) -> tuple[Sink, object]:
-        """Feed ``ann``'s payload to a sink from ``make`` while it is fetched, each chunk once it checks (sha256,
-        length; the last once the whole payload's sha256 checks too); (the sink, what its ``close`` returned).
+        """``ann``'s payload fed to a sink from ``make`` while it is fetched (:func:`fetch_into`); (the sink, what
+        its ``close`` returned).
 
         A missing or corrupt chunk is fetched once more into a fresh sink, unless the sink works ``in_place``
         on the image and was fed already: the image may be partly changed then, so it is dropped (it
@@ -280,20 +293,17 @@ class WeightSync:
             raise WeightSyncError(f"v{ann.version} names {len(ann.objects)} objects; this build reads exactly one")
         (ref,) = ann.objects
         for attempt in (1, 2):
-            sink, fed = make(), False
+            sink = make()
             try:
-                async with aclosing(self.objects.iter_chunks(ref)) as chunks:
-                    async for chunk in chunks:
-                        fed = True
-                        await asyncio.to_thread(sink.feed, chunk)  # works while the next chunks arrive and check
-                return sink, await asyncio.to_thread(sink.close)
+                return sink, await fetch_into(self.objects, ref, sink)
             except BaseException as e:
-                if in_place and fed:
+                touched = in_place and sink.received > 0
+                if touched:
                     self.image, self.digest, self.image_version = None, None, -1
                 if not isinstance(e, ObjectError):
                     raise
                 self.stats["corrupt" if isinstance(e, CorruptObject) else "missing" if isinstance(e, MissingObject) else "object_errors"] += 1
-                if attempt == 2 or (in_place and fed):
+                if attempt == 2 or touched:
                     raise
                 self.stats["refetches"] += 1
                 log.warning("weights %s v%d: %s; fetching again", self.policy, ann.version, e)
