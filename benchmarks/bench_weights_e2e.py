@@ -46,14 +46,14 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_weights_scale import qwen3_layout, simulate  # noqa: E402
+from bench_weights_scale import qwen3_layout, simulate
 
-from astraflow.streams.messages import ObjectRef  # noqa: E402
-from astraflow.streams.objects import ObjectStore, ensure_region_mirrors  # noqa: E402
-from astraflow.streams.plane import NatsOptions, Plane, Topology  # noqa: E402
-from astraflow.streams.server import spawn_kwargs, start_region_pair  # noqa: E402
-from astraflow.weights import delta as codec  # noqa: E402
-from astraflow.weights.sync import fetch_into  # noqa: E402
+from astraflow.streams.messages import ObjectRef
+from astraflow.streams.objects import ObjectStore, ensure_region_mirrors
+from astraflow.streams.plane import NatsOptions, Plane, Topology
+from astraflow.streams.server import spawn_kwargs, start_region_pair
+from astraflow.weights import delta as codec
+from astraflow.weights.sync import fetch_into
 
 CONF = Path(__file__).resolve().parent.parent / "jetstream"
 PATHS = ("whole", "stream")
@@ -131,7 +131,8 @@ async def main(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                         new = await asyncio.to_thread(simulate, layout, args.lr, version)
                     with console.status(f"{path}: v{version}"):
                         ref, digest, row = await publish(objects, path, version, base, new)
-                        order = {"path": path, "version": version, "ref": ref.model_dump(mode="json"), "digest": digest, "put_done": time.time()}
+                        order = {"path": path, "version": version, "ref": ref.model_dump(mode="json"), "digest": digest,
+                                 "put_done": time.time()}
                         receiver.stdin.write(json.dumps(order) + "\n")
                         receiver.stdin.flush()
                         answer = await asyncio.to_thread(receiver.stdout.readline)
@@ -231,7 +232,9 @@ def render(r: dict[str, Any], console: Console) -> None:
     t.add_column("phase")
     for p, k in cols:
         t.add_column(f"{k}, {p}", justify="right")
-    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    def gib(b: float) -> str:
+        return f"{b / 2**30:.2f} GiB"
+
     for label, key, fmt in (("payload", "bytes", lambda b: f"{b / 1e6:.1f} MB"), ("encode", "encode_s", None), ("put", "put_s", None),
                             ("encode + put (overlapped)", "encode_put_s", None), ("mirror lag", "mirror_lag_s", None),
                             ("fetch", "fetch_s", None), ("apply / decode", "apply_s", None),

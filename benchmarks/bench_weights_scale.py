@@ -55,7 +55,7 @@ THIS, BASELINE = "this", "baseline"
 _T = TypeVar("_T")
 
 
-QWEN3 = {  # Qwen3 configs by name: the real 1.7B shape, a ~100M one of the same family, a tiny one
+QWEN3: dict[str, dict[str, Any]] = {  # Qwen3 configs by name: the real 1.7B shape, a ~100M one of the same family, a tiny one
     "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                  intermediate_size=6144, vocab_size=151936),
     "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, head_dim=64,

@@ -34,7 +34,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from nats.errors import TimeoutError as NatsTimeout
@@ -213,7 +213,7 @@ def _expected_chunks(ref: ObjectRef) -> int:
 
 
 async def iter_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None, timeout: float = 10.0,
-                      wait_missing: float = 0.0) -> AsyncIterator[bytes]:
+                      wait_missing: float = 0.0) -> AsyncGenerator[bytes, None]:
     """The chunks of ``ref`` in order, each yielded only once its length and sha256 check, the last
     one only once the whole payload's sha256 checks too: a consumer that reached the end holds
     exactly the announced payload. ``stream``: the bucket's own by default; pass a mirror's name,
@@ -298,7 +298,7 @@ class ObjectStore:
     async def get(self, ref: ObjectRef, timeout: float = 10.0) -> bytearray:
         return await get_object(self._js, self.bucket, ref, stream=self.stream, timeout=timeout, wait_missing=self.wait_missing)
 
-    def iter_chunks(self, ref: ObjectRef, timeout: float = 10.0) -> AsyncIterator[bytes]:
+    def iter_chunks(self, ref: ObjectRef, timeout: float = 10.0) -> AsyncGenerator[bytes, None]:
         """``ref``'s chunks in order, each checked before it is yielded (:func:`iter_object`)."""
         return iter_object(self._js, self.bucket, ref, stream=self.stream, timeout=timeout, wait_missing=self.wait_missing)
 

@@ -44,9 +44,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
 from contextlib import aclosing
 from functools import partial
-from typing import Any, Callable, Mapping, Protocol, cast
+from typing import Any, Mapping, Protocol, cast
 
 import torch
 
@@ -302,7 +303,8 @@ class WeightSync:
                     self.image, self.digest, self.image_version = None, None, -1
                 if not isinstance(e, ObjectError):
                     raise
-                self.stats["corrupt" if isinstance(e, CorruptObject) else "missing" if isinstance(e, MissingObject) else "object_errors"] += 1
+                kind = "corrupt" if isinstance(e, CorruptObject) else "missing" if isinstance(e, MissingObject) else "object_errors"
+                self.stats[kind] += 1
                 if attempt == 2 or touched:
                     raise
                 self.stats["refetches"] += 1
@@ -321,7 +323,8 @@ class WeightSync:
                     changed = None
                 else:
                     if self.image is None or ann.base_version != self.image_version or ann.base_digest != self.digest:
-                        raise WeightSyncError(f"delta v{ann.version} applies onto v{ann.base_version}, the node holds v{self.image_version}")
+                        raise WeightSyncError(f"delta v{ann.version} applies onto v{ann.base_version}, "
+                                              f"the node holds v{self.image_version}")
                     image = self.image
                     applier, _ = await self._feed(ann, partial(DeltaApplier, image), in_place=True)
                     if changed is not None:
