@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_weights_scale import qwen3_layout, simulate
+from bench_weights_scale import qwen3_layout, simulate, trim
 
 from astraflow.streams.messages import ObjectRef
 from astraflow.streams.objects import ObjectStore, ensure_region_mirrors
@@ -75,6 +75,7 @@ def reset_peak() -> None:
 async def publish(objects: ObjectStore, path: str, version: int, base: dict[str, torch.Tensor] | None,
                   new: dict[str, torch.Tensor]) -> tuple[ObjectRef, str, dict[str, float]]:
     """Put version ``new`` (a delta from ``base``, or a keyframe) by ``path``; (ref, state digest, figures)."""
+    trim()
     reset_peak()
     digesting = asyncio.ensure_future(asyncio.to_thread(codec.state_digest, new))  # as the publisher does: alongside
 
@@ -125,8 +126,9 @@ async def main(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             while await mirror.chunks(warm) < 1:
                 await asyncio.sleep(0.01)
             for path in PATHS:  # one path after the other: each process holds one image (two for a delta) at a time
-                base = None
+                new: dict[str, torch.Tensor] | None = None
                 for version in range(args.deltas + 1):
+                    base, new = new, None  # v-2 goes before v is built: two versions resident at most
                     with console.status(f"{path}: building v{version}"):
                         new = await asyncio.to_thread(simulate, layout, args.lr, version)
                     with console.status(f"{path}: v{version}"):
@@ -144,8 +146,7 @@ async def main(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                         console.log(row)
                         await objects.delete(ref)  # keep the disks (and page cache) to one payload
                         await mirror.delete(ref)
-                    base = new
-                base = new = None  # type: ignore[assignment]
+                base = new = None
             receiver.stdin.close()
             receiver.wait(60)
             await on_leaf.close()
@@ -172,6 +173,7 @@ async def receive(leaf_url: str, run: str) -> None:
         path, ref = order["path"], ObjectRef.model_validate(order["ref"])
         image = images.pop(path, None) if order["version"] else None
         images.clear()  # one image resident at a time
+        trim()
         reset_peak()
         out: dict[str, float] = {}
         while await objects.chunks(ref) < len(ref.digests):

@@ -84,9 +84,11 @@ def simulate(layout: list[tuple[str, tuple[int, ...]]], lr: float, version: int,
     state = {}
     for i, (name, shape) in enumerate(layout):
         master = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen).mul_(0.02)
-        first = torch.randn(shape, generator=gen)
+        g = torch.randn(shape, generator=gen)  # the first step's draw
         for k in range(version):
-            g = first if k == 0 else torch.randn(shape, generator=torch.Generator().manual_seed(seed * 1_000_003 + i * 1_009 + k))
+            if k:
+                g = None  # one draw resident at a time (the largest tensor's is 1.2 GB)
+                g = torch.randn(shape, generator=torch.Generator().manual_seed(seed * 1_000_003 + i * 1_009 + k))
             master.sub_(g.sign_().add_(master, alpha=0.01), alpha=lr)  # w <- w - lr (sign(g) + wd w)
         state[name] = master.bfloat16()
     return state
