@@ -137,10 +137,13 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
     whole = hashlib.sha256()
     size = 0
     futs: list[asyncio.Future[Any]] = []
+    pulling = asyncio.ensure_future(asyncio.to_thread(_next_chunk, chunks, whole))
     try:
         while True:
-            nxt = await asyncio.to_thread(_next_chunk, chunks, whole)
-            if nxt is None and digests:
+            nxt = await pulling
+            if nxt is not None:  # the next chunk is encoded and hashed while this one goes out
+                pulling = asyncio.ensure_future(asyncio.to_thread(_next_chunk, chunks, whole))
+            elif digests:
                 break
             chunk, digest = nxt or (b"", hashlib.sha256(b"").hexdigest())  # an empty payload is one empty chunk
             digests.append(digest)
@@ -160,6 +163,7 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
         }
         await js.publish(_meta_subject(bucket, name), json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
     except BaseException:
+        await asyncio.gather(pulling, return_exceptions=True)  # the pieces' producer is not left running
         if inspect.iscoroutine(name):  # never awaited: the write ended before its metadata
             name.close()
         try:  # let in-flight chunks land (briefly), then purge them
