@@ -39,7 +39,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from rich.console import Console
@@ -57,6 +58,7 @@ from astraflow.weights.sync import fetch_into
 
 CONF = Path(__file__).resolve().parent.parent / "jetstream"
 PATHS = ("whole", "stream")
+_T = TypeVar("_T")
 
 
 def peak_rss() -> int:
@@ -67,6 +69,14 @@ def peak_rss() -> int:
 
 def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
+
+
+async def off_loop(fn: Callable[..., _T], *args: Any) -> _T:
+    """fn(*args) on a worker thread, its result handed over in a box: an awaited future of asyncio.to_thread keeps
+    its result referenced after the await (CPython 3.11), which would keep a freed state resident."""
+    box: list[_T] = []
+    await asyncio.to_thread(lambda: box.append(fn(*args)))
+    return box.pop()
 
 
 # ------------------------------------------------------------------ publisher (this process)
@@ -85,8 +95,7 @@ async def publish(objects: ObjectStore, path: str, version: int, base: dict[str,
     t0 = time.perf_counter()
     out: dict[str, float] = {}
     if path == "whole":
-        payload = await asyncio.to_thread(codec.encode_keyframe, new) if base is None else \
-            (await asyncio.to_thread(codec.encode_delta, base, new))[0]
+        payload = await off_loop(codec.encode_keyframe, new) if base is None else (await off_loop(codec.encode_delta, base, new))[0]
         await digesting
         out["encode_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -130,7 +139,7 @@ async def main(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 for version in range(args.deltas + 1):
                     base, new = new, None  # v-2 goes before v is built: two versions resident at most
                     with console.status(f"{path}: building v{version}"):
-                        new = await asyncio.to_thread(simulate, layout, args.lr, version)
+                        new = await off_loop(simulate, layout, args.lr, version)
                     with console.status(f"{path}: v{version}"):
                         ref, digest, row = await publish(objects, path, version, base, new)
                         order = {"path": path, "version": version, "ref": ref.model_dump(mode="json"), "digest": digest,
@@ -185,7 +194,7 @@ async def receive(leaf_url: str, run: str) -> None:
             out["fetch_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             if image is None:
-                image = await asyncio.to_thread(codec.decode_keyframe, payload)
+                image = await off_loop(codec.decode_keyframe, payload)
             else:
                 await asyncio.to_thread(codec.apply_delta, image, payload)
             out["apply_s"] = time.perf_counter() - t1
