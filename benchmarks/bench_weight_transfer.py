@@ -16,7 +16,7 @@ checked). The leaf node goes first, right after the publish, so its figure inclu
 catching up. The read path is measured apart:
 ``get_object`` vs nats-py's ``ObjectStore.get`` on the same object, per chunk size, in MB/s.
 
-    python benchmarks/bench_weight_transfer.py [--quick] [--preset 10m|25m] [--reps 3]
+    python benchmarks/bench_weight_transfer.py [--quick] [--preset 10m|25m|100m] [--reps 3]
 
 The last stdout line is one JSON object with every figure.
 """
@@ -50,6 +50,7 @@ PRESETS = {  # (hidden, layers, heads, kv_heads, intermediate, vocab)
     "tiny": (64, 2, 4, 2, 128, 1000),
     "10m": (256, 4, 4, 2, 1024, 16384),
     "25m": (384, 6, 6, 2, 1536, 32000),
+    "100m": (768, 12, 12, 4, 2048, 32000),  # bench_delta.py's model
 }
 
 

@@ -55,30 +55,42 @@ THIS, BASELINE = "this", "baseline"
 _T = TypeVar("_T")
 
 
-def qwen3_layout(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
-    """Parameter names and shapes of Qwen3-1.7B (or a tiny Qwen3 with --quick), tied embeddings."""
+QWEN3: dict[str, dict[str, Any]] = {  # Qwen3 configs by name: the real 1.7B shape, a ~100M one of the same family, a tiny one
+    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=6144, vocab_size=151936),
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+                 intermediate_size=2048, vocab_size=32768),
+    "quick": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  intermediate_size=768, vocab_size=8192),
+}
+
+
+def qwen3_layout(quick: bool | str) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter names and shapes of Qwen3-1.7B (or a tiny Qwen3 with ``quick``, or a ``QWEN3`` preset by name), tied embeddings."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    if quick:
-        cfg = Qwen3Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=64, intermediate_size=768, vocab_size=8192, tie_word_embeddings=True)
-    else:
-        cfg = Qwen3Config(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                          head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True)
+    preset = quick if isinstance(quick, str) else "quick" if quick else "1.7b"
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3[preset], tie_word_embeddings=True))
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
 def simulate(layout: list[tuple[str, tuple[int, ...]]], lr: float, version: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """bf16 version 0 or 1 around one AdamW-like step of fp32 masters (see the module doc); the same
-    seed gives the same masters, so the versions can be built one at a time."""
+    """bf16 version ``version`` of fp32 masters after that many AdamW-like steps (see the module doc); the same seed
+    gives the same masters and steps, so the versions can be built one at a time. Each tensor draws its master and
+    first step from one generator (versions 0 and 1 draw alike), its later steps from a generator of its own (seeded
+    by tensor and step), so every version draws the same values for what the versions share."""
     gen = torch.Generator().manual_seed(seed)
     state = {}
-    for name, shape in layout:
+    for i, (name, shape) in enumerate(layout):
         master = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen).mul_(0.02)
-        step = torch.randn(shape, generator=gen).sign_().add_(master, alpha=0.01)  # sign(g) + wd * w
-        state[name] = (master.sub_(step, alpha=lr) if version else master).bfloat16()
+        g = torch.randn(shape, generator=gen)  # the first step's draw
+        for k in range(version):
+            if k:
+                g = None  # one draw resident at a time (the largest tensor's is 1.2 GB)
+                g = torch.randn(shape, generator=torch.Generator().manual_seed(seed * 1_000_003 + i * 1_009 + k))
+            master.sub_(g.sign_().add_(master, alpha=0.01), alpha=lr)  # w <- w - lr (sign(g) + wd w)
+        state[name] = master.bfloat16()
     return state
 
 

@@ -16,7 +16,7 @@ from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import EmbeddedServer, nats_server_binary, start_region_pair
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.publish import WeightPublisher, request_keyframe
-from weights_helpers import Trainer, engine_digest, node
+from weights_helpers import WIDE, Trainer, engine_digest, node
 
 CONF = Path(__file__).resolve().parent.parent / "jetstream"
 
@@ -85,6 +85,22 @@ async def test_node_on_the_leaf_applies_versions_published_on_the_hub(planes):
     assert engine_digest(late) == trainer.digest and late.stats["joins"] == 1
     on_hub = node(remote)  # same node reading the hub instead: the objects are gone there
     assert not await on_hub.refresh(wait=2.0) and on_hub.stats["missing"] > 0
+
+
+async def test_payloads_of_many_chunks_stream_through_the_mirror(planes):
+    """Keyframe and deltas of several chunks, applied on the leaf while they are read from its mirror (which
+    may still be catching up with the announcement)."""
+    trainer_plane, remote = planes
+    await ensure_region_mirrors(remote, remote.names.run, hub_domain="hub")
+    trainer = Trainer(lr=1e-3, **WIDE)
+    pub = WeightPublisher(trainer_plane, "solver", keyframe_every=100, max_delta_fraction=1.0, mirror_domains=("leaf",))
+    sync = node(remote, WIDE, domain="leaf")
+    for v in range(3):
+        ann = await pub.publish(trainer.step() if v else trainer.model.state_dict(), v)
+        assert len(ann.objects[0].digests) >= 2
+        await sync.wait_for(v, timeout=30)
+        assert engine_digest(sync) == ann.state_digest
+    assert (sync.stats["keyframes"], sync.stats["deltas"], sync.stats["refetches"], sync.stats["failures"]) == (1, 2, 0, 0)
 
 
 async def test_keyframe_request_from_the_leaf_reaches_the_hub_trainer(planes):

@@ -128,9 +128,10 @@ class Watch:
                 decode(rej.payload, Trajectory)  # it decodes: ingest's own checks turned it away, and settled its task then
         except DecodeError:
             if family == "traj":  # the consumer turned it away undecoded: ingest never saw the task it claims
-                ids = [fields_of(rej.payload, Trajectory).get(k) for k in ("task_id", "policy", "traj_id")]
-                if all(isinstance(x, str) for x in ids):
-                    self.events.append(SampleUndecodable(*ids, rej.reason[:300]))
+                claimed = fields_of(rej.payload, Trajectory)
+                task_id, policy, traj_id = (claimed.get(k) for k in ("task_id", "policy", "traj_id"))
+                if isinstance(task_id, str) and isinstance(policy, str) and isinstance(traj_id, str):
+                    self.events.append(SampleUndecodable(task_id, policy, traj_id, rej.reason[:300]))
             # otherwise the original itself was malformed: never one of our tasks or batches
 
     async def _on_max_deliveries(self, seq: int) -> None:

@@ -6,14 +6,18 @@ and read what we write. We do not use nats-py's ``ObjectStore.get``: it re-copie
 every chunk and finds the stream by subject, which fails on a mirror (a mirror has no
 subjects). Here:
 
-* the writer pipelines chunk publishes (``publish_async``), writes the metadata last and
-  purges its chunks if anything fails; the caller's announcement is the commit point (STYLE 7);
+* the writer takes the payload whole or piece by piece as an encoder produces it, pipelines chunk
+  publishes (``publish_async``, a bounded number unacknowledged), hashes as it goes, writes the
+  metadata last and purges its chunks if anything fails (the encoder's error included); the
+  caller's announcement is the commit point (STYLE 7);
 * the reader binds a stream by name (the bucket's own, or a mirror's in another JetStream
   domain through a domain-scoped ``js``), counts the chunks on the server first (a missing
   chunk is reported at once, not after a timeout), then streams them through an ordered push
   consumer with flow control (no request round trip per window) and checks each chunk's
   sha256 and length, and the whole payload's sha256, against the :class:`ObjectRef` of the
-  announcement. Hashing runs on one helper thread, overlapping the network reads.
+  announcement. Hashing runs on one helper thread, overlapping the network reads. Chunks are
+  yielded in order as they check (:func:`iter_object`), so a node decodes or applies while it
+  fetches; the last one only after the whole payload's sha256 checks.
 
 A region (a leafnode with its own JetStream domain) mirrors the object stream and the weights
 announcement stream of the hub: :func:`ensure_region_mirrors`.
@@ -24,14 +28,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import inspect
 import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, NotFoundError
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
 
 DEFAULT_CHUNK = 2 * 1024 * 1024  # measured (benchmarks/bench_weight_transfer.py): 2-4 MiB read fastest
+IN_FLIGHT = 32  # chunks a writer has unacknowledged at most (64 MiB at the default size)
+READ_AHEAD = 16  # chunks a reader checks ahead of its consumer
 _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="af-objects-sha")  # one thread: chunks hash in order
 
 
@@ -78,31 +85,87 @@ def chunk_size_for(max_payload: int, wanted: int = DEFAULT_CHUNK) -> int:
 # ------------------------------------------------------------------------------ write
 
 
-async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes | bytearray | memoryview, chunk_size: int = DEFAULT_CHUNK,
-                     timeout: float = 60.0) -> ObjectRef:
+Data = bytes | bytearray | memoryview
+Pieces = Iterable[Data]  # a payload handed over piece by piece, e.g. by an encoder while it encodes
+
+
+def _in_chunks(data: Data | Pieces, chunk_size: int) -> Iterator[bytes]:
+    """``data`` (whole, or pieces split anywhere) cut into chunks of ``chunk_size`` bytes, the last shorter."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        view = memoryview(data).cast("B")
+        yield from (bytes(view[off : off + chunk_size]) for off in range(0, len(view), chunk_size))
+        return
+    buf = bytearray()
+    for piece in data:
+        buf += piece
+        if len(buf) >= chunk_size:
+            view = memoryview(buf)
+            whole = len(buf) - len(buf) % chunk_size
+            chunks = [bytes(view[off : off + chunk_size]) for off in range(0, whole, chunk_size)]
+            view.release()
+            del buf[:whole]
+            yield from chunks
+    if buf:
+        yield bytes(buf)
+
+
+def _next_chunk(chunks: Iterator[bytes], whole: Any) -> tuple[bytes, str] | None:
+    """The next chunk and its sha256 (the whole payload's hash updated), or None at the end; runs on a worker
+    thread: pulling a piece may run its encoder, and hashlib releases the GIL."""
+    chunk = next(chunks, None)
+    if chunk is None:
+        return None
+    whole.update(chunk)
+    return chunk, hashlib.sha256(chunk).hexdigest()
+
+
+async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[str], data: Data | Pieces,
+                     chunk_size: int = DEFAULT_CHUNK, timeout: float = 60.0, in_flight: int = IN_FLIGHT) -> ObjectRef:
     """Write ``data`` under a fresh nuid (chunks pipelined, metadata last); purge the chunks on
-    failure, including chunk acks not all back within ``timeout`` seconds."""
-    view = memoryview(data).cast("B")
+    failure, including chunk acks not all back within ``timeout`` seconds.
+
+    ``data`` is the whole payload or an iterable of pieces split anywhere (an encoder's output):
+    each chunk goes out as soon as its bytes are in, with at most ``in_flight`` chunks unacknowledged,
+    so memory stays bounded; pulling pieces runs on a worker thread. An exception raised by the
+    iterable aborts the write (chunks purged) and propagates. ``name`` may be awaitable, for a name
+    known only once the data is written (it goes into the metadata, written last).
+    """
+    chunks = _in_chunks(data, chunk_size)
     nuid = uuid.uuid4().hex
     subject = chunk_subject(bucket, nuid)
     digests: list[str] = []
     whole = hashlib.sha256()
-    futs = []
+    size = 0
+    futs: list[asyncio.Future[Any]] = []
+    pulling = asyncio.ensure_future(asyncio.to_thread(_next_chunk, chunks, whole))
     try:
-        for off in range(0, max(len(view), 1), chunk_size):
-            chunk = bytes(view[off : off + chunk_size])
-            digests.append(hashlib.sha256(chunk).hexdigest())
-            whole.update(chunk)
+        while True:
+            nxt = await pulling
+            if nxt is not None:  # the next chunk is encoded and hashed while this one goes out
+                pulling = asyncio.ensure_future(asyncio.to_thread(_next_chunk, chunks, whole))
+            elif digests:
+                break
+            chunk, digest = nxt or (b"", hashlib.sha256(b"").hexdigest())  # an empty payload is one empty chunk
+            digests.append(digest)
+            size += len(chunk)
             futs.append(await js.publish_async(subject, chunk, stream=object_stream(bucket)))
+            if len(futs) > in_flight:  # bounded memory: wait for the oldest unacknowledged chunk
+                await asyncio.wait_for(futs[-in_flight - 1], timeout)
+            if nxt is None:
+                break
         await asyncio.wait_for(asyncio.gather(*futs), timeout)
+        name = name if isinstance(name, str) else await name
         meta = {
-            "name": name, "bucket": bucket, "nuid": nuid, "size": len(view), "chunks": len(digests),
+            "name": name, "bucket": bucket, "nuid": nuid, "size": size, "chunks": len(digests),
             "mtime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "digest": "SHA-256=" + base64.urlsafe_b64encode(whole.digest()).decode(),
             "options": {"max_chunk_size": chunk_size},
         }
         await js.publish(_meta_subject(bucket, name), json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
     except BaseException:
+        await asyncio.gather(pulling, return_exceptions=True)  # the pieces' producer is not left running
+        if inspect.iscoroutine(name):  # never awaited: the write ended before its metadata
+            name.close()
         try:  # let in-flight chunks land (briefly), then purge them
             await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 5.0)
         except asyncio.TimeoutError:
@@ -112,7 +175,7 @@ async def put_object(js: JetStreamContext, bucket: str, name: str, data: bytes |
         except Exception:  # best effort: the caller sees the original error
             pass
         raise
-    return ObjectRef(name=name, nuid=nuid, size=len(view), chunk_size=chunk_size, digests=digests, digest=whole.hexdigest())
+    return ObjectRef(name=name, nuid=nuid, size=size, chunk_size=chunk_size, digests=digests, digest=whole.hexdigest())
 
 
 async def delete_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None) -> None:
@@ -134,17 +197,16 @@ async def count_chunks(js: JetStreamContext, stream: str, subject: str) -> int:
     return int((info.state.subjects or {}).get(subject, 0))
 
 
-def _place_chunk(out: np.ndarray, data: bytes, index: int, whole: Any, ref: ObjectRef) -> None:
-    """Check chunk ``index`` (length, sha256) and copy it into place; runs on the hashing thread,
-    off the event loop (hashlib and numpy release the GIL on large buffers)."""
-    off = index * ref.chunk_size
-    want_len = min(ref.chunk_size, ref.size - off)
+def _check_chunk(data: bytes, index: int, whole: Any, ref: ObjectRef) -> bytes:
+    """Check chunk ``index`` (length, sha256) and add it to the whole payload's hash; runs on the
+    hashing thread, off the event loop (hashlib releases the GIL on large buffers)."""
+    want_len = min(ref.chunk_size, ref.size - index * ref.chunk_size)
     if len(data) != want_len:
         raise CorruptObject(f"object {ref.name}: chunk {index} has {len(data)} bytes, expected {want_len}")
     if hashlib.sha256(data).hexdigest() != ref.digests[index]:
         raise CorruptObject(f"object {ref.name}: chunk {index} fails its digest")
     whole.update(data)
-    out[off : off + want_len] = np.frombuffer(data, dtype=np.uint8)
+    return data
 
 
 def _expected_chunks(ref: ObjectRef) -> int:
@@ -154,13 +216,17 @@ def _expected_chunks(ref: ObjectRef) -> int:
     return n
 
 
-async def get_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None, timeout: float = 10.0, wait_missing: float = 0.0) -> bytearray:
-    """Read ``ref`` whole from ``stream`` (default: the bucket's own; pass a mirror's name, with a
-    ``js`` of the mirror's domain, to read a mirror).
+async def iter_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None, timeout: float = 10.0,
+                      wait_missing: float = 0.0) -> AsyncGenerator[bytes, None]:
+    """The chunks of ``ref`` in order, each yielded only once its length and sha256 check, the last
+    one only once the whole payload's sha256 checks too: a consumer that reached the end holds
+    exactly the announced payload. ``stream``: the bucket's own by default; pass a mirror's name,
+    with a ``js`` of the mirror's domain, to read a mirror.
 
     Raises :class:`MissingObject` when chunks are absent (after waiting up to ``wait_missing``
     seconds for them to arrive, e.g. on a mirror that lags the announcement) and
-    :class:`CorruptObject` when a chunk or the whole fails its digest or size.
+    :class:`CorruptObject` when a chunk or the whole fails its digest or size. Chunks are read and
+    checked ahead of the consumer (up to ``READ_AHEAD``; beyond that the server's flow control holds them).
     """
     stream = stream or object_stream(bucket)
     subject = chunk_subject(bucket, ref.nuid)
@@ -171,29 +237,49 @@ async def get_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: 
         raise MissingObject(f"object {ref.name}: stream {stream} not found") from None
     if have < n and wait_missing <= 0:
         raise MissingObject(f"object {ref.name}: {have} of {n} chunks on {stream}")
-    out = bytearray(ref.size)
-    view = np.frombuffer(out, dtype=np.uint8)
     whole = hashlib.sha256()
     loop = asyncio.get_running_loop()
-    checks = []
+    checked: asyncio.Queue[asyncio.Future[bytes]] = asyncio.Queue(READ_AHEAD)
     sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL,
                              pending_bytes_limit=max(256 << 20, 4 * ref.chunk_size))
-    try:
+
+    async def read() -> None:
         for i in range(n):
             try:
                 msg = await sub.next_msg(timeout=timeout if have >= n else max(timeout, wait_missing))
             except (NatsTimeout, asyncio.TimeoutError):
-                raise MissingObject(f"object {ref.name}: chunk {i} of {n} did not arrive from {stream}") from None
-            checks.append(loop.run_in_executor(_HASHER, _place_chunk, view, msg.data, i, whole, ref))
-        await asyncio.gather(*checks)
+                failed: asyncio.Future[bytes] = loop.create_future()
+                failed.set_exception(MissingObject(f"object {ref.name}: chunk {i} of {n} did not arrive from {stream}"))
+                await checked.put(failed)
+                return
+            await checked.put(loop.run_in_executor(_HASHER, _check_chunk, msg.data, i, whole, ref))
+
+    reader = asyncio.create_task(read())
+    try:
+        for i in range(n):
+            chunk = await (await checked.get())
+            if i == n - 1 and whole.hexdigest() != ref.digest:
+                raise CorruptObject(f"object {ref.name}: whole-payload digest mismatch")
+            yield chunk
     finally:
-        await asyncio.gather(*checks, return_exceptions=True)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        while not checked.empty():  # checks the consumer did not wait for: their errors are this one's
+            await asyncio.gather(checked.get_nowait(), return_exceptions=True)
         try:
             await sub.unsubscribe()
         except Exception:
             pass
-    if whole.hexdigest() != ref.digest:
-        raise CorruptObject(f"object {ref.name}: whole-payload digest mismatch")
+
+
+async def get_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None, timeout: float = 10.0,
+                     wait_missing: float = 0.0) -> bytearray:
+    """Read ``ref`` whole (:func:`iter_object`'s chunks, checked, in one buffer)."""
+    out = bytearray(ref.size)
+    off = 0
+    async for chunk in iter_object(js, bucket, ref, stream, timeout, wait_missing):
+        out[off : off + len(chunk)] = chunk
+        off += len(chunk)
     return out
 
 
@@ -209,11 +295,16 @@ class ObjectStore:
         self.wait_missing = wait_missing
         self.chunk_size = chunk_size_for(max_payload)
 
-    async def put(self, name: str, data: bytes | bytearray | memoryview) -> ObjectRef:
+    async def put(self, name: str | Awaitable[str], data: Data | Pieces) -> ObjectRef:
+        """Write ``data``, whole or piece by piece as it is produced (:func:`put_object`)."""
         return await put_object(self._js, self.bucket, name, data, self.chunk_size)
 
     async def get(self, ref: ObjectRef, timeout: float = 10.0) -> bytearray:
         return await get_object(self._js, self.bucket, ref, stream=self.stream, timeout=timeout, wait_missing=self.wait_missing)
+
+    def iter_chunks(self, ref: ObjectRef, timeout: float = 10.0) -> AsyncGenerator[bytes, None]:
+        """``ref``'s chunks in order, each checked before it is yielded (:func:`iter_object`)."""
+        return iter_object(self._js, self.bucket, ref, stream=self.stream, timeout=timeout, wait_missing=self.wait_missing)
 
     async def delete(self, ref: ObjectRef) -> None:
         await delete_object(self._js, self.bucket, ref, stream=self.stream)

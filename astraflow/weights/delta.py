@@ -362,7 +362,7 @@ def _zigzag(diff: np.ndarray) -> np.ndarray:
 
 
 def _unzigzag(z: np.ndarray) -> np.ndarray:
-    out = np.negative(z & 1)
+    out: np.ndarray = np.negative(z & 1)
     z >>= 1
     out ^= z
     return out
@@ -824,6 +824,11 @@ class _Streaming:
         self._running: deque[Future[None]] = deque()
         self._error: BaseException | None = None
 
+    @property
+    def received(self) -> int:
+        """Bytes fed so far."""
+        return self._reader.received
+
     def _on_layout(self, layout: list[_Tensor]) -> None:
         """Check the layout before any section runs (subclasses)."""
 
@@ -893,6 +898,7 @@ class DeltaApplier(_Streaming):
     def __init__(self, state: MutableMapping[str, torch.Tensor]) -> None:
         super().__init__(KIND_DELTA)
         self.state = state
+        self.changed: set[str] = set()  # names of the tensors whose sections change values, as sections arrive
         self._n_changed = 0
         self._changed: set[str] = set()
 
@@ -906,6 +912,8 @@ class DeltaApplier(_Streaming):
         if n:
             self._changed.add(section.tensor.name)
         target = self.state[section.tensor.name]
+        if any(p.row.mode != MODE_UNCHANGED for p in section.parts):
+            self.changed.add(section.tensor.name)
 
         def job() -> None:
             t, changes = _decode_section(section)

@@ -9,6 +9,11 @@ against it, except
   (:func:`request_keyframe`); the next version after a new request is a keyframe;
 * whenever the delta would exceed ``max_delta_fraction`` of the full bf16 payload.
 
+The payload is encoded while it is written: the encoder's pieces go to the object store as they
+come (``ObjectStore.put`` takes an iterable), so publishing starts after the first section and
+the payload is never whole in memory. A delta is written until it passes the fraction; then its
+chunks are purged and a keyframe is written instead.
+
 Weights that are not finite are never published (:class:`NonFiniteWeights`, before anything is
 written). The payload is written to the object store first (chunks, each with a sha256); the
 announcement (base version and digest, object refs with sizes and digests, the state digest)
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Generator, Iterator
 from typing import Literal, Mapping
 
 import torch
@@ -35,7 +41,7 @@ from astraflow.streams.messages import ObjectRef, WeightVersion
 from astraflow.streams.plane import Plane, PublishConflict
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.checks import foreign_harmless, in_order
-from astraflow.weights.delta import encode_delta, encode_keyframe, state_digest, to_bf16_state
+from astraflow.weights.delta import iter_encode_delta, iter_encode_keyframe, state_digest, to_bf16_state
 from astraflow.weights.retention import Key, execute_retention, key_of, plan_retention
 
 log = logging.getLogger(__name__)
@@ -45,6 +51,20 @@ STEP_OVERS = 8  # refused publishes in a row before a foreign writer counts as a
 
 class NonFiniteWeights(ValueError):
     """A state holding NaN or infinite values: never announced."""
+
+
+class DeltaTooLarge(RuntimeError):
+    """A delta grew past its limit while it was encoded: a keyframe goes out instead."""
+
+
+def capped(pieces: Iterator[bytes], limit: int) -> Generator[bytes, None, None]:
+    """``pieces`` passed on until their total would exceed ``limit`` bytes: then :class:`DeltaTooLarge`."""
+    total = 0
+    for piece in pieces:
+        total += len(piece)
+        if total > limit:
+            raise DeltaTooLarge(f"{total} B, over {limit} B")
+        yield piece
 
 
 async def request_keyframe(plane: Plane, policy: str, reason: str = "") -> None:
@@ -93,23 +113,40 @@ class WeightPublisher:
         """Revision of the current keyframe request in the run KV (0 if none; a failed read is an error)."""
         return await self.plane.state.revision(KeyframeRequest, self.policy)
 
-    def _encode(self, new: dict[str, torch.Tensor], version: int, force_keyframe: bool) -> tuple[Encoding, bytes, str]:
-        """(encoding, payload, why) — the decision and its reason, for logs and metrics."""
+    def _keyframe_reason(self, version: int, force_keyframe: bool) -> str | None:
+        """Why ``version`` must be a keyframe, or None: try a delta."""
         if self.image is None:
-            why = "start"
-        elif self.image_version != version - 1:
-            why = f"image is v{self.image_version}, not v{version - 1}"
-        elif force_keyframe:
-            why = "forced"
-        elif version % self.keyframe_every == 0:
-            why = f"every {self.keyframe_every}"
-        else:
-            payload, _ = encode_delta(self.image, new)
+            return "start"
+        if self.image_version != version - 1:
+            return f"image is v{self.image_version}, not v{version - 1}"
+        if force_keyframe:
+            return "forced"
+        if version % self.keyframe_every == 0:
+            return f"every {self.keyframe_every}"
+        return None
+
+    async def _put(self, new: dict[str, torch.Tensor], version: int, force_keyframe: bool,
+                   digest: asyncio.Future[str]) -> tuple[Encoding, ObjectRef, str]:
+        """Encode ``new`` while writing it to the object store; (encoding, ref, why). A delta that grows past
+        ``max_delta_fraction`` of the full bf16 bytes is dropped as soon as it does (its chunks purged) and
+        a keyframe goes out instead."""
+        objects = self.plane.objects()
+
+        async def name(encoding: Encoding) -> str:
+            return f"{self.policy}/v{version}-{(await digest)[:12]}.{encoding}"
+
+        why = self._keyframe_reason(version, force_keyframe)
+        if why is None:
+            assert self.image is not None
             full_bytes = sum(t.numel() * t.element_size() for t in new.values())
-            if len(payload) <= self.max_delta_fraction * full_bytes:
-                return "delta", payload, "delta"
-            why = f"delta {len(payload)} B > {self.max_delta_fraction:g} x {full_bytes} B"
-        return "keyframe", encode_keyframe(new), why
+            encoder = iter_encode_delta(self.image, new)
+            try:
+                return "delta", await objects.put(name("delta"), capped(encoder, int(self.max_delta_fraction * full_bytes))), "delta"
+            except DeltaTooLarge:
+                why = f"delta over {self.max_delta_fraction:g} x {full_bytes} B"
+            finally:
+                await asyncio.to_thread(encoder.close)  # a dropped encoder's threads stop here
+        return "keyframe", await objects.put(name("keyframe"), iter_encode_keyframe(new)), why
 
     # ------------------------------------------------------------------ publish
     async def publish(
@@ -125,12 +162,14 @@ class WeightPublisher:
         if bad:
             raise NonFiniteWeights(f"weights {self.policy} v{version}: {len(bad)} tensors hold NaN or inf ({', '.join(bad[:3])}); "
                                    "not published")
-        (encoding, payload, why), digest = await asyncio.gather(  # both release the GIL: overlap them
-            asyncio.to_thread(self._encode, new, version, force_keyframe or requested), asyncio.to_thread(state_digest, new))
+        digesting = asyncio.ensure_future(asyncio.to_thread(state_digest, new))  # releases the GIL: overlaps the encoding
+        try:
+            encoding, ref, why = await self._put(new, version, force_keyframe or requested, digesting)
+        finally:
+            await asyncio.gather(digesting, return_exceptions=True)
+        digest = digesting.result()
         if requested and why == "forced" and not force_keyframe:
             why = "requested"
-        name = f"{self.policy}/v{version}-{digest[:12]}.{encoding}"
-        ref = await self.plane.objects().put(name, payload)
         is_key = encoding == "keyframe"
         ann = WeightVersion(
             policy=self.policy, version=version, encoding=encoding,
@@ -148,10 +187,10 @@ class WeightPublisher:
             self.keyframe_version = version
             self._request_rev = max(self._request_rev, request_rev)
         self.image, self.image_digest, self.image_version = new, digest, version
-        self.bytes_sent += len(payload)
+        self.bytes_sent += ref.size
         self.history.pop(key_of(ann), None)  # a re-announced state moves to the end: publication order
         self.history[key_of(ann)] = ann
-        log.debug("weights %s v%d: %s (%s), %d bytes", self.policy, version, encoding, why, len(payload))
+        log.debug("weights %s v%d: %s (%s), %d bytes", self.policy, version, encoding, why, ref.size)
         await self.plane.state.put(VersionRecord(policy=self.policy, version=version, lineage=self.lineage))
         if self._gc is None or self._gc.done():  # off the training path: a slow or unreachable mirror never stalls a step
             self._gc = asyncio.create_task(self._collect_logged())

@@ -14,6 +14,14 @@ state the node holds, or a keyframe. So:
   fails too it keeps the weights it has, counts a ``failures``, logs why and asks the trainer
   for a keyframe (``keyframe_requests``).
 
+Payloads are applied while they are fetched: each chunk is fed to a ``KeyframeDecoder`` (fresh
+tensors) or a ``DeltaApplier`` (in place on the image, each tensor's section checked whole before
+it is written) once its sha256 checks, the last chunk once the whole payload's does. A delta that
+fails after its first chunk was fed (a chunk missing or corrupt midway, a section the codec
+refuses) may have changed part of the image: the image is dropped rather than fetched again, the
+engine keeps the last verified version (it is only installed from an image whose state digest
+checked), and the node rebuilds from the keyframe chain as above.
+
 Installing into the engine: a keyframe goes through ``load_state``; a delta chain writes only
 the tensors it changed — through ``load_tensors`` where the engine has it (the sglang/vllm
 runtime update APIs: docs/weights.md, unverified until run on a GPU), else in place through
@@ -36,15 +44,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
+from contextlib import aclosing
+from functools import partial
 from typing import Any, Mapping, Protocol, cast
 
 import torch
 
-from astraflow.streams.messages import WeightVersion
-from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError
+from astraflow.streams.messages import ObjectRef, WeightVersion
+from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError, ObjectStore
 from astraflow.streams.plane import Plane
 from astraflow.weights.checks import announcement_problem, in_order, order_problem
-from astraflow.weights.delta import DeltaError, apply_delta, decode_keyframe, state_digest
+from astraflow.weights.delta import DeltaApplier, DeltaError, KeyframeDecoder, state_digest
 from astraflow.weights.publish import request_keyframe
 from astraflow.weights.retention import Key, base_key, key_of
 
@@ -54,6 +65,40 @@ KNOWN = 256  # announcements kept in memory for planning
 
 class WeightSyncError(RuntimeError):
     """A version cannot be reached from what the node holds and what the plane still stores."""
+
+
+class Sink(Protocol):
+    """What a payload is fed to while it is fetched (``DeltaApplier``, ``KeyframeDecoder``)."""
+
+    @property
+    def received(self) -> int: ...
+
+    def feed(self, data: bytes) -> None: ...
+
+    def close(self) -> object: ...
+
+
+async def fetch_into(objects: ObjectStore, ref: ObjectRef, sink: Sink, finish: Callable[[Any], Any] = lambda r: r) -> Any:
+    """Feed ``ref``'s chunks to ``sink`` while they are fetched, each once it checks (sha256, length; the last
+    once the whole payload's sha256 checks too), on a worker thread while the next ones arrive; then
+    ``finish(sink.close())``. The last chunk, ``close`` and ``finish`` take one thread hop together, so a
+    one-chunk payload (a small model's delta) costs one hop in all."""
+    last: bytes | None = None
+    async with aclosing(objects.iter_chunks(ref)) as chunks:
+        index = 0
+        async for chunk in chunks:
+            index += 1
+            if index < len(ref.digests):
+                await asyncio.to_thread(sink.feed, chunk)
+            else:
+                last = chunk
+
+    def close() -> Any:
+        if last is not None:
+            sink.feed(last)
+        return finish(sink.close())
+
+    return await asyncio.to_thread(close)
 
 
 class WeightTarget(Protocol):
@@ -249,57 +294,67 @@ class WeightSync:
             return False
 
     # ------------------------------------------------------------------ fetching and applying
-    async def _payload(self, ann: WeightVersion) -> bytearray:
+    async def _feed(self, ann: WeightVersion, make: Callable[[], Sink], in_place: bool,
+                    finish: Callable[[Any], Any] = lambda r: r) -> tuple[Sink, Any]:
+        """``ann``'s payload fed to a sink from ``make`` while it is fetched (:func:`fetch_into`); (the sink, what
+        its ``close`` returned).
+
+        A missing or corrupt chunk is fetched once more into a fresh sink, unless the sink works ``in_place``
+        on the image and was fed already: the image may be partly changed then, so it is dropped (it
+        matches no version; the engine keeps the last verified one) and the error goes to the caller,
+        which rebuilds from the keyframe chain.
+        """
         if len(ann.objects) != 1:
             raise WeightSyncError(f"v{ann.version} names {len(ann.objects)} objects; this build reads exactly one")
         (ref,) = ann.objects
         for attempt in (1, 2):
+            sink = make()
             try:
-                return await self.objects.get(ref)
-            except ObjectError as e:
-                self.stats["corrupt" if isinstance(e, CorruptObject) else "missing" if isinstance(e, MissingObject) else "object_errors"] += 1
-                if attempt == 2:
+                return sink, await fetch_into(self.objects, ref, sink, finish)
+            except BaseException as e:
+                touched = in_place and sink.received > 0
+                if touched:
+                    self.image, self.digest, self.image_version = None, None, -1
+                if not isinstance(e, ObjectError):
+                    raise
+                kind = "corrupt" if isinstance(e, CorruptObject) else "missing" if isinstance(e, MissingObject) else "object_errors"
+                self.stats[kind] += 1
+                if attempt == 2 or touched:
                     raise
                 self.stats["refetches"] += 1
                 log.warning("weights %s v%d: %s; fetching again", self.policy, ann.version, e)
         raise AssertionError("unreachable")
 
     async def _apply_chain(self, chain: list[WeightVersion]) -> None:
-        """Apply ``chain`` onto the image, checking every step; install what was verified into the engine."""
+        """Apply ``chain`` onto the image while fetching, checking every step; install what was verified into the engine.
+        A keyframe decodes into fresh tensors; a delta applies in place as its chunks arrive (``_feed``)."""
         changed: set[str] | None = set()
         try:
             for ann in chain:
-                # a zero-copy view: the codec slices it (typed ``bytes`` there; any buffer works)
-                payload = cast(bytes, memoryview(await self._payload(ann)))
                 if ann.encoding == "keyframe":
-                    image, digest = await asyncio.to_thread(_decode_and_hash, payload)
+                    _, (image, digest) = await self._feed(ann, KeyframeDecoder, in_place=False, finish=_with_digest)
                     changed = None
                 else:
                     if self.image is None or ann.base_version != self.image_version or ann.base_digest != self.digest:
-                        raise WeightSyncError(f"delta v{ann.version} applies onto v{ann.base_version}, the node holds v{self.image_version}")
+                        raise WeightSyncError(f"delta v{ann.version} applies onto v{ann.base_version}, "
+                                              f"the node holds v{self.image_version}")
                     image = self.image
-                    names, digest = await asyncio.to_thread(_apply_and_hash, image, payload)  # one hop: it all releases the GIL
+                    applier, digest = await self._feed(ann, partial(DeltaApplier, image), in_place=True,
+                                                       finish=lambda _stats: state_digest(image))  # noqa: B023 (awaited here)
                     if changed is not None:
-                        changed |= names
+                        changed |= cast(DeltaApplier, applier).changed
                 if digest != ann.state_digest:
                     self.image, self.digest, self.image_version = None, None, -1  # matches no version any more
                     self.stats["corrupt"] += 1
                     raise WeightSyncError(f"v{ann.version}: state digest mismatch after applying")
                 self.image, self.digest, self.image_version = image, digest, ann.version
                 self.stats[ann.encoding + "s"] += 1
-                self.stats["bytes"] += len(payload)
+                self.stats["bytes"] += ann.objects[0].size
         finally:
             if self.image is not None and self.image_version != self.engine.version:
                 await asyncio.to_thread(install, self.engine, self.image, self.image_version, changed)
 
 
-def _decode_and_hash(payload: bytes) -> tuple[dict[str, torch.Tensor], str]:
-    image = decode_keyframe(payload)
+def _with_digest(image: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
+    """A decoded keyframe and its state digest (the announced digest is what tells it is the version)."""
     return image, state_digest(image)
-
-
-def _apply_and_hash(image: dict[str, torch.Tensor], payload: bytes) -> tuple[frozenset[str], str]:
-    """Apply a delta onto ``image`` (every chunk, index and position checked before a value changes) and hash the
-    whole result: the announced state digest is what tells that the image is the new version."""
-    stats = apply_delta(image, payload)
-    return stats.changed, state_digest(image)
