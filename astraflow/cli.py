@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -15,7 +14,7 @@ NatsUrl = typer.Option(None, "--nats", help="URL of an existing nats-server or c
 Overrides = typer.Option([], "--set", help="Recipe override, e.g. --set trainer.steps=20 (repeatable).")
 
 
-def _load(recipe: str, overrides: list[str]):  # noqa: ANN202
+def _load(recipe: str, overrides: list[str]):
     from astraflow.config import RecipeError, load_recipe
 
     try:
@@ -27,7 +26,7 @@ def _load(recipe: str, overrides: list[str]):  # noqa: ANN202
 
 def _opts(nats: str | None, credential: str | None, user: str | None = None, password: str | None = None, creds: str | None = None,
           nkey: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-          domain: str | None = None):  # noqa: ANN202
+          domain: str | None = None):
     from astraflow.streams.plane import NatsOptions
 
     tls = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key, "domain": domain, "creds": creds, "nkey_seed": nkey}
@@ -45,23 +44,23 @@ Credential = typer.Option(None, "--credential", help="Credential file written by
 
 @app.command()
 def up(
-    recipe: Optional[str] = typer.Argument(None, help="Recipe YAML or folder (e.g. recipes/arithmetic). With --resume: applied, "
+    recipe: str | None = typer.Argument(None, help="Recipe YAML or folder (e.g. recipes/arithmetic). With --resume: applied, "
                                                       "the differences shown."),
-    nats: Optional[str] = NatsUrl,
-    run_dir: Optional[Path] = typer.Option(None, help="Run directory (default runs/NAME-TIMESTAMP)."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run kept in this run directory (same address, "
+    nats: str | None = NatsUrl,
+    run_dir: Path | None = typer.Option(None, help="Run directory (default runs/NAME-TIMESTAMP)."),
+    resume: Path | None = typer.Option(None, "--resume", help="Continue the run kept in this run directory (same address, "
                                                                 "credentials, checkpoints, state and history)."),
     set_: list[str] = Overrides,
     timeout: float = typer.Option(3600.0, help="Abort the run after this many seconds."),
     autoscale: bool = typer.Option(False, "--autoscale", metavar="", show_default=False,
                                    help="Start and retire local rollout workers toward the dataflow's advised pool size."),
-    metrics_port_base: Optional[int] = typer.Option(None, help="Serve Prometheus metrics from every role: trainers on BASE+i, "
+    metrics_port_base: int | None = typer.Option(None, help="Serve Prometheus metrics from every role: trainers on BASE+i, "
                                                                "evaluator BASE+10, dataflow BASE+20, rollout nodes BASE+30+i; "
                                                                "0: each on a free port. Either way RUN_DIR/prometheus_targets.json "
                                                                "lists them (Prometheus file_sd)."),
-    listen: Optional[str] = typer.Option(None, help="Where the embedded server listens, HOST:PORT (default 127.0.0.1, a free port). "
+    listen: str | None = typer.Option(None, help="Where the embedded server listens, HOST:PORT (default 127.0.0.1, a free port). "
                                                     "Beyond loopback, TLS is on and the credential files carry the CA."),
-    credentials: Optional[Path] = typer.Option(None, help="With --nats: a directory of role credential files for that server."),
+    credentials: Path | None = typer.Option(None, help="With --nats: a directory of role credential files for that server."),
 ) -> None:
     """Start the embedded server (or use --nats) and every role as a supervised process; watch; summarise."""
     from astraflow.launch import RunFailed, new_run_dir, up as run_up
@@ -89,22 +88,22 @@ def up(
 def worker(
     role: str = typer.Argument(..., help="dataflow | rollout | trainer | evaluator"),
     recipe: str = typer.Option(..., help="Recipe YAML (the run directory's recipe.yaml)."),
-    nats: Optional[str] = typer.Option(None, help="nats URL(s) of the run's plane (default: the credential's)."),
-    run: Optional[str] = typer.Option(None, "--run", "--run-id", help="Run id (subject scope; default: the credential's); "
+    nats: str | None = typer.Option(None, help="nats URL(s) of the run's plane (default: the credential's)."),
+    run: str | None = typer.Option(None, "--run", "--run-id", help="Run id (subject scope; default: the credential's); "
                                                                      "--run-id under torchrun, whose parser takes --run for --run-path."),
-    credential: Optional[str] = Credential,
-    id: Optional[str] = typer.Option(None, "--id", help="Worker id (default: ROLE-PID)."),
-    policy: Optional[str] = typer.Option(None, help="Trainer: the policy to train (default: the first)."),
-    pool: Optional[str] = typer.Option(None, help="Rollout pool (shared durable consumer)."),
-    region: Optional[str] = typer.Option(None, help="Rollout: region label of this node (default: rollout.region)."),
-    hardware: Optional[str] = typer.Option(None, help="Rollout: hardware label of this node (default: rollout.hardware, else cuda/cpu as detected)."),
-    weights_domain: Optional[str] = typer.Option(None, help="Rollout: read weights from the mirrors in this JetStream domain (a region's leaf)."),
-    user: Optional[str] = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD (never put it on a command line)."),
-    creds: Optional[str] = None, nkey: Optional[str] = None,
-    tls_ca: Optional[str] = None, tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
-    domain: Optional[str] = typer.Option(None, help="JetStream domain to read (a region's leafnode)."),
-    checkpoint_dir: Optional[Path] = typer.Option(None, help="Trainer: checkpoint directory of this policy; a restart resumes from it (default: none, start at v0)."),
-    metrics_port: Optional[int] = typer.Option(None, help="Serve Prometheus metrics on this port (0: a free one, logged; default: none)."),
+    credential: str | None = Credential,
+    id: str | None = typer.Option(None, "--id", help="Worker id (default: ROLE-PID)."),
+    policy: str | None = typer.Option(None, help="Trainer: the policy to train (default: the first)."),
+    pool: str | None = typer.Option(None, help="Rollout pool (shared durable consumer)."),
+    region: str | None = typer.Option(None, help="Rollout: region label of this node (default: rollout.region)."),
+    hardware: str | None = typer.Option(None, help="Rollout: hardware label of this node (default: rollout.hardware, else cuda/cpu as detected)."),
+    weights_domain: str | None = typer.Option(None, help="Rollout: read weights from the mirrors in this JetStream domain (a region's leaf)."),
+    user: str | None = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD (never put it on a command line)."),
+    creds: str | None = None, nkey: str | None = None,
+    tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+    domain: str | None = typer.Option(None, help="JetStream domain to read (a region's leafnode)."),
+    checkpoint_dir: Path | None = typer.Option(None, help="Trainer: checkpoint directory of this policy; a restart resumes from it (default: none, start at v0)."),
+    metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port (0: a free one, logged; default: none)."),
     fresh_lineage: bool = typer.Option(False, "--fresh-lineage", help=(
         "Trainer: start over from the initial weights as a new weight lineage, announced after the plane's newest version "
         "(never reusing a version number); without it a trainer refuses to start behind the plane unless its checkpoint restores it.")),
@@ -144,11 +143,11 @@ def worker(
 
 @app.command()
 def status(
-    nats: Optional[str] = typer.Option(None, help="nats URL of the run's plane (default: the credential's)."),
-    run: Optional[str] = typer.Option(None, help="Run id (default: the credential's)."),
-    credential: Optional[str] = Credential,
-    user: Optional[str] = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD."),
-    policy: Optional[str] = typer.Option(None, help="Policy to report (default: the first with a version)."),
+    nats: str | None = typer.Option(None, help="nats URL of the run's plane (default: the credential's)."),
+    run: str | None = typer.Option(None, help="Run id (default: the credential's)."),
+    credential: str | None = Credential,
+    user: str | None = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD."),
+    policy: str | None = typer.Option(None, help="Policy to report (default: the first with a version)."),
     timeout: float = typer.Option(5.0, help="Give up on an unreachable server after this many seconds."),
 ) -> None:
     """Streams, lag, workers (dead ones marked), policy version and task accounting of a live run."""
@@ -175,12 +174,12 @@ app.add_typer(region_app, name="region")
 
 @region_app.command("mirrors")
 def region_mirrors(
-    nats: Optional[str] = typer.Option(None, help="URL of the region's leaf server."),
-    run: Optional[str] = typer.Option(None, help="Run id (default: the credential's)."),
-    credential: Optional[str] = Credential,
-    user: Optional[str] = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD."),
+    nats: str | None = typer.Option(None, help="URL of the region's leaf server."),
+    run: str | None = typer.Option(None, help="Run id (default: the credential's)."),
+    credential: str | None = Credential,
+    user: str | None = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD."),
     hub_domain: str = typer.Option("hub", help="JetStream domain of the hub (where the trainer publishes)."),
-    leaf_domain: Optional[str] = typer.Option(None, help="JetStream domain of the leaf to make the mirrors in (default: the leaf's own)."),
+    leaf_domain: str | None = typer.Option(None, help="JetStream domain of the leaf to make the mirrors in (default: the leaf's own)."),
     weights_history: int = typer.Option(64, help="Announcements kept per policy in the mirror (the recipe's plane.weights_history)."),
     timeout: float = typer.Option(30.0, help="Give up when the hub domain does not answer through the leaf in this many seconds."),
 ) -> None:

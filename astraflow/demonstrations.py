@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -49,7 +49,7 @@ class Metrics:
         self._gauges: dict[str, Gauge] = {}
         self._counters: dict[str, Counter] = {}
 
-    def child(self, policy: str) -> "Metrics":
+    def child(self, policy: str) -> Metrics:
         """The same role, worker and metrics, labelled with another ``policy`` (a node serving several policies)."""
         m = Metrics(self.role, policy=policy, worker=self.labels["worker"], registry=self.registry)
         m._gauges, m._counters = self._gauges, self._counters

@@ -41,7 +41,7 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(ids)
 
 
-def build_model(cfg: "ModelConfig", tokenizer: Any) -> "PreTrainedModel":
+def build_model(cfg: ModelConfig, tokenizer: Any) -> PreTrainedModel:
     """A causal LM from ``cfg``: a pretrained path, or a tiny ``arch`` (``qwen2`` dense, ``qwen3_moe`` experts) built from the config."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -91,7 +91,7 @@ class ModelLimits:
     context: int  # positions the model was built for (prompt + completion)
 
 
-def model_limits(cfg: "ModelConfig") -> ModelLimits:
+def model_limits(cfg: ModelConfig) -> ModelLimits:
     """The embedding size and context of the model ``build_model(cfg, load_tokenizer(cfg.tokenizer))`` makes, cheaply:
 
     * a pretrained model: ``vocab_size`` and ``max_position_embeddings`` of its ``config.json``

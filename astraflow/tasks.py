@@ -22,14 +22,14 @@ class Problem:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _arithmetic(cfg: "DataConfig") -> list[Problem]:
+def _arithmetic(cfg: DataConfig) -> list[Problem]:
     n = cfg.max_operand + 1
     pairs = [(a, b) for a in range(n) for b in range(n)]
     random.Random(cfg.seed).shuffle(pairs)
     return [Problem(f"add-{a}-{b}", f"{a}+{b}=", {"answer": str(a + b)}) for a, b in pairs]
 
 
-def _reasoning_gym(cfg: "DataConfig") -> list[Problem]:
+def _reasoning_gym(cfg: DataConfig) -> list[Problem]:
     import reasoning_gym
 
     ds = reasoning_gym.create_dataset(cfg.rg_task, size=cfg.n_train + cfg.n_eval, seed=cfg.seed)
@@ -39,7 +39,7 @@ def _reasoning_gym(cfg: "DataConfig") -> list[Problem]:
     ]
 
 
-def _jsonl(cfg: "DataConfig") -> list[Problem]:
+def _jsonl(cfg: DataConfig) -> list[Problem]:
     import json
     from pathlib import Path
 
@@ -59,7 +59,7 @@ def _jsonl(cfg: "DataConfig") -> list[Problem]:
 _SOURCES = {"arithmetic": _arithmetic, "reasoning_gym": _reasoning_gym, "jsonl": _jsonl}
 
 
-def load_split(cfg: "DataConfig") -> tuple[list[Problem], list[Problem]]:
+def load_split(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
     """(train, held-out): disjoint, deterministic for a given config."""
     problems = _SOURCES[cfg.type](cfg)
     if len(problems) < cfg.n_eval + 1:

@@ -52,7 +52,7 @@ def announced(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["version"], r["ts"]) for r in rows if r["policy"] == "solver"]
 
 
-def wait(cond, timeout: float) -> None:  # noqa: ANN001
+def wait(cond, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:

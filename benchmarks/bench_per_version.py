@@ -70,13 +70,13 @@ async def node_child(versions: int) -> dict[str, object]:
             sync = WeightSync(plane, "solver", HFEngine(build_model(pcfg.model, tok), tok))
             payload, apply_chain = sync._payload, sync._apply_chain
 
-            async def timed_payload(ann):  # noqa: ANN001, ANN202
+            async def timed_payload(ann):
                 t = time.perf_counter()
                 out = await payload(ann)
                 fetch.append(time.perf_counter() - t)
                 return out
 
-            async def timed_chain(c):  # noqa: ANN001, ANN202
+            async def timed_chain(c):
                 t = time.perf_counter()
                 await apply_chain(c)
                 chain.append(time.perf_counter() - t)

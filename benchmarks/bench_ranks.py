@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_trainer import MODEL, make_batches  # noqa: E402
+from bench_trainer import MODEL, make_batches
 
 CONFIGS = {"torch-1proc": 1, "deepspeed-1rank": 1, "deepspeed-2ranks": 2}  # name -> processes
 
@@ -117,7 +117,7 @@ def main() -> dict[str, object]:
         if "error" in r:
             print(f"{name:<18} error: {r['error']}")
         else:
-            print(f"{name:<18} {r['step_s']:>7} {r['tokens_per_s']:>9} {str(r['peak_rss_mb_per_rank']):>24}  {r['losses']}")
+            print(f"{name:<18} {r['step_s']:>7} {r['tokens_per_s']:>9} {r['peak_rss_mb_per_rank']!s:>24}  {r['losses']}")
     return out
 
 

@@ -7,7 +7,8 @@ the whole batch. Both have option models of their own, checked when the recipe l
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
+from collections.abc import Mapping
 
 import torch
 from pydantic import Field

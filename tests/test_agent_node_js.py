@@ -23,7 +23,7 @@ from astraflow.streams.plane import NatsOptions, Plane
 STEPS = 30
 
 
-async def until(pred, timeout: float, what: str, every: float = 0.2):  # noqa: ANN001, ANN201
+async def until(pred, timeout: float, what: str, every: float = 0.2):
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while (value := pred()) in (None, False):
@@ -32,7 +32,7 @@ async def until(pred, timeout: float, what: str, every: float = 0.2):  # noqa: A
     return value
 
 
-def credential_url(path) -> str | None:  # noqa: ANN001
+def credential_url(path) -> str | None:
     try:
         return json.loads(path.read_text())["url"] or None
     except (OSError, ValueError, KeyError):

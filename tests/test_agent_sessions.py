@@ -54,7 +54,7 @@ def task(i: int, group: int = 2, **kw: Any) -> Task:
 class Node:
     """A node serving agent sessions, run on the test's event loop."""
 
-    def __init__(self, plane: Plane, reply, key: str | None = None, **rollout: Any) -> None:  # noqa: ANN001
+    def __init__(self, plane: Plane, reply, key: str | None = None, **rollout: Any) -> None:
         recipe = parse_recipe({"name": "ext", "workflow": WORKFLOW, "reward": "arithmetic", "rollout": rollout})
         handles = {"solver": PolicyHandle(ScriptEngine(TOK, reply, version=-1), TOK, SamplingParams(max_new_tokens=16), name="solver")}
         self.node = RolloutNode(recipe, plane, "agent-host", handles=handles, agent_key=key,
@@ -74,7 +74,7 @@ class Node:
         self.node.workflow.close()  # type: ignore[attr-defined]
 
 
-async def pull_raw(plane: Plane, n: int = 1):  # noqa: ANN201
+async def pull_raw(plane: Plane, n: int = 1):
     """The pool's durable consumer, as a foreign agent binds it: raw bytes, decoded by hand."""
     sub = plane.consumer(plane.names.task_stream, plane.names.pool_consumer(), Task)
     got = []
@@ -85,7 +85,7 @@ async def pull_raw(plane: Plane, n: int = 1):  # noqa: ANN201
     raise AssertionError("no task to pull")
 
 
-def fields(delivery) -> dict:  # noqa: ANN001
+def fields(delivery) -> dict:
     return msgpack.unpackb(delivery.data[1:], raw=False)["d"]
 
 
@@ -108,7 +108,7 @@ async def weights(plane: Plane) -> WeightPublisher:
     return pub
 
 
-async def test_an_agent_pulls_a_task_opens_a_session_generates_and_the_node_publishes(plane: Plane, weights):  # noqa: ANN001
+async def test_an_agent_pulls_a_task_opens_a_session_generates_and_the_node_publishes(plane: Plane, weights):
     beats: list[Heartbeat] = []
     sub = await plane.on_heartbeats(beats.append)
     await plane.publish_many([(plane.names.task("openai_agent"), t, t.task_id) for t in (task(1), task(2))])
@@ -144,7 +144,7 @@ async def test_an_agent_pulls_a_task_opens_a_session_generates_and_the_node_publ
     assert lag.pending == 1  # the node pulls no task itself: t2 waits for an agent
 
 
-async def test_agent_failures_are_scored_never_lost(plane: Plane, weights):  # noqa: ANN001
+async def test_agent_failures_are_scored_never_lost(plane: Plane, weights):
     await plane.publish(plane.names.task("openai_agent"), task(3, group=3), "t3")
     async with Node(plane, lambda p: "4") as node:
         (d,) = await pull_raw(plane)
@@ -165,7 +165,7 @@ async def test_agent_failures_are_scored_never_lost(plane: Plane, weights):  # n
     assert len(trajs[0].completion()) == 2 and len(trajs[1].completion()) == 0  # what was generated is kept; nothing is invented
 
 
-async def test_a_node_with_older_weights_says_so_and_serves_once_they_arrive(plane: Plane, weights):  # noqa: ANN001
+async def test_a_node_with_older_weights_says_so_and_serves_once_they_arrive(plane: Plane, weights):
     async with Node(plane, lambda p: "4") as node:
         body = {"task": task(4, min_versions={"solver": 1}).model_dump(mode="json")}
         status, err = await asyncio.to_thread(http, "POST", f"{node.endpoint}/v1/sessions", body)
@@ -181,7 +181,7 @@ async def test_a_node_with_older_weights_says_so_and_serves_once_they_arrive(pla
     assert node.stats["sessions_abandoned"] == 1 and node.stats["stale_refusals"] == 1
 
 
-async def test_sessions_need_the_runs_rollout_secret(plane: Plane, weights):  # noqa: ANN001
+async def test_sessions_need_the_runs_rollout_secret(plane: Plane, weights):
     async with Node(plane, lambda p: "4", key="s3cret") as node:
         body = {"task": task(5).model_dump(mode="json")}
         status, err = await asyncio.to_thread(http, "POST", f"{node.endpoint}/v1/sessions", body)
@@ -190,7 +190,7 @@ async def test_sessions_need_the_runs_rollout_secret(plane: Plane, weights):  # 
         assert status == 200
 
 
-async def test_a_leaving_node_finishes_open_sessions_and_opens_no_new_one(plane: Plane, weights):  # noqa: ANN001
+async def test_a_leaving_node_finishes_open_sessions_and_opens_no_new_one(plane: Plane, weights):
     ctx = Node(plane, lambda p: "4", drain_timeout=30.0)
     node = await ctx.__aenter__()
     try:

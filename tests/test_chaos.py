@@ -57,7 +57,7 @@ def versions(run_dir: Path) -> list[int]:
     return [json.loads(line)["version"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def wait(cond, what: str, timeout: float) -> None:  # noqa: ANN001
+def wait(cond, what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

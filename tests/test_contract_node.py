@@ -40,7 +40,7 @@ def test_schema_marks_packed_arrays_and_field_owners(repo_root):
     assert set(traj["required"]) >= {"traj_id", "task_id", "policy", "completion_ids", "logprobs", "versions", "loss_mask"}
 
 
-def _validator(repo_root, kind: str):  # noqa: ANN202
+def _validator(repo_root, kind: str):
     """A stock JSON Schema validator for ``kind``; it checks messages in their JSON mapping (msgpack bin as base64)."""
     jsonschema = pytest.importorskip("jsonschema", reason="the jsonschema package (test extra) is not installed")
     body = json.loads((repo_root / "schemas" / f"{kind}.json").read_text())
@@ -48,7 +48,7 @@ def _validator(repo_root, kind: str):  # noqa: ANN202
     return jsonschema.Draft202012Validator(body)
 
 
-def _errors(validate, fields: dict) -> list[str]:  # noqa: ANN001
+def _errors(validate, fields: dict) -> list[str]:
     return sorted(e.message for e in validate.iter_errors(schema.json_mapping(fields)))
 
 

@@ -24,13 +24,13 @@ from astraflow.streams.messages import (
 jsonschema = pytest.importorskip("jsonschema", reason="the jsonschema package (test extra) is not installed")
 
 
-def validator(repo_root, kind: str):  # noqa: ANN001, ANN201
+def validator(repo_root, kind: str):
     body = json.loads((repo_root / "schemas" / f"{kind}.json").read_text())
     jsonschema.Draft202012Validator.check_schema(body)
     return jsonschema.Draft202012Validator(body)
 
 
-def traj(**kw) -> Trajectory:  # noqa: ANN003
+def traj(**kw) -> Trajectory:
     base = dict(traj_id="t.solver.0", task_id="t", prompt_id="p", policy="solver", index=0, group_size=2, prompt_ids=[1, 2],
                 completion_ids=[3, 4, 1], logprobs=[-0.5, -0.1, -0.2], versions=[0, 0, 1], loss_mask=[1, 0, 1], reward=1.0)
     return Trajectory(**{**base, **kw})
@@ -54,7 +54,7 @@ def samples() -> list:
     ]
 
 
-def fields_of(msg) -> dict:  # noqa: ANN001
+def fields_of(msg) -> dict:
     return msgpack.unpackb(encode(msg)[1:], raw=False)["d"]
 
 

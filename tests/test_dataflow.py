@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -45,7 +46,7 @@ class Harness:
         self.versions = {p: 0 for p in r.policy_names}
         self.batches: dict[str, list[TrainingBatch]] = {p: [] for p in r.policy_names}
 
-    async def start(self) -> "Harness":
+    async def start(self) -> Harness:
         self.node = await Plane.connect(NatsOptions(url=self.url), self.run, "node")
         await self.node.ensure_topology(Topology(policies=self.recipe.policy_names, task_ack_wait=2.0, traj_ack_wait=2.0))
         self.task_sub = self.node.consumer(self.node.names.task_stream, "raas", Task)

@@ -22,7 +22,7 @@ TOK = load_tokenizer("byt5")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def calculator_recipe(**over):  # noqa: ANN003, ANN201
+def calculator_recipe(**over):
     return parse_recipe({"name": "calc", "workflow": {"type": "multi_turn_tools", "max_turns": 2, "tools": ["calculator"]},
                          "rollout": {"max_new_tokens": 40}, **over})
 
@@ -31,7 +31,7 @@ def problems(n: int = 3) -> list[Problem]:
     return [Problem(f"p{i}", f"Compute {i + 11}*{i + 7}.\n", {"answer": str((i + 11) * (i + 7))}) for i in range(n)]
 
 
-def calculating(rng: random.Random):  # noqa: ANN201
+def calculating(rng: random.Random):
     def expert(task: Task, context: str) -> str:
         found = re.search(r"<result>(\d+)</result>$", context)
         return found.group(1) if found else "<tool>calculator({}*{})</tool>".format(*re.findall(r"\d+", task.prompt))
@@ -61,7 +61,7 @@ def test_record_plays_an_environment_episode(tmp_path):
     recipe = parse_recipe({"name": "t", "workflow": {"type": "env_http", "url": "bundled", "env": "terminal", "max_turns": 3},
                            "rollout": {"max_new_tokens": 32}})
 
-    def looker(rng: random.Random):  # noqa: ANN202
+    def looker(rng: random.Random):
         def expert(task: Task, context: str) -> str:
             keyword = re.search(r"contains (\w+)", context).group(1)
             return f"grep -l {keyword} *.txt\n" if context.count("\n> ") == 1 else "exit\n"

@@ -91,7 +91,7 @@ class Pool:
                 p.wait()
 
 
-async def wait_for(pred, what: str, timeout: float = 90.0) -> None:  # noqa: ANN001
+async def wait_for(pred, what: str, timeout: float = 90.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not pred():

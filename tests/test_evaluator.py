@@ -29,7 +29,7 @@ def test_sample_metrics():
     assert sample_metrics([], k=2) == {"avg@k": 0.0, "pass@k": 0.0}
 
 
-def _setup(k: int, workflow: str = "single_turn"):  # noqa: ANN202
+def _setup(k: int, workflow: str = "single_turn"):
     recipe = parse_recipe({"name": "e", "workflow": workflow, "data": {"n_train": 4, "n_eval": 3},
                            "rollout": {"max_new_tokens": 3}, "eval": {"k": k, "temperature": 1.0}})
     handle = make_handle(recipe, "solver")
@@ -61,7 +61,7 @@ def test_evaluate_single_turn_tiny_model_and_k1_is_greedy():
     assert one["avg@k"] == one["reward"] and one["k"] == 1.0
 
 
-def test_writing_a_workflow_example(repo_root):  # noqa: ANN001
+def test_writing_a_workflow_example(repo_root):
     """The complete example of docs/writing-a-workflow.md registers and runs as written."""
     import re
     import sys
@@ -72,7 +72,7 @@ def test_writing_a_workflow_example(repo_root):  # noqa: ANN001
     module = types.ModuleType("doc_example")  # the example is a plug-in module: imported, so its annotations resolve
     sys.modules[module.__name__] = module
     try:
-        exec(compile(example, "writing-a-workflow.md", "exec", dont_inherit=True), module.__dict__)  # noqa: S102
-        exec(compile(usage, "writing-a-workflow.md", "exec", dont_inherit=True), module.__dict__)  # noqa: S102
+        exec(compile(example, "writing-a-workflow.md", "exec", dont_inherit=True), module.__dict__)
+        exec(compile(usage, "writing-a-workflow.md", "exec", dont_inherit=True), module.__dict__)
     finally:
         del sys.modules[module.__name__]

@@ -36,7 +36,7 @@ def names(text: str) -> set[str]:
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
-async def rollout_scrape(plane) -> tuple[str, int]:  # noqa: ANN001
+async def rollout_scrape(plane) -> tuple[str, int]:
     registry = CollectorRegistry()
     port = start_metrics_server(0, registry=registry, addr="127.0.0.1")
     recipe = parse_recipe({"name": "m", "policies": ["solver", "verifier"], "workflow": "solver_verifier"})
@@ -53,7 +53,7 @@ async def rollout_scrape(plane) -> tuple[str, int]:  # noqa: ANN001
     return scrape(port), port
 
 
-async def test_rollout_node_exports_stats_with_labels(plane):  # noqa: ANN001
+async def test_rollout_node_exports_stats_with_labels(plane):
     text, _ = await rollout_scrape(plane)
     node = '{policy="",worker="node-7"}'
     assert f"astraflow_rollout_tasks_total{node} 5.0" in text
@@ -81,7 +81,7 @@ def test_evaluator_exports_last_evaluation():
         assert f"astraflow_evaluator_{key}{labels} {value}" in text
 
 
-async def test_dashboard_uses_only_exported_metrics(plane):  # noqa: ANN001
+async def test_dashboard_uses_only_exported_metrics(plane):
     rollout, _ = await rollout_scrape(plane)
     registry = CollectorRegistry()
     port = start_metrics_server(0, registry=registry, addr="127.0.0.1")

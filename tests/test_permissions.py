@@ -50,7 +50,7 @@ class Probe:
         self.url, self.user, self.password = url, user, password
         self.errors: list[str] = []
 
-    async def __aenter__(self) -> "Probe":
+    async def __aenter__(self) -> Probe:
         async def on_error(e: Exception) -> None:
             self.errors.append(str(e))
 
@@ -146,9 +146,9 @@ async def test_every_role_is_refused_what_it_must_not_touch(secured):
 
 async def test_no_credentials_no_access(secured):
     server, _ = secured
-    with pytest.raises(Exception):  # noqa: B017 - the server closes the connection: authorization violation
+    with pytest.raises(Exception):
         await nats.connect(server.url, allow_reconnect=False, connect_timeout=2)
-    with pytest.raises(Exception):  # noqa: B017
+    with pytest.raises(Exception):
         await nats.connect(server.url, user="rollout", password="guess", allow_reconnect=False, connect_timeout=2)
     with pytest.raises(PermissionError, match="refused rollout: authorization violation"):  # a role fails at once, and says why
         await Plane.connect(NatsOptions(url=server.url, user="rollout", password="guess"), RUN, "rollout")

@@ -28,7 +28,7 @@ def client(base_url: str, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
 
 
-def scripted(reply, version: int = 3) -> PolicyHandle:  # noqa: ANN001
+def scripted(reply, version: int = 3) -> PolicyHandle:
     return PolicyHandle(ScriptEngine(TOK, reply, version=version), TOK, SamplingParams(max_new_tokens=32), name="solver")
 
 
@@ -40,7 +40,7 @@ def tiny_model(max_new_tokens: int = 6) -> PolicyHandle:
 
 
 @pytest.fixture
-def facade():  # noqa: ANN201
+def facade():
     f = ChatFacade({"solver": scripted(lambda p: "hello")})
     yield f
     f.close()
@@ -211,7 +211,7 @@ def agent_workflow(agent: str, concurrency: int = 4) -> OpenAIAgent:
     return OpenAIAgent(get_reward("arithmetic"), OpenAIAgentOptions(agent=f"{__name__}:{agent}", concurrency=concurrency))
 
 
-def play(agent: str, reply, prompt: str = "3+4=", answer: str = "7"):  # noqa: ANN001, ANN201
+def play(agent: str, reply, prompt: str = "3+4=", answer: str = "7"):
     wf = agent_workflow(agent, concurrency=2)
     try:
         task = Task(task_id="t0", workflow="openai_agent", policy="solver", prompt_id="p", prompt=prompt, group_size=1,

@@ -28,7 +28,7 @@ def command(spec: RoleSpec) -> list[str]:
     return [PY, "-c", f"import os, time, sys; sys.exit(3) if not os.path.exists({rest[0]!r}) else time.sleep(60)"]
 
 
-def poll_until(sup: Supervisor, cond, timeout: float = 20.0) -> list[str]:  # noqa: ANN001
+def poll_until(sup: Supervisor, cond, timeout: float = 20.0) -> list[str]:
     events: list[str] = []
     deadline = time.monotonic() + timeout
     while not cond():

@@ -31,13 +31,13 @@ import torch
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'astraflow[deepspeed]')")
 
-from astraflow.models import build_model, load_tokenizer  # noqa: E402
-from astraflow.streams.messages import Batch  # noqa: E402
-from astraflow.streams.plane import NatsOptions, Plane  # noqa: E402
-from astraflow.streams.state import DoneRecord  # noqa: E402
-from astraflow.train.peers import PEER_LOST_EXIT  # noqa: E402
-from astraflow.train.torch_backend import TorchBackend  # noqa: E402
-from test_train_support import Announcements, check_record, make_batches, publish_batches, wait_exit, write_recipe  # noqa: E402
+from astraflow.models import build_model, load_tokenizer
+from astraflow.streams.messages import Batch
+from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.state import DoneRecord
+from astraflow.train.peers import PEER_LOST_EXIT
+from astraflow.train.torch_backend import TorchBackend
+from test_train_support import Announcements, check_record, make_batches, publish_batches, wait_exit, write_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # two groups of real trainer processes
 STEPS = 6

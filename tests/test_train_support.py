@@ -100,7 +100,7 @@ class Announcements:
         self.changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> "Announcements":
+    async def start(self) -> Announcements:
         follower = self.plane.follower(self.plane.names.all("weights"), WeightVersion, start="all")
         self._task = asyncio.create_task(self._follow(follower))
         return self
@@ -138,7 +138,7 @@ class VersionHolder:
 
     version = -1
 
-    def load_state(self, state, version: int) -> None:  # noqa: ANN001
+    def load_state(self, state, version: int) -> None:
         self.version = version
 
 

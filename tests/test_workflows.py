@@ -22,11 +22,11 @@ from astraflow.streams.messages import Task, Trajectory
 TOK = load_tokenizer("byt5")
 
 
-def handle(reply, version: int = 0, max_new_tokens: int = 128, name: str = "solver") -> PolicyHandle:  # noqa: ANN001
+def handle(reply, version: int = 0, max_new_tokens: int = 128, name: str = "solver") -> PolicyHandle:
     return PolicyHandle(ScriptEngine(TOK, reply, version), TOK, SamplingParams(max_new_tokens=max_new_tokens), name=name)
 
 
-def task(i: int = 0, prompt: str = "What is 12*7? ", answer: str = "84", group: int = 2, **kw) -> Task:  # noqa: ANN003
+def task(i: int = 0, prompt: str = "What is 12*7? ", answer: str = "84", group: int = 2, **kw) -> Task:
     return Task(task_id=f"t{i}", workflow="w", policy="solver", prompt_id=f"p{i}", prompt=prompt, group_size=group,
                 meta={"answer": answer, **kw.pop("meta", {})}, **kw)
 
@@ -117,7 +117,7 @@ def env_server():
     server.shutdown()
 
 
-def rooms_player(seed: int):  # noqa: ANN201
+def rooms_player(seed: int):
     """A scripted agent that knows the room layout of ``seed`` and plays the shortest solution."""
     game = Rooms(seed)
     plan = [f"go to {game.where[game.goal_obj]}", f"take {game.goal_obj}", f"go to {game.goal_room}",

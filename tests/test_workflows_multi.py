@@ -27,11 +27,11 @@ from astraflow.tasks import Problem
 TOK = load_tokenizer("byt5")
 
 
-def handle(reply, name: str) -> PolicyHandle:  # noqa: ANN001
+def handle(reply, name: str) -> PolicyHandle:
     return PolicyHandle(ScriptEngine(TOK, reply), TOK, SamplingParams(max_new_tokens=200), name=name)
 
 
-def alternating(*texts: str):  # noqa: ANN201
+def alternating(*texts: str):
     """A reply function cycling through ``texts`` call after call."""
     state = {"n": 0}
 
@@ -42,7 +42,7 @@ def alternating(*texts: str):  # noqa: ANN201
     return reply
 
 
-def check_groups(trajs, tasks, policies):  # noqa: ANN001, ANN201
+def check_groups(trajs, tasks, policies):
     counts = Counter((t.task_id, t.policy) for t in trajs)
     for t in trajs:
         assert t.group_size == counts[(t.task_id, t.policy)]  # the dataflow groups per (task, policy)

@@ -56,7 +56,7 @@ class Assembler:
     partial: dict[tuple[str, str], dict[int, tuple[Sample, int]]] = field(default_factory=dict)
     done: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
 
-    def add(self, traj: Trajectory, seq: int, deadline: float | None = None) -> HeldGroup | None | Literal[False]:
+    def add(self, traj: Trajectory, seq: int, deadline: float | None = None) -> HeldGroup | Literal[False] | None:
         """The completed group, None while incomplete, False for a copy of something already held or
         completed here (ack it): a second sample at a held index, or any sample of a completed group."""
         key = (traj.task_id, traj.policy)

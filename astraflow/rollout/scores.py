@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 PASS_THRESHOLD = 1.0  # a sample "passes" when its reward is at least this
 

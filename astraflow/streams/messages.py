@@ -115,7 +115,7 @@ class Trajectory(Message):
     payload_ref: ObjectRef | None = None  # the arrays' object in the run's trajectory bucket when the whole would exceed max_payload
 
     @model_validator(mode="after")
-    def _aligned(self) -> "Trajectory":
+    def _aligned(self) -> Trajectory:
         """Cross-field rules (listed in the schema's ``x-astraflow-rules``: JSON Schema cannot say them)."""
         if self.payload_ref is not None:
             held = [k for k in PER_TOKEN if getattr(self, k)]
@@ -177,7 +177,7 @@ class Batch(Message):
     created_at: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
-    def _aligned(self) -> "Batch":
+    def _aligned(self) -> Batch:
         if len(self.advantages) // 4 != len(self.refs):
             raise ValueError(f"advantages must hold one value per trajectory: {len(self.advantages) // 4} for {len(self.refs)}")
         return self

@@ -107,7 +107,7 @@ class EmbeddedServer:
             raise RuntimeError("server not started")
         return f"{self.scheme}://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> "EmbeddedServer":
+    def start(self, timeout: float = 20.0) -> EmbeddedServer:
         base = self.run_dir / "nats"
         store, ports = base / "store", base / "ports"
         store.mkdir(parents=True, exist_ok=True)
@@ -163,7 +163,7 @@ class EmbeddedServer:
             self.proc.kill()
             self.proc.wait()
 
-    def __enter__(self) -> "EmbeddedServer":
+    def __enter__(self) -> EmbeddedServer:
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc: object) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -22,20 +23,20 @@ class TrainerBackend(Protocol):
     rank: int  # this process's rank (0 talks to the plane)
     world_size: int  # processes training together (data parallel)
 
-    def step(self, batch: "TrainingBatch") -> dict[str, float]:
+    def step(self, batch: TrainingBatch) -> dict[str, float]:
         """One optimizer step on the whole batch (micro-batches accumulate); returns its metrics."""
 
-    def state_dict_bf16(self) -> dict[str, "torch.Tensor"]:
+    def state_dict_bf16(self) -> dict[str, torch.Tensor]:
         """The full weights as contiguous CPU bf16 tensors: what a weight version publishes.
         A collective call when the weights are sharded (every rank must call it)."""
 
-    def load_weights(self, state: Mapping[str, "torch.Tensor"]) -> None:
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         """Overwrite the trained weights (any float dtype), keeping the optimizer state."""
 
-    def reference_state(self) -> dict[str, "torch.Tensor"] | None:
+    def reference_state(self) -> dict[str, torch.Tensor] | None:
         """The frozen reference policy's weights (KL penalty), or None without one."""
 
-    def load_reference(self, state: Mapping[str, "torch.Tensor"]) -> None: ...
+    def load_reference(self, state: Mapping[str, torch.Tensor]) -> None: ...
 
     def save(self, path: Path) -> None:
         """Write weights (safetensors) and optimizer state under the existing directory ``path``."""
@@ -50,7 +51,7 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def build_backend(name: str, model: "torch.nn.Module", tokenizer: Any, cfg: "TrainerConfig", temperature: float = 1.0) -> TrainerBackend:
+def build_backend(name: str, model: torch.nn.Module, tokenizer: Any, cfg: TrainerConfig, temperature: float = 1.0) -> TrainerBackend:
     """Instantiate the registered backend ``name`` (imported lazily: deepspeed is an optional extra)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown trainer backend {name!r}; registered: {sorted(BACKENDS)}")

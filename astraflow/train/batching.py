@@ -38,7 +38,7 @@ class Tensors:
         """Tokens one forward pass processes (rows x padded length)."""
         return int(self.input_ids.numel())
 
-    def select(self, rows: list[int]) -> "Tensors":
+    def select(self, rows: list[int]) -> Tensors:
         """The given rows, trimmed to their longest row and longest completion."""
         idx = torch.tensor(rows, dtype=torch.long)
         L = max(int(self.attention_mask[idx].sum(-1).max()), 1)
@@ -53,7 +53,7 @@ class Tensors:
             out[f.name] = t
         return Tensors(**out)
 
-    def to(self, device: str | torch.device) -> "Tensors":
+    def to(self, device: str | torch.device) -> Tensors:
         return Tensors(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 

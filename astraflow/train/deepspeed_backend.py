@@ -22,7 +22,8 @@ import math
 import os
 import socket
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import deepspeed
 import torch

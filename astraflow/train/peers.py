@@ -26,7 +26,8 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
 PEER_LOST_EXIT = 75  # EX_TEMPFAIL: restart me (and my group) from the checkpoint
@@ -66,7 +67,7 @@ class PeerWatch:
     def key(self, rank: int) -> str:
         return f"astraflow/alive/{self.life}/{rank}"
 
-    def start(self) -> "PeerWatch":
+    def start(self) -> PeerWatch:
         self._thread.start()
         return self
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

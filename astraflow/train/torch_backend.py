@@ -14,7 +14,8 @@ import copy
 import math
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 from safetensors.torch import load_model, save_model

@@ -33,7 +33,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Generator, Iterator
-from typing import Literal, Mapping
+from typing import Literal
+from collections.abc import Mapping
 
 import torch
 

@@ -47,7 +47,8 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import aclosing
 from functools import partial
-from typing import Any, Mapping, Protocol, cast
+from typing import Any, Protocol, cast
+from collections.abc import Mapping
 
 import torch
 
@@ -274,7 +275,7 @@ class WeightSync:
                 log.warning("weights %s: v%d is not a base of v%d; rebuilding from keyframe v%d", self.policy, self.image_version, target.version, chain[0].version)
             await self._apply_chain(chain)
             return True
-        except Exception as first:  # noqa: BLE001 - whatever failed, the keyframe chain is the way back
+        except Exception as first:
             self.stats["fallbacks"] += 1
             log.warning("weights %s v%d: %s: %s; rebuilding from the keyframe chain", self.policy, target.version, type(first).__name__, first)
         try:
@@ -283,7 +284,7 @@ class WeightSync:
                 raise WeightSyncError(f"keyframe chain of v{target.version} is incomplete in {self.ann_stream}")
             await self._apply_chain(chain)
             return True
-        except Exception as second:  # noqa: BLE001 - the node keeps serving the weights it has, whatever went wrong
+        except Exception as second:
             if not isinstance(second, (ObjectError, DeltaError, WeightSyncError)):
                 log.exception("weights %s: unexpected error reaching v%d", self.policy, target.version)
             self.stats["failures"] += 1

@@ -10,7 +10,8 @@ for a token is the version whose weights produced it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -54,10 +55,10 @@ class Engine(Protocol):
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Generate one completion per request (blocking; callers run it off the event loop)."""
 
-    def load_state(self, state: Mapping[str, "torch.Tensor"], version: int) -> None:
+    def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Apply weight version ``version`` given as a full bf16 state (in place; waits for generation in flight)."""
 
-    def state_view(self) -> Mapping[str, "torch.Tensor"]:
+    def state_view(self) -> Mapping[str, torch.Tensor]:
         """The engine's current weights by name (what the node last applied, for remote engines)."""
 
 

@@ -51,7 +51,7 @@ class ScriptedOptions(Options):
     """Seed of the latency draws (mixed with the process id, so nodes draw independent streams)."""
 
     @model_validator(mode="after")
-    def _shape_fits(self) -> "ScriptedOptions":
+    def _shape_fits(self) -> ScriptedOptions:
         for name, dist in (("latency_sigma", "lognormal"), ("latency_alpha", "pareto")):
             if changed(self, {name}) and self.latency != dist:
                 raise ValueError(f"{name} applies to latency: {dist} only (latency is {self.latency}); drop it")
@@ -88,7 +88,7 @@ class VllmOptions(ServerOptions):
     """Talk to its server, or run ``vllm.LLM`` inside the node."""
 
     @model_validator(mode="after")
-    def _server_only(self) -> "VllmOptions":
+    def _server_only(self) -> VllmOptions:
         server_fields = changed(self, {"url", "args", "startup_timeout"})
         if self.mode == "inprocess" and server_fields:
             raise ValueError(f"{', '.join(server_fields)} applies to mode: server only; drop it or set mode: server")

@@ -17,7 +17,8 @@ checked at load like a built-in's:
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from astraflow.registry import ENGINE_OPTIONS, Options, type_name
 from astraflow.rollout.engines.base import Engine
@@ -48,7 +49,7 @@ def register_engine(name: str, options: type[Options] | None = None) -> Callable
     return deco
 
 
-def build_engine(model_cfg: "ModelConfig", rollout_cfg: "RolloutConfig", tokenizer: Any) -> Engine:
+def build_engine(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, tokenizer: Any) -> Engine:
     """The engine ``rollout_cfg.engine`` names, built for one policy's model."""
     for module in BUILTIN:  # cached after the first call
         importlib.import_module(f"astraflow.rollout.engines.{module}")

@@ -26,7 +26,8 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +119,7 @@ class WeightStager:
         self.template = template_dir  # config, tokenizer, generation config: copied next to every version
         self.current: Path | None = None
 
-    def stage(self, state: Mapping[str, "torch.Tensor"], version: int) -> Path:
+    def stage(self, state: Mapping[str, torch.Tensor], version: int) -> Path:
         import torch
         from safetensors.torch import save_file
 
@@ -145,7 +146,7 @@ class WeightStager:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def _untie(tensors: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors sharing memory (tied embeddings): give each its own copy."""
     seen: dict[int, str] = {}
     out = {}
@@ -156,7 +157,7 @@ def _untie(tensors: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
     return out
 
 
-def model_dir(model_cfg: "ModelConfig", tokenizer: Any, where: Path) -> str:
+def model_dir(model_cfg: ModelConfig, tokenizer: Any, where: Path) -> str:
     """A directory or hub id the server can load at start: ``pretrained``, or the recipe's tiny model saved to ``where``."""
     if model_cfg.pretrained:
         return model_cfg.pretrained
@@ -240,12 +241,12 @@ class RemoteEngine:
     def state_view(self) -> Mapping[str, Any]:
         return self._state
 
-    def generate(self, requests: list["GenerationRequest"]) -> list["Completion"]:
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         """One server call per distinct sampling params, under the read lock (a weight update waits)."""
-        groups: dict["SamplingParams", list[int]] = {}
+        groups: dict[SamplingParams, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(r.params, []).append(i)
-        out: list["Completion | None"] = [None] * len(requests)
+        out: list[Completion | None] = [None] * len(requests)
         with self.lock.read():
             version = self._version
             for params, idx in groups.items():
@@ -253,7 +254,7 @@ class RemoteEngine:
                     out[i] = completion
         return [c for c in out if c is not None]
 
-    def generate_group(self, prompts: list[list[int]], params: "SamplingParams", version: int) -> list["Completion"]:
+    def generate_group(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Completion]:
         """One completion per prompt, all with ``params``, tagged with ``version``; a server's own call."""
         raise NotImplementedError
 
@@ -277,7 +278,7 @@ class RemoteEngine:
         self.stager.close()
 
 
-def prepare(name: str, model_cfg: "ModelConfig", options: "ServerOptions", tokenizer: Any) -> tuple[str, WeightStager]:
+def prepare(name: str, model_cfg: ModelConfig, options: ServerOptions, tokenizer: Any) -> tuple[str, WeightStager]:
     """(model path for the server, stager): the model directory and where versions will be written."""
     scratch = Path(tempfile.mkdtemp(prefix=f"astraflow-{name}-"))
     path = model_dir(model_cfg, tokenizer, scratch / "initial")

@@ -28,7 +28,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from astraflow.rollout.engines.base import Completion, GenerationRequest
 from astraflow.rollout.engines.options import HfOptions, ScriptedOptions

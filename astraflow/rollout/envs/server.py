@@ -41,12 +41,12 @@ class EnvServer(ThreadingHTTPServer):
 class _Handler(JsonHandler):
     server: EnvServer
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         if self.path == "/health":
             return self._reply(200, {"ok": True, "envs": sorted(GAMES), "open": len(self.server.episodes)})
         self._reply(404, {"error": f"no route {self.path}"})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         try:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         except json.JSONDecodeError as e:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math as _math
 import re
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 Reward = Callable[[str, dict[str, Any]], float]
 MetaCheck = Callable[[dict[str, Any]], str | None]  # why ``meta`` cannot be scored, or None

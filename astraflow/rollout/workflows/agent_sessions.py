@@ -25,7 +25,8 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 

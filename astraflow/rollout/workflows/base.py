@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Protocol
+from typing import Any, Literal, Protocol
+from collections.abc import Callable, Mapping
 
 import numpy as np
 

@@ -17,7 +17,8 @@ import json
 import urllib.request
 import zlib
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from astraflow.rollout.engines.base import GenerationRequest
 from astraflow.rollout.rewards import Reward

@@ -25,7 +25,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from astraflow.rollout.engines.base import Completion, GenerationRequest
 from astraflow.rollout.rewards import Reward, extract_code

@@ -17,7 +17,8 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
+from collections.abc import Iterator
 
 Kind = Literal["chat", "completion"]
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -25,7 +25,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from http.server import ThreadingHTTPServer
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
+from collections.abc import Mapping
 
 from astraflow.rollout.engines.base import Completion, GenerationRequest, StaleWeights
 from astraflow.rollout.http_json import JsonHandler
@@ -339,13 +340,13 @@ def _handler(facade: ChatFacade) -> type[JsonHandler]:
             self.wfile.flush()
             self.close_connection = True
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             self._answer("GET")
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self._answer("POST")
 
-        def do_DELETE(self) -> None:  # noqa: N802
+        def do_DELETE(self) -> None:
             self._answer("DELETE")
 
     return Handler

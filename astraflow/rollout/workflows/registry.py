@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from typing import Any, Callable, get_args
+from typing import Any, get_args
+from collections.abc import Callable
 
 from astraflow.registry import WORKFLOW_OPTIONS, Options, type_name
 from astraflow.rollout.rewards import Reward
@@ -74,13 +75,13 @@ def get_workflow(options: Options | str | Mapping[str, Any], reward: Reward) -> 
 
 def evaluation_of(name: str) -> Evaluation:
     """How the evaluator scores the workflow ``name`` (its class says)."""
-    evaluation: Evaluation = getattr(workflow_class(name), "evaluation")
+    evaluation: Evaluation = workflow_class(name).evaluation
     return evaluation
 
 
 def check_policies(name: str, policies: tuple[str, ...]) -> None:
     """A recipe's policies fill the workflow's roles one for one; anything else would leave a trainer without data."""
-    roles = getattr(workflow_class(name), "policies")
+    roles = workflow_class(name).policies
     if len(policies) != len(roles):
         raise ValueError(f"workflow {name!r} calls {len(roles)} {'policy' if len(roles) == 1 else 'policies'} "
                          f"({', '.join(roles)}); the recipe has {len(policies)}: {', '.join(policies)}")

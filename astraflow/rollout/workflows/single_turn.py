@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from astraflow.rollout.engines.base import GenerationRequest
 from astraflow.rollout.rewards import Reward

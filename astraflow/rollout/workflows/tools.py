@@ -21,7 +21,8 @@ import json
 import operator
 import re
 from dataclasses import replace
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from astraflow.rollout.engines.base import GenerationRequest
 from astraflow.rollout.rewards import Reward

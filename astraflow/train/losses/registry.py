@@ -18,7 +18,8 @@ module in ``trainer.plugins``, imported before the recipe is validated:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable
 
 import torch
 
