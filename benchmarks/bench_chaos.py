@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+import itertools
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1")
@@ -74,7 +75,7 @@ def clean(work: Path, steps: int) -> dict[str, float]:
     t0 = time.time()
     subprocess.run(up_cmd(run_dir, steps), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     vs = announced(run_dir)
-    gaps = [b[1] - a[1] for a, b in zip(vs[1:], vs[2:])]
+    gaps = [b[1] - a[1] for a, b in itertools.pairwise(vs)]
     return {"wall_s": time.time() - t0, "rl_s": vs[-1][1] - vs[0][1], "median_gap_s": statistics.median(gaps)}
 
 

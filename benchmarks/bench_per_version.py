@@ -30,6 +30,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+import itertools
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = {"hidden_size": 128, "intermediate_size": 512, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
@@ -152,7 +153,7 @@ async def trainer_child(versions: int, checkpoint_every: int, work: Path) -> dic
         await plane.close()
         server.stop()
     out, step = [], []
-    for prev, a in zip(anns[1:], anns[2:]):  # from v2: v1's interval holds the trainer's start-up
+    for prev, a in itertools.pairwise(anns):  # from v2: v1's interval holds the trainer's start-up
         m = a.metrics
         out.append(a.created_at - prev.created_at - m["step_s"] - m["fetch_s"] - m["batch_wait_s"])
         step.append(m["step_s"])

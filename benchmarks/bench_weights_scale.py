@@ -278,8 +278,10 @@ def render(r: dict[str, Any], console: Console) -> None:
             cells.append(f"{key(b) / key(a):.2f}" if _has(a, key) and _has(b, key) and key(a) else "")
         table.add_row(label, *cells)
 
-    gb = lambda b: f"{b / 1e9:.3f} GB ({b / mb:.3f} of raw)"
-    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    def gb(b):
+        return f"{b / 1e9:.3f} GB ({b / mb:.3f} of raw)"
+    def gib(b):
+        return f"{b / 2**30:.2f} GiB"
     row("keyframe payload", value("keyframe", "bytes", gb))
     row("keyframe encode", speed("keyframe", "encode"))
     row("keyframe encode, streamed pieces", speed("keyframe", "stream_encode"))

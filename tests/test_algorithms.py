@@ -103,7 +103,7 @@ def test_greso_skip_probability_grows_with_zero_variance_streak():
     greso = Greso(GresoConfig(p_easy=0.5, p_hard=0.8, window=1000))
     assert greso.skip_probability("solver", "p0") == 0.0
     expected = [0.5, 0.75, 0.875]  # 1 - 0.5 ** z
-    for z, skip in enumerate(expected, start=1):
+    for _z, skip in enumerate(expected, start=1):
         greso.observe(grp([1.0, 1.0, 1.0, 1.0]), CTX)  # all correct: easy
         assert greso.skip_probability("solver", "p0") == pytest.approx(skip)
     greso.observe(grp([1.0, 0.0, 1.0, 1.0]), CTX)  # informative again: streak resets
@@ -148,7 +148,7 @@ def test_greso_holds_zero_variance_share_near_target():
     cfg = GresoConfig(target_easy=0.2, target_hard=0.0, delta=0.02, window=50)
     greso, rng = Greso(cfg), random.Random(0)
     shares = []
-    for epoch in range(60):
+    for _epoch in range(60):
         rolled = [p for p in range(200) if greso.select(item(f"p{p}"), CTX, rng).keep]
         for p in rolled:
             greso.observe(grp([1, 1] if p < 100 else [0, 1], prompt=f"p{p}"), CTX)

@@ -42,9 +42,9 @@ def processes_of(run_dir: Path) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if str(run_dir).encode() in (entry / "cmdline").read_bytes():
-                    if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                        found.append(int(entry.name))
+                named = str(run_dir).encode() in (entry / "cmdline").read_bytes()
+                if named and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(entry.name))
             except OSError:
                 continue
     return found

@@ -261,7 +261,7 @@ async def test_a_filtered_group_is_settled_and_its_trajectories_acked_after_its_
 
 
 async def test_a_group_kept_before_a_restart_goes_back_into_the_buffer_without_the_hooks():
-    ingest, lane, in_flight, journal, log = ingest_setup(late_policy="drop")
+    ingest, lane, in_flight, _journal, log = ingest_setup(late_policy="drop")
     lane.kept["t1"] = 0.5  # what a restored state says
     in_flight.issue("t1", 1.0)  # long past its deadline: the late policy would drop it
     for i in range(2):
@@ -292,7 +292,7 @@ async def test_offloaded_arrays_are_read_back_and_checked_like_any_others():
 
 
 async def test_a_failed_task_releases_what_came_back_of_it():
-    ingest, lane, in_flight, journal, log = ingest_setup()
+    ingest, _lane, in_flight, journal, log = ingest_setup()
     in_flight.issue("t1", None)
     await ingest.take(MemoryDelivery(traj("t1", 0, 0.0), 10, log))
     ingest.abandon("t1")
@@ -321,7 +321,7 @@ def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
     lane = PolicyLane("solver", pipeline(), primary=True)
     lane.note_issued(3)
     groups = [group_of(f"t{i}", [0.0, 1.0], seq0=10 * (i + 1), version=1) for i in range(3)]  # stream sequences start at 1
-    for h in groups:
+    for _h in groups:
         lane.receive()
     lane.keep(groups[0])
     lane.keep(groups[1])

@@ -462,7 +462,7 @@ def test_applier_refuses_a_truncated_payload(cut_in):
     applier.feed(payload[:cut])
     with pytest.raises(DeltaError, match="truncated"):
         applier.close()
-    for name, (start, end) in spans.items():  # whole sections applied, the cut one untouched
+    for name, (_start, end) in spans.items():  # whole sections applied, the cut one untouched
         assert same_bits({name: target[name]}, {name: (new if end <= cut else base)[name]})
 
 

@@ -174,7 +174,7 @@ def test_region_mirrors_command(region):
     """`astraflow region mirrors` makes the leaf's mirrors of a run (idempotently), as an operator runs it."""
     import sys
 
-    hub, leaf = region
+    _hub, leaf = region
     run = "cmd" + uuid.uuid4().hex[:6]
     cmd = [sys.executable, "-m", "astraflow.cli", "region", "mirrors", "--nats", leaf.url, "--run", run, "--hub-domain", "hub"]
     for _ in range(2):

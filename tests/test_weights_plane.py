@@ -26,6 +26,7 @@ from astraflow.weights.retention import chain_of, key_of, plan_retention
 from astraflow.weights.sync import WeightSync, WeightSyncError
 
 from weights_helpers import Trainer, engine_digest, node, tiny_model
+import itertools
 
 
 async def publish_steps(pub: WeightPublisher, trainer: Trainer, versions: range) -> list[WeightVersion]:
@@ -55,7 +56,7 @@ async def test_keyframe_delta_decisions_and_announcements(plane: Plane):
     anns = await publish_steps(pub, trainer, range(6))
     assert [a.encoding for a in anns] == ["keyframe", "delta", "delta", "delta", "keyframe", "delta"]
     assert [a.keyframe_version for a in anns] == [0, 0, 0, 0, 4, 4]
-    for prev, a in zip(anns, anns[1:]):
+    for prev, a in itertools.pairwise(anns):
         if a.encoding == "delta":
             assert (a.base_version, a.base_digest) == (prev.version, prev.state_digest)
         else:

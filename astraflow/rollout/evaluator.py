@@ -35,7 +35,7 @@ from astraflow.models import encode_prompt, load_tokenizer
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams, close_engine
 from astraflow.rollout.node import make_handle
 from astraflow.rollout.rewards import get_reward
-from astraflow.rollout.scores import PASS_THRESHOLD, pass_at_k, sample_metrics  # noqa: F401 (part of this module's API)
+from astraflow.rollout.scores import sample_metrics
 from astraflow.rollout.task_checks import TaskRules, check_content, check_prompt
 from astraflow.rollout.workflows.base import TEAM
 from astraflow.rollout.workflows.registry import evaluation_of, get_workflow, workflow_class

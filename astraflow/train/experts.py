@@ -51,4 +51,4 @@ def hold_quiet_experts(opt: torch.optim.Optimizer, params: list[torch.nn.Paramet
             state = opt.state[p]
             for k in MOMENTS:
                 if k in state:  # a moment the step created holds zeros for a quiet expert (its gradient was 0)
-                    state[k][quiet] = moments[k] if k in moments else 0.0
+                    state[k][quiet] = moments.get(k, 0.0)

@@ -341,7 +341,7 @@ class WeightSync:
                                               f"the node holds v{self.image_version}")
                     image = self.image
                     applier, digest = await self._feed(ann, partial(DeltaApplier, image), in_place=True,
-                                                       finish=lambda _stats: state_digest(image))  # noqa: B023 (awaited here)
+                                                       finish=lambda _stats: state_digest(image))
                     if changed is not None:
                         changed |= cast(DeltaApplier, applier).changed
                 if digest != ann.state_digest:

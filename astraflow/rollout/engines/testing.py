@@ -46,10 +46,7 @@ class ScriptEngine:
         text = self.reply(self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True))
         reason = "stop"
         cut = [text.index(s) + len(s) for s in r.params.stop if s in text]
-        if cut:
-            ids = encode_prompt(self.tokenizer, text[: min(cut)])
-        else:
-            ids = encode_prompt(self.tokenizer, text) + [self.tokenizer.eos_token_id]
+        ids = encode_prompt(self.tokenizer, text[:min(cut)]) if cut else encode_prompt(self.tokenizer, text) + [self.tokenizer.eos_token_id]
         if len(ids) > r.params.max_new_tokens:
             ids, reason = ids[: r.params.max_new_tokens], "length"
         return Completion(ids, [self.logprob] * len(ids), [self._version] * len(ids), reason)

@@ -117,8 +117,7 @@ class Shop:
         out, reward, done = "Unknown action. Actions: search[words], click[ID], buy.", 0.0, False
         if m := re.fullmatch(r"search\[(.*)\]", a):
             words = set(m.group(1).split())
-            score = lambda it: len(words & {it["kind"], it["color"], it["size"]})  # noqa: E731
-            self.page = sorted(self.items, key=lambda it: (-score(it), it["id"]))[:3]
+            self.page = sorted(self.items, key=lambda it: (-len(words & {it["kind"], it["color"], it["size"]}), it["id"]))[:3]
             out = "Results: " + "; ".join(self._show(it) for it in self.page)
         elif m := re.fullmatch(r"click\[(\w+)\]", a):
             found = [it for it in self.page if it["id"] == m.group(1)]

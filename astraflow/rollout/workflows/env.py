@@ -88,7 +88,7 @@ class EnvHttp:
                     prompt = f"{t.prompt}\n{started['observation']}\n> ".lstrip()
                     episodes.append((t, i, started["episode_id"], Episode(h.encode(prompt)), {"reward": 0.0, "steps": 0}))
             active = list(episodes)
-            for turn in range(self.max_turns):
+            for _turn in range(self.max_turns):
                 comps = h.generate([GenerationRequest(ep.context(), params) for _, _, _, ep, _ in active], need)
                 still = []
                 for (t, i, eid, ep, acc), c in zip(active, comps):
