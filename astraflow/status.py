@@ -41,8 +41,11 @@ async def collect(opts: NatsOptions, run: str, policy: str | None = None, listen
         policies = list(dataflow.lanes) if dataflow else []
         policy = policy or (policies[0] if policies else "solver")
         lags: dict[str, dict[str, Any] | None] = {}
-        for label, stream, durable in (("tasks→raas", names.task_stream, "raas"), ("traj→dataflow", names.traj_stream, names.DATAFLOW_CONSUMER),
-                                       (f"batch→trainer-{policy}", names.batch_stream, names.trainer_consumer(policy))):
+        for label, stream, durable in (
+            ("tasks→raas", names.task_stream, "raas"),
+            ("traj→dataflow", names.traj_stream, names.DATAFLOW_CONSUMER),
+            (f"batch→trainer-{policy}", names.batch_stream, names.trainer_consumer(policy)),
+        ):
             try:
                 lags[label] = (await plane.lag(stream, durable)).__dict__
             except Exception:  # the consumer does not exist (yet)

@@ -34,7 +34,17 @@ def _reasoning_gym(cfg: DataConfig) -> list[Problem]:
 
     ds = reasoning_gym.create_dataset(cfg.rg_task, size=cfg.n_train + cfg.n_eval, seed=cfg.seed)
     return [
-        Problem(f"{cfg.rg_task}-{i}", entry["question"], {"answer": str(entry["answer"]), "rg_task": cfg.rg_task, "rg_index": i, "rg_size": cfg.n_train + cfg.n_eval, "rg_seed": cfg.seed})
+        Problem(
+            f"{cfg.rg_task}-{i}",
+            entry["question"],
+            {
+                "answer": str(entry["answer"]),
+                "rg_task": cfg.rg_task,
+                "rg_index": i,
+                "rg_size": cfg.n_train + cfg.n_eval,
+                "rg_seed": cfg.seed,
+            },
+        )
         for i, entry in enumerate(ds)
     ]
 

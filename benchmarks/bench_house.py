@@ -45,7 +45,9 @@ def survey(pkg: Path) -> dict[str, object]:
                 classes.append((node.end_lineno - node.lineno + 1, class_attributes(node), f"{rel}:{node.name}"))
             if in_streams:
                 continue
-            if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "nats" for a in node.names)) or (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "nats" and node.level == 0):
+            if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "nats" for a in node.names)) or (
+                isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "nats" and node.level == 0
+            ):
                 nats_imports.append(rel)
             elif isinstance(node, ast.Attribute) and node.attr in NATS_HANDLES:
                 nats_handles.append(f"{rel}:{node.lineno}")

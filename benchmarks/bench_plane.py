@@ -35,9 +35,20 @@ PROMPT, COMPLETION = 64, 256  # tokens per trajectory
 
 def trajectory_for(task: Task, i: int) -> Trajectory:
     n = COMPLETION
-    return Trajectory(traj_id=f"{task.task_id}.{task.policy}.{i}", task_id=task.task_id, prompt_id=task.prompt_id, policy=task.policy,
-                      index=i, group_size=task.group_size, prompt_ids=np.arange(PROMPT, dtype=np.int32), completion_ids=np.arange(n, dtype=np.int32),
-                      logprobs=np.full(n, -0.5, np.float32), versions=np.zeros(n, np.int32), loss_mask=np.ones(n, np.uint8), reward=float(i % 2))
+    return Trajectory(
+        traj_id=f"{task.task_id}.{task.policy}.{i}",
+        task_id=task.task_id,
+        prompt_id=task.prompt_id,
+        policy=task.policy,
+        index=i,
+        group_size=task.group_size,
+        prompt_ids=np.arange(PROMPT, dtype=np.int32),
+        completion_ids=np.arange(n, dtype=np.int32),
+        logprobs=np.full(n, -0.5, np.float32),
+        versions=np.zeros(n, np.int32),
+        loss_mask=np.ones(n, np.uint8),
+        reward=float(i % 2),
+    )
 
 
 async def raw_throughput(url: str, n: int, size: int) -> float:
@@ -74,9 +85,20 @@ async def raw_throughput(url: str, n: int, size: int) -> float:
 
 
 async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batch: int) -> float:
-    recipe = parse_recipe({"name": "bench", "dataflow": {"group_size": group, "groups_per_batch": groups_per_batch,
-                                                         "max_tasks_in_flight": 4 * groups_per_batch, "max_staleness": 100, "max_batch_backlog": 4},
-                           "rollout": {"max_new_tokens": COMPLETION}, "data": {"n_train": 300}})
+    recipe = parse_recipe(
+        {
+            "name": "bench",
+            "dataflow": {
+                "group_size": group,
+                "groups_per_batch": groups_per_batch,
+                "max_tasks_in_flight": 4 * groups_per_batch,
+                "max_staleness": 100,
+                "max_batch_backlog": 4,
+            },
+            "rollout": {"max_new_tokens": COMPLETION},
+            "data": {"n_train": 300},
+        }
+    )
     run = "pl" + uuid.uuid4().hex[:6]
     plane = await Plane.connect(NatsOptions(url=url), run, "dataflow")
     await plane.ensure_topology(recipe.topology())
@@ -90,7 +112,8 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
         sub = rollout.consumer(rollout.names.task_stream, "raas", Task)
         while not done.is_set():
             for d in await sub.pull(batch=16, timeout=0.2):
-                await rollout.publish_many([(rollout.names.traj(d.msg.policy), t, t.traj_id) for t in (trajectory_for(d.msg, i) for i in range(d.msg.group_size))])
+                trajs = [trajectory_for(d.msg, i) for i in range(d.msg.group_size)]
+                await rollout.publish_many([(rollout.names.traj(d.msg.policy), t, t.traj_id) for t in trajs])
                 await d.ack()
 
     async def trainer_loop() -> None:

@@ -122,8 +122,19 @@ async def main(quick: bool) -> dict[str, Any]:
     for p in points:
         p["linear_traj_per_s"] = base * p["nodes"]
         p["efficiency"] = p["traj_per_s"] / p["linear_traj_per_s"]
-    t = Table(title=f"RaaS scaling, scripted engine (constant {latency * 1e3:.0f} ms per generate call, {tpg} tasks × {group} samples per call)")
-    for col in ("nodes", "traj/s", "linear", "efficiency", "pull+publish ms/traj", "weights check ms/traj", "engine ms/traj", "path / engine"):
+    t = Table(
+        title=f"RaaS scaling, scripted engine (constant {latency * 1e3:.0f} ms per generate call, {tpg} tasks × {group} samples per call)"
+    )
+    for col in (
+        "nodes",
+        "traj/s",
+        "linear",
+        "efficiency",
+        "pull+publish ms/traj",
+        "weights check ms/traj",
+        "engine ms/traj",
+        "path / engine",
+    ):
         t.add_column(col, justify="right")
     for p in points:
         t.add_row(str(p["nodes"]), f"{p['traj_per_s']:.1f}", f"{p['linear_traj_per_s']:.1f}", f"{p['efficiency']:.2f}",

@@ -74,10 +74,16 @@ def child(batch_file: Path, over: dict[str, object], steps: int, threads: int, m
         secs.append(m["step_s"])
         losses.append(round(m["loss"], 6))
     # median over steps: the machine may be shared, and a median shrugs off a few slow steps
-    return {"tokens_per_s": round(statistics.median(rates), 1), "step_s": round(statistics.median(secs), 3),
-            "peak_rss_mb": round(_peak_rss_mb(), 1),
-            "train_rss_mb": round(_peak_rss_mb() - base, 1), "cuda_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
-            "losses": losses, "micro_batches": m["micro_batches"], "device": "cuda" if cuda else "cpu"}
+    return {
+        "tokens_per_s": round(statistics.median(rates), 1),
+        "step_s": round(statistics.median(secs), 3),
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "train_rss_mb": round(_peak_rss_mb() - base, 1),
+        "cuda_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None,
+        "losses": losses,
+        "micro_batches": m["micro_batches"],
+        "device": "cuda" if cuda else "cpu",
+    }
 
 
 def _has_cuda() -> bool:
@@ -105,8 +111,11 @@ def make_batches(path: Path, n: int) -> dict[str, object]:
     encoded = [{"manifest": encode(b.manifest).hex(), "trajectories": [encode(t).hex() for t in b.trajectories]} for b in batches]
     path.write_text(json.dumps({"batches": encoded}))
     n_params = sum(p.numel() for p in build_model(pcfg.model, tok).parameters())
-    return {"trajectories_per_batch": len(batches[0].trajectories), "tokens_per_batch": sum(len(t.completion_ids) // 4 for t in batches[0].trajectories),
-            "params": n_params}
+    return {
+        "trajectories_per_batch": len(batches[0].trajectories),
+        "tokens_per_batch": sum(len(t.completion_ids) // 4 for t in batches[0].trajectories),
+        "params": n_params,
+    }
 
 
 def recipe_wait(steps: int) -> dict[str, object]:

@@ -173,8 +173,15 @@ def render(report: dict, console: Console) -> None:
         t.add_row(kind, f"{r['bytes'] / 1e6:.2f} MB", f"{r['publish_s'] * 1e3:.0f} ms", f"{r['hub_s'] * 1e3:.0f} ms",
                   f"{r['leaf_s'] * 1e3:.0f} ms", f"{r['e2e_hub_s'] * 1e3:.0f} ms", f"{r['e2e_leaf_s'] * 1e3:.0f} ms")
     k, d = report["keyframe"], report["delta"]
-    t.add_row("keyframe / delta", f"{k['bytes'] / d['bytes']:.1f}x", f"{k['publish_s'] / d['publish_s']:.1f}x", f"{k['hub_s'] / d['hub_s']:.1f}x",
-              f"{k['leaf_s'] / d['leaf_s']:.1f}x", f"{k['e2e_hub_s'] / d['e2e_hub_s']:.1f}x", f"{k['e2e_leaf_s'] / d['e2e_leaf_s']:.1f}x")
+    t.add_row(
+        "keyframe / delta",
+        f"{k['bytes'] / d['bytes']:.1f}x",
+        f"{k['publish_s'] / d['publish_s']:.1f}x",
+        f"{k['hub_s'] / d['hub_s']:.1f}x",
+        f"{k['leaf_s'] / d['leaf_s']:.1f}x",
+        f"{k['e2e_hub_s'] / d['e2e_hub_s']:.1f}x",
+        f"{k['e2e_leaf_s'] / d['e2e_leaf_s']:.1f}x",
+    )
     console.print(t)
     r = Table(title=f"read path: one {report['read_mb']} MB object, best of 3, MB/s")
     for col in ("chunk", "put_object", "get_object hub", "get_object leaf mirror", "nats-py ObjectStore.get hub", "ours / nats-py"):

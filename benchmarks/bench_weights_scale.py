@@ -301,9 +301,12 @@ def render(r: dict[str, Any], console: Console) -> None:
         row(f"peak RSS added: {phase} {step.replace('_', ' ')}", value(phase, f"{step}_rss", gib))
     console.print(table)
     d = r["codecs"][THIS]["delta"]
-    console.print(f"changed values: {d['n_changed'] / 1e6:.1f} M of {r['params'] / 1e6:.0f} M "
-                  f"({100 * d['n_changed'] / r['params']:.2f} %); resident for the delta runs: "
-                  f"{r['rss_start'] / 2**30:.2f} GiB (two bf16 versions; one for the keyframe runs); one-thread numpy copy of the state: {r['copy_gbps']:.2f} GB/s")
+    console.print(
+        f"changed values: {d['n_changed'] / 1e6:.1f} M of {r['params'] / 1e6:.0f} M "
+        f"({100 * d['n_changed'] / r['params']:.2f} %); resident for the delta runs: "
+        f"{r['rss_start'] / 2**30:.2f} GiB (two bf16 versions; one for the keyframe runs); "
+        f"one-thread numpy copy of the state: {r['copy_gbps']:.2f} GB/s"
+    )
 
 
 def _has(c: dict[str, Any], key: Callable[[dict[str, Any]], float]) -> bool:

@@ -48,7 +48,11 @@ def main() -> dict[str, object]:
         params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1)
         prompts = [list(tok("12+7=", add_special_tokens=False)["input_ids"]), list(tok("3+4=", add_special_tokens=False)["input_ids"])]
         comps = engine.generate([GenerationRequest(p, params) for p in prompts])
-        diffs = [max(abs(a - b) for a, b in zip(c.logprobs, recompute(model, p, c.token_ids, 1.0))) for p, c in zip(prompts, comps) if c.token_ids]
+        diffs = [
+            max(abs(a - b) for a, b in zip(c.logprobs, recompute(model, p, c.token_ids, 1.0)))
+            for p, c in zip(prompts, comps)
+            if c.token_ids
+        ]
         out.update(v0_versions=sorted({v for c in comps for v in c.versions}), v0_max_logprob_diff=max(diffs),
                    v0_tokens=[len(c.token_ids) for c in comps])
         with torch.no_grad():
@@ -56,8 +60,10 @@ def main() -> dict[str, object]:
                 p.add_(torch.randn_like(p) * 0.05)
         engine.load_state(model.state_dict(), 1)
         comps1 = engine.generate([GenerationRequest(prompts[0], params)])
-        out.update(v1_versions=sorted(set(comps1[0].versions)),
-                   v1_max_logprob_diff=max(abs(a - b) for a, b in zip(comps1[0].logprobs, recompute(model, prompts[0], comps1[0].token_ids, 1.0))))
+        out.update(
+            v1_versions=sorted(set(comps1[0].versions)),
+            v1_max_logprob_diff=max(abs(a - b) for a, b in zip(comps1[0].logprobs, recompute(model, prompts[0], comps1[0].token_ids, 1.0))),
+        )
     finally:
         close_engine(engine)
     out["ok"] = out.get("v1_versions") == [1] and float(out.get("v1_max_logprob_diff", 9)) < 0.1  # type: ignore[arg-type]

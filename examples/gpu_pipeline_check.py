@@ -137,11 +137,22 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
             server.stop()
     timed = rows[1:] or rows  # the first iteration warms up kernels and allocators
     out: dict[str, Any] = {k: round(statistics.median(r[k] for r in timed), 4) for k in timed[0]}
-    out.update(device=torch.cuda.get_device_name() if cuda else "cpu", arch=mcfg.arch, params=params, steps=args.steps,
-               sequences_per_step=args.tasks * args.group_size, max_new_tokens=args.max_new_tokens,
-               keyframe_bytes=sum(o.size for o in keyframe.objects), keyframe_apply_s=round(keyframe_apply_s, 4),
-               sft_steps=args.sft_steps, sft_loss=sft_loss, trainer_precision=tcfg.precision, engine_dtype=str(next(engine.model.parameters()).dtype), digests_ok=digests_ok,
-               torch=torch.__version__)
+    out.update(
+        device=torch.cuda.get_device_name() if cuda else "cpu",
+        arch=mcfg.arch,
+        params=params,
+        steps=args.steps,
+        sequences_per_step=args.tasks * args.group_size,
+        max_new_tokens=args.max_new_tokens,
+        keyframe_bytes=sum(o.size for o in keyframe.objects),
+        keyframe_apply_s=round(keyframe_apply_s, 4),
+        sft_steps=args.sft_steps,
+        sft_loss=sft_loss,
+        trainer_precision=tcfg.precision,
+        engine_dtype=str(next(engine.model.parameters()).dtype),
+        digests_ok=digests_ok,
+        torch=torch.__version__,
+    )
     if cuda:
         out["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     return out

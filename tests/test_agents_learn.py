@@ -24,7 +24,11 @@ def test_calculator_agent_learns_to_call_its_tool(nats_server, repo_root, tmp_pa
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "calculator"), "--nats", nats_server.url,
            "--run-dir", str(run_dir), "--timeout", "420", *(x for s in sets for x in ("--set", s))]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
-    logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    logs = (
+        "".join(f"\n--- {p.name}\n" + p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
+        if (run_dir / "logs").exists()
+        else ""
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["initial_reward"] <= 0.2, summary  # the demonstrators' majority habit: the addition forgotten

@@ -37,7 +37,11 @@ def cluster(tmp_path_factory):
         conf = (ROOT / "jetstream" / "cluster" / f"n{i + 1}.conf").read_text()
         conf = conf.replace("0.0.0.0", "127.0.0.1")
         conf = re.sub(r"listen: 127.0.0.1:\d+\nhttp: 127.0.0.1:\d+", f"listen: 127.0.0.1:{client[i]}\nhttp: 127.0.0.1:{http[i]}", conf)
-        conf = re.sub(r"cluster \{\n  name: astraflow\n  listen: 127.0.0.1:\d+", f"cluster {{\n  name: astraflow\n  listen: 127.0.0.1:{route[i]}", conf)
+        conf = re.sub(
+            r"cluster \{\n  name: astraflow\n  listen: 127.0.0.1:\d+",
+            f"cluster {{\n  name: astraflow\n  listen: 127.0.0.1:{route[i]}",
+            conf,
+        )
         conf = re.sub(r"routes: \[[^\]]*\]", "routes: [" + ", ".join(f"nats://127.0.0.1:{p}" for p in route) + "]", conf)
         conf = conf.replace(f'"./nats-n{i + 1}"', f'"{tmp / f"n{i + 1}"}"')
         path = tmp / f"n{i + 1}.conf"
@@ -79,7 +83,11 @@ async def test_replicated_plane_survives_a_node_loss(cluster):
     info = await plane._jsm.stream_info(plane.names.task_stream)
     assert info.config.num_replicas == 3
     for i in range(5):
-        await plane.publish(plane.names.task("math"), Task(task_id=f"k{i}", workflow="math", policy="solver", prompt_id="p", prompt="1+1", group_size=2), f"k{i}")
+        await plane.publish(
+            plane.names.task("math"),
+            Task(task_id=f"k{i}", workflow="math", policy="solver", prompt_id="p", prompt="1+1", group_size=2),
+            f"k{i}",
+        )
     await plane.close()
     procs[0].kill()  # lose a node (maybe the leader)
     procs[0].wait()

@@ -59,7 +59,12 @@ def test_unknown_types_fail_at_load_naming_the_registered_ones():
 
 def test_bare_names_defaults_and_a_dumped_recipe_loads_back(tmp_path):
     r = parse_recipe({"name": "t", "workflow": "multi_turn_tools", "rollout": {"engine": "scripted"}, "trainer": {"loss": "m2po"}})
-    assert (r.workflow, r.workflow_options.max_turns, r.rollout.engine.latency, r.trainer.loss.tau) == ("multi_turn_tools", 4, "lognormal", 0.01)
+    assert (r.workflow, r.workflow_options.max_turns, r.rollout.engine.latency, r.trainer.loss.tau) == (
+        "multi_turn_tools",
+        4,
+        "lognormal",
+        0.01,
+    )
     default = parse_recipe({"name": "t"})
     assert (default.workflow, default.rollout.engine.type, default.trainer.loss.type) == ("single_turn", "hf", "ppo")
     dump_recipe(r, tmp_path / "recipe.yaml")

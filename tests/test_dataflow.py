@@ -300,7 +300,9 @@ async def test_autoscale_advice_is_published(harness: Harness):
     assert harness.df.pool.wait_frac("solver") == pytest.approx(0.02)
     await harness.df.beat()
     advice = await harness.plane.state.get(AutoscaleRecord, "raas")
-    assert advice is not None and (advice.action, advice.target) == ("hold", 2), advice  # below lo, but nothing measured says the pool is too big
+    assert advice is not None and (advice.action, advice.target) == ("hold", 2), (
+        advice
+    )  # below lo, but nothing measured says the pool is too big
 
 
 @with_recipe(max_tasks_in_flight=8, max_staleness=3,

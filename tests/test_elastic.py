@@ -78,7 +78,9 @@ class Pool:
         log = open(self.tmp / f"{node}.log", "wb")
         cmd = [sys.executable, "-m", "astraflow.cli", "worker", "rollout", "--recipe", str(self.recipe), "--nats", self.url,
                "--run", self.run, "--id", node, "--region", f"r-{node}", "--hardware", "cpu-test"]
-        self.procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "AF_TEST_GATE_DIR": str(self.tmp)})
+        self.procs[node] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "AF_TEST_GATE_DIR": str(self.tmp)}
+        )
         log.close()
 
     def log(self, node: str) -> str:

@@ -69,6 +69,8 @@ def test_status_says_no_such_run_and_gives_up_on_an_absent_server(nats_server):
     proc = subprocess.run([*cmd, "--nats", nats_server.url, "--run", "nosuchrun"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3 and "no run 'nosuchrun'" in proc.stderr, proc.stderr
     t0 = time.monotonic()
-    proc = subprocess.run([*cmd, "--nats", "nats://127.0.0.1:9", "--run", "x", "--timeout", "2"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*cmd, "--nats", "nats://127.0.0.1:9", "--run", "x", "--timeout", "2"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "no nats-server at nats://127.0.0.1:9" in proc.stderr, proc.stderr
     assert time.monotonic() - t0 < 20

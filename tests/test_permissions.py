@@ -220,8 +220,13 @@ async def test_shipped_accounts_conf_runs_a_pool_and_keeps_rollout_off_the_train
         dataflow = await Plane.connect(NatsOptions(url=server.url, user="dataflow", password="pw-dataflow"), run, "dataflow")
         await dataflow.ensure_topology(Topology(policies=("solver",)))
         async with Probe(server.url, "rollout", "pw-rollout") as probe:
-            for subject in (f"{API}.CONSUMER.MSG.NEXT.AF_{run}_BATCH.trainer-solver", f"{API}.CONSUMER.DELETE.AF_{run}_BATCH.trainer-solver",
-                            f"$JS.ACK.AF_{run}_BATCH.trainer-solver.1.1.1.1.1", f"af.{run}.batch.solver", f"af.{run}.weights.solver"):
+            for subject in (
+                f"{API}.CONSUMER.MSG.NEXT.AF_{run}_BATCH.trainer-solver",
+                f"{API}.CONSUMER.DELETE.AF_{run}_BATCH.trainer-solver",
+                f"$JS.ACK.AF_{run}_BATCH.trainer-solver.1.1.1.1.1",
+                f"af.{run}.batch.solver",
+                f"af.{run}.weights.solver",
+            ):
                 assert await probe.denied("pub", subject), subject
             assert not await probe.denied("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{run}_TASK.raas")
         await dataflow.close()

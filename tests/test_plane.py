@@ -59,7 +59,9 @@ async def test_topology_twice_is_idempotent(nats_server, run_id):
     p = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "a")
     topo = Topology(policies=("solver", "verifier"))
     await p.ensure_topology(topo)
-    await p.publish(p.names.task("math"), Task(task_id="k", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2), "k")
+    await p.publish(
+        p.names.task("math"), Task(task_id="k", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2), "k"
+    )
     await p.ensure_topology(topo)  # second time: nothing changes, nothing lost
     assert await p.stream_msgs(p.names.task_stream) == 1
     assert (await p.lag(p.names.task_stream, "raas")).pending == 1

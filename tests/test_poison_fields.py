@@ -267,5 +267,9 @@ async def test_an_unreadable_evaluation_record_is_evaluated_again_and_never_stop
         assert not await evaluated(plane, "solver", v)  # the evaluator does it again, overwriting the value
     assert await evaluated(plane, "solver", 10)
     await watcher._poll_evals()  # the launcher leaves them out of its figures and goes on
-    assert [row["version"] for row in rundir.rows("evals.jsonl")] == [10] and watcher._evals == {("solver", 0), ("solver", 5), ("solver", 10)}
+    assert [row["version"] for row in rundir.rows("evals.jsonl")] == [10] and watcher._evals == {
+        ("solver", 0),
+        ("solver", 5),
+        ("solver", 10),
+    }
     await watcher.stop()

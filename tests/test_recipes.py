@@ -47,7 +47,11 @@ def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(ROOT / "recipes" / name), "--nats", nats_server.url,
            "--run-dir", str(run_dir), "--timeout", "240", *(x for s in sets for x in ("--set", s))]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-1200:] for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    logs = (
+        "".join(f"\n--- {p.name}\n" + p.read_text()[-1200:] for p in sorted((run_dir / "logs").glob("*.log")))
+        if (run_dir / "logs").exists()
+        else ""
+    )
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-1500:] + logs
     recipe = load_recipe(run_dir / "recipe.yaml")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

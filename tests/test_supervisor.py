@@ -114,10 +114,12 @@ def test_children_die_with_the_launcher(tmp_path: Path):
     script.write_text(
         "import sys, time\n"
         "from astraflow.launch.supervisor import RoleSpec, Supervisor\n"
-        f"sup = Supervisor(lambda s: [{PY!r}, '-c', 'import time; time.sleep(120)'], lambda n: __import__('pathlib').Path({str(tmp_path)!r}) / n)\n"
+        f"sup = Supervisor(lambda s: [{PY!r}, '-c', 'import time; time.sleep(120)'],\n"
+        f"                 lambda n: __import__('pathlib').Path({str(tmp_path)!r}) / n)\n"
         "kids = [sup.start(RoleSpec(f'r{i}', 'rollout')) for i in range(3)]\n"
         f"open({str(pids)!r}, 'w').write(' '.join(str(k.proc.pid) for k in kids))\n"
-        "time.sleep(120)\n")
+        "time.sleep(120)\n"
+    )
     launcher = subprocess.Popen([PY, str(script)])
     deadline = time.monotonic() + 20
     while not pids.exists() or not pids.read_text():

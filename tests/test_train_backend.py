@@ -72,7 +72,9 @@ def test_micro_batches_accumulate_to_the_full_batch_step(setup, over):
 def test_m2po_masks_over_the_whole_batch(setup):
     """A mask computed per micro-batch would differ: here the step's masked fraction is the full batch's."""
     pcfg, tok, batches = setup
-    backend = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, loss={"type": "m2po", "tau": 0.02}, micro_batch_tokens=40))
+    backend = TorchBackend(
+        build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, loss={"type": "m2po", "tau": 0.02}, micro_batch_tokens=40)
+    )
     x = to_tensors(batches[0], tok.pad_token_id)
     with torch.no_grad():
         lp = backend._full_logprobs(x, micro_batches(x, None))

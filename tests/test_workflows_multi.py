@@ -152,7 +152,11 @@ def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, 
            "--set", "trainer.steps=2", "--set", "sft.steps=20", "--set", "rollout.nodes=1", "--set", "eval.enabled=false",
            "--timeout", "240"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    logs = (
+        "".join(f"\n--- {p.name}\n" + p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
+        if (run_dir / "logs").exists()
+        else ""
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for policy in ("solver", "verifier"):  # one trainer per policy, each trained on its own trajectories

@@ -75,7 +75,11 @@ def start_server(rundir: RunDir, recipe: Recipe, listen: str | None) -> tuple[Em
             console.print(f"[yellow]port {old_port} of the previous session is taken: the server moves to a new port; "
                           "nodes joined by hand must be given the new address[/]")
     policies = recipe.policy_names
-    tls = None if is_loopback(host) else make_tls(rundir.credentials / "tls", [host if host not in ("0.0.0.0", "::") else socket.gethostname()])
+    tls = (
+        None
+        if is_loopback(host)
+        else make_tls(rundir.credentials / "tls", [host if host not in ("0.0.0.0", "::") else socket.gethostname()])
+    )
     creds = issue(rundir.credentials, rundir.run, policies, tls_ca_pem=tls.ca_pem if tls else None)
     extra = render_accounts(server_users(creds, policies), Scope(rundir.run, policies, (recipe.rollout.pool,)))
     if tls:

@@ -5,8 +5,9 @@ state. Every weight version becomes a line of ``metrics.jsonl`` (once, however o
 restarts; only announcements a node would follow, ``weights/checks.py``: what a foreign writer
 announced that no trainer could have made is dead-lettered, not recorded), every held-out
 evaluation a line of ``evals.jsonl`` (one per subject: the evaluated policy, or a team's
-policies and the team), and the pool is sampled into ``pool.jsonl``. Counts come from the server (trajectories stored in the TRAJ stream), not from
-heartbeats, so they survive restarts and never go stale.
+policies and the team), and the pool is sampled into ``pool.jsonl``. Counts come from the
+server (trajectories stored in the TRAJ stream), not from heartbeats, so they survive restarts
+and never go stale.
 """
 
 from __future__ import annotations
@@ -119,9 +120,17 @@ class RunWatcher:
             if key in self._recorded:
                 continue
             self._recorded.add(key)
-            row = {"policy": ann.policy, "version": ann.version, "encoding": ann.encoding, "bytes": ann.objects[0].size if ann.objects else 0,
-                   "state_digest": ann.state_digest, "ts": ann.created_at, "run_s": round(self.run_time(), 2),
-                   "trajectories": self.live.trajectories, **ann.metrics}
+            row = {
+                "policy": ann.policy,
+                "version": ann.version,
+                "encoding": ann.encoding,
+                "bytes": ann.objects[0].size if ann.objects else 0,
+                "state_digest": ann.state_digest,
+                "ts": ann.created_at,
+                "run_s": round(self.run_time(), 2),
+                "trajectories": self.live.trajectories,
+                **ann.metrics,
+            }
             self.rundir.append("metrics.jsonl", row)
             self._seen_version(row)
         await self._poll_evals()
@@ -143,8 +152,19 @@ class RunWatcher:
                 self.live.evals[v] = got.reward
             at = [r for r in self.rundir.rows("metrics.jsonl") if r["policy"] == epol and r["version"] == v]
             rollouts = at[-1]["trajectories"] if at else self.live.trajectories  # generated when v was trained
-            self.rundir.append("evals.jsonl", {"policy": subject, "version": v, "reward": got.reward, "avg@k": got.avg_at_k,
-                                               "pass@k": got.pass_at_k, "k": got.k, "rollouts": rollouts, "run_s": round(self.run_time(), 2)})
+            self.rundir.append(
+                "evals.jsonl",
+                {
+                    "policy": subject,
+                    "version": v,
+                    "reward": got.reward,
+                    "avg@k": got.avg_at_k,
+                    "pass@k": got.pass_at_k,
+                    "k": got.k,
+                    "rollouts": rollouts,
+                    "run_s": round(self.run_time(), 2),
+                },
+            )
 
     async def _sample(self) -> None:
         now = time.time()

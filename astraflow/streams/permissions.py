@@ -29,7 +29,7 @@ its own inbox prefix (``_INBOX_{user}``), so no role reads another's replies. Du
 (TASK, TRAJ, BATCH) can be pulled, acked and inspected only by their own role, and created or
 deleted only by the dataflow and admin; ephemeral consumers (followers of weights, objects, the
 DLQ) can be made on the Limits streams only, where they take nothing from anyone.
-"""
+"""  # noqa: E501 (the table's rows)
 
 from __future__ import annotations
 

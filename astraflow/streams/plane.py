@@ -273,7 +273,9 @@ class Plane:
         loop = asyncio.get_running_loop()
         start = last = loop.time()
         needed: list[tuple[str, str | None]] = [(n.stream(f), None) for f in ("task", "traj", "batch", "weights", "dlq")]
-        needed += [(n.task_stream, n.pool_consumer(p)) for p in topo.pools] + [(n.batch_stream, n.trainer_consumer(p)) for p in topo.policies]
+        needed += [(n.task_stream, n.pool_consumer(p)) for p in topo.pools] + [
+            (n.batch_stream, n.trainer_consumer(p)) for p in topo.policies
+        ]
         needed += [(object_stream(n.traj_object_bucket), None)]
         while True:
             missing = []

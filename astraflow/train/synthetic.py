@@ -52,13 +52,22 @@ def sample_batches(
             for i in range(group_size):
                 n = int(rng.integers(1, max_new_tokens + 1))  # ragged lengths, as with EOS
                 blp = lp[i, :n].numpy() + rng.normal(0.0, logprob_noise, n) * (logprob_noise > 0)
-                trajs.append(Trajectory(
-                    traj_id=f"{prefix}{b}-g{g}.{policy}.{i}", task_id=f"{prefix}{b}-g{g}", prompt_id=f"p{g}", policy=policy, index=i,
-                    group_size=group_size, prompt_ids=np.asarray(p_ids, "<i4").tobytes(), completion_ids=comp[i, :n].numpy().astype("<i4").tobytes(),
-                    logprobs=blp.astype("<f4").tobytes(), versions=np.full(n, version, "<i4").tobytes(),
-                    loss_mask=np.ones(n, "<u1").tobytes(),
-                    reward=float(rng.integers(0, 2)),
-                ))
+                trajs.append(
+                    Trajectory(
+                        traj_id=f"{prefix}{b}-g{g}.{policy}.{i}",
+                        task_id=f"{prefix}{b}-g{g}",
+                        prompt_id=f"p{g}",
+                        policy=policy,
+                        index=i,
+                        group_size=group_size,
+                        prompt_ids=np.asarray(p_ids, "<i4").tobytes(),
+                        completion_ids=comp[i, :n].numpy().astype("<i4").tobytes(),
+                        logprobs=blp.astype("<f4").tobytes(),
+                        versions=np.full(n, version, "<i4").tobytes(),
+                        loss_mask=np.ones(n, "<u1").tobytes(),
+                        reward=float(rng.integers(0, 2)),
+                    )
+                )
         adv = rng.standard_normal(len(trajs)).astype("<f4").tobytes()
         refs = [TrajRef(seq=k + 1, traj_id=t.traj_id, task_id=t.task_id) for k, t in enumerate(trajs)]
         manifest = Batch(batch_id=f"{policy}-{prefix}{b:06d}", policy=policy, refs=refs, advantages=adv,

@@ -267,17 +267,27 @@ class WeightSync:
                 history = history if history is not None else await self._history()
                 chain = self._plan(target, history, from_state=True)
             if chain is None:
-                raise WeightSyncError(f"chain of v{target.version} is incomplete in {self.ann_stream} (keyframe v{target.keyframe_version} gone?)")
+                raise WeightSyncError(
+                    f"chain of v{target.version} is incomplete in {self.ann_stream} (keyframe v{target.keyframe_version} gone?)"
+                )
             if not holding:
                 self.stats["joins"] += 1  # a late joiner: the keyframe and the deltas after it
             elif chain and chain[0].encoding == "keyframe" and chain[0].version <= self.image_version < target.version:
                 self.stats["fallbacks"] += 1  # our state is not a base of the target: rebuild
-                log.warning("weights %s: v%d is not a base of v%d; rebuilding from keyframe v%d", self.policy, self.image_version, target.version, chain[0].version)
+                log.warning(
+                    "weights %s: v%d is not a base of v%d; rebuilding from keyframe v%d",
+                    self.policy,
+                    self.image_version,
+                    target.version,
+                    chain[0].version,
+                )
             await self._apply_chain(chain)
             return True
         except Exception as first:
             self.stats["fallbacks"] += 1
-            log.warning("weights %s v%d: %s: %s; rebuilding from the keyframe chain", self.policy, target.version, type(first).__name__, first)
+            log.warning(
+                "weights %s v%d: %s: %s; rebuilding from the keyframe chain", self.policy, target.version, type(first).__name__, first
+            )
         try:
             chain = self._plan(target, await self._history(), from_state=False)
             if chain is None:
@@ -289,7 +299,9 @@ class WeightSync:
                 log.exception("weights %s: unexpected error reaching v%d", self.policy, target.version)
             self.stats["failures"] += 1
             self.last_error = f"v{target.version}: {second}"
-            log.error("weights %s: cannot reach v%d (%s); keeping v%d, asking for a keyframe", self.policy, target.version, second, self.version)
+            log.error(
+                "weights %s: cannot reach v%d (%s); keeping v%d, asking for a keyframe", self.policy, target.version, second, self.version
+            )
             if ask and self.request_keyframes:
                 await self.request_keyframe(f"{self.plane.worker_id} cannot reach v{target.version}: {second}")
             return False

@@ -115,7 +115,9 @@ class SolverVerifier(_TwoPolicy):
     def prompt(task: Task, answer: str) -> str:
         return f"{task.prompt}{answer.strip()}\nCorrect? "
 
-    def judge(self, tasks: list[Task], texts: list[list[str]], hv: PolicyHandle, verifier: str) -> tuple[list[list[list[int]]], list[Completion]]:
+    def judge(
+        self, tasks: list[Task], texts: list[list[str]], hv: PolicyHandle, verifier: str
+    ) -> tuple[list[list[list[int]]], list[Completion]]:
         """The verifier's prompt for every answer (per task) and its completions, in order."""
         vprompts = [[hv.encode(self.prompt(t, x)) for x in xs] for t, xs in zip(tasks, texts)]
         vreqs = [GenerationRequest(p, hv.params) for ps in vprompts for p in ps]
@@ -166,7 +168,9 @@ class SolverSelector(_TwoPolicy):
         listed = "\n".join(f"{n + 1}: {a.strip()}" for n, a in enumerate(answers))
         return f"{task.prompt}\n{listed}\nBest: "
 
-    def run_pair(self, tasks: list[Task], hs: PolicyHandle, solver: str, hsel: PolicyHandle, selector: str, node_id: str) -> list[Trajectory]:
+    def run_pair(
+        self, tasks: list[Task], hs: PolicyHandle, solver: str, hsel: PolicyHandle, selector: str, node_id: str
+    ) -> list[Trajectory]:
         comps, texts = self.solve(tasks, hs, solver, node_id)
         rewards = [[self.reward(x, t.meta) for x in xs] for t, xs in zip(tasks, texts)]
         out = self.solver_trajectories(tasks, hs, solver, comps, rewards, node_id)
@@ -197,7 +201,9 @@ class SolverTestgen(_TwoPolicy):
         return [line.strip() for line in extract_code(text).splitlines() if line.strip().startswith("assert ")]
 
     @staticmethod
-    def judge_tests(run: Run, task: Task, tests: list[str], texts: list[str], hidden: list[tuple[bool, ...]]) -> tuple[bool, float, list[bool]]:
+    def judge_tests(
+        run: Run, task: Task, tests: list[str], texts: list[str], hidden: list[tuple[bool, ...]]
+    ) -> tuple[bool, float, list[bool]]:
         """(valid, reward, which answers pass) of one generated test set: invalid unless every test passes the
         reference (reward 0); else the reward is the fraction of answers the tests judge as the hidden tests do."""
         if not (tests and all(run(task.meta["reference"], tuple(tests)))):
