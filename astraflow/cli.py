@@ -63,7 +63,8 @@ def up(
     credentials: Path | None = typer.Option(None, help="With --nats: a directory of role credential files for that server."),
 ) -> None:
     """Start the embedded server (or use --nats) and every role as a supervised process; watch; summarise."""
-    from astraflow.launch import RunFailed, new_run_dir, up as run_up
+    from astraflow.launch import RunFailed, new_run_dir
+    from astraflow.launch import up as run_up
     from astraflow.runtime import setup_logging
 
     setup_logging("WARNING")

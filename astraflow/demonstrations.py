@@ -17,9 +17,9 @@ scored the episode (for reading: a warm start imitates the noisy episodes too).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 

@@ -8,8 +8,8 @@ import logging
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane

@@ -13,6 +13,7 @@ total stall is its wall time minus the clean run's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -25,7 +26,6 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-import itertools
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1")

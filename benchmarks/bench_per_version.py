@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -30,7 +31,6 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-import itertools
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = {"hidden_size": 128, "intermediate_size": 512, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}

@@ -16,8 +16,8 @@ import tempfile
 import time
 import uuid
 
-import numpy as np
 import nats
+import numpy as np
 from nats.js import api
 from rich.console import Console
 from rich.table import Table

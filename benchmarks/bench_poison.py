@@ -34,12 +34,22 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from astraflow.config import load_recipe  # noqa: E402
-from astraflow.streams.messages import Rejected  # noqa: E402
 from poison_run import (  # noqa: E402
-    Campaign, admin_attack, connect, finite_summary, rollout_attack, secured_server, stale_rejection, start_up, until, verdict, versions,
+    Campaign,
+    admin_attack,
+    connect,
+    finite_summary,
+    rollout_attack,
+    secured_server,
+    stale_rejection,
+    start_up,
+    until,
+    verdict,
+    versions,
 )
 
+from astraflow.config import load_recipe  # noqa: E402
+from astraflow.streams.messages import Rejected  # noqa: E402
 
 CAUGHT_BY = {  # kind -> whose check catches it, and how it shows
     "trajectory": "dataflow: dlq.traj, fate invalid:R (outside the wire's range: the codec, fate invalid:schema)",

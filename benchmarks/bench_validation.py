@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from bench_plane import plane_throughput, trajectory_for
 from rich.console import Console
 from rich.table import Table
 
@@ -44,7 +45,6 @@ from astraflow.dataflow.validate import Limits, PolicyLimits, check_trajectory, 
 from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.messages import Batch, Task, Trajectory, TrajRef
 from astraflow.streams.server import EmbeddedServer
-from bench_plane import plane_throughput, trajectory_for
 
 GROUP = 8
 

@@ -38,8 +38,8 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch

@@ -7,8 +7,8 @@ the whole batch. Both have option models of their own, checked when the recipe l
 
 from __future__ import annotations
 
-from typing import Any, Literal
 from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from pydantic import Field

@@ -14,8 +14,8 @@ Shared by ``tests/test_poison_fields.py`` (the per-field sweep, service level), 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np

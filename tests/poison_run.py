@@ -37,6 +37,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from poison import (
+    Poison,
+    RunView,
+    draw,
+    foreign_tasks,
+    nth,
+    plan_record,
+    poisoned_announcements,
+    poisoned_batches,
+    poisoned_heartbeats,
+    poisoned_keyframe_requests,
+    poisoned_tasks,
+    poisoned_trajectories,
+    publish_copies,
+    published_at,
+)
 
 from astraflow.config import Recipe
 from astraflow.models import encode_prompt, load_tokenizer, model_limits
@@ -49,10 +65,6 @@ from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.state import BatchPlanRecord, DoneRecord, VersionRecord
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.tasks import load_split
-from poison import (
-    Poison, RunView, draw, foreign_tasks, nth, plan_record, poisoned_announcements, poisoned_batches, poisoned_heartbeats,
-    poisoned_keyframe_requests, poisoned_tasks, poisoned_trajectories, publish_copies, published_at,
-)
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUED = re.compile(r"^t\d{8}$")  # the ids the run's dataflow gives its tasks

@@ -7,8 +7,8 @@ trips in test_algorithms_config.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 import random
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given

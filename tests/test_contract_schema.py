@@ -16,7 +16,17 @@ import pytest
 from astraflow import schema
 from astraflow.streams.codec import DecodeError, decode, encode
 from astraflow.streams.messages import (
-    Batch, DataflowStats, EvaluatorStats, Heartbeat, KINDS, ObjectRef, Rejected, RolloutStats, Task, TrainerStats, Trajectory,
+    KINDS,
+    Batch,
+    DataflowStats,
+    EvaluatorStats,
+    Heartbeat,
+    ObjectRef,
+    Rejected,
+    RolloutStats,
+    Task,
+    TrainerStats,
+    Trajectory,
     TrajRef,
     WeightVersion,
 )

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +20,15 @@ from astraflow.dataflow.autoscale import Meter
 from astraflow.dataflow.service import Dataflow
 from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.messages import (
-    Batch, DataflowStats, Heartbeat, ObjectRef, RolloutStats, Task, TrainerStats, Trajectory, WeightVersion,
+    Batch,
+    DataflowStats,
+    Heartbeat,
+    ObjectRef,
+    RolloutStats,
+    Task,
+    TrainerStats,
+    Trajectory,
+    WeightVersion,
 )
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.state import AutoscaleRecord, FateRecord, VersionRecord

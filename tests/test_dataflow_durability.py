@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import yaml
 
-from astraflow.streams.codec import decode
-from astraflow.streams.messages import Batch, WeightVersion
 from astraflow.config import parse_recipe
+from astraflow.streams.codec import decode
 from astraflow.streams.dataflow_state import Accounting, DataflowState
+from astraflow.streams.messages import Batch, WeightVersion
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import DoneRecord
 

@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from test_dataflow import Harness, recipe
 
 from astraflow.streams.messages import Batch, Rejected, Task, Trajectory
 from astraflow.streams.state import BatchPlanRecord, FateRecord
 from astraflow.streams.trajectories import offload
-from test_dataflow import Harness, recipe
 
 Make = Callable[[Task, str, int, int], Trajectory]  # (task, policy, index, version) -> what the node sends
 

@@ -8,8 +8,8 @@ import pytest
 
 from astraflow.config import parse_recipe
 from astraflow.rollout.evaluator import evaluate, evaluate_with_workflow
-from astraflow.rollout.scores import pass_at_k, sample_metrics
 from astraflow.rollout.node import make_handle
+from astraflow.rollout.scores import pass_at_k, sample_metrics
 from astraflow.tasks import load_split
 
 

@@ -18,12 +18,22 @@ import uuid
 from pathlib import Path
 
 import pytest
+from poison_run import (
+    Campaign,
+    admin_attack,
+    connect,
+    finite_summary,
+    rollout_attack,
+    secured_server,
+    stale_rejection,
+    start_up,
+    until,
+    verdict,
+    versions,
+)
 
 from astraflow.config import load_recipe
 from astraflow.streams.messages import Rejected
-from poison_run import (
-    Campaign, admin_attack, connect, finite_summary, rollout_attack, secured_server, stale_rejection, start_up, until, verdict, versions,
-)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 150

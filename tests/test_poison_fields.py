@@ -12,6 +12,24 @@ import math
 
 import pytest
 import torch
+from poison import (
+    Poison,
+    RunView,
+    draw_each,
+    nth,
+    plan_record,
+    poisoned_announcements,
+    poisoned_batches,
+    poisoned_heartbeats,
+    poisoned_keyframe_requests,
+    poisoned_tasks,
+    poisoned_trajectories,
+    publish_copies,
+    published_at,
+)
+from test_dataflow import Harness, recipe
+from test_dataflow_trust import good
+from weights_helpers import Trainer, engine_digest, node
 
 from astraflow.config import parse_recipe
 from astraflow.dataflow.pool import PoolAdvisor
@@ -36,13 +54,6 @@ from astraflow.train.backend import build_backend
 from astraflow.train.synthetic import sample_batches
 from astraflow.train.vetting import check_batch, check_manifest, check_plan
 from astraflow.weights.publish import WeightPublisher
-from poison import (
-    Poison, RunView, draw_each, nth, plan_record, poisoned_announcements, poisoned_batches, poisoned_heartbeats, poisoned_keyframe_requests,
-    poisoned_tasks, poisoned_trajectories, publish_copies, published_at,
-)
-from test_dataflow import Harness, recipe
-from test_dataflow_trust import good
-from weights_helpers import Trainer, engine_digest, node
 
 PER_FIELD = 3  # examples per field: bounded and seeded (the campaign in benchmarks/bench_poison.py draws more)
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 from nats.js.errors import NotFoundError
+from weights_helpers import WIDE, Trainer, engine_digest, node
 
 from astraflow.streams.objects import chunk_subject, count_chunks, ensure_region_mirrors, object_stream
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import EmbeddedServer, nats_server_binary, start_region_pair
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.publish import WeightPublisher, request_keyframe
-from weights_helpers import WIDE, Trainer, engine_digest, node
 
 CONF = Path(__file__).resolve().parent.parent / "jetstream"
 

@@ -7,6 +7,16 @@ import signal
 
 import pytest
 import torch
+from test_train_support import (
+    Announcements,
+    VersionHolder,
+    check_record,
+    make_batches,
+    publish_batches,
+    spawn_trainer,
+    wait_exit,
+    write_recipe,
+)
 
 from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.plane import NatsOptions, Plane
@@ -15,8 +25,6 @@ from astraflow.train.threads import threads_for
 from astraflow.train.torch_backend import TorchBackend
 from astraflow.weights.delta import state_digest
 from astraflow.weights.sync import WeightSync
-from test_train_support import (Announcements, VersionHolder, check_record, make_batches, publish_batches, spawn_trainer,
-                                wait_exit, write_recipe)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # real trainer processes
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from test_train_support import Announcements, spawn_trainer, wait_exit
 
 from astraflow.config import Recipe, load_recipe
 from astraflow.dataflow.service import Dataflow
@@ -37,7 +38,6 @@ from astraflow.streams.messages import Batch, Task, Trajectory
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.state import FateRecord
-from test_train_support import Announcements, spawn_trainer, wait_exit
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 UNIFORM = -math.log(256)  # the behaviour logprob of a token drawn uniformly from the 256 byte ids

@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from poison import RunView, draw_each, poisoned_tasks
 
 from astraflow.config import load_recipe, parse_recipe
 from astraflow.models import encode_prompt, load_tokenizer
@@ -15,7 +16,6 @@ from astraflow.rollout.rewards import META_CHECKS, REWARDS, meta_problem
 from astraflow.rollout.task_checks import MAX_DEADLINE_S, TaskRules, check_content, check_prompt, check_task, check_versions
 from astraflow.streams.messages import Task
 from astraflow.tasks import load_split
-from poison import RunView, draw_each, poisoned_tasks
 
 TOK = load_tokenizer("byt5")
 RECIPE = parse_recipe({"name": "c", "rollout": {"max_new_tokens": 4}, "dataflow": {"group_size": 4, "max_staleness": 2}})

@@ -9,12 +9,12 @@ import signal
 import urllib.request
 
 import pytest
+from test_train_support import Announcements, make_batches, publish_batches, spawn_trainer, wait_exit, write_recipe
 
 from astraflow.streams.messages import Heartbeat, TrainerStats
 from astraflow.streams.plane import NatsOptions, Plane
-from astraflow.streams.state import DoneRecord
 from astraflow.streams.server import free_port
-from test_train_support import Announcements, make_batches, publish_batches, spawn_trainer, wait_exit, write_recipe
+from astraflow.streams.state import DoneRecord
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]  # real trainer processes
 

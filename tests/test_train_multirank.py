@@ -31,13 +31,14 @@ import torch
 
 pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'astraflow[deepspeed]')")
 
+from test_train_support import Announcements, check_record, make_batches, publish_batches, wait_exit, write_recipe
+
 from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.messages import Batch
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import DoneRecord
 from astraflow.train.peers import PEER_LOST_EXIT
 from astraflow.train.torch_backend import TorchBackend
-from test_train_support import Announcements, check_record, make_batches, publish_batches, wait_exit, write_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # two groups of real trainer processes
 STEPS = 6

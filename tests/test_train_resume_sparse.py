@@ -6,11 +6,19 @@ from __future__ import annotations
 import signal
 
 import pytest
+from test_train_support import (
+    Announcements,
+    VersionHolder,
+    check_record,
+    make_batches,
+    publish_batches,
+    spawn_trainer,
+    wait_exit,
+    write_recipe,
+)
 
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.weights.sync import WeightSync
-from test_train_support import (Announcements, VersionHolder, check_record, make_batches, publish_batches, spawn_trainer,
-                                wait_exit, write_recipe)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]  # real trainer processes
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import nats
 import numpy as np
 import pytest
+from test_train_support import Announcements, VersionHolder, on_stream, plan_of, publish_batches, spawn_trainer, wait_exit, write_recipe
 
 from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.messages import Rejected, reason_code
@@ -18,8 +19,6 @@ from astraflow.streams.trajectories import TrainingBatch
 from astraflow.tasks import load_split
 from astraflow.train.synthetic import sample_batches
 from astraflow.weights.sync import WeightSync
-from test_train_support import (Announcements, VersionHolder, on_stream, plan_of, publish_batches, spawn_trainer, wait_exit,
-                                write_recipe)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,7 +16,14 @@ from astraflow.streams.direct import MissingMessages, read_seqs, runs
 from astraflow.streams.messages import PER_TOKEN, Batch, ObjectRef, Trajectory, TrajRef
 from astraflow.streams.plane import Plane, Topology
 from astraflow.streams.trajectories import (
-    MAX_ARRAYS, PayloadUnavailable, fetch_trajectories, pack_arrays, publish_trajectories, resolve, resolve_all, unpack_arrays,
+    MAX_ARRAYS,
+    PayloadUnavailable,
+    fetch_trajectories,
+    pack_arrays,
+    publish_trajectories,
+    resolve,
+    resolve_all,
+    unpack_arrays,
 )
 
 

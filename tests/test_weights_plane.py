@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import os
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from weights_helpers import Trainer, engine_digest, node, tiny_model
 
 from astraflow.rollout.engines.hf import HFEngine
 from astraflow.streams.messages import ObjectRef, WeightVersion
@@ -24,9 +26,6 @@ from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.publish import WeightPublisher, request_keyframe
 from astraflow.weights.retention import chain_of, key_of, plan_retention
 from astraflow.weights.sync import WeightSync, WeightSyncError
-
-from weights_helpers import Trainer, engine_digest, node, tiny_model
-import itertools
 
 
 async def publish_steps(pub: WeightPublisher, trainer: Trainer, versions: range) -> list[WeightVersion]:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from test_weights_plane import rewrite_chunks
+from weights_helpers import WIDE, Trainer, engine_digest, node, tiny_model
 
 from astraflow.streams.objects import get_object, iter_object, object_stream, put_object
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import KeyframeRequest
 from astraflow.weights.publish import WeightPublisher
-from test_weights_plane import rewrite_chunks
-from weights_helpers import WIDE, Trainer, engine_digest, node, tiny_model
 
 CHUNK = 100_000
 

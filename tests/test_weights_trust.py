@@ -7,13 +7,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from weights_helpers import Trainer, engine_digest, node
 
 from astraflow.streams.codec import decode
 from astraflow.streams.messages import Rejected, WeightVersion
 from astraflow.streams.plane import Plane, PublishConflict
 from astraflow.weights.publish import NonFiniteWeights, WeightPublisher
-
-from weights_helpers import Trainer, engine_digest, node
 
 
 async def test_non_finite_weights_are_never_published(plane: Plane):

@@ -19,8 +19,8 @@ from astraflow.rollout.engines.base import SamplingParams
 from astraflow.rollout.engines.testing import ScriptEngine
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows.base import PolicyHandle
-from astraflow.rollout.workflows.registry import evaluation_of, get_workflow
 from astraflow.rollout.workflows.multi_policy import parse_choice, parse_verdict
+from astraflow.rollout.workflows.registry import evaluation_of, get_workflow
 from astraflow.streams.messages import Task
 from astraflow.tasks import Problem
 

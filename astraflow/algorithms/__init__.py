@@ -76,7 +76,7 @@ def build(cfg: AlgoConfig, registry: Mapping[str, type[P]]) -> P:
     """One plug-in from its config; a config with a ``base`` (replay, mix) gets it built first."""
     if isinstance(cfg, PluginConfig):
         return cast(P, cfg.build())  # the config checked the class against its hook kind
-    factory: Callable[..., P] = registry[cfg.type]
+    factory: Callable[..., P] = registry[getattr(cfg, "type")]  # noqa: B009 (every member of the union but PluginConfig has one)
     base = getattr(cfg, "base", None)
     return factory(cfg) if base is None else factory(cfg, build(base, registry))
 

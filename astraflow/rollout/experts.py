@@ -20,8 +20,8 @@ whether it plays carefully (the skill) or carelessly (a habit RL has to unlearn)
 from __future__ import annotations
 
 import random
-from typing import Any
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from astraflow.config import Recipe
 from astraflow.demonstrations import Demonstration

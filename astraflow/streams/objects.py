@@ -32,9 +32,9 @@ import inspect
 import json
 import time
 import uuid
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from collections.abc import AsyncGenerator, Awaitable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from nats.errors import TimeoutError as NatsTimeout

@@ -23,15 +23,24 @@ from urllib.parse import urlsplit
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext, JetStreamManager, api
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 from pydantic import BaseModel, ConfigDict
 
 from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
 from astraflow.streams.consuming import (
-    Check, Consumer, ConsumerSettings, Delivery, Follower, Lag, OnBad, Subscription, log_bad, read_history,
+    Check,
+    Consumer,
+    ConsumerSettings,
+    Delivery,
+    Follower,
+    Lag,
+    OnBad,
+    Subscription,
+    log_bad,
+    read_history,
 )
 from astraflow.streams.credentials import Credential, redact
 from astraflow.streams.direct import read_seqs

@@ -8,9 +8,9 @@ saves / loads checkpoints through it.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-from collections.abc import Mapping
 
 if TYPE_CHECKING:
     import torch

@@ -22,10 +22,10 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -21,16 +21,16 @@ import logging
 import math
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
-from safetensors.torch import save_file
 
 from astraflow.config import TrainerConfig
 from astraflow.train.batching import Tensors

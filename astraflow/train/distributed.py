@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

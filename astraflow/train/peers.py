@@ -25,9 +25,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
-from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
 PEER_LOST_EXIT = 75  # EX_TEMPFAIL: restart me (and my group) from the checkpoint

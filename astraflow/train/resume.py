@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 

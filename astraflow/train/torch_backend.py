@@ -13,9 +13,9 @@ import contextlib
 import copy
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
 
 import torch
 from safetensors.torch import load_model, save_model

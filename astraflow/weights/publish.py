@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Mapping
 from typing import Literal
-from collections.abc import Mapping
 
 import torch
 

@@ -44,11 +44,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import aclosing
 from functools import partial
 from typing import Any, Protocol, cast
-from collections.abc import Mapping
 
 import torch
 

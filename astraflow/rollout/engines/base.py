@@ -9,9 +9,9 @@ for a token is the version whose weights produced it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-from collections.abc import Mapping
 
 if TYPE_CHECKING:
     import torch

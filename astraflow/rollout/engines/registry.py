@@ -17,8 +17,8 @@ checked at load like a built-in's:
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from astraflow.registry import ENGINE_OPTIONS, Options, type_name
 from astraflow.rollout.engines.base import Engine

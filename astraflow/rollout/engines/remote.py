@@ -24,10 +24,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from collections.abc import Iterator, Mapping
 
 if TYPE_CHECKING:
     import torch

@@ -26,10 +26,10 @@ import os
 import random
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping
 
 from astraflow.rollout.engines.base import Completion, GenerationRequest
 from astraflow.rollout.engines.options import HfOptions, ScriptedOptions

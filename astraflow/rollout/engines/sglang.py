@@ -23,8 +23,8 @@ SGLang's documented native HTTP API and tested against a fake server that speaks
 from __future__ import annotations
 
 import sys
-from typing import Any
 from collections.abc import Mapping
+from typing import Any
 
 from astraflow.rollout.engines.base import Completion, SamplingParams
 from astraflow.rollout.engines.options import SglangOptions

@@ -10,8 +10,8 @@ current version, which ``load_state`` sets (the state itself is ignored).
 from __future__ import annotations
 
 import threading
-from typing import Any
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from astraflow.models import encode_prompt
 from astraflow.rollout.engines.base import Completion, GenerationRequest

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 from collections.abc import Mapping
+from typing import Any
 
 from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from astraflow.rollout.engines.options import VllmOptions

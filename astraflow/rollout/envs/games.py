@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Protocol
 from collections.abc import Callable
+from typing import Protocol
 
 from astraflow.rollout.envs.terminal import Terminal
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math as _math
 import re
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
-from collections.abc import Callable
 
 Reward = Callable[[str, dict[str, Any]], float]
 MetaCheck = Callable[[dict[str, Any]], str | None]  # why ``meta`` cannot be scored, or None

@@ -24,9 +24,9 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
-from collections.abc import Callable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 

@@ -17,9 +17,9 @@ oldest version that generated any of its tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
-from collections.abc import Callable, Mapping
 
 import numpy as np
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import urllib.request
 import zlib
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
-from collections.abc import Mapping
 
 from astraflow.rollout.engines.base import GenerationRequest
 from astraflow.rollout.rewards import Reward

@@ -23,10 +23,10 @@ the number of trajectories of that policy for that task.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import lru_cache
 from typing import Any
-from collections.abc import Callable, Mapping
 
 from astraflow.rollout.engines.base import Completion, GenerationRequest
 from astraflow.rollout.rewards import Reward, extract_code

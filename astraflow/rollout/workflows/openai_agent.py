@@ -22,10 +22,10 @@ lost or dead-lettered task.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from importlib import import_module
 from typing import Any
-from collections.abc import Callable, Mapping
 
 from astraflow.rollout.rewards import Reward
 from astraflow.rollout.workflows.agent_sessions import NodeServices, Outcome, TaskSessions, sample_trajectory

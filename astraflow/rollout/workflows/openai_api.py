@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
-from collections.abc import Iterator
 
 Kind = Literal["chat", "completion"]
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -22,17 +22,29 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from http.server import ThreadingHTTPServer
 from typing import Any, Protocol
-from collections.abc import Mapping
 
 from astraflow.rollout.engines.base import Completion, GenerationRequest, StaleWeights
 from astraflow.rollout.http_json import JsonHandler
 from astraflow.rollout.workflows.base import PolicyHandle
 from astraflow.rollout.workflows.openai_api import (
-    ApiCall, ApiError, BadRequest, Choice, Kind, NotFound, Unauthorized, Unavailable, chunks, parse_call, response, trim_stop, usage,
+    ApiCall,
+    ApiError,
+    BadRequest,
+    Choice,
+    Kind,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+    chunks,
+    parse_call,
+    response,
+    trim_stop,
+    usage,
 )
 from astraflow.streams.credentials import is_loopback
 

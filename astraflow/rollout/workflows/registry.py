@@ -21,9 +21,8 @@ before the recipe is validated, so its options are checked at load:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, get_args
-from collections.abc import Callable
 
 from astraflow.registry import WORKFLOW_OPTIONS, Options, type_name
 from astraflow.rollout.rewards import Reward
@@ -75,13 +74,13 @@ def get_workflow(options: Options | str | Mapping[str, Any], reward: Reward) -> 
 
 def evaluation_of(name: str) -> Evaluation:
     """How the evaluator scores the workflow ``name`` (its class says)."""
-    evaluation: Evaluation = workflow_class(name).evaluation
+    evaluation: Evaluation = getattr(workflow_class(name), "evaluation")  # noqa: B009 (a class attribute of Workflow classes)
     return evaluation
 
 
 def check_policies(name: str, policies: tuple[str, ...]) -> None:
     """A recipe's policies fill the workflow's roles one for one; anything else would leave a trainer without data."""
-    roles = workflow_class(name).policies
+    roles = getattr(workflow_class(name), "policies")  # noqa: B009
     if len(policies) != len(roles):
         raise ValueError(f"workflow {name!r} calls {len(roles)} {'policy' if len(roles) == 1 else 'policies'} "
                          f"({', '.join(roles)}); the recipe has {len(policies)}: {', '.join(policies)}")

@@ -20,9 +20,9 @@ import ast
 import json
 import operator
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
-from collections.abc import Callable, Mapping
 
 from astraflow.rollout.engines.base import GenerationRequest
 from astraflow.rollout.rewards import Reward

@@ -18,8 +18,8 @@ module in ``trainer.plugins``, imported before the recipe is validated:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, TypeVar
 from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
