@@ -46,7 +46,7 @@ from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.messages import Heartbeat, TrainerStats, WeightVersion
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
-from astraflow.streams.state import DoneRecord, EvalRecord
+from astraflow.streams.state import DoneRecord, EvalRecord, StateReadError
 
 NODES, CONCURRENCY, GROUP, GROUPS_PER_BATCH, TASKS_PER_PULL = 4, 8, 8, 8, 8
 EVAL_EVERY = 5
@@ -159,12 +159,15 @@ async def run_mode(url: str, mode: str, steps: int, workdir: Path, timeout: floa
         while True:
             roles.check()
             await asyncio.sleep(1.0)
-            done = [(d.version if (d := await plane.state.get(DoneRecord, p)) else -1) for p in POLICIES]
-            evaluated = await plane.state.get(EvalRecord, "solver", steps)
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"{mode}: not done after {timeout:.0f}s")
+            try:
+                done = [(d.version if (d := await plane.state.get(DoneRecord, p)) else -1) for p in POLICIES]
+                evaluated = await plane.state.get(EvalRecord, "solver", steps)
+            except StateReadError:  # the run's state bucket is not made yet (the roles are still starting)
+                continue
             if min(done) >= steps and evaluated is not None:
                 break
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"{mode}: not done after {timeout:.0f}s (done {done})")
         await asyncio.sleep(2.5)  # one more heartbeat from each trainer, past its last version
         figures = {p: step_figures(await announcements(plane, p, steps + 1), waits[p]) for p in POLICIES}
         state = await plane.state.get(DataflowState) or DataflowState()
