@@ -313,7 +313,10 @@ class RolloutNode:
     async def _admit_while_running(self, tasks: Consumer[Task], slots: Slots, stop: asyncio.Event, max_deliver: int) -> None:
         """Per-slot admission: pull as many tasks as there are free slots, whenever a slot frees, until told to stop.
 
-        A slow task holds its own slot only; the others keep finishing and being replaced (``slots.py``)."""
+        A slow task holds its own slot only; the others keep finishing and being replaced (``slots.py``). Slots are
+        concurrent workflow calls rather than sequences admitted into a running engine batch: any workflow (multi-turn,
+        tools, two policies) gets them unchanged, server engines batch concurrent requests at decode steps themselves,
+        and ``hf``, which on CPU cannot overlap two calls anyway, folds the calls waiting for it into its next batch."""
         try:
             await self._admit(tasks, slots, stop, max_deliver)
         finally:
