@@ -208,6 +208,7 @@ async def main(steps: int, timeout: float, modes: list[str], keep: Path | None, 
             if len(pair) == 2:  # async over sync: sync's seconds per step over async's
                 pair[0]["speedup"] = round(pair[1]["solver_s_per_step"] / pair[0]["solver_s_per_step"], 2)
             rows += pair
+            print(json.dumps({"repeat": k + 1, "rows": pair}), file=sys.stderr, flush=True)  # kept if a later repeat fails
     console = Console(width=170)
     console.print(table(rows, steps))
     for r in rows:
