@@ -122,7 +122,9 @@ class RolloutConfig(Strict):
     """Rollout workers `astraflow up` starts in the default pool."""
     pool: str = "raas"
     tasks_per_generate: int = Field(4, gt=0)
-    """Tasks a node pulls and generates together (one batched generate call)."""
+    """A node's generation slots: the tasks it works on at once. It admits a task whenever one finishes (each
+    task its own workflow call), so a slow task holds one slot, not the node; the engine batches the slots'
+    requests together (``hf``: calls waiting while a batch runs share the next one)."""
     max_new_tokens: int = Field(8, gt=0)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)

@@ -7,8 +7,8 @@ The workload (pinned; the same nodes and trainers in both modes, only ``dataflow
   tiny Qwen2 of the CPU recipe) and gets groups of 8 in batches of 8 groups;
 - 4 rollout nodes (``astraflow worker rollout``) with the ``scripted`` engine: real tokens from
   the policy's tiny model, then a per-request latency drawn from a lognormal with median
-  0.5 s and sigma 1.0 (a long tail: p99 ≈ 5 s), 8 requests in flight per node; each node pulls
-  up to 8 tasks at a time (``rollout.tasks_per_generate``);
+  0.5 s and sigma 1.0 (a long tail: p99 ≈ 5 s), 8 requests in flight per node; each node works
+  on up to 8 tasks at once (``rollout.tasks_per_generate`` generation slots), admitting one whenever one finishes;
 - a real nats-server, the real dataflow, an evaluator (greedy held-out accuracy of the solver
   at v0 and at the last version, on its own ``hf`` engine so it adds no scripted latency).
 
@@ -19,7 +19,8 @@ and trained before the next is released (tasks demand the current version: on-po
 Figures, per mode, over versions 1 → N of each policy (the same number of samples trained):
 wall time per training step, trainer idle fraction (the trainer's own measured batch wait
 over that span), held-out accuracy at v0 and vN, and what the dataflow did (tasks issued,
-groups dropped as stale). Run: ``python benchmarks/bench_async_vs_sync.py [--steps 20]``.
+groups dropped as stale), for each of ``--repeats`` runs of both modes (alternating) and async's
+speed-up per repeat. Run: ``python benchmarks/bench_async_vs_sync.py [--steps 40] [--repeats 3]``.
 Last stdout line: JSON.
 """
 
@@ -45,7 +46,7 @@ from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.messages import Heartbeat, TrainerStats, WeightVersion
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
-from astraflow.streams.state import DoneRecord, EvalRecord
+from astraflow.streams.state import DoneRecord, EvalRecord, StateReadError
 
 NODES, CONCURRENCY, GROUP, GROUPS_PER_BATCH, TASKS_PER_PULL = 4, 8, 8, 8, 8
 EVAL_EVERY = 5
@@ -130,12 +131,13 @@ def step_figures(anns: list[WeightVersion], waits: list[tuple[float, float]]) ->
             "v0_to_vN_s": last.created_at - anns[0].created_at}
 
 
-async def run_mode(url: str, mode: str, steps: int, workdir: Path, timeout: float) -> dict[str, Any]:
-    run = f"bench{mode}{os.getpid() % 10000}"
-    (workdir / mode).mkdir(parents=True)
-    recipe_file = workdir / mode / "recipe.yaml"
+async def run_mode(url: str, mode: str, steps: int, workdir: Path, timeout: float, repeat: int = 0) -> dict[str, Any]:
+    run = f"bench{mode}{repeat}x{os.getpid() % 10000}"
+    folder = workdir / f"{mode}-{repeat}"
+    folder.mkdir(parents=True)
+    recipe_file = folder / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe(mode, steps)))
-    logs = workdir / mode / "logs"
+    logs = folder / "logs"
     logs.mkdir()
     roles = Roles(url, run, recipe_file, logs)
     plane = await Plane.connect(NatsOptions(url=url), run, "bench")
@@ -157,12 +159,15 @@ async def run_mode(url: str, mode: str, steps: int, workdir: Path, timeout: floa
         while True:
             roles.check()
             await asyncio.sleep(1.0)
-            done = [(d.version if (d := await plane.state.get(DoneRecord, p)) else -1) for p in POLICIES]
-            evaluated = await plane.state.get(EvalRecord, "solver", steps)
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"{mode}: not done after {timeout:.0f}s")
+            try:
+                done = [(d.version if (d := await plane.state.get(DoneRecord, p)) else -1) for p in POLICIES]
+                evaluated = await plane.state.get(EvalRecord, "solver", steps)
+            except StateReadError:  # the run's state bucket is not made yet (the roles are still starting)
+                continue
             if min(done) >= steps and evaluated is not None:
                 break
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"{mode}: not done after {timeout:.0f}s (done {done})")
         await asyncio.sleep(2.5)  # one more heartbeat from each trainer, past its last version
         figures = {p: step_figures(await announcements(plane, p, steps + 1), waits[p]) for p in POLICIES}
         state = await plane.state.get(DataflowState) or DataflowState()
@@ -179,30 +184,40 @@ async def run_mode(url: str, mode: str, steps: int, workdir: Path, timeout: floa
             "dropped_stale": acc["solver"].fates.get("dropped:stale", 0) if "solver" in acc else 0, "wall_s": round(time.monotonic() - t0, 1)}
 
 
-async def main(steps: int, timeout: float, modes: list[str], keep: Path | None) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as d, EmbeddedServer(keep or Path(d)) as server:
-        rows = [await run_mode(server.url, mode, steps, keep or Path(d), timeout) for mode in modes]
-    if len(rows) == 1:
-        return rows[0]
-    a, s = rows
-    speedup = s["solver_s_per_step"] / a["solver_s_per_step"]
+def table(rows: list[dict[str, Any]], steps: int) -> Table:
     t = Table(title=f"async vs sync · solver+verifier, {NODES} nodes x {CONCURRENCY} concurrent, lognormal(median 0.5 s, sigma 1.0), "
                     f"groups of {GROUP}, {GROUPS_PER_BATCH} groups/batch/policy, {steps} steps")
-    for c in ("mode", "s/step solver", "s/step verifier", "trainer idle solver", "trainer idle verifier", "held-out v0 → vN",
-              "lag mean/max", "tasks issued", "dropped stale"):
+    for c in ("repeat", "mode", "s/step solver", "s/step verifier", "trainer idle solver", "trainer idle verifier", "held-out v0 → vN",
+              "lag mean/max", "tasks issued", "dropped stale", "speed-up"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["mode"], f"{r['solver_s_per_step']:.2f}", f"{r['verifier_s_per_step']:.2f}", f"{r['solver_idle_frac']:.0%}",
-                  f"{r['verifier_idle_frac']:.0%}", f"{r['held_out_v0']:.2f} → {r['held_out_final']:.2f}",
-                  f"{r['lag_mean']:.1f}/{r['lag_max']}", str(r["tasks_issued"]), str(r["dropped_stale"]))
-    t.caption = f"async is {speedup:.2f}x faster per training step at equal samples trained"
-    console = Console(width=150)
-    console.print(t)
+        t.add_row(str(r["repeat"]), r["mode"], f"{r['solver_s_per_step']:.2f}", f"{r['verifier_s_per_step']:.2f}",
+                  f"{r['solver_idle_frac']:.0%}", f"{r['verifier_idle_frac']:.0%}", f"{r['held_out_v0']:.2f} → {r['held_out_final']:.2f}",
+                  f"{r['lag_mean']:.1f}/{r['lag_max']}", str(r["tasks_issued"]), str(r["dropped_stale"]),
+                  f"{r['speedup']:.2f}x" if "speedup" in r else "")
+    return t
+
+
+async def main(steps: int, timeout: float, modes: list[str], keep: Path | None, repeats: int) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as d, EmbeddedServer(keep or Path(d)) as server:
+        for k in range(repeats):  # the modes alternate, so drifting machine load falls on both
+            pair = [await run_mode(server.url, mode, steps, keep or Path(d), timeout, k) for mode in modes]
+            for r in pair:
+                r["repeat"] = k + 1
+            if len(pair) == 2:  # async over sync: sync's seconds per step over async's
+                pair[0]["speedup"] = round(pair[1]["solver_s_per_step"] / pair[0]["solver_s_per_step"], 2)
+            rows += pair
+            print(json.dumps({"repeat": k + 1, "rows": pair}), file=sys.stderr, flush=True)  # kept if a later repeat fails
+    console = Console(width=170)
+    console.print(table(rows, steps))
     for r in rows:
-        console.print(f"{r['mode']:>5} held-out accuracy (solver) by version: " + " ".join(f"v{v} {a:.2f}" for v, a in r["held_out"].items()))
-    return {"steps": steps, "speedup_per_step": round(speedup, 2), "async": a, "sync": s,
+        console.print(f"#{r['repeat']} {r['mode']:>5} held-out accuracy (solver) by version: "
+                      + " ".join(f"v{v} {a:.2f}" for v, a in r["held_out"].items()))
+    speedups = [r["speedup"] for r in rows if "speedup" in r]
+    return {"steps": steps, "repeats": repeats, "speedups_per_step": speedups, "rows": rows,
             "workload": {"nodes": NODES, "concurrency": CONCURRENCY, "latency": "lognormal", "median_s": 0.5, "sigma": 1.0,
-                         "group_size": GROUP, "groups_per_batch": GROUPS_PER_BATCH, "tasks_per_pull": TASKS_PER_PULL}}
+                         "group_size": GROUP, "groups_per_batch": GROUPS_PER_BATCH, "node_slots": TASKS_PER_PULL}}
 
 
 if __name__ == "__main__":
@@ -211,5 +226,6 @@ if __name__ == "__main__":
     ap.add_argument("--timeout", type=float, default=1500.0, help="per mode")
     ap.add_argument("--modes", default="async,sync", help="comma-separated; both for the side-by-side figure")
     ap.add_argument("--keep", type=Path, default=None, help="keep logs and recipes in this folder")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of every mode, each reported (async over sync per repeat)")
     args = ap.parse_args()
-    print(json.dumps(asyncio.run(main(args.steps, args.timeout, args.modes.split(","), args.keep))))
+    print(json.dumps(asyncio.run(main(args.steps, args.timeout, args.modes.split(","), args.keep, args.repeats))))

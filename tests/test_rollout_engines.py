@@ -15,6 +15,7 @@ import json
 import os
 import random
 import threading
+import time
 from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlparse
@@ -165,6 +166,36 @@ def test_hf_engine_versions_logprobs_and_seeds():
     for c in a:
         assert len(c.token_ids) == len(c.logprobs) == len(c.versions) and set(c.versions) == {4}
         assert all(lp <= 0 for lp in c.logprobs)
+
+
+def test_hf_engine_batches_concurrent_calls_together():
+    """Calls from several generation slots that wait while the engine is busy share its next batch, and each gets
+    exactly its own completions (greedy: the same tokens as generating it alone)."""
+    engine = HFEngine(build_model(TINY, TOK), TOK)
+    engine.load_state(tiny_state(), 2)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    prompts = [[[10, 11, 12]], [[13], [14, 15]], [[16, 17]]]
+    alone = [[c.token_ids for c in engine.generate([GenerationRequest(p, greedy) for p in ps])] for ps in prompts]
+    batches: list[int] = []
+    inner = engine._generate
+    engine._generate = lambda reqs: batches.append(len(reqs)) or inner(reqs)  # type: ignore[method-assign]
+    results: dict[int, list[list[int]]] = {}
+
+    def call(k: int) -> None:
+        results[k] = [c.token_ids for c in engine.generate([GenerationRequest(p, greedy) for p in prompts[k]])]
+
+    with engine._lock:  # the engine is busy: all three calls queue for its next batch
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(engine._waiting) < 3:
+            assert time.monotonic() < deadline, "calls did not queue"
+            time.sleep(0.01)
+    for t in threads:
+        t.join(30)
+    assert batches == [4]  # one batch of all four requests
+    assert [results[k] for k in range(3)] == alone
 
 
 def test_sglang_client_generates_and_updates_with_pause(fake_sglang, tmp_path):

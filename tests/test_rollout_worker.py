@@ -61,6 +61,15 @@ async def wait_until(pred, timeout: float = 30.0) -> None:  # noqa: ANN001
         await asyncio.sleep(0.05)
 
 
+async def stream_drops_to(plane: Plane, n: int, timeout: float = 30.0) -> None:
+    """Wait until the task stream holds ``n`` tasks (an ack reaches the WorkQueue stream asynchronously)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (left := await plane.stream_msgs(plane.names.task_stream)) != n:
+        assert loop.time() < deadline, f"the task stream holds {left} tasks, expected {n}"
+        await asyncio.sleep(0.05)
+
+
 def scripted_handles(reply) -> dict[str, PolicyHandle]:  # noqa: ANN001
     return {"solver": PolicyHandle(ScriptEngine(TOK, reply, version=-1), TOK, SamplingParams(max_new_tokens=64), name="solver")}
 
@@ -157,3 +166,50 @@ async def test_stopping_node_finishes_or_naks_what_it_holds(plane: Plane, finish
         lag = await plane.lag(names.task_stream, names.pool_consumer())
         assert lag.pending + lag.ack_pending == 1 and await plane.stream_msgs(names.task_stream) == 1  # back in the pool
         assert await plane.stream_msgs(names.traj_stream) == 0
+
+
+class SlowOne:
+    """A workflow whose task ``slow`` holds its slot until the test opens the gate; every other task is served at once."""
+
+    def __init__(self) -> None:
+        self.slow_entered = threading.Event()
+        self.gate = threading.Event()
+
+    def run(self, tasks: list[Task], policies: Mapping[str, PolicyHandle], node_id: str) -> list[Trajectory]:
+        if any(t.task_id == "slow" for t in tasks):
+            self.slow_entered.set()
+            assert self.gate.wait(60), "the test never opened the gate"
+        return SingleTurn(get_reward("arithmetic")).run(tasks, policies, node_id)
+
+
+async def test_a_free_slot_is_refilled_while_a_slow_task_generates_and_draining_still_finishes_it(plane: Plane):
+    await WeightPublisher(plane, "solver").publish(STATE, 0, force_keyframe=True)
+    wf = SlowOne()
+    node = RolloutNode(recipe(), plane, "n4", handles=scripted_handles(lambda p: "4"), workflow=wf)  # 2 slots
+    names = plane.names
+    stop = asyncio.Event()
+    run = asyncio.create_task(node.run(stop))
+    try:
+        await plane.publish(names.task("single_turn"), task(0, task_id="slow"), "slow")
+        assert await asyncio.to_thread(wf.slow_entered.wait, 30)
+        for i in range(1, 6):  # five tasks through the one free slot while the slow one still generates
+            await plane.publish(names.task("single_turn"), task(i), f"t{i}")
+        got = await trajectories(plane, 10)
+        assert sorted({t.task_id for t in got}) == ["t1", "t2", "t3", "t4", "t5"] and len(got) == 10
+        await wait_until(lambda: node.stats["tasks"] == 5)  # each acked on its own, after its trajectories
+        await stream_drops_to(plane, 1)  # only the slow one is left, held
+        assert not wf.gate.is_set()
+        stop.set()  # SIGTERM while the slow task is held: no new admissions, the slow one gets drain_timeout
+        await wait_until(lambda: node.draining)
+        await plane.publish(names.task("single_turn"), task(6), "t6")
+        wf.gate.set()
+        await asyncio.wait_for(run, 60)
+    finally:
+        wf.gate.set()
+        stop.set()
+    assert node.stats["tasks"] == 6 and node.stats["drained_naks"] <= 1  # t6 never served (at most fetched and given back)
+    late = await trajectories(plane, 2)
+    assert sorted(t.traj_id for t in late) == ["slow.solver.0", "slow.solver.1"]
+    await stream_drops_to(plane, 1)  # slow acked; t6 still in the pool for another node
+    lag = await plane.lag(names.task_stream, names.pool_consumer())
+    assert lag.pending + lag.ack_pending == 1

@@ -9,6 +9,7 @@ change, every beat while it says up or down, and every 10 s while it holds.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -21,6 +22,9 @@ from astraflow.streams.state import AutoscaleRecord
 
 if TYPE_CHECKING:
     from astraflow.dataflow.lane import PolicyLane
+
+
+log = logging.getLogger(__name__)
 
 
 class PoolAdvisor:
@@ -48,7 +52,11 @@ class PoolAdvisor:
         self.measured = now
         names = self.plane.names
         for p, lane in lanes.items():
-            lag = await self.plane.lag(names.batch_stream, names.trainer_consumer(p))
+            try:
+                lag = await self.plane.lag(names.batch_stream, names.trainer_consumer(p))
+            except TimeoutError:  # a slow server: skip this sample (the next comes in ``every_s``), never stop the dataflow
+                log.warning("measuring %s's batch consumer timed out; sample skipped", p)
+                continue
             lane.note_backlog(lag.pending)
             self.starved[p].sample(now, lag.pending == 0 and lag.ack_pending == 0)
         self.produced.add(now, produced)

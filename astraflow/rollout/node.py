@@ -1,12 +1,14 @@
 """The RaaS node (``astraflow worker rollout``): pull tasks from the pool's shared durable consumer, roll out, publish.
 
-Joining = binding the shared consumer, fetching the current weights, pulling tasks. A task is
-acked only after its trajectories are stored. A task the node can never serve (another
-workflow or policy, another group size, a floor above any announced version, a prompt the model
-cannot hold, a meta the reward cannot score: ``task_checks.py``) is dead-lettered with its
+Joining = binding the shared consumer, fetching the current weights, pulling tasks. A node keeps
+``rollout.tasks_per_generate`` generation slots busy: it admits a task whenever a slot frees, and
+each task is its own workflow call, so a slow task never holds the others back (``slots.py``; the
+engine batches what the slots ask for together). A task is acked only after its trajectories are
+stored. A task the node can never serve (another workflow or policy, another group size, a floor
+above any announced version, a prompt the model cannot hold, a meta the reward cannot score: ``task_checks.py``) is dead-lettered with its
 reason before it reaches the workflow. A task the node cannot serve yet (weights older
 than the task allows) is nak'ed back with a delay. A node told to stop (SIGTERM) stops
-pulling, finishes what it holds within ``rollout.drain_timeout`` and naks the rest back to
+admitting, finishes what it holds within ``rollout.drain_timeout`` and naks the rest back to
 the pool. A node that dies is covered by the server's ``ack_wait`` redelivery; its
 trajectories, if it published any, are deduplicated by their ids.
 
@@ -33,6 +35,7 @@ from astraflow.models import encode_prompt, load_tokenizer
 from astraflow.rollout.engines.base import SamplingParams, StaleWeights, close_engine
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.rewards import get_reward
+from astraflow.rollout.slots import Slots
 from astraflow.rollout.task_checks import TaskProblem, TaskRules, check_prompt, check_task, check_versions
 from astraflow.rollout.workflows.agent_sessions import AgentHost, NodeServices
 from astraflow.rollout.workflows.base import PolicyHandle, Workflow
@@ -40,7 +43,7 @@ from astraflow.rollout.workflows.registry import check_policies, get_workflow
 from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.codec import MessageTooLarge
 from astraflow.streams.messages import Heartbeat, RolloutStats, Task, Trajectory
-from astraflow.streams.plane import Delivery, NatsOptions, Plane
+from astraflow.streams.plane import Consumer, Delivery, NatsOptions, Plane
 from astraflow.streams.state import StateReadError, VersionRecord
 from astraflow.streams.trajectories import publish_trajectories
 from astraflow.weights.sync import WeightSync
@@ -60,12 +63,6 @@ def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = Non
     engine = build_engine(model_cfg, recipe.rollout, tokenizer)
     r = recipe.rollout
     return PolicyHandle(engine, tokenizer, params or SamplingParams(r.max_new_tokens, r.temperature, r.top_p), name=policy)
-
-
-async def _keep_in_progress(held: list[Delivery[Task]], every_s: float) -> None:
-    while True:
-        await asyncio.sleep(every_s)
-        await asyncio.gather(*(d.in_progress() for d in held), return_exceptions=True)
 
 
 class RolloutNode:
@@ -100,6 +97,8 @@ class RolloutNode:
         self.agent_key = agent_key  # bearer token of the OpenAI-compatible endpoint (the rollout credential's password)
         self.endpoint = ""  # that endpoint's address, when the workflow serves one (advertised in heartbeats)
         self._exported: dict[tuple[str, str], float] = {}  # counters' values at the last export
+        self.slots: Slots | None = None  # the generation slots, once joined
+        self._admission_closed = asyncio.Event()  # set once the node admits no more tasks (told to stop)
 
     # ------------------------------------------------------------ metrics
     def export_metrics(self) -> None:
@@ -227,6 +226,8 @@ class RolloutNode:
 
     # ------------------------------------------------------------ liveness
     async def beat(self) -> None:
+        if self.slots is not None:
+            self.stats["held"] = float(len(self.slots.held))
         self.export_metrics()
         await self.plane.beat(Heartbeat(worker_id=self.worker_id, pool=self.pool, region=self.region, hardware=self.hardware,
                                         policy=self.recipe.primary, version=self.syncs[self.recipe.primary].version,
@@ -271,19 +272,9 @@ class RolloutNode:
             self.stats["joined"] = 1.0
             log.info("rollout node %s joined pool %s (region %r, %s) at %s", self.worker_id, self.pool, self.region,
                      self.hardware, {p: s.version for p, s in self.syncs.items()})
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                got = await tasks.pull(batch=self.recipe.rollout.tasks_per_generate, timeout=1.0)
-                if got:
-                    self.stats["pull_s"] += time.perf_counter() - t0
-                await self.refresh()  # a safe point: between generations
-                if not got:
-                    continue
-                if stop.is_set():  # told to stop while the fetch was open: give these back untouched
-                    await asyncio.gather(*(d.nak() for d in got))
-                    self.stats["drained_naks"] += len(got)
-                    break
-                await self.handle(got, stop, ack_wait, max_deliver)
+            self.slots = Slots(self.recipe.rollout.tasks_per_generate, ack_wait / 3)
+            async with self.slots.kept_alive():
+                await self._admit_while_running(tasks, self.slots, stop, max_deliver)
         finally:
             self.draining = True
             stop.set()
@@ -319,60 +310,89 @@ class RolloutNode:
         self.stats["trajectories"] += len(trajs)
         self.stats["tokens"] += sum(len(t.completion_ids) // 4 for t in trajs)
 
-    async def handle(self, got: list[Delivery[Task]], stop: asyncio.Event, ack_wait: float, max_deliver: int) -> None:
+    async def _admit_while_running(self, tasks: Consumer[Task], slots: Slots, stop: asyncio.Event, max_deliver: int) -> None:
+        """Per-slot admission: pull as many tasks as there are free slots, whenever a slot frees, until told to stop.
+
+        A slow task holds its own slot only; the others keep finishing and being replaced (``slots.py``). Slots are
+        concurrent workflow calls rather than sequences admitted into a running engine batch: any workflow (multi-turn,
+        tools, two policies) gets them unchanged, server engines batch concurrent requests at decode steps themselves,
+        and ``hf``, which on CPU cannot overlap two calls anyway, folds the calls waiting for it into its next batch."""
+        try:
+            await self._admit(tasks, slots, stop, max_deliver)
+        finally:
+            self._admission_closed.set()  # no fetch is open any more: a drained task may go back without coming here again
+
+    async def _admit(self, tasks: Consumer[Task], slots: Slots, stop: asyncio.Event, max_deliver: int) -> None:
+        while not stop.is_set():
+            await slots.wait_free(stop)
+            if stop.is_set():
+                break
+            t0 = time.perf_counter()
+            got = await tasks.pull(batch=slots.free, timeout=1.0)
+            if got:
+                self.stats["pull_s"] += time.perf_counter() - t0
+            await self.refresh()  # a safe point: the engine's lock keeps it between generations
+            if not got:
+                continue
+            if stop.is_set():  # told to stop while the fetch was open: give these back untouched
+                await asyncio.gather(*(d.nak() for d in got))
+                self.stats["drained_naks"] += len(got)
+                break
+            for d in await self.admit(got):
+                slots.start(d, self.serve_task(d, slots, stop, max_deliver))
+
+    async def admit(self, got: list[Delivery[Task]]) -> list[Delivery[Task]]:
+        """The deliveries to serve now: impossible ones are dead-lettered, ones newer than the weights nak'ed (1 s)."""
         got = await self.servable(got)
         ready = [d for d in got if self.ready_for(d.msg)]
         stale = [d for d in got if d not in ready]
         if stale:
             await asyncio.gather(*(d.nak(delay=1.0) for d in stale))
             self.stats["stale_naks"] += len(stale)
-        if not ready:
-            return
-        self.stats["held"] = len(ready)
-        keeper = asyncio.create_task(_keep_in_progress(ready, ack_wait / 3))
+        return ready
+
+    async def serve_task(self, d: Delivery[Task], slots: Slots, stop: asyncio.Event, max_deliver: int) -> None:
+        """One task in one slot: play it, publish its trajectories, and only then ack it (or nak/term it on purpose)."""
         t0 = time.perf_counter()
         try:
-            trajs = await self._run_workflow(ready, stop)
-        except StaleWeights as e:  # the workflow refused: weights older than a task allows
-            log.warning("%s; returning %d tasks", e, len(ready))
-            await asyncio.gather(*(d.nak(delay=1.0) for d in ready))
-            self.stats["stale_naks"] += len(ready)
+            trajs = await self._run_workflow([d], stop)
+        except StaleWeights as e:  # the workflow refused: weights older than the task allows
+            log.warning("%s; returning task %s", e, d.msg.task_id)
+            await d.nak(delay=1.0)
+            self.stats["stale_naks"] += 1
             return
         except Exception as e:
-            log.exception("workflow failed on %d tasks", len(ready))
-            self.stats["failed"] += len(ready)
-            for d in ready:
-                if d.num_delivered >= max_deliver - 1:
-                    await d.reject(f"workflow failed {d.num_delivered}x: {e}")
-                else:
-                    await d.nak(delay=2.0)
+            log.exception("workflow failed on task %s", d.msg.task_id)
+            self.stats["failed"] += 1
+            if d.num_delivered >= max_deliver - 1:
+                await d.reject(f"workflow failed {d.num_delivered}x: {e}")
+            else:
+                await d.nak(delay=2.0)
             return
-        finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
-            self.stats["held"] = 0
-        if trajs is None:  # drained: not finished in time, handed back (after an urgent stop, ack_wait redelivers them)
-            await asyncio.wait_for(asyncio.gather(*(d.nak() for d in ready), return_exceptions=True), 5)
-            self.stats["drained_naks"] += len(ready)
+        finally:  # slot-seconds over slots: the slope of gen_s is the share of the node's capacity in use
+            self.stats["gen_s"] += (time.perf_counter() - t0) / slots.size
+        if trajs is None:  # drained: not finished in time, handed back (after an urgent stop, ack_wait redelivers it)
+            await self._admission_closed.wait()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(d.nak(), 5)
+            self.stats["drained_naks"] += 1
             return
-        self.stats["gen_s"] += time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
             await publish_trajectories(self.plane, trajs)  # one too large for a message goes by reference (object store)
-        except MessageTooLarge as e:  # even by reference it will never fit: dead-letter the tasks rather than retry them forever
-            for d in ready:
-                await d.reject(f"trajectory too large to publish: {e}")
-            self.stats["failed"] += len(ready)
+        except MessageTooLarge as e:  # even by reference it will never fit: dead-letter the task rather than retry it forever
+            await d.reject(f"trajectory too large to publish: {e}")
+            self.stats["failed"] += 1
             return
-        except Exception as e:  # a server hiccup: give the tasks back (published ones are deduplicated on retry)
-            log.warning("publishing trajectories failed (%s); returning %d tasks", e, len(ready))
-            await asyncio.gather(*(d.nak(delay=2.0) for d in ready), return_exceptions=True)
-            self.stats["failed"] += len(ready)
+        except Exception as e:  # a server hiccup: give the task back (published trajectories are deduplicated on retry)
+            log.warning("publishing trajectories failed (%s); returning task %s", e, d.msg.task_id)
+            with contextlib.suppress(Exception):
+                await d.nak(delay=2.0)
+            self.stats["failed"] += 1
             return
-        await asyncio.gather(*(d.ack() for d in ready))  # only now: the trajectories are stored
+        await d.ack()  # only now: the trajectories are stored
         self.stats["publish_s"] += time.perf_counter() - t1
-        self.stats["tasks"] += len(ready)
+        self.stats["tasks"] += 1
         self.stats["trajectories"] += len(trajs)
         self.stats["tokens"] += sum(len(t.completion_ids) // 4 for t in trajs)
 
@@ -383,9 +403,10 @@ class RolloutNode:
         try:
             await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
-                self.draining = True
                 drain = 0.0 if getattr(stop, "urgent", False) else self.recipe.rollout.drain_timeout
-                log.info("stopping: waiting up to %.0fs for %d held tasks", drain, len(ready))
+                if not self.draining:
+                    log.info("stopping: waiting up to %.0fs for the tasks in flight", drain)
+                self.draining = True
                 done, _ = await asyncio.wait({work}, timeout=drain) if drain > 0 else (set(), None)
                 if not done:
                     work.add_done_callback(lambda f: f.exception())  # the thread ends on its own; its result is dropped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -22,6 +23,16 @@ def stop_at(tokenizer: Any, toks: list[int], stops: tuple[str, ...]) -> int | No
     return None
 
 
+@dataclass
+class _Call:
+    """One ``generate`` call waiting for a batch: its requests, then its completions (in order) or the batch's error."""
+
+    requests: list[GenerationRequest]
+    out: dict[int, Completion] = field(default_factory=dict)  # by request index
+    error: Exception | None = None
+    done: bool = False
+
+
 class HFEngine:
     """Generates with ``model.generate`` and reports per-token behaviour logprobs and versions.
 
@@ -36,7 +47,9 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.device = device
         self._version = -1
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one batch or one weight load at a time
+        self._waiting: list[_Call] = []  # calls queued for the next batch
+        self._waiting_lock = threading.Lock()
 
     @property
     def version(self) -> int:
@@ -60,17 +73,42 @@ class HFEngine:
         self._version = version
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        """Generate ``requests``, batched with whatever other threads asked for meanwhile.
+
+        A node runs one workflow call per generation slot, so calls arrive concurrently. The thread
+        that gets the engine next generates every call waiting at that moment (one batched
+        ``generate`` per distinct sampling params), so concurrent slots share batches on CPU as one
+        pulled batch did; a call that arrives while a batch runs joins the next one.
+        """
         if not requests:
             return []
-        groups: dict[Any, list[int]] = {}
-        for i, r in enumerate(requests):  # one batched generate call per distinct sampling params
-            groups.setdefault(r.params, []).append(i)
-        out: list[Completion | None] = [None] * len(requests)
+        call = _Call(requests)
+        with self._waiting_lock:
+            self._waiting.append(call)
         with self._lock:
-            for idx in groups.values():
-                for i, c in zip(idx, self._generate([requests[i] for i in idx])):
-                    out[i] = c
-        return [c for c in out if c is not None]
+            if not call.done:
+                with self._waiting_lock:
+                    batch, self._waiting = self._waiting, []
+                self._run(batch)
+        if call.error is not None:
+            raise call.error
+        return [call.out[i] for i in range(len(requests))]
+
+    def _run(self, calls: list[_Call]) -> None:
+        """Generate every call of ``calls`` (under the engine lock); each gets its completions or the error."""
+        groups: dict[Any, list[tuple[_Call, int]]] = {}
+        for k, call in enumerate(calls):  # seeded params stay per call: a seed reproduces a call, not a mixed batch
+            for i, r in enumerate(call.requests):
+                groups.setdefault((r.params, k if r.params.seed is not None else -1), []).append((call, i))
+        try:
+            for members in groups.values():
+                for (call, i), c in zip(members, self._generate([call.requests[i] for call, i in members]), strict=True):
+                    call.out[i] = c
+        except Exception as e:
+            for call in calls:
+                call.error = e
+        for call in calls:
+            call.done = True
 
     @torch.no_grad()
     def _generate(self, requests: list[GenerationRequest]) -> list[Completion]:
