@@ -57,7 +57,7 @@ class ModelConfig(Strict):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _built_model_fields(self) -> "ModelConfig":
+    def _built_model_fields(self) -> ModelConfig:
         if self.attention_window is not None and self.pretrained:
             raise ValueError("model.attention_window applies to models built from the config; a pretrained model keeps its "
                              "own attention (remove one of the two)")
@@ -96,7 +96,7 @@ class DataConfig(Strict):
 
 
     @model_validator(mode="after")
-    def _needs_path(self) -> "DataConfig":
+    def _needs_path(self) -> DataConfig:
         if self.type == "jsonl" and not self.path:
             raise ValueError("data.path is required when data.type is jsonl")
         return self
@@ -173,7 +173,7 @@ class AutoscaleConfig(BaseModel):
     """Seconds over which wait fraction, rates and node busy time are measured."""
 
     @model_validator(mode="after")
-    def _bands(self) -> "AutoscaleConfig":
+    def _bands(self) -> AutoscaleConfig:
         if self.lo > self.hi:
             raise ValueError(f"autoscale.lo ({self.lo}) must not exceed autoscale.hi ({self.hi}): they bound the dead band")
         if self.min_nodes > self.max_nodes:
@@ -315,10 +315,12 @@ class PolicyConfig(Strict):
         return check_token("policy", v)
 
     @model_validator(mode="after")
-    def _held_experts(self) -> "PolicyConfig":
+    def _held_experts(self) -> PolicyConfig:
         if self.trainer.unrouted_experts == "hold":
             if self.model.arch != "qwen3_moe":
-                raise ValueError(f"trainer.unrouted_experts: hold applies only to Mixture-of-Experts models (model.arch is {self.model.arch})")
+                raise ValueError(
+                    f"trainer.unrouted_experts: hold applies only to Mixture-of-Experts models (model.arch is {self.model.arch})"
+                )
             if self.trainer.backend != "torch":
                 raise ValueError("trainer.unrouted_experts: hold needs the torch backend (DeepSpeed's optimizer owns flat "
                                  "partitions of the weights, not expert rows)")
@@ -397,7 +399,7 @@ class Recipe(Strict):
         return v
 
     @model_validator(mode="after")
-    def _fits(self) -> "Recipe":
+    def _fits(self) -> Recipe:
         if self.dataflow.max_tasks_in_flight < self.dataflow.groups_per_batch:
             raise ValueError("dataflow.max_tasks_in_flight must be >= dataflow.groups_per_batch, or no batch ever fills")
         if self.eval.policy is not None and self.eval.policy not in self.policies:
@@ -422,7 +424,7 @@ class Recipe(Strict):
     def eval_policy(self) -> str:
         return self.eval.policy or self.primary
 
-    def topology(self) -> "Topology":
+    def topology(self) -> Topology:
         from astraflow.streams.plane import Topology
 
         p = self.plane

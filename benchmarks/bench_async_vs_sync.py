@@ -172,16 +172,25 @@ async def run_mode(url: str, mode: str, steps: int, workdir: Path, timeout: floa
         figures = {p: step_figures(await announcements(plane, p, steps + 1), waits[p]) for p in POLICIES}
         state = await plane.state.get(DataflowState) or DataflowState()
         acc = state.accounting
-        evals = {v: (await plane.state.get(EvalRecord, "solver", v)).reward for v in sorted({0, steps, *range(EVAL_EVERY, steps, EVAL_EVERY)})}
+        evals = {
+            v: (await plane.state.get(EvalRecord, "solver", v)).reward for v in sorted({0, steps, *range(EVAL_EVERY, steps, EVAL_EVERY)})
+        }
     finally:
         roles.stop()
         await plane.close()
     history = state.lanes["solver"].history[:steps] if "solver" in state.lanes else []
-    return {"mode": mode, **{f"{p}_{k}": round(v, 3) for p, f in figures.items() for k, v in f.items()},
-            "held_out": evals, "held_out_v0": evals[0], "held_out_final": evals[steps],
-            "lag_mean": round(sum(h[4] for h in history) / max(1, len(history)), 2), "lag_max": max((h[3] for h in history), default=0),
-            "tasks_issued": acc["solver"].total if "solver" in acc else None,
-            "dropped_stale": acc["solver"].fates.get("dropped:stale", 0) if "solver" in acc else 0, "wall_s": round(time.monotonic() - t0, 1)}
+    return {
+        "mode": mode,
+        **{f"{p}_{k}": round(v, 3) for p, f in figures.items() for k, v in f.items()},
+        "held_out": evals,
+        "held_out_v0": evals[0],
+        "held_out_final": evals[steps],
+        "lag_mean": round(sum(h[4] for h in history) / max(1, len(history)), 2),
+        "lag_max": max((h[3] for h in history), default=0),
+        "tasks_issued": acc["solver"].total if "solver" in acc else None,
+        "dropped_stale": acc["solver"].fates.get("dropped:stale", 0) if "solver" in acc else 0,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
 
 
 def table(rows: list[dict[str, Any]], steps: int) -> Table:

@@ -27,7 +27,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving, start_metrics_server
@@ -40,7 +41,7 @@ from astraflow.rollout.task_checks import TaskProblem, TaskRules, check_prompt, 
 from astraflow.rollout.workflows.agent_sessions import AgentHost, NodeServices
 from astraflow.rollout.workflows.base import PolicyHandle, Workflow
 from astraflow.rollout.workflows.registry import check_policies, get_workflow
-from astraflow.runtime import every, stop_event, watch_server
+from astraflow.runtime import Stop, every, stop_event, watch_server
 from astraflow.streams.codec import MessageTooLarge
 from astraflow.streams.messages import Heartbeat, RolloutStats, Task, Trajectory
 from astraflow.streams.plane import Consumer, Delivery, NatsOptions, Plane
@@ -242,7 +243,7 @@ class RolloutNode:
                             weights={p: {k: float(v) for k, v in sync.stats.items()} for p, sync in self.syncs.items()})
 
     # ------------------------------------------------------------ main loop
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: Stop) -> None:
         self._loop = asyncio.get_running_loop()
         for h in self.handles.values():
             h.safe_point_fn = self._safe_point
