@@ -19,7 +19,8 @@ Figures, per variant, as mean ± 95 % t-interval over seeds (benchmarks/stats.py
 rollouts (the most every run reached), the paired difference to the baseline there, and the rollouts
 each run needed to reach the baseline's mean final accuracy (read between evaluations by linear
 interpolation); a plot of the mean curves with interval bands. Each run's curve is kept in
-``--workdir`` (default: a temporary folder), and a run whose curve is there is not run again.
+``--workdir`` (default: a temporary folder), and a run whose curve is there is not run again (``--first-seed``
+splits a campaign across processes, each with its own workdir; copy their ``curves/`` into one to report).
 Run: ``python benchmarks/bench_data_algorithms.py [--seeds 3] [--steps 40] [--workdir DIR]``. Last stdout line: JSON.
 """
 
@@ -132,11 +133,11 @@ def plot(curves: dict[str, list[Curve]], metric: str, s: dict[str, Any], title: 
     plt.close(fig)
 
 
-async def collect(recipe: Path, steps: int, every: int, seeds: int, variants: list[str], workdir: Path) -> dict[str, list[Curve]]:
+async def collect(recipe: Path, steps: int, every: int, seeds: range, variants: list[str], workdir: Path) -> dict[str, list[Curve]]:
     group_size = load_recipe(recipe).dataflow.group_size
     curves: dict[str, list[Curve]] = {name: [] for name in variants}
     with EmbeddedServer(workdir / "nats") as server:
-        for seed in range(seeds):  # seed-major: a cut-short campaign still has whole seeds
+        for seed in seeds:  # seed-major: a cut-short campaign still has whole seeds
             for name in variants:
                 kept = workdir / "curves" / f"{name}-s{seed}.json"
                 if not kept.exists():
@@ -182,6 +183,7 @@ def main() -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=5, help="evaluate every N versions")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="run seeds first..first+N-1 (split a campaign across processes)")
     ap.add_argument("--workdir", type=Path, default=None, help="keep runs here; runs whose curve is kept are not rerun")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "figures" / "data_algorithms.png")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; the first is the reference")
@@ -192,7 +194,7 @@ def main() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         workdir = args.workdir or Path(d)
         workdir.mkdir(parents=True, exist_ok=True)
-        curves = asyncio.run(collect(args.recipe, args.steps, args.every, args.seeds, variants, workdir))
+        curves = asyncio.run(collect(args.recipe, args.steps, args.every, range(args.first_seed, args.first_seed + args.seeds), variants, workdir))
     return report(curves, args.recipe, args.steps, args.out)
 
 
