@@ -56,12 +56,16 @@ VARIANTS: dict[str, str] = {
 Curve = list[dict[str, float]]
 
 
-def run_variant(url: str, recipe: Path, name: str, seed: int, steps: int, every: int, workdir: Path) -> Path:
-    run_dir = workdir / f"algo-{name.replace('_', '-')}-s{seed}"
+def run_label(name: str, seed: int, repeat: int) -> str:
+    return f"{name.replace('_', '-')}-s{seed}" + (f"-r{repeat}" if repeat else "")
+
+
+def run_variant(url: str, recipe: Path, name: str, seed: int, repeat: int, steps: int, every: int, workdir: Path) -> Path:
+    run_dir = workdir / f"algo-{run_label(name, seed, repeat)}"
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(recipe), "--nats", url, "--run-dir", str(run_dir),
            "--set", f"trainer.steps={steps}", "--set", f"eval.every={every}", "--set", f"dataflow.algorithms={VARIANTS[name]}",
            "--set", f"model.seed={seed}", "--set", f"trainer.seed={seed}", "--timeout", "3600"]
-    with open(workdir / f"{name}-s{seed}.out", "w") as out:
+    with open(workdir / f"{run_label(name, seed, repeat)}.out", "w") as out:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT)
     return run_dir
 
@@ -133,15 +137,16 @@ def plot(curves: dict[str, list[Curve]], metric: str, s: dict[str, Any], title: 
     plt.close(fig)
 
 
-async def collect(recipe: Path, steps: int, every: int, seeds: range, variants: list[str], workdir: Path) -> dict[str, list[Curve]]:
+async def collect(recipe: Path, steps: int, every: int, seeds: range, repeats: range, variants: list[str],
+                  workdir: Path) -> dict[str, list[Curve]]:
     group_size = load_recipe(recipe).dataflow.group_size
     curves: dict[str, list[Curve]] = {name: [] for name in variants}
     with EmbeddedServer(workdir / "nats") as server:
-        for seed in seeds:  # seed-major: a cut-short campaign still has whole seeds
+        for seed, repeat in ((s, r) for s in seeds for r in repeats):  # seed-major: a cut-short campaign has whole seeds
             for name in variants:
-                kept = workdir / "curves" / f"{name}-s{seed}.json"
+                kept = workdir / "curves" / f"{run_label(name, seed, repeat)}.json"
                 if not kept.exists():
-                    run_dir = run_variant(server.url, recipe, name, seed, steps, every, workdir)
+                    run_dir = run_variant(server.url, recipe, name, seed, repeat, steps, every, workdir)
                     kept.parent.mkdir(parents=True, exist_ok=True)
                     kept.write_text(json.dumps(await curve(server.url, run_dir, group_size)))
                 curves[name].append(json.loads(kept.read_text()))
@@ -165,8 +170,9 @@ def report(curves: dict[str, list[Curve]], recipe: Path, steps: int, out: Path) 
         t.add_row(name, str(v["final"].n), v["v0"].fmt(3), v["final"].fmt(3), v["at_equal"].fmt(3),
                   (d.fmt(3) + (" *" if d.excludes_zero() else " (n.s.)")) if d else "—",
                   v["to_bar"].fmt(0) if v["to_bar"] else "—", v["reached"], v["rollouts_total"].fmt(0))
-    Console().print(t)
-    Console().print(f"* the paired interval excludes 0; n.s.: not significant at 95 %.  plot: {out}")
+    console = Console(width=160)
+    console.print(t)
+    console.print(f"* the paired interval excludes 0; n.s.: not significant at 95 %.  plot: {out}")
 
     def plain(e: Estimate | None) -> list[float] | None:
         return None if e is None else [e.mean, e.half_width, e.n]
@@ -184,6 +190,8 @@ def main() -> dict[str, Any]:
     ap.add_argument("--every", type=int, default=5, help="evaluate every N versions")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0, help="run seeds first..first+N-1 (split a campaign across processes)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per seed and variant (the same warm start, another run)")
+    ap.add_argument("--first-repeat", type=int, default=0)
     ap.add_argument("--workdir", type=Path, default=None, help="keep runs here; runs whose curve is kept are not rerun")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "figures" / "data_algorithms.png")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; the first is the reference")
@@ -194,7 +202,8 @@ def main() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         workdir = args.workdir or Path(d)
         workdir.mkdir(parents=True, exist_ok=True)
-        curves = asyncio.run(collect(args.recipe, args.steps, args.every, range(args.first_seed, args.first_seed + args.seeds), variants, workdir))
+        curves = asyncio.run(collect(args.recipe, args.steps, args.every, range(args.first_seed, args.first_seed + args.seeds),
+                                     range(args.first_repeat, args.first_repeat + args.repeats), variants, workdir))
     return report(curves, args.recipe, args.steps, args.out)
 
 
