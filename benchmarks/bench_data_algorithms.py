@@ -175,7 +175,7 @@ def report(curves: dict[str, list[Curve]], recipe: Path, steps: int, out: Path) 
     console.print(f"* the paired interval excludes 0; n.s.: not significant at 95 %.  plot: {out}")
 
     def plain(e: Estimate | None) -> list[float] | None:
-        return None if e is None else [e.mean, e.half_width, e.n]
+        return None if e is None else [e.mean, e.half_width if e.n > 1 else None, e.n]
 
     return {"recipe": str(recipe), "steps": steps, "metric": label, "eval_se_max": se, "plot": str(out),
             "equal_rollouts": s["equal_rollouts"], "bar": s["bar"],

@@ -57,6 +57,8 @@ def run(name: str, steps: int | None, seed: int, base: Path, overrides: list[str
     if proc.returncode:
         return {"recipe": name, "seed": seed, "ok": False, "wall_s": round(wall, 1), "error": proc.stderr[-300:]}
     s = json.loads((run_dir / "summary.json").read_text())
+    if s["final_reward"] is None:  # stopped before its last evaluation
+        return {"recipe": name, "seed": seed, "ok": False, "wall_s": round(wall, 1), "error": f"no final evaluation ({s['outcome']})"}
     team = s.get("held_out_others", {}).get("team", {})
     last = str(s["policies"][s["eval_policy"]]["steps"])
     return {"recipe": name, "seed": seed, "ok": True, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "run_dir": str(run_dir),
@@ -82,13 +84,14 @@ def main() -> list[dict[str, Any]]:
     ap.add_argument("--only", default=",".join(RECIPES))
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first..first+N-1")
     ap.add_argument("--figures", type=Path, default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a.b=value for every run (repeatable)")
     args = ap.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as d:
         for name in args.only.split(","):
-            runs = [run(name, args.steps, seed, Path(d), args.overrides) for seed in range(args.seeds)]
+            runs = [run(name, args.steps, seed, Path(d), args.overrides) for seed in range(args.first_seed, args.first_seed + args.seeds)]
             if args.figures is not None and runs[0]["ok"]:
                 args.figures.mkdir(parents=True, exist_ok=True)
                 shutil.copy(Path(runs[0]["run_dir"]) / "reward.png", args.figures / f"recipe-{label(name)}.png")
