@@ -4,7 +4,7 @@ Each seed runs both modes of the pinned workload (see ``bench_async_vs_sync.py``
 ``trainer.seed`` = seed, plus any ``--set a.b=value`` given (``--set data.max_operand=49 --set data.n_eval=500
 --set eval.k=4`` for a held-out set that keeps improving and a small evaluation error). Figures, per mode, as
 mean ± 95 % t-interval over seeds (benchmarks/stats.py): seconds per training step, held-out accuracy at the
-last step (equal samples trained in both modes), and their paired differences (async − sync, per seed).
+last step (equal samples trained in both modes), and their paired differences (async - sync, per seed).
 Run: ``python benchmarks/bench_async_vs_sync_seeds.py [--seeds 3] [--steps 40]``. Last stdout line: JSON.
 """
 
@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_async_vs_sync as bench  # noqa: E402
-from stats import over_seeds, paired  # noqa: E402
+import bench_async_vs_sync as bench
+from stats import over_seeds, paired
 
 BASE_RECIPE = bench.recipe
 
@@ -60,7 +60,7 @@ def main() -> dict[str, Any]:
         bench.recipe = seeded(seed, args.overrides)
         runs.append(asyncio.run(bench.main(args.steps, args.timeout, ["async", "sync"], None)))
     col = {m: {k: [r[m][k] for r in runs] for k in ("solver_s_per_step", "held_out_v0", "held_out_final")} for m in ("async", "sync")}
-    speedup = over_seeds([s / a for a, s in zip(col["async"]["solver_s_per_step"], col["sync"]["solver_s_per_step"])])
+    speedup = over_seeds([s / a for a, s in zip(col["async"]["solver_s_per_step"], col["sync"]["solver_s_per_step"], strict=True)])
     gap = paired(col["async"]["held_out_final"], col["sync"]["held_out_final"]) if args.seeds > 1 else None
     t = Table(title=f"async vs sync, {args.steps} steps, {args.seeds} seeds: mean ± 95 % t-interval over seeds")
     for c in ("mode", "s/step (solver)", "held-out v0", f"held-out v{args.steps}"):
@@ -68,7 +68,7 @@ def main() -> dict[str, Any]:
     for m, v in col.items():
         t.add_row(m, over_seeds(v["solver_s_per_step"]).fmt(2), over_seeds(v["held_out_v0"]).fmt(2), over_seeds(v["held_out_final"]).fmt(2))
     Console(width=150).print(t)
-    Console().print(f"speed-up per step: {speedup.fmt(2)}; held-out async − sync (paired): "
+    Console().print(f"speed-up per step: {speedup.fmt(2)}; held-out async - sync (paired): "
                     + (gap.fmt(3) + (" (significant)" if gap.excludes_zero() else " (not significant)") if gap else "—"))
     return {"steps": args.steps, "seeds": args.seeds, "overrides": args.overrides, "per_mode": col,
             "speedup": [speedup.mean, speedup.half_width], "held_out_async_minus_sync": [gap.mean, gap.half_width] if gap else None,

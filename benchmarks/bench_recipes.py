@@ -2,7 +2,8 @@
 
 Runs ``astraflow up recipes/NAME`` for each recipe (embedded server, every role a process) and reads its
 summary, and the CPU time of every process of the run (user + system: a figure the load of a
-shared machine does not inflate the way it does wall time). A recipe is a folder name or a file under ``recipes/`` (``code-multi-agent/verifier.yaml``).
+shared machine does not inflate the way it does wall time). A recipe is a folder name or a file under ``recipes/``
+(``code-multi-agent/verifier.yaml``).
 With ``--seeds N`` each recipe runs N times (``model.seed`` and ``trainer.seed`` = 0..N-1) and the table
 shows the mean and its 95 % t-interval over seeds (benchmarks/stats.py). ``--set a.b=v`` (repeatable) is
 passed to every run (``--set eval.k=8``). With ``--figures DIR`` the first seed's ``reward.png`` of each recipe is
@@ -31,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats import over_seeds, paired  # noqa: E402
+from stats import over_seeds, paired
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ["arithmetic", "math", "math-multi-agent", "math-efficient-data", "search", "calculator", "alfworld", "webshop",
@@ -98,7 +99,7 @@ def main() -> list[dict[str, Any]]:
             results += runs
     t = Table(title="CPU recipes: wall time and held-out reward (greedy), mean ± 95 % t-interval over seeds")
     for c in ("recipe", "runs", "steps", "wall s", "CPU s", "held-out v0", "held-out final", "team final: pick / alone",
-              "pick − alone (paired)"):
+              "pick - alone (paired)"):
         t.add_column(c)
     for name in args.only.split(","):
         ok = [r for r in results if r["recipe"] == name and r["ok"]]

@@ -20,6 +20,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from scipy.stats import t as student_t
 
@@ -42,7 +43,7 @@ class Estimate:
     def high(self) -> float:
         return self.mean + self.half_width
 
-    def overlaps(self, other: "Estimate") -> bool:
+    def overlaps(self, other: Estimate) -> bool:
         return not (self.high < other.low or other.high < self.low)
 
     def excludes_zero(self) -> bool:
@@ -79,7 +80,7 @@ def paired(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENC
     """
     if len(a) != len(b):
         raise ValueError(f"paired: {len(a)} values against {len(b)}: pair the runs by seed")
-    return over_seeds([x - y for x, y in zip(a, b)], confidence)
+    return over_seeds([x - y for x, y in zip(a, b, strict=True)], confidence)
 
 
 def binomial_se(p: float, n: int) -> float:
@@ -119,7 +120,7 @@ def at(xs: Sequence[float], ys: Sequence[float], x: float) -> float | None:
         raise ValueError("at: xs and ys must be non-empty and of the same length")
     if x < xs[0] or x > xs[-1]:
         return None
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+    for (x0, y0), (x1, y1) in pairwise(zip(xs, ys, strict=True)):
         if x0 <= x <= x1:
             return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     return ys[-1]
@@ -134,7 +135,7 @@ def first_reaching(xs: Sequence[float], ys: Sequence[float], bar: float) -> floa
     """
     if len(xs) != len(ys):
         raise ValueError("first_reaching: xs and ys must be of the same length")
-    for i, (x, y) in enumerate(zip(xs, ys)):
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
         if y >= bar:
             if i == 0:
                 return x

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from stats import Estimate, at, avg_at_k_se, binomial_se, first_reaching, over_seeds, paired  # noqa: E402
+from stats import Estimate, at, avg_at_k_se, binomial_se, first_reaching, over_seeds, paired
 
 
 def test_over_seeds_is_the_student_t_interval():
