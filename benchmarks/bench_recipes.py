@@ -2,13 +2,16 @@
 
 Runs ``astraflow up recipes/NAME`` for each recipe (embedded server, every role a process) and reads its
 summary, and the CPU time of every process of the run (user + system: a figure the load of a
-shared machine does not inflate the way it does wall time). A recipe is a folder name or a file under ``recipes/`` (``code-multi-agent/verifier.yaml``).
+shared machine does not inflate the way it does wall time). A recipe is a folder name or a file under ``recipes/``
+(``code-multi-agent/verifier.yaml``).
 With ``--seeds N`` each recipe runs N times (``model.seed`` and ``trainer.seed`` = 0..N-1) and the table
-shows the mean and the spread. With ``--figures DIR`` the first seed's ``reward.png`` of each recipe is
+shows the mean and its 95 % t-interval over seeds (benchmarks/stats.py). ``--set a.b=v`` (repeatable) is
+passed to every run (``--set eval.k=8``). With ``--figures DIR`` the first seed's ``reward.png`` of each recipe is
 copied to ``DIR/recipe-NAME.png``. For a team recipe the table also shows the team's held-out reward
-(the partner's pick of k samples) against the solver alone at the same k samples.
+(the partner's pick of k samples) against the solver alone at the same k samples, and their difference
+paired by seed (significant when its interval excludes 0).
 
-Run: ``python benchmarks/bench_recipes.py [--only search,terminal] [--steps N] [--seeds 3] [--figures benchmarks/figures]``.
+Run: ``python benchmarks/bench_recipes.py [--only search,terminal] [--steps N] [--seeds 3] [--set eval.k=8] [--figures DIR]``.
 Last stdout line: JSON.
 """
 
@@ -18,7 +21,6 @@ import argparse
 import json
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stats import over_seeds, paired
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ["arithmetic", "math", "math-multi-agent", "math-efficient-data", "search", "calculator", "alfworld", "webshop",
            "terminal", "code", "code-multi-agent", "code-multi-agent/verifier.yaml"]
@@ -38,12 +43,14 @@ def label(name: str) -> str:
     return name.replace("/", "-").removesuffix(".yaml")
 
 
-def run(name: str, steps: int | None, seed: int, base: Path) -> dict[str, Any]:
+def run(name: str, steps: int | None, seed: int, base: Path, overrides: list[str]) -> dict[str, Any]:
     run_dir = base / f"{label(name)}-s{seed}"
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(ROOT / "recipes" / name), "--run-dir", str(run_dir),
            "--set", f"model.seed={seed}", "--set", f"trainer.seed={seed}"]
     if steps:
         cmd += ["--set", f"trainer.steps={steps}"]
+    for o in overrides:
+        cmd += ["--set", o]
     t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -51,6 +58,8 @@ def run(name: str, steps: int | None, seed: int, base: Path) -> dict[str, Any]:
     if proc.returncode:
         return {"recipe": name, "seed": seed, "ok": False, "wall_s": round(wall, 1), "error": proc.stderr[-300:]}
     s = json.loads((run_dir / "summary.json").read_text())
+    if s["final_reward"] is None:  # stopped before its last evaluation
+        return {"recipe": name, "seed": seed, "ok": False, "wall_s": round(wall, 1), "error": f"no final evaluation ({s['outcome']})"}
     team = s.get("held_out_others", {}).get("team", {})
     last = str(s["policies"][s["eval_policy"]]["steps"])
     return {"recipe": name, "seed": seed, "ok": True, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "run_dir": str(run_dir),
@@ -61,10 +70,14 @@ def run(name: str, steps: int | None, seed: int, base: Path) -> dict[str, Any]:
 
 
 def spread(values: list[float]) -> str:
-    if not values:
+    return over_seeds(values).fmt() if values else "—"
+
+
+def difference(a: list[float], b: list[float]) -> str:
+    if len(a) < 2:
         return "—"
-    mean = statistics.mean(values)
-    return f"{mean:.2f}" if len(values) == 1 else f"{mean:.2f} ({min(values):.2f}–{max(values):.2f})"
+    d = paired(a, b)
+    return d.fmt(3) + (" *" if d.excludes_zero() else " (n.s.)")
 
 
 def main() -> list[dict[str, Any]]:
@@ -72,18 +85,21 @@ def main() -> list[dict[str, Any]]:
     ap.add_argument("--only", default=",".join(RECIPES))
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first..first+N-1")
     ap.add_argument("--figures", type=Path, default=None)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="a.b=value for every run (repeatable)")
     args = ap.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as d:
         for name in args.only.split(","):
-            runs = [run(name, args.steps, seed, Path(d)) for seed in range(args.seeds)]
+            runs = [run(name, args.steps, seed, Path(d), args.overrides) for seed in range(args.first_seed, args.first_seed + args.seeds)]
             if args.figures is not None and runs[0]["ok"]:
                 args.figures.mkdir(parents=True, exist_ok=True)
                 shutil.copy(Path(runs[0]["run_dir"]) / "reward.png", args.figures / f"recipe-{label(name)}.png")
             results += runs
-    t = Table(title="CPU recipes: wall time and held-out reward (greedy), mean (min–max) over seeds")
-    for c in ("recipe", "runs", "steps", "wall s", "CPU s", "held-out v0", "held-out final", "team final: pick / alone"):
+    t = Table(title="CPU recipes: wall time and held-out reward (greedy), mean ± 95 % t-interval over seeds")
+    for c in ("recipe", "runs", "steps", "wall s", "CPU s", "held-out v0", "held-out final", "team final: pick / alone",
+              "pick - alone (paired)"):
         t.add_column(c)
     for name in args.only.split(","):
         ok = [r for r in results if r["recipe"] == name and r["ok"]]
@@ -91,7 +107,9 @@ def main() -> list[dict[str, Any]]:
         t.add_row(name, f"{len(ok)}/{args.seeds}", str(ok[0]["steps"]) if ok else "—", spread([r["wall_s"] for r in ok]),
                   spread([r["cpu_s"] for r in ok]),
                   spread([r["held_out_initial"] for r in ok]), spread([r["held_out_final"] for r in ok]),
-                  f"{spread([p for p, _ in team])} / {spread([a for _, a in team])}" if team else "—")
+                  f"{spread([p for p, _ in team])} / {spread([a for _, a in team])}" if team else "—",
+                  difference([p for p, _ in team], [a for _, a in team]))
+    Console().print("* the paired interval excludes 0; n.s.: not significant at 95 %")
     Console().print(t)
     return results
 
