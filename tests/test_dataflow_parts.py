@@ -20,7 +20,7 @@ from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import DEADLINES, InFlight
 from astraflow.dataflow.ingest import Landing, TrajectoryIngest, land
-from astraflow.dataflow.issuing import PromptOrder, lag_budget, min_versions, staleness_budget, sync_budget
+from astraflow.dataflow.issuing import PromptOrder, buffered_for_budget, lag_budget, min_versions, staleness_budget, sync_budget
 from astraflow.dataflow.lane import PolicyLane, plan_batch
 from astraflow.dataflow.validate import Limits, PolicyLimits
 from astraflow.streams.dataflow_state import DataflowState
@@ -56,6 +56,18 @@ def test_async_budget_is_the_staleness_window_less_what_is_out_or_buffered():
     assert staleness_budget(CFG, in_flight=4, buffered=1) == -1  # over: nothing is issued
     assert staleness_budget(CFG.model_copy(update={"max_staleness": 9}), in_flight=3, buffered=0) == 7  # the cap binds
     assert lag_budget(CFG, pending=7) == 3  # the pool's measured backlog, whoever issued it
+
+
+def test_a_finished_policy_buffering_untrained_groups_does_not_starve_its_partner():
+    solver, verifier = PolicyLane("solver", pipeline(), primary=True), PolicyLane("verifier", pipeline(), primary=False)
+    solver.kept.update({f"t{i}": 1.0 for i in range(9)})  # the solver's trainer is done: its groups pile up
+    verifier.kept.update({"t0": 1.0})
+    lanes, steps = {"solver": solver, "verifier": verifier}, {"solver": 40, "verifier": 40}
+    assert buffered_for_budget(lanes, steps, "solver") == 9  # both training: the fullest buffer bounds issuing
+    solver.advance(40)
+    assert buffered_for_budget(lanes, steps, "solver") == 1  # the verifier still needs tasks
+    verifier.advance(40)
+    assert buffered_for_budget(lanes, steps, "solver") == 9  # every policy done: the primary's, as before
 
 
 def test_sync_budget_releases_a_batch_only_when_drained():

@@ -35,6 +35,14 @@ def staleness_budget(cfg: DataflowConfig, in_flight: int, buffered: int) -> int:
     return cap - in_flight - buffered
 
 
+def buffered_for_budget(lanes: Mapping[str, PolicyLane], steps: Mapping[str, int], primary: str) -> int:
+    """The buffer the budget counts: the fullest among lanes whose trainer still has steps to take (a lane whose
+    policy finished keeps buffering what no one will train, and must not starve its partners); the primary's
+    once every policy is done."""
+    training = [lane.buffered() for name, lane in lanes.items() if lane.version < steps[name]]
+    return max(training) if training else lanes[primary].buffered()
+
+
 def lag_budget(cfg: DataflowConfig, pending: int) -> int:
     """async: the pool's measured backlog of tasks (ours or anyone's) stays under max_tasks_in_flight."""
     return cfg.max_tasks_in_flight - pending
@@ -73,12 +81,14 @@ class PromptOrder:
 
 
 class TaskIssuer:
-    def __init__(self, recipe: Recipe, plane: Plane, lane: PolicyLane, problems: list[Problem], in_flight: InFlight,
-                 journal: Journal, rng: random.Random) -> None:
+    def __init__(self, recipe: Recipe, plane: Plane, lanes: Mapping[str, PolicyLane], problems: list[Problem],
+                 in_flight: InFlight, journal: Journal, rng: random.Random) -> None:
         self.cfg = recipe.dataflow
+        self.lanes = lanes
+        self.steps = {p: recipe.policies[p].trainer.steps for p in lanes}
         self.workflow, self.pool = recipe.workflow, recipe.rollout.pool
         self.plane = plane
-        self.lane = lane  # the primary policy's
+        self.lane = lanes[recipe.primary]  # the primary policy's: tasks are issued in its name
         self.problems = problems
         self.order = PromptOrder(len(problems), recipe.data.seed)
         self.in_flight = in_flight
@@ -96,13 +106,16 @@ class TaskIssuer:
 
     async def budget(self, drained: bool) -> int:
         if self.cfg.mode == "sync":
-            return sync_budget(self.cfg, self.lane.buffered(), drained and not self.in_flight and not self.issuing)
-        budget = staleness_budget(self.cfg, len(self.in_flight), self.lane.buffered())
+            return sync_budget(self.cfg, self.buffered(), drained and not self.in_flight and not self.issuing)
+        budget = staleness_budget(self.cfg, len(self.in_flight), self.buffered())
         if budget <= 0:
             return budget
         names = self.plane.names
         lag = await self.plane.lag(names.task_stream, names.pool_consumer(self.pool))
         return min(budget, lag_budget(self.cfg, lag.pending))
+
+    def buffered(self) -> int:
+        return buffered_for_budget(self.lanes, self.steps, self.lane.name)
 
     def draw(self, budget: int, ctx: Context) -> list[Task]:
         """Up to ``budget`` tasks in prompt order, each prompt past the curators; one pass over the prompts at most."""

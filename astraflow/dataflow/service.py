@@ -71,7 +71,7 @@ class Dataflow:
         self.in_flight = InFlight()
         rng = random.Random(recipe.data.seed)  # prompt selection and batch serving draw from one seeded stream
         train, _ = load_split(recipe.data)
-        self.issuer = TaskIssuer(recipe, plane, self.lanes[recipe.primary], train, self.in_flight, self.journal, rng)
+        self.issuer = TaskIssuer(recipe, plane, self.lanes, train, self.in_flight, self.journal, rng)
         trajectory_objects = plane.trajectory_objects()
         self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
                                        self.newest_version, lambda trajs: resolve_all(trajectory_objects, trajs))
