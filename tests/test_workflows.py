@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -143,6 +144,20 @@ def test_env_http_episode_that_never_finishes_is_cut_at_max_turns(env_server):
     (t,) = wf.run([task(group=1)], {"solver": handle(lambda p: "dance\n")}, "n0")
     assert t.reward == 0.0 and t.finish_reason == "length" and t.meta["steps"] == 3
     assert "Unknown action" in segments(t)[1][1]
+
+
+@pytest.mark.parametrize("context", [120, 200])
+def test_episodes_never_outgrow_the_models_context(env_server, context: int):
+    """An untrained policy babbles and observations pile up: the episode ends at the context, never past it."""
+    h = replace(handle(lambda p: "look around the room and think about it\n", max_new_tokens=24), context=context)
+    env = get_workflow({"type": "env_http", "url": env_server.url, "env": "shop", "max_turns": 12}, get_reward("arithmetic"))
+    tools = get_workflow({"type": "multi_turn_tools", "max_turns": 12}, get_reward("qa_em"))
+    caller = replace(handle(lambda p: "<tool>search(capital of France)</tool>", max_new_tokens=48), context=context)
+    trajs = env.run([task(group=2, meta={"seed": 3})], {"solver": h}, "n0")
+    trajs += tools.run([task(group=1, answer="x")], {"solver": caller}, "n0")
+    for t in trajs:
+        assert len(t.prompt_ids) // 4 + len(t.completion_ids) // 4 <= context and t.finish_reason == "length"
+    assert any(len(t.prompt_ids) // 4 + len(t.completion_ids) // 4 == context for t in trajs)  # filled, then cut
 
 
 def test_env_http_shop_pays_attribute_match(env_server):

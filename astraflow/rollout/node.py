@@ -32,7 +32,7 @@ from typing import Any
 
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving, start_metrics_server
-from astraflow.models import encode_prompt, load_tokenizer
+from astraflow.models import encode_prompt, load_tokenizer, model_limits
 from astraflow.rollout.engines.base import SamplingParams, StaleWeights, close_engine
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.rewards import get_reward
@@ -63,7 +63,8 @@ def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = Non
     tokenizer = load_tokenizer(model_cfg.tokenizer)
     engine = build_engine(model_cfg, recipe.rollout, tokenizer)
     r = recipe.rollout
-    return PolicyHandle(engine, tokenizer, params or SamplingParams(r.max_new_tokens, r.temperature, r.top_p), name=policy)
+    return PolicyHandle(engine, tokenizer, params or SamplingParams(r.max_new_tokens, r.temperature, r.top_p), name=policy,
+                        context=model_limits(model_cfg).context)
 
 
 class RolloutNode:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -38,6 +38,14 @@ class PolicyHandle:
     params: SamplingParams
     name: str = ""
     safe_point_fn: Callable[[], bool] | None = None  # set by the node: refresh weights now if any arrived
+    context: int | None = None  # prompt + completion tokens the model takes (None: no bound)
+
+    def requests(self, contexts: list[list[int]], params: SamplingParams) -> list[GenerationRequest]:
+        """One request per context, each allowed no more new tokens than the model's context leaves."""
+        if self.context is None:
+            return [GenerationRequest(c, params) for c in contexts]
+        return [GenerationRequest(c, replace(params, max_new_tokens=max(1, min(params.max_new_tokens, self.context - len(c)))))
+                for c in contexts]
 
     def generate(self, requests: list[GenerationRequest], min_version: int = 0) -> list[Completion]:
         """Generate, refusing when the engine holds weights older than ``min_version`` (the task's bound)."""
@@ -90,6 +98,18 @@ class Episode:
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.ids
+
+    def fit(self, context: int | None) -> bool:
+        """Cut the episode at the model's context (an observation may overflow it). True when no token is left for
+        another turn: the episode ends there, ``length``. A trajectory never exceeds the context it is trained in."""
+        if context is None:
+            return False
+        room = max(0, context - len(self.prompt_ids))
+        if len(self.ids) < room:
+            return False
+        del self.ids[room:], self.logprobs[room:], self.versions[room:], self.mask[room:]
+        self.finish_reason = "length"
+        return True
 
     def trajectory(self, task: Task, policy: str, index: int, group_size: int, reward: float | None, node_id: str,
                    meta: dict[str, Any] | None = None) -> Trajectory:

@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from astraflow.rollout.engines.base import GenerationRequest
 from astraflow.rollout.rewards import Reward
 from astraflow.rollout.workflows.base import Episode, Evaluation, PolicyHandle, by_policy, min_version
 from astraflow.rollout.workflows.options import EnvHttpOptions
@@ -87,9 +86,9 @@ class EnvHttp:
                     started = self.client.start(self.env, task_seed(t))
                     prompt = f"{t.prompt}\n{started['observation']}\n> ".lstrip()
                     episodes.append((t, i, started["episode_id"], Episode(h.encode(prompt)), {"reward": 0.0, "steps": 0}))
-            active = list(episodes)
+            active = [a for a in episodes if not a[3].fit(h.context)]
             for _turn in range(self.max_turns):
-                comps = h.generate([GenerationRequest(ep.context(), params) for _, _, _, ep, _ in active], need)
+                comps = h.generate(h.requests([ep.context() for _, _, _, ep, _ in active], params), need)
                 still = []
                 for (t, i, eid, ep, acc), c in zip(active, comps):
                     ep.add_generated(c)
@@ -104,7 +103,8 @@ class EnvHttp:
                     sep = "" if text.endswith("\n") else "\n"
                     ep.add_inserted(h.encode(f"{sep}{res['observation']}\n> "))
                     ep.finish_reason = "length"  # until the environment says done
-                    still.append((t, i, eid, ep, acc))
+                    if not ep.fit(h.context):  # a full context ends the episode here
+                        still.append((t, i, eid, ep, acc))
                 active = still
                 if not active:
                     break

@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from astraflow.rollout.engines.base import GenerationRequest
 from astraflow.rollout.rewards import Reward
 from astraflow.rollout.workflows.base import Episode, Evaluation, PolicyHandle, by_policy, min_version
 from astraflow.rollout.workflows.options import MultiTurnToolsOptions
@@ -144,10 +143,10 @@ class MultiTurnTools:
         samples = [(t, i, Episode(h.encode(t.prompt))) for t in tasks for i in range(t.group_size)]
         last_text = {id(ep): "" for _, _, ep in samples}
         calls = {id(ep): 0 for _, _, ep in samples}
-        active = list(samples)
+        active = [s for s in samples if not s[2].fit(h.context)]
         need = max(min_version(t, policy) for t in tasks)
         for turn in range(self.max_turns):
-            comps = h.generate([GenerationRequest(ep.context(), params) for _, _, ep in active], need)
+            comps = h.generate(h.requests([ep.context() for _, _, ep in active], params), need)
             still = []
             for (task, i, ep), c in zip(active, comps):
                 ep.add_generated(c)
@@ -162,7 +161,8 @@ class MultiTurnTools:
                 result = run_tool(call[0], call[1], task.meta, self.tools)
                 ep.add_inserted(h.encode(f"<result>{result}</result>"))
                 calls[id(ep)] += 1
-                still.append((task, i, ep))
+                if not ep.fit(h.context):  # a full context ends the episode here
+                    still.append((task, i, ep))
             active = still
             if not active:
                 break
