@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_trainer import MODEL, make_batches
+from bench_trainer import MODEL, load_batches, make_batches
 
 CONFIGS = {"torch-1proc": 1, "deepspeed-1rank": 1, "deepspeed-2ranks": 2}  # name -> processes
 
@@ -34,13 +34,11 @@ def child(batch_file: Path, out_dir: Path, backend_name: str, steps: int, thread
 
     from astraflow.config import parse_recipe
     from astraflow.models import build_model, load_tokenizer
-    from astraflow.streams.codec import decode
-    from astraflow.streams.messages import Batch
     from astraflow.train.backend import build_backend
     from astraflow.train.distributed import Collective
 
     torch.set_num_threads(threads)
-    batches = [decode(bytes.fromhex(raw), Batch) for raw in json.loads(batch_file.read_text())["batches"]]
+    batches = load_batches(batch_file)
     recipe = parse_recipe({"name": "bench", "model": MODEL, "trainer": {"backend": backend_name, "zero_stage": stage,
                                                                          "micro_batch_tokens": micro_batch_tokens}})
     pcfg = recipe.policies["solver"]

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "max_positions": 128}
@@ -47,16 +48,12 @@ def child(batch_file: Path, over: dict[str, object], steps: int, threads: int, m
 
     from astraflow.config import parse_recipe
     from astraflow.models import build_model, load_tokenizer
-    from astraflow.streams.codec import decode
-    from astraflow.streams.messages import Batch, Trajectory
-    from astraflow.streams.trajectories import TrainingBatch
     from astraflow.train.backend import BACKENDS, build_backend
 
     torch.set_num_threads(threads)
     module = BACKENDS[str(over["backend"])].partition(":")[0]
     __import__(module)  # import the backend's packages before the baseline
-    batches = [TrainingBatch(decode(bytes.fromhex(b["manifest"]), Batch), [decode(bytes.fromhex(t), Trajectory) for t in b["trajectories"]])
-               for b in json.loads(batch_file.read_text())["batches"]]
+    batches = load_batches(batch_file)
     recipe = parse_recipe({"name": "bench", "model": MODEL, "trainer": {"micro_batch_tokens": micro_batch_tokens, **over}})
     pcfg = recipe.policies["solver"]
     tok = load_tokenizer(pcfg.model.tokenizer)
@@ -90,6 +87,16 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def load_batches(path: Path) -> list[Any]:
+    """The training batches ``make_batches`` saved: each manifest with its trajectories."""
+    from astraflow.streams.codec import decode
+    from astraflow.streams.messages import Batch, Trajectory
+    from astraflow.streams.trajectories import TrainingBatch
+
+    return [TrainingBatch(decode(bytes.fromhex(b["manifest"]), Batch), [decode(bytes.fromhex(t), Trajectory) for t in b["trajectories"]])
+            for b in json.loads(path.read_text())["batches"]]
 
 
 def make_batches(path: Path, n: int) -> dict[str, object]:
