@@ -404,6 +404,10 @@ class Recipe(Strict):
             raise ValueError("dataflow.max_tasks_in_flight must be >= dataflow.groups_per_batch, or no batch ever fills")
         if self.eval.policy is not None and self.eval.policy not in self.policies:
             raise ValueError(f"eval.policy {self.eval.policy!r} is not one of the policies {list(self.policies)}")
+        for name, policy in self.policies.items():  # no prompt would fit: every task would be turned away, for ever
+            if policy.model.pretrained is None and self.rollout.max_new_tokens >= policy.model.max_positions:
+                raise ValueError(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt in "
+                                 f"policy {name!r}'s context (model.max_positions {policy.model.max_positions})")
         return self
 
     @property

@@ -121,3 +121,8 @@ def test_workflows_declare_their_roles_and_evaluation():
         check_policies("solver_verifier", ("solver",))
     with pytest.raises(ValueError, match=r"workflow 'single_turn' calls 1 policy \(solver\); the recipe has 2"):
         check_policies("single_turn", ("solver", "verifier"))
+
+
+def test_a_recipe_whose_generations_leave_no_room_for_a_prompt_fails_at_load():
+    with pytest.raises(ValueError, match="rollout.max_new_tokens"):  # every task would be turned away by every node
+        parse_recipe({"name": "r", "model": {"max_positions": 64}, "rollout": {"max_new_tokens": 64}})

@@ -69,10 +69,14 @@ class LongEpisodes:
         return out
 
 
-def scale_recipe(tmp_path: Path, group_size: int, groups: int, generated: int, micro_batch_tokens: int) -> tuple[Path, Recipe]:
+def scale_recipe(tmp_path: Path, group_size: int, groups: int, generated: int, micro_batch_tokens: int,
+                 context: int) -> tuple[Path, Recipe]:
+    """``context``: prompt tokens of an episode; the model takes rows of ``context + generated`` (the node's task checks
+    and the dataflow's length check hold it to that)."""
     data: dict[str, Any] = {
         "name": "scale", "policies": ["solver"],
-        "model": {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "attention_window": 32},
+        "model": {"hidden_size": 16, "intermediate_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "attention_window": 32,
+                  "max_positions": context + generated},
         "sft": {"steps": 0}, "eval": {"enabled": False},
         "rollout": {"max_new_tokens": generated, "tasks_per_generate": 8},
         "dataflow": {"mode": "sync", "group_size": group_size, "groups_per_batch": groups, "max_tasks_in_flight": groups},
@@ -132,7 +136,8 @@ async def train_end_to_end(url: str, run: str, tmp_path: Path, recipe_file: Path
 
 async def test_a_batch_of_512_trajectories_of_8192_tokens_is_trained_end_to_end(nats_server, run_id, tmp_path):
     groups, group_size, context, generated = 64, 8, 4096, 4096
-    recipe_file, recipe = scale_recipe(tmp_path, group_size, groups, generated, micro_batch_tokens=4 * (context + generated))
+    recipe_file, recipe = scale_recipe(tmp_path, group_size, groups, generated, micro_batch_tokens=4 * (context + generated),
+                                       context=context)
     manifests, record, node, plane = await train_end_to_end(nats_server.url, run_id, tmp_path, recipe_file, recipe,
                                                             LongEpisodes(context, generated), timeout=1200)
     try:
@@ -161,7 +166,8 @@ def small_payload_server(tmp_path_factory: pytest.TempPathFactory):
 
 async def test_a_trajectory_of_a_million_tokens_over_max_payload_is_trained_end_to_end(small_payload_server, run_id, tmp_path):
     context, generated = (1 << 20) - 8192, 8192
-    recipe_file, recipe = scale_recipe(tmp_path, group_size=1, groups=1, generated=generated, micro_batch_tokens=1 << 16)
+    recipe_file, recipe = scale_recipe(tmp_path, group_size=1, groups=1, generated=generated, micro_batch_tokens=1 << 16,
+                                       context=context)
     manifests, record, _, plane = await train_end_to_end(small_payload_server.url, run_id, tmp_path, recipe_file, recipe,
                                                          LongEpisodes(context, generated), timeout=900)
     try:
