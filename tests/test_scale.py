@@ -64,7 +64,8 @@ class LongEpisodes:
                     traj_id=f"{task.task_id}.solver.{i}", task_id=task.task_id, prompt_id=task.prompt_id, policy="solver", index=i,
                     group_size=task.group_size, prompt_ids=rng.integers(3, 259, self.context, dtype="<i4"),
                     completion_ids=rng.integers(3, 259, self.generated, dtype="<i4"),
-                    logprobs=(UNIFORM + rng.uniform(-1e-3, 1e-3, self.generated)).astype("<f4"),  # sampled: no two alike versions=np.full(self.generated, version, "<i4"),
+                    logprobs=(UNIFORM + rng.uniform(-1e-3, 1e-3, self.generated)).astype("<f4"),  # as sampled: no two alike
+                    versions=np.full(self.generated, version, "<i4"),
                     loss_mask=np.ones(self.generated, "<u1"), reward=float(i % 2), node_id=node_id))
         return out
 
