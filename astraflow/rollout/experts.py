@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from astraflow.config import Recipe
-from astraflow.demonstrations import Demonstration
+from astraflow.config import Recipe, load_recipe
+from astraflow.demonstrations import Demonstration, write_demonstrations
 from astraflow.models import encode_prompt, load_tokenizer
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.rollout.engines.testing import ScriptEngine
@@ -32,7 +33,7 @@ from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows.base import PolicyHandle
 from astraflow.rollout.workflows.registry import check_policies, get_workflow
 from astraflow.streams.messages import Task, Trajectory
-from astraflow.tasks import Problem
+from astraflow.tasks import Problem, load_split
 
 Expert = Callable[[Task, str], str]
 """``expert(task, context) -> the next turn's text``; ``context`` is the decoded prompt and episode so far."""
@@ -94,3 +95,13 @@ def _turns(expert: Expert, task: Task, tokenizer: Any, limit: int) -> Callable[[
         return text
 
     return reply
+
+
+def record_recipe_demonstrations(folder: Path, expert: ExpertFactory, per_problem: int = 2, seed: int = 0) -> list[Demonstration]:
+    """What each recipe's ``make_data.py`` ends with: the recipe in ``folder`` played by ``expert`` (its primary policy)
+    on its training problems, written to ``folder/demos.jsonl``; the demonstrations recorded."""
+    recipe = load_recipe(folder)
+    train, _ = load_split(recipe.data)
+    demos = record(recipe, {recipe.primary: expert}, train, per_problem=per_problem, seed=seed)[recipe.primary]
+    write_demonstrations(folder / "demos.jsonl", demos)
+    return demos

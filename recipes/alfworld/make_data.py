@@ -20,12 +20,9 @@ import random
 import re
 from pathlib import Path
 
-from astraflow.config import load_recipe
-from astraflow.demonstrations import write_demonstrations
 from astraflow.rollout.envs.games import Rooms
-from astraflow.rollout.experts import Expert, record
+from astraflow.rollout.experts import Expert, record_recipe_demonstrations
 from astraflow.streams.messages import Task
-from astraflow.tasks import load_split
 
 HERE = Path(__file__).resolve().parent
 EPISODES = 600
@@ -61,11 +58,9 @@ def careful_or_careless(rng: random.Random) -> Expert:
 def main() -> None:
     rows = [{"id": f"rooms-{i}", "prompt": "", "answer": "", "seed": i} for i in range(EPISODES)]
     (HERE / "rooms.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = load_recipe(HERE)
-    train, _ = load_split(recipe.data)
-    demos = record(recipe, {recipe.primary: careful_or_careless}, train, per_problem=2, seed=0)
-    n = write_demonstrations(HERE / "demos.jsonl", demos[recipe.primary])
-    print(f"{len(rows)} episodes, {n} demonstrations, mean reward {sum(d.reward or 0 for d in demos[recipe.primary]) / n:.2f}")
+    demos = record_recipe_demonstrations(HERE, careful_or_careless)
+    n = len(demos)
+    print(f"{len(rows)} episodes, {n} demonstrations, mean reward {sum(d.reward or 0 for d in demos) / n:.2f}")
 
 
 if __name__ == "__main__":

@@ -20,11 +20,8 @@ import random
 import re
 from pathlib import Path
 
-from astraflow.config import load_recipe
-from astraflow.demonstrations import write_demonstrations
-from astraflow.rollout.experts import Expert, record
+from astraflow.rollout.experts import Expert, record_recipe_demonstrations
 from astraflow.streams.messages import Task
-from astraflow.tasks import load_split
 
 HERE = Path(__file__).resolve().parent
 PROBLEMS = 600
@@ -55,10 +52,8 @@ def main() -> None:
             triples.add((a, b, c))
     rows = [{"id": f"c{a}x{b}p{c}", "prompt": f"Compute {a}*{b}+{c}.\n", "answer": str(a * b + c)} for a, b, c in sorted(triples)]
     (HERE / "problems.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = load_recipe(HERE)
-    train, _ = load_split(recipe.data)
-    demos = record(recipe, {recipe.primary: careful_or_careless}, train, per_problem=2, seed=0)
-    n = write_demonstrations(HERE / "demos.jsonl", demos[recipe.primary])
+    demos = record_recipe_demonstrations(HERE, careful_or_careless)
+    n = len(demos)
     print(f"{len(rows)} problems, {n} demonstrations")
 
 

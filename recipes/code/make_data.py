@@ -19,11 +19,8 @@ import random
 import re
 from pathlib import Path
 
-from astraflow.config import load_recipe
-from astraflow.demonstrations import write_demonstrations
-from astraflow.rollout.experts import Expert, record
+from astraflow.rollout.experts import Expert, record_recipe_demonstrations
 from astraflow.streams.messages import Task
-from astraflow.tasks import load_split
 
 HERE = Path(__file__).resolve().parent
 PROBLEMS = 600
@@ -63,11 +60,9 @@ def main() -> None:
         reference = f"def {name}(x):\n    return {expr}\n"
         rows.append({"id": f"code-{name}", "prompt": prompt, "answer": reference, "reference": reference, "tests": tests})
     (HERE / "problems.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = load_recipe(HERE)
-    train, _ = load_split(recipe.data)
-    demos = record(recipe, {recipe.primary: careful_or_careless}, train, per_problem=2, seed=0)
-    n = write_demonstrations(HERE / "demos.jsonl", demos[recipe.primary])
-    print(f"{len(rows)} problems, {n} demonstrations, mean reward {sum(d.reward or 0 for d in demos[recipe.primary]) / n:.2f}")
+    demos = record_recipe_demonstrations(HERE, careful_or_careless)
+    n = len(demos)
+    print(f"{len(rows)} problems, {n} demonstrations, mean reward {sum(d.reward or 0 for d in demos) / n:.2f}")
 
 
 if __name__ == "__main__":
