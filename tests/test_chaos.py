@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from learning import held_out_rose
 
 ROLES = ("trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1")
 STEPS = 100
@@ -109,4 +110,4 @@ def test_up_survives_kill_9_of_every_role_and_of_itself(repo_root: Path, tmp_pat
         assert summary["restarts"].get(name, 0) >= 1, (name, summary["restarts"])
     acc = summary["accounting"]["solver"]
     assert acc["adds_up"] and acc["total"] == acc["in_flight"] + acc["buffered"] + acc["awaiting"] + sum(acc["fates"].values())
-    assert summary["final_reward"] > summary["initial_reward"] + 0.05, summary  # it still learns
+    assert held_out_rose(summary, by=0.05), summary  # it still learns
