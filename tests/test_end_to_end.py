@@ -23,6 +23,9 @@ def test_cpu_recipe_learns_with_roles_as_processes(nats_server, repo_root, tmp_p
     # held-out prompts are disjoint from training prompts; greedy decoding, real verifier
     assert held_out_rose(summary, by=0.05), summary
     assert (run_dir / "reward.png").stat().st_size > 10_000
+    roles = {"trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1", "launcher"}
+    assert set(summary["cpu_s"]) == roles and all(summary["cpu_s"][r] > 0 for r in roles), summary["cpu_s"]  # external server
+    assert summary["samples"] >= 20 * 64 and set(summary["cpu_s_per_64_samples"]) == roles
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == list(range(21))  # every version announced once, in order
     assert {r["encoding"] for r in rows} == {"keyframe", "delta"}

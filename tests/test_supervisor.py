@@ -22,6 +22,8 @@ def command(spec: RoleSpec) -> list[str]:
     kind, *rest = spec.args
     if kind == "sleep":
         return [PY, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+    if kind == "burn":  # spends about a CPU second, then dies (a crash: restarted)
+        return [PY, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\nraise SystemExit(1)"]
     if kind == "exit":
         return [PY, "-c", f"print('failing on purpose', flush=True); raise SystemExit({rest[0]})"]
     # flaky: dies until its marker file exists, then sleeps
@@ -141,3 +143,13 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its (dead) parent is gone for our purpose
         return f.read().split()[2] != "Z"
+
+
+def test_cpu_seconds_of_every_instance_are_counted(sup: Supervisor):
+    child = sup.start(RoleSpec("trainer-solver", "trainer", ("burn",)))
+    poll_until(sup, lambda: child.restarts >= 1 and not child.alive())  # two instances have burnt and died
+    assert child.cpu_s >= 1.9, child.cpu_s  # both, from wait4: the first was replaced, not forgotten
+    sleeper = sup.start(RoleSpec("rollout-0", "rollout", ("sleep",)))
+    poll_until(sup, lambda: sleeper.alive())
+    sup.stop(timeout=5)  # reaps the sleeper (and whatever instance of the burner runs) with its CPU time
+    assert sup.cpu_s["trainer-solver"] >= 1.9 and 0 < sup.cpu_s["rollout-0"] < 1.0, sup.cpu_s

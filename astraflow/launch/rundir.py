@@ -90,12 +90,12 @@ class RunDir:
         self.append("sessions.jsonl", {"session": n, "start": time.time(), "end": None})
         return n
 
-    def end_session(self, session: int, outcome: str, restarts: dict[str, int]) -> None:
-        """Rewrite this session's line with its end (the file stays one line per session)."""
+    def end_session(self, session: int, outcome: str, restarts: dict[str, int], cpu_s: dict[str, float] | None = None) -> None:
+        """Rewrite this session's line with its end and the CPU seconds of its processes (one line per session)."""
         rows = self.sessions()
         for r in rows:
             if r.get("session") == session:
-                r.update(end=time.time(), outcome=outcome, restarts=restarts)
+                r.update(end=time.time(), outcome=outcome, restarts=restarts, cpu_s=cpu_s or {})
         self.file("sessions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def wall_s(self) -> float:

@@ -56,13 +56,25 @@ class Child:
     crashes: collections.deque[float] = field(default_factory=collections.deque)
     restart_at: float = 0.0
     last_exit: int | None = None
+    cpu_s: float = 0.0  # user + system CPU seconds of its instances that have ended (and what they reaped)
 
     @property
     def name(self) -> str:
         return self.spec.name
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        """Whether the current instance runs; an ended one is reaped here with ``wait4``, which also gives its CPU time."""
+        if self.proc.returncode is not None:
+            return False
+        try:
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere: its CPU time is lost
+            return self.proc.poll() is None
+        if pid == 0:
+            return True
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        self.cpu_s += usage.ru_utime + usage.ru_stime
+        return False
 
 
 class CrashLoop(RuntimeError):
@@ -159,6 +171,11 @@ class Supervisor:
     def restarts(self) -> dict[str, int]:
         return {n: c.restarts for n, c in self.children.items()}
 
+    @property
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds per role process, over its instances that have ended (all of them after ``stop``)."""
+        return {n: round(c.cpu_s, 2) for n, c in self.children.items()}
+
     def stop(self, timeout: float) -> None:
         """SIGTERM every child (it drains what it holds), SIGKILL what is left after ``timeout``."""
         for c in self.children.values():
@@ -166,11 +183,12 @@ class Supervisor:
                 c.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for c in self.children.values():
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while c.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if c.alive():
                 c.proc.kill()
-                c.proc.wait()
+                while c.alive():
+                    time.sleep(0.02)
 
 
 class LocalPool:

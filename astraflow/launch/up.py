@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import signal
 import socket
 import sys
@@ -199,6 +200,21 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
         await plane.close()
 
 
+def cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def session_cpu(sup: Supervisor, at_start: tuple[float, float], embedded: bool) -> dict[str, float]:
+    """CPU seconds of this session per process: each role (``wait4`` of every instance), the launcher, and the
+    embedded nats-server (what the launcher's reaped children used beyond its roles)."""
+    roles = sup.cpu_s
+    cpu = {**roles, "launcher": round(cpu_seconds(resource.RUSAGE_SELF) - at_start[0], 2)}
+    if embedded:
+        cpu["nats-server"] = round(max(0.0, cpu_seconds(resource.RUSAGE_CHILDREN) - at_start[1] - sum(roles.values())), 2)
+    return cpu
+
+
 def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0, autoscale: bool = False,
        resume: bool = False, metrics_port_base: int | None = None, listen: str | None = None,
        credentials: Path | None = None) -> dict[str, Any]:
@@ -207,6 +223,7 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     ``nats_url``: an existing server or cluster instead of the embedded one (``credentials``: a
     directory of role credential files for it, as ``up`` writes them). ``listen``: where the
     embedded server listens (default loopback, a free port; beyond loopback, TLS)."""
+    cpu_at_start = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
     rundir = RunDir(Path(run_dir))
     recipe = prepare(recipe, rundir, resume)
     session = rundir.begin_session()
@@ -247,7 +264,7 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         sup.stop(timeout=recipe.rollout.drain_timeout + 5)
         if server is not None:
             server.stop()
-        rundir.end_session(session, outcome, sup.restarts)
+        rundir.end_session(session, outcome, sup.restarts, session_cpu(sup, cpu_at_start, embedded=server is not None))
         with contextlib.suppress(Exception):  # the summary is best effort on the way out of a failure
             summary = summarize(recipe, rundir, console, outcome)
     return summary
