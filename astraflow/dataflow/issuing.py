@@ -131,7 +131,7 @@ class TaskIssuer:
             self.task_seq += 1
             tasks.append(Task(task_id=f"t{self.task_seq:08d}", workflow=self.workflow, policy=self.lane.name, prompt_id=p.prompt_id,
                               prompt=p.prompt, group_size=self.cfg.group_size, meta=p.meta, min_versions=floors,
-                              deadline=ctx.now + timeout if timeout else None))
+                              created_at=ctx.now, deadline=ctx.now + timeout if timeout else None))  # one clock for both
         return tasks
 
     async def publish(self, tasks: list[Task]) -> None:
