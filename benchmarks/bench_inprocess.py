@@ -15,7 +15,7 @@ Its SFT warm start is taken once and saved; both sides start from that checkpoin
   where its time went from the roles' heartbeats and their CPU seconds (``/proc``) over the same window.
 
 Time is RL time: from version 0 (the checkpoint, evaluated) on. Held-out "at T" is the mean of the last three
-evaluations of weights that existed by T (one evaluation of 200 prompts has a standard error of ~0.035);
+evaluations of weights that existed by T (one evaluation of 200 prompts has a standard error of at most 0.035);
 "at equal samples" the same at the fewest samples any side trained on. Output: a rich table, the plot
 ``benchmarks/figures/inprocess.png`` (held-out against RL time and against samples trained) and, as the last
 stdout line, JSON. Run: ``python benchmarks/bench_inprocess.py [--seconds 600] [--nodes 2,1] [--quick]``.
@@ -41,7 +41,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from inprocess_loop import Curve, Point, run_inprocess, warm_start  # noqa: E402
-from stats import at  # noqa: E402
+from stats import at, binomial_se  # noqa: E402
 
 from astraflow.config import load_recipe  # noqa: E402
 from astraflow.streams.messages import Heartbeat, RolloutStats, TrainerStats  # noqa: E402
@@ -203,9 +203,10 @@ def figures(curves: list[Curve], seconds: float) -> list[dict[str, Any]]:
     return out
 
 
-def table(results: list[dict[str, Any]], seconds: float) -> Table:
+def table(results: list[dict[str, Any]], seconds: float, n_eval: int) -> Table:
+    v0 = results[0]["held_out_v0"]
     t = Table(title=f"in-process loop vs astraflow up · {seconds:.0f} s of RL each, same checkpoint · held-out: mean of the last "
-                    f"{LAST_EVALS} evaluations of 200 prompts (s.e. of one ≈ 0.035)")
+                    f"{LAST_EVALS} evaluations of {n_eval} prompts (s.e. of one at {v0:.2f}: {binomial_se(v0, n_eval):.3f})")
     for c in ("side", "samples/s generated", "samples/s trained", "s/step", "held-out v0", f"at {seconds / 2:.0f} s",
               f"at {seconds:.0f} s", f"at {results[0]['equal_samples']} samples"):
         t.add_column(c)
@@ -262,7 +263,7 @@ def main(seconds: float, nodes: list[int], threads: int, quick: bool, keep: Path
                 curves.append(run_up(checkpoint, seconds, n, eval_every, int(steps), workdir, lambda s: progress.update(bar, completed=s)))
                 curves[-1].notes["load_1min"] = os.getloadavg()[0]
     results = figures(curves, seconds)
-    console.print(table(results, seconds))
+    console.print(table(results, seconds, recipe.data.n_eval))
     for r in results[1:]:
         console.print(f"{r['side']}: CPU share by process " + json.dumps({k[4:]: v for k, v in r.items() if k.startswith("cpu.")}))
         console.print(f"{r['side']}: busy share by worker " + json.dumps({k[5:]: v for k, v in r.items() if k.startswith("busy.")}))
