@@ -79,8 +79,10 @@ class ModelConfig(Strict):
 class DataConfig(Strict):
     type: Literal["arithmetic", "reasoning_gym", "jsonl"] = "arithmetic"
     """Prompt source: generated digit arithmetic, a reasoning-gym task (offline), or a local JSONL file."""
+    min_operand: int = Field(0, ge=0)
+    """arithmetic: the smallest operand (``10`` with ``max_operand: 99``: two-digit additions only)."""
     max_operand: int = Field(19, ge=1)
-    """arithmetic: operands are drawn from 0..max_operand."""
+    """arithmetic: operands are drawn from min_operand..max_operand."""
     rg_task: str = "basic_arithmetic"
     """reasoning_gym: the dataset name."""
     path: str | None = None
@@ -99,6 +101,8 @@ class DataConfig(Strict):
     def _needs_path(self) -> DataConfig:
         if self.type == "jsonl" and not self.path:
             raise ValueError("data.path is required when data.type is jsonl")
+        if self.min_operand > self.max_operand:
+            raise ValueError(f"data.min_operand ({self.min_operand}) must not exceed data.max_operand ({self.max_operand})")
         return self
 
 

@@ -23,8 +23,8 @@ class Problem:
 
 
 def _arithmetic(cfg: DataConfig) -> list[Problem]:
-    n = cfg.max_operand + 1
-    pairs = [(a, b) for a in range(n) for b in range(n)]
+    operands = range(cfg.min_operand, cfg.max_operand + 1)
+    pairs = [(a, b) for a in operands for b in operands]
     random.Random(cfg.seed).shuffle(pairs)
     return [Problem(f"add-{a}-{b}", f"{a}+{b}=", {"answer": str(a + b)}) for a, b in pairs]
 

@@ -126,3 +126,12 @@ def test_workflows_declare_their_roles_and_evaluation():
 def test_a_recipe_whose_generations_leave_no_room_for_a_prompt_fails_at_load():
     with pytest.raises(ValueError, match="rollout.max_new_tokens"):  # every task would be turned away by every node
         parse_recipe({"name": "r", "model": {"max_positions": 64}, "rollout": {"max_new_tokens": 64}})
+
+
+def test_arithmetic_operands_span_min_to_max_operand_and_a_reversed_range_fails_at_load():
+    recipe = parse_recipe({"name": "t", "data": {"min_operand": 10, "max_operand": 99, "n_train": 7900, "n_eval": 200}})
+    train, held_out = load_split(recipe.data)
+    operands = {int(x) for p in train + held_out for x in p.prompt.rstrip("=").split("+")}
+    assert (len(train), len(held_out), min(operands), max(operands)) == (7900, 200, 10, 99)
+    assert not {p.prompt_id for p in train} & {p.prompt_id for p in held_out}
+    fails({"data": {"min_operand": 20, "max_operand": 19}}, "data: Value error, data.min_operand (20) must not exceed")
