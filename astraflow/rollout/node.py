@@ -4,7 +4,8 @@ Joining = binding the shared consumer, fetching the current weights, pulling tas
 ``rollout.tasks_per_generate`` generation slots busy: it admits a task whenever a slot frees, and
 each task is its own workflow call, so a slow task never holds the others back (``slots.py``; the
 engine batches what the slots ask for together). A task is acked only after its trajectories are
-stored; tasks that finish together are published in one go and acked together (``outbox.py``). A task the node can never serve (another workflow or policy, another group size, a floor
+stored; tasks that finish together are published in one go and acked together (``outbox.py``).
+A task the node can never serve (another workflow or policy, another group size, a floor
 above any announced version, a prompt the model cannot hold, a meta the reward cannot score: ``task_checks.py``) is dead-lettered with its
 reason before it reaches the workflow. A task the node cannot serve yet (weights older
 than the task allows) is nak'ed back with a delay. A node told to stop (SIGTERM) stops
