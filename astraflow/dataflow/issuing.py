@@ -98,11 +98,18 @@ class TaskIssuer:
         self.rng = rng
         self.task_seq = 0
         self.issuing: list[Task] = []  # written ahead, not confirmed published yet
+        self.pending = 0  # the pool consumer's pending tasks, as last read (``read_pending``)
 
-    async def issue(self, ctx: Context, drained: bool) -> list[Task]:
+    async def read_pending(self) -> None:
+        """async: the pool consumer's backlog of tasks, as the server counts it now (read before :meth:`issue`)."""
+        if self.cfg.mode == "async":
+            names = self.plane.names
+            self.pending = (await self.plane.lag(names.task_stream, names.pool_consumer(self.pool))).pending
+
+    def issue(self, ctx: Context, drained: bool) -> list[Task]:
         """The tasks the budget allows now, counted in flight and held as ``issuing`` until :meth:`published`;
         ``drained``: no group partly back, every batch published and trained."""
-        budget = await self.budget(drained)
+        budget = self.budget(drained)
         tasks = self.draw(budget, ctx) if budget > 0 else []
         if tasks:
             for t in tasks:
@@ -112,15 +119,10 @@ class TaskIssuer:
             self.journal.changed()
         return tasks
 
-    async def budget(self, drained: bool) -> int:
+    def budget(self, drained: bool) -> int:
         if self.cfg.mode == "sync":
             return sync_budget(self.cfg, self.buffered(), drained and not self.in_flight and not self.issuing)
-        budget = staleness_budget(self.cfg, len(self.in_flight), self.buffered())
-        if budget <= 0:
-            return budget
-        names = self.plane.names
-        lag = await self.plane.lag(names.task_stream, names.pool_consumer(self.pool))
-        return min(budget, lag_budget(self.cfg, lag.pending))
+        return min(staleness_budget(self.cfg, len(self.in_flight), self.buffered()), lag_budget(self.cfg, self.pending))
 
     def buffered(self) -> int:
         return buffered_for_budget(self.lanes, self.steps, self.lane.name)

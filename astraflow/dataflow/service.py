@@ -86,8 +86,9 @@ class Dataflow:
         self.apply_events()
         await self.ingest.pull(trajectories)
         await self.measure()
-        planned = await self.server.plan()
-        tasks = await self.issuer.issue(self.context(), drained=self.drained())
+        await asyncio.gather(self.server.read_backlogs(), self.issuer.read_pending())  # the server's counts, read together
+        planned = self.server.plan()
+        tasks = self.issuer.issue(self.context(), drained=self.drained())
         await self.journal.flush()  # write-ahead: the plans and tasks are durable before they exist on the plane
         if planned or tasks:
             await self.publish(planned, tasks)

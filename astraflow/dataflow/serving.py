@@ -2,8 +2,9 @@
 
 For each lane, as long as its buffer holds a batch worth of groups:
 
-1. read the trainer consumer's backlog from the server (once per lane and turn); with the batches
-   planned this turn it may not reach ``max_batch_backlog``, else the lane waits (counted as
+1. the trainer consumer's backlog, read from the server at the start of the turn (every lane's
+   together, with the task budget's lag: :meth:`BatchServer.read_backlogs`), with the batches
+   planned this turn, may not reach ``max_batch_backlog``, else the lane waits (counted as
    ``backpressure``); one slow trainer never holds back another policy's lane;
 2. let the server plug-in choose (it may drop stale or expired groups: fate ``dropped:R``);
 3. plan the batch (``PolicyLane.plan``: id, groups, trajectory references — TRAJ stream
@@ -25,6 +26,7 @@ again under its id (``republish``); the server drops it if the first publication
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -69,18 +71,23 @@ class BatchServer:
         self.stats = stats  # the dataflow's heartbeat counters
         self.rng = rng
 
-    async def plan(self) -> list[Planned]:
-        """Every batch the lanes' buffers and their trainers' backlogs allow now, written ahead in the journal."""
-        return [p for lane in self.lanes.values() for p in await self.plan_lane(lane)]
+    async def read_backlogs(self) -> None:
+        """The backlog of each trainer whose lane holds a batch worth, as the server counts it now (read before :meth:`plan`)."""
+        ready = [lane for lane in self.lanes.values() if lane.ready(self.cfg.groups_per_batch)]
+        names = self.plane.names
+        lags = await asyncio.gather(*(self.plane.lag(names.batch_stream, names.trainer_consumer(lane.name)) for lane in ready))
+        for lane, lag in zip(ready, lags, strict=True):
+            lane.note_backlog(lag.pending)
 
-    async def plan_lane(self, lane: PolicyLane) -> list[Planned]:
+    def plan(self) -> list[Planned]:
+        """Every batch the lanes' buffers and their trainers' backlogs allow now, written ahead in the journal."""
+        return [p for lane in self.lanes.values() for p in self.plan_lane(lane)]
+
+    def plan_lane(self, lane: PolicyLane) -> list[Planned]:
         n = self.cfg.groups_per_batch
         out: list[Planned] = []
-        backlog: int | None = None
         while lane.ready(n):
-            if backlog is None:
-                backlog = await self.trainer_backlog(lane)
-            if backlog + len(out) >= self.cfg.max_batch_backlog:
+            if lane.backlog + len(out) >= self.cfg.max_batch_backlog:
                 lane.backpressured()
                 break
             result = lane.choose(n, context(self.lanes, self.cfg.max_staleness), self.rng)
@@ -107,13 +114,6 @@ class BatchServer:
             self.journal.release(p.release)
         if planned:
             self.journal.changed()
-
-    async def trainer_backlog(self, lane: PolicyLane) -> int:
-        """The trainer's pending batches, as the server counts them."""
-        names = self.plane.names
-        lag = await self.plane.lag(names.batch_stream, names.trainer_consumer(lane.name))
-        lane.note_backlog(lag.pending)
-        return lag.pending
 
     def settle(self, lane: PolicyLane, task_id: str, fate: str) -> None:
         held = lane.settle(task_id, fate)
