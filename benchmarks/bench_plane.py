@@ -4,10 +4,11 @@ on the same server in the same run. The ratio is the figure. A batch is a manife
 side reads each batch's trajectories back by sequence (``fetch_trajectories``), as the trainer does.
 
 The rollout side here answers each task instantly with fixed tokens (no model): this measures
-the plane and the real dataflow service, not an engine. It publishes and acks the tasks of a pull
-the way the tree's rollout node settles tasks that finish together (``rollout/outbox.py``: one
-pipelined publish of all their trajectories, then their acks); a tree without it settles each task
-on its own (publish, wait for the server, ack), concurrently, as its node's slots did.
+the plane and the real dataflow service (started, and stepped as ``dataflow.service.serve``
+does), not an engine. It publishes and acks the tasks of a pull the way the tree's rollout node
+settles tasks that finish together (``rollout/outbox.py``: one pipelined publish of all their
+trajectories, then their acks); a tree without it settles each task on its own (publish, wait for
+the server, ack), concurrently, as its node's slots did.
 
 Run: ``python benchmarks/bench_plane.py``. Side by side with another tree (e.g. ``main``):
 ``python benchmarks/bench_plane.py --before /tmp/lean_before`` runs each tree in its own child
@@ -122,6 +123,7 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
     plane = await Plane.connect(NatsOptions(url=url), run, "dataflow")
     await plane.ensure_topology(recipe.topology())
     df = Dataflow(recipe, plane)
+    await df.start()  # as the dataflow service does: it follows announcements, dead letters and heartbeats
     rollout = await Plane.connect(NatsOptions(url=url), run, "rollout")
     trainer = await Plane.connect(NatsOptions(url=url), run, "trainer")
     done = asyncio.Event()
@@ -152,12 +154,12 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
     async def dataflow_loop() -> None:
         sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
         while not done.is_set():
-            await df.refresh_versions()
             await df.step(sub)
 
     t0 = time.perf_counter()
     await asyncio.gather(rollout_loop(), trainer_loop(), dataflow_loop())
     dt = time.perf_counter() - t0
+    await df.watch.stop()
     for p in (plane, rollout, trainer):
         await p.close()
     return n_batches * groups_per_batch * group / dt
