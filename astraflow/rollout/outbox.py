@@ -57,6 +57,7 @@ class Outbox:
         await finished.settled
 
     async def _settle_waiting(self) -> None:
+        await asyncio.sleep(0)  # tasks whose generation ended in the same turn of the event loop join this settlement
         while self._waiting:
             batch, self._waiting = self._waiting, []
             t0 = time.perf_counter()
