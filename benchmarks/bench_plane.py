@@ -50,6 +50,7 @@ except ImportError:  # a tree from before it: each task on its own
 
 PROMPT, COMPLETION = 64, 256  # tokens per trajectory
 ROOT = Path(__file__).resolve().parents[1]
+MESSAGES = {"raw": 0, "plane": 0}  # NATS messages sent and received by the clients of each path
 
 
 def trajectory_for(task: Task, i: int) -> Trajectory:
@@ -99,6 +100,7 @@ async def raw_throughput(url: str, n: int, size: int) -> float:
 
     await asyncio.gather(produce(), consume())
     dt = time.perf_counter() - t0
+    MESSAGES["raw"] += nc.stats["in_msgs"] + nc.stats["out_msgs"]
     await nc.close()
     return n / dt
 
@@ -159,6 +161,8 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
     t0 = time.perf_counter()
     await asyncio.gather(rollout_loop(), trainer_loop(), dataflow_loop())
     dt = time.perf_counter() - t0
+    for p in (plane, rollout, trainer):  # messages both ways on the three connections (nats-py's counters)
+        MESSAGES["plane"] += p._nc.stats["in_msgs"] + p._nc.stats["out_msgs"]
     await df.watch.stop()
     for p in (plane, rollout, trainer):
         await p.close()
@@ -180,6 +184,8 @@ async def main(quick: bool, table: bool = True) -> dict[str, float | str]:
                                       "ratio": round(ours / raw, 3), "trajectories": n,
                                       "raw_cpu_us_per_msg": round((cpu1 - cpu0) / n * 1e6, 1),  # this process's CPU, not the server's
                                       "plane_cpu_us_per_traj": round((cpu2 - cpu1) / n * 1e6, 1),
+                                      "raw_msgs_per_msg": round(MESSAGES["raw"] / n, 2),
+                                      "plane_msgs_per_traj": round(MESSAGES["plane"] / n, 2),
                                       "astraflow": str(Path(astraflow.__file__).parents[1])}
     if not table:
         return result
@@ -211,13 +217,15 @@ def side_by_side(before: Path, rounds: int, quick: bool) -> dict[str, list[dict[
             out[name].append(run_child(tree, quick))
             print(f"round {r + 1} {name}: {out[name][-1]}", flush=True)
     t = Table(title=f"plane throughput, {rounds} rounds each, trees alternating (before: {before})")
-    for col in ("round", "tree", "raw msgs/s", "plane traj/s", "ratio", "client CPU µs / raw msg", "client CPU µs / traj"):
+    for col in ("round", "tree", "raw msgs/s", "plane traj/s", "ratio", "client CPU µs / raw msg", "client CPU µs / traj",
+                "NATS msgs / raw msg", "NATS msgs / traj"):
         t.add_column(col, justify="right")
     for r in range(rounds):
         for name in out:
             x = out[name][r]
             t.add_row(str(r + 1), name, f"{x['raw_msgs_per_s']:,.0f}", f"{x['plane_traj_per_s']:,.0f}", f"{x['ratio']:.3f}",
-                      f"{x['raw_cpu_us_per_msg']:.0f}", f"{x['plane_cpu_us_per_traj']:.0f}")
+                      f"{x['raw_cpu_us_per_msg']:.0f}", f"{x['plane_cpu_us_per_traj']:.0f}", f"{x['raw_msgs_per_msg']:.2f}",
+                      f"{x['plane_msgs_per_traj']:.2f}")
     Console().print(t)
     return out
 
