@@ -55,7 +55,7 @@ class PullRequests:
             self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg, pending_bytes_limit=PENDING_BYTES)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        out, _ = self._take(batch, None)  # delivered after an earlier fetch returned: hand it out first
+        out, _, _ = self._take(batch, None)  # delivered after an earlier fetch returned: hand it out first
         if out:
             return out
         out = await self._request(batch, {"no_wait": True}, deadline)
@@ -80,15 +80,18 @@ class PullRequests:
                 except asyncio.TimeoutError:
                     break
                 continue
-            got, ended = self._take(batch - len(out), reply)
+            got, ended, error = self._take(batch - len(out), reply)
             out += got
+            if error is not None:  # what came before it is handed out by the next fetch, not dropped
+                self._got.extendleft(reversed(out))
+                APIError.from_msg(error)
             if ended:
                 break
         return out
 
-    def _take(self, n: int, reply: str | None) -> tuple[list[Msg], bool]:
-        """Up to ``n`` messages from what arrived, and whether the status ending request ``reply`` came among them.
-        Statuses of other requests (over already) and heartbeats are dropped."""
+    def _take(self, n: int, reply: str | None) -> tuple[list[Msg], bool, Msg | None]:
+        """Up to ``n`` messages from what arrived; whether request ``reply`` ended among them; the error status that
+        ended it, if one did. Statuses of other requests (over already) and heartbeats are dropped."""
         out: list[Msg] = []
         while self._got and len(out) < n:
             msg = self._got.popleft()
@@ -97,8 +100,6 @@ class PullRequests:
                 out.append(msg)
             elif status == HEARTBEAT or msg.subject != reply:
                 continue
-            elif status in REQUEST_OVER:
-                return out, True
             else:
-                APIError.from_msg(msg)
-        return out, False
+                return out, True, None if status in REQUEST_OVER else msg
+        return out, False, None
