@@ -1,11 +1,13 @@
 """Pull requests to a durable consumer, answered on one inbox: a whole pull for one wake-up, not one per message.
 
-A fetch of up to ``batch`` messages is, as in nats-py, at most two requests to
-``$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}``: first ``no_wait`` (what is there now, ended by a
-``404 No Messages`` status when there is less than ``batch``); when that brings nothing, one that
-waits, its ``expires`` the time left, ended by ``408 Request Timeout``. Unlike nats-py's ``fetch``,
-which starts two asyncio tasks per message (``next_msg`` under ``wait_for``), the answers land in a
-list from the subscription's callback and a fetch wakes once per burst.
+A fetch of up to ``batch`` messages asks ``$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}`` first
+``no_wait`` (what is there now, ended by a ``404 No Messages`` status when there is less than
+``batch``). Only when that brings nothing does it wait: a request for one message, its ``expires``
+the time left (ended by ``408 Request Timeout``), then ``no_wait`` again for what came with it. So
+a fetch returns with the first arrivals, where nats-py's ``fetch`` holds its waiting request open
+until the whole batch or the timeout; and where nats-py starts two asyncio tasks per message
+(``next_msg`` under ``wait_for``), the answers here land in a list from the subscription's
+callback and a fetch wakes once per burst.
 
 Each request has its own reply subject (``{inbox}.{n}``), so a status tells which request it ends:
 a late ``408`` of a request given up on never cuts a newer one short. A message that arrives after
