@@ -4,7 +4,15 @@ on the same server in the same run. The ratio is the figure. A batch is a manife
 side reads each batch's trajectories back by sequence (``fetch_trajectories``), as the trainer does.
 
 The rollout side here answers each task instantly with fixed tokens (no model): this measures
-the plane and the real dataflow service, not an engine. Run: ``python benchmarks/bench_plane.py``.
+the plane and the real dataflow service (started, and stepped as ``dataflow.service.serve``
+does), not an engine. It publishes and acks the tasks of a pull the way the tree's rollout node
+settles tasks that finish together (``rollout/outbox.py``: one pipelined publish of all their
+trajectories, then their acks); a tree without it settles each task on its own (publish, wait for
+the server, ack), concurrently, as its node's slots did.
+
+Run: ``python benchmarks/bench_plane.py``. Side by side with another tree (e.g. ``main``):
+``python benchmarks/bench_plane.py --before /tmp/lean_before`` runs each tree in its own child
+process (``PYTHONPATH`` = the tree), alternating, ``--rounds`` each, and reports every round.
 """
 
 from __future__ import annotations
@@ -12,9 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import nats
 import numpy as np
@@ -22,15 +34,23 @@ from nats.js import api
 from rich.console import Console
 from rich.table import Table
 
+import astraflow
 from astraflow.config import parse_recipe
 from astraflow.dataflow.service import Dataflow
 from astraflow.streams.codec import encode
 from astraflow.streams.messages import Batch, Task, Trajectory
-from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.trajectories import fetch_trajectories
 
+try:  # the tree's rollout node settles tasks that finish together at once
+    from astraflow.rollout.outbox import Outbox
+except ImportError:  # a tree from before it: each task on its own
+    Outbox = None  # type: ignore[assignment,misc]
+
 PROMPT, COMPLETION = 64, 256  # tokens per trajectory
+ROOT = Path(__file__).resolve().parents[1]
+MESSAGES = {"raw": 0, "plane": 0}  # NATS messages sent and received by the clients of each path
 
 
 def trajectory_for(task: Task, i: int) -> Trajectory:
@@ -80,6 +100,7 @@ async def raw_throughput(url: str, n: int, size: int) -> float:
 
     await asyncio.gather(produce(), consume())
     dt = time.perf_counter() - t0
+    MESSAGES["raw"] += nc.stats["in_msgs"] + nc.stats["out_msgs"]
     await nc.close()
     return n / dt
 
@@ -95,6 +116,7 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
                 "max_staleness": 100,
                 "max_batch_backlog": 4,
             },
+            "model": {"max_positions": PROMPT + COMPLETION},
             "rollout": {"max_new_tokens": COMPLETION},
             "data": {"n_train": 300},
         }
@@ -103,18 +125,23 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
     plane = await Plane.connect(NatsOptions(url=url), run, "dataflow")
     await plane.ensure_topology(recipe.topology())
     df = Dataflow(recipe, plane)
+    await df.start()  # as the dataflow service does: it follows announcements, dead letters and heartbeats
     rollout = await Plane.connect(NatsOptions(url=url), run, "rollout")
     trainer = await Plane.connect(NatsOptions(url=url), run, "trainer")
     done = asyncio.Event()
     trained = 0
 
+    async def settle_alone(d: Delivery[Task], trajs: list[Trajectory]) -> None:
+        await rollout.publish_many([(rollout.names.traj(t.policy), t, t.traj_id) for t in trajs])
+        await d.ack()
+
+    settle = Outbox(rollout).settle if Outbox is not None else settle_alone
+
     async def rollout_loop() -> None:
         sub = rollout.consumer(rollout.names.task_stream, "raas", Task)
         while not done.is_set():
-            for d in await sub.pull(batch=16, timeout=0.2):
-                trajs = [trajectory_for(d.msg, i) for i in range(d.msg.group_size)]
-                await rollout.publish_many([(rollout.names.traj(d.msg.policy), t, t.traj_id) for t in trajs])
-                await d.ack()
+            got = await sub.pull(batch=16, timeout=0.2)
+            await asyncio.gather(*(settle(d, [trajectory_for(d.msg, i) for i in range(d.msg.group_size)]) for d in got))
 
     async def trainer_loop() -> None:
         nonlocal trained
@@ -129,26 +156,39 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
     async def dataflow_loop() -> None:
         sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
         while not done.is_set():
-            await df.refresh_versions()
             await df.step(sub)
 
     t0 = time.perf_counter()
     await asyncio.gather(rollout_loop(), trainer_loop(), dataflow_loop())
     dt = time.perf_counter() - t0
+    for p in (plane, rollout, trainer):  # messages both ways on the three connections (nats-py's counters)
+        MESSAGES["plane"] += p._nc.stats["in_msgs"] + p._nc.stats["out_msgs"]
+    await df.watch.stop()
     for p in (plane, rollout, trainer):
         await p.close()
     return n_batches * groups_per_batch * group / dt
 
 
-async def main(quick: bool) -> dict[str, float]:
+async def main(quick: bool, table: bool = True) -> dict[str, float | str]:
     n_batches = 10 if quick else 60
     group, gpb = 8, 8
     size = len(encode(trajectory_for(Task(task_id="x", workflow="w", policy="solver", prompt_id="p", prompt="q", group_size=group), 0)))
     with tempfile.TemporaryDirectory() as d, EmbeddedServer(d) as server:
-        raw = await raw_throughput(server.url, n_batches * group * gpb, size)
+        n = n_batches * group * gpb
+        cpu0 = time.process_time()
+        raw = await raw_throughput(server.url, n, size)
+        cpu1 = time.process_time()
         ours = await plane_throughput(server.url, n_batches, group, gpb)
-    result = {"trajectory_bytes": size, "raw_msgs_per_s": round(raw, 1), "plane_traj_per_s": round(ours, 1),
-              "ratio": round(ours / raw, 3), "trajectories": n_batches * group * gpb}
+        cpu2 = time.process_time()
+    result: dict[str, float | str] = {"trajectory_bytes": size, "raw_msgs_per_s": round(raw, 1), "plane_traj_per_s": round(ours, 1),
+                                      "ratio": round(ours / raw, 3), "trajectories": n,
+                                      "raw_cpu_us_per_msg": round((cpu1 - cpu0) / n * 1e6, 1),  # this process's CPU, not the server's
+                                      "plane_cpu_us_per_traj": round((cpu2 - cpu1) / n * 1e6, 1),
+                                      "raw_msgs_per_msg": round(MESSAGES["raw"] / n, 2),
+                                      "plane_msgs_per_traj": round(MESSAGES["plane"] / n, 2),
+                                      "astraflow": str(Path(astraflow.__file__).parents[1])}
+    if not table:
+        return result
     t = Table(title="plane throughput (one nats-server, loopback)")
     t.add_column("path")
     t.add_column("per second", justify="right")
@@ -159,7 +199,46 @@ async def main(quick: bool) -> dict[str, float]:
     return result
 
 
+def run_child(tree: Path, quick: bool) -> dict[str, float]:
+    """This benchmark once, in a child process that imports astraflow from ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([sys.executable, __file__, "--child", *(["--quick"] if quick else [])], capture_output=True, text=True,
+                          env=env, cwd=tree)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree}: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def side_by_side(before: Path, rounds: int, quick: bool) -> dict[str, list[dict[str, float]]]:
+    """Both trees, alternating, ``rounds`` each; every round's figures."""
+    out: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    for r in range(rounds):
+        for name, tree in (("before", before), ("after", ROOT)):
+            out[name].append(run_child(tree, quick))
+            print(f"round {r + 1} {name}: {out[name][-1]}", flush=True)
+    t = Table(title=f"plane throughput, {rounds} rounds each, trees alternating (before: {before})")
+    for col in ("round", "tree", "raw msgs/s", "plane traj/s", "ratio", "client CPU µs / raw msg", "client CPU µs / traj",
+                "NATS msgs / raw msg", "NATS msgs / traj"):
+        t.add_column(col, justify="right")
+    for r in range(rounds):
+        for name in out:
+            x = out[name][r]
+            t.add_row(str(r + 1), name, f"{x['raw_msgs_per_s']:,.0f}", f"{x['plane_traj_per_s']:,.0f}", f"{x['ratio']:.3f}",
+                      f"{x['raw_cpu_us_per_msg']:.0f}", f"{x['plane_cpu_us_per_traj']:.0f}", f"{x['raw_msgs_per_msg']:.2f}",
+                      f"{x['plane_msgs_per_traj']:.2f}")
+    Console().print(t)
+    return out
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    print(json.dumps(asyncio.run(main(ap.parse_args().quick))))
+    ap.add_argument("--before", type=Path, help="a baseline source tree, measured side by side with this one")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.before is not None:
+        print(json.dumps(side_by_side(args.before, args.rounds, args.quick)))
+    else:
+        result = asyncio.run(main(args.quick, table=not args.child))
+        print(json.dumps(result))

@@ -7,7 +7,8 @@ times until every trajectory is in the trajectory stream. Side by side in the sa
 
 - linear scaling: ``n ×`` the 1-node rate → scaling efficiency = rate(n) / (n × rate(1));
 - the engine alone: the same generate calls on one engine with no plane at all;
-- per trajectory, the task pull + publish/ack path (measured in the nodes) next to the
+- per trajectory, the task pull + publish/ack path (measured in the nodes; a settlement of the
+  tasks that finished together, ``rollout/outbox.py``, counted once) next to the
   engine's own time per trajectory (wall time of the generate calls / trajectories), and the
   safe point's weights check (a run-state KV read per generate call).
 
@@ -85,8 +86,10 @@ async def point(url: str, recipe: Any, n_nodes: int, n_tasks: int, group: int) -
     for p in planes:
         await p.close()
     await plane.close()
-    s = {k: sum(node.stats[k] for node in nodes) for k in ("trajectories", "pull_s", "publish_s", "gen_s", "refresh_s")}
+    s = {k: sum(node.stats[k] for node in nodes) for k in ("tasks", "trajectories", "pull_s", "publish_s", "gen_s", "refresh_s")}
+    settlements = sum(node.outbox.settlements for node in nodes)  # finished tasks settled together (rollout/outbox.py)
     return {"nodes": n_nodes, "trajectories": got, "wall_s": wall, "traj_per_s": got / wall,
+            "tasks_per_settlement": s["tasks"] / max(settlements, 1),
             "path_ms_per_traj": 1e3 * (s["pull_s"] + s["publish_s"]) / s["trajectories"],
             "pull_ms_per_traj": 1e3 * s["pull_s"] / s["trajectories"], "publish_ms_per_traj": 1e3 * s["publish_s"] / s["trajectories"],
             "engine_ms_per_traj": 1e3 * s["gen_s"] / s["trajectories"], "refresh_ms_per_traj": 1e3 * s["refresh_s"] / s["trajectories"]}
@@ -134,12 +137,13 @@ async def main(quick: bool) -> dict[str, Any]:
         "weights check ms/traj",
         "engine ms/traj",
         "path / engine",
+        "tasks / settlement",
     ):
         t.add_column(col, justify="right")
     for p in points:
         t.add_row(str(p["nodes"]), f"{p['traj_per_s']:.1f}", f"{p['linear_traj_per_s']:.1f}", f"{p['efficiency']:.2f}",
                   f"{p['path_ms_per_traj']:.2f}", f"{p['refresh_ms_per_traj']:.2f}", f"{p['engine_ms_per_traj']:.1f}",
-                  f"{p['path_ms_per_traj'] / p['engine_ms_per_traj']:.3f}")
+                  f"{p['path_ms_per_traj'] / p['engine_ms_per_traj']:.3f}", f"{p['tasks_per_settlement']:.1f}")
     t.caption = f"engine alone (no plane, same batches): {alone:.1f} traj/s; 1 node through the plane: {base:.1f} traj/s"
     Console().print(t)
     return {"latency_s": latency, "group": group, "tasks_per_generate": tpg, "tasks_per_node": per_node, "repeats": repeats,

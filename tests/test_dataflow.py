@@ -322,28 +322,30 @@ async def test_restart_restores_state_and_rebuilds_a_planned_batch(harness: Harn
     await harness.train("solver")
     await harness.turn(2)
     assert harness.df.lanes["solver"].pipeline.state()["server"][0]["state"]["memory"]  # replay remembers served groups
-    publish = harness.plane.publish
+    publish_many = harness.plane.publish_many
 
     async def die(*args: Any, **kw: Any) -> None:
         raise ConnectionError("killed")
 
-    harness.plane.publish = die  # type: ignore[method-assign]
+    harness.plane.publish_many = die  # type: ignore[method-assign]
     await harness.rollout(limit=2)
     with pytest.raises(ConnectionError):  # the next batch is planned (written ahead), then the dataflow dies publishing it
         await harness.until(lambda: False, turns=20)
-    harness.plane.publish = publish  # type: ignore[method-assign]
+    harness.plane.publish_many = publish_many  # type: ignore[method-assign]
     state = await harness.plane.state.get(DataflowState)
     assert state is not None
     saved = state.lanes["solver"]
-    (batch_id,) = saved.plans
+    planned = list(saved.plans)  # the turn planned every batch the trainer's backlog allowed (max_batch_backlog 2)
+    assert planned == [f"solver-b{n:06d}" for n in range(3, saved.batch_seq + 1)]
     assert saved.pipeline["curators"][0]["state"]["window"]["solver"]["n"] > 0  # GRESO has seen groups
     await harness.kill_dataflow()
-    await harness.open_dataflow()  # restores, then publishes the planned batch under its id
+    await harness.open_dataflow()  # restores, then publishes the planned batches under their ids
     after = harness.df.lanes["solver"]
     assert after.pipeline.state() == saved.pipeline  # plug-in state restored exactly
-    assert after.batch_seq == 3 and not after.plans and batch_id in after.awaiting
+    assert after.batch_seq == saved.batch_seq and not after.plans and set(planned) <= set(after.awaiting)
     trained = await harness.train("solver")
-    assert [b.batch_id for b in trained] == [batch_id] and len(trained[0].trajectories) == 4  # 1 fresh + 1 replayed group
+    assert [b.batch_id for b in trained] == planned
+    assert all(len(b.trajectories) == 4 for b in trained)  # each: 1 fresh + 1 replayed group
     await harness.until(lambda: harness.df.stats["redelivered_settled"] >= 2, turns=80)  # its trajectories come back: ignored
     for _ in range(4):
         await harness.turn(2)

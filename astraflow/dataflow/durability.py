@@ -134,7 +134,8 @@ class Journal:
             await self.commit()
         if self.to_ack:
             acks, self.to_ack = self.to_ack, []
-            await asyncio.gather(*(d.ack() for d in acks))
+            for d in acks:  # an ack is one message written to the connection, no round trip: no task each
+                await d.ack()
         if self.to_reject:
             rejects, self.to_reject = self.to_reject, []
             await asyncio.gather(*(d.reject(reason) for d, reason in rejects))

@@ -8,14 +8,16 @@ same tasks). Each turn the issuer computes how many it may publish:
     sync:   groups_per_batch − buffered, once every task released before is back, settled and
             its batch trained; else nothing
 
-then draws prompts in order, lets the curators skip some, and writes the tasks ahead (the
-journal commits them as ``issuing``) before publishing them with ``Nats-Msg-Id`` = task id, so
-a successor that finds them publishes them again and the server keeps one copy.
+then draws prompts in order and lets the curators skip some (:meth:`TaskIssuer.issue`). The tasks
+are written ahead (the turn's commit holds them as ``issuing``) before the dataflow publishes them,
+with the turn's batches, under ``Nats-Msg-Id`` = task id, so a successor that finds them publishes
+them again and the server keeps one copy; :meth:`TaskIssuer.published` then forgets them.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Mapping
 
 from astraflow.algorithms import Context, PromptItem
@@ -24,7 +26,7 @@ from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane
 from astraflow.streams.dataflow_state import TaskState
-from astraflow.streams.messages import Task
+from astraflow.streams.messages import Message, Task
 from astraflow.streams.plane import Plane
 from astraflow.tasks import Problem
 
@@ -96,23 +98,31 @@ class TaskIssuer:
         self.rng = rng
         self.task_seq = 0
         self.issuing: list[Task] = []  # written ahead, not confirmed published yet
+        self.pending = 0  # the pool consumer's pending tasks, as last read (``read_pending``)
 
-    async def top_up(self, ctx: Context, drained: bool) -> None:
-        """Issue what the budget allows; ``drained``: no group partly back, every batch published and trained."""
-        budget = await self.budget(drained)
+    async def read_pending(self) -> None:
+        """async: the pool consumer's backlog of tasks, as the server counts it now (read before :meth:`issue`)."""
+        if self.cfg.mode == "async":
+            names = self.plane.names
+            self.pending = (await self.plane.lag(names.task_stream, names.pool_consumer(self.pool))).pending
+
+    def issue(self, ctx: Context, drained: bool) -> list[Task]:
+        """The tasks the budget allows now, counted in flight and held as ``issuing`` until :meth:`published`;
+        ``drained``: no group partly back, every batch published and trained."""
+        budget = self.budget(drained)
         tasks = self.draw(budget, ctx) if budget > 0 else []
         if tasks:
-            await self.publish(tasks)
+            for t in tasks:
+                self.in_flight.issue(t.task_id, t.deadline, t.min_versions)
+            self.lane.note_issued(len(tasks))
+            self.issuing = tasks
+            self.journal.changed()
+        return tasks
 
-    async def budget(self, drained: bool) -> int:
+    def budget(self, drained: bool) -> int:
         if self.cfg.mode == "sync":
             return sync_budget(self.cfg, self.buffered(), drained and not self.in_flight and not self.issuing)
-        budget = staleness_budget(self.cfg, len(self.in_flight), self.buffered())
-        if budget <= 0:
-            return budget
-        names = self.plane.names
-        lag = await self.plane.lag(names.task_stream, names.pool_consumer(self.pool))
-        return min(budget, lag_budget(self.cfg, lag.pending))
+        return min(staleness_budget(self.cfg, len(self.in_flight), self.buffered()), lag_budget(self.cfg, self.pending))
 
     def buffered(self) -> int:
         return buffered_for_budget(self.lanes, self.steps, self.lane.name)
@@ -129,24 +139,25 @@ class TaskIssuer:
             if not self.lane.select(PromptItem(p.prompt_id, self.lane.name, meta=p.meta), ctx, self.rng):
                 continue
             self.task_seq += 1
+            now = time.time()  # a task's deadline runs from its creation, not from the turn's start (a round trip ago)
             tasks.append(Task(task_id=f"t{self.task_seq:08d}", workflow=self.workflow, policy=self.lane.name, prompt_id=p.prompt_id,
-                              prompt=p.prompt, group_size=self.cfg.group_size, meta=p.meta, min_versions=floors,
-                              created_at=ctx.now, deadline=ctx.now + timeout if timeout else None))  # one clock for both
+                              prompt=p.prompt, group_size=self.cfg.group_size, meta=p.meta, min_versions=floors, created_at=now,
+                              deadline=now + timeout if timeout else None))
         return tasks
 
-    async def publish(self, tasks: list[Task]) -> None:
-        for t in tasks:
-            self.in_flight.issue(t.task_id, t.deadline, t.min_versions)
-        self.lane.note_issued(len(tasks))
-        self.issuing = tasks
-        await self.journal.commit()  # write-ahead: a successor publishes these again under the same ids
-        await self.republish(tasks)
-        self.issuing = []
-        self.journal.changed()
+    def item(self, task: Task) -> tuple[str, Message, str | None]:
+        """What to publish for ``task``: its subject, the task, its ``Nats-Msg-Id``."""
+        return self.plane.names.task(task.workflow), task, task.task_id
+
+    def published(self) -> None:
+        """The tasks being issued are on the plane."""
+        if self.issuing:
+            self.issuing = []
+            self.journal.changed()
 
     async def republish(self, tasks: list[Task]) -> None:
         """Publish under the task ids: a copy of one that landed before is dropped by the server."""
-        await self.plane.publish_many([(self.plane.names.task(t.workflow), t, t.task_id) for t in tasks])
+        await self.plane.publish_many([self.item(t) for t in tasks])
 
     # ------------------------------------------------------------ state
     def state(self) -> TaskState:

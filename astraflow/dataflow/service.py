@@ -4,26 +4,28 @@ One loop, plain and explicit (STYLE 6); each turn (``Dataflow.step``):
 
 1. apply what the plane reported: weight announcements (versions, trained batches), failed
    tasks and batches (DLQ, max deliveries), heartbeats (live nodes, trainer wait);
-2. top up tasks (``issuing.TaskIssuer``) — ``async``: while tasks in flight or buffered stay
-   under the staleness budget and the task stream's measured lag under its bound; ``sync``: one
-   batch worth per version, only once every task of the last one is back and its batch is
-   trained; the tasks are written ahead, then published (``Nats-Msg-Id`` = task id);
-3. pull trajectories (``ingest.TrajectoryIngest``): read back the arrays of those too large for
+2. pull trajectories (``ingest.TrajectoryIngest``): read back the arrays of those too large for
    one message, check each one's values and its claim on a task (``validate.py``; an invalid one
    goes to the DLQ and may settle its task ``invalid:R``),
    route it by policy to its lane, assemble groups, apply curator feedback, the deadline's late
    policy and filters;
-4. per lane, serve batches while that trainer's measured backlog is under its bound
-   (``serving.BatchServer``): write the batch plan ahead, and its plan record for the trainer,
-   publish its manifest (``Nats-Msg-Id`` = batch id; trajectory references, not trajectories),
-   then let its trajectories go;
-5. write fate records and the state, and only then ack what was settled
-   (``durability.Journal``, the only place that orders these).
+3. per lane, plan batches while that trainer's measured backlog is under its bound
+   (``serving.BatchServer``): each batch's plan, its plan record for the trainer and its tasks'
+   fates are queued to be written ahead;
+4. issue tasks (``issuing.TaskIssuer``) — ``async``: while tasks in flight or buffered stay
+   under the staleness budget and the task stream's measured lag under its bound; ``sync``: one
+   batch worth per version, only once every task of the last one is back and its batch is
+   trained; they are queued to be written ahead too;
+5. write fate records and the state (the plans and the tasks in it), and only then ack what was
+   settled (``durability.Journal``, the only place that orders these): one commit per turn;
+6. publish the planned batch manifests (``Nats-Msg-Id`` = batch id; trajectory references, not
+   trajectories) and the tasks (``Nats-Msg-Id`` = task id) in one pipelined publication, then let
+   the batches' trajectories go (acked after the next turn's commit).
 
 Acks always follow the durable write of the state that explains them, so a dataflow killed at
 any point loses nothing and batches nothing twice: its successor restores the state, publishes again
-a batch it finds planned (the server drops the copy if the first publication landed), acks and
-ignores redelivered trajectories of tasks already settled, and reassembles the rest.
+a batch or a task it finds planned or issuing (the server drops the copy if the first publication
+landed), acks and ignores redelivered trajectories of tasks already settled, and reassembles the rest.
 """
 
 from __future__ import annotations
@@ -36,21 +38,21 @@ from collections import Counter
 
 from astraflow.algorithms import Context, build_pipeline
 from astraflow.config import Recipe
-from astraflow.dataflow.durability import Journal
+from astraflow.dataflow.durability import Journal, crash_point
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.ingest import TrajectoryIngest
 from astraflow.dataflow.issuing import TaskIssuer
 from astraflow.dataflow.lane import PolicyLane, context
 from astraflow.dataflow.ledger import Ledger
 from astraflow.dataflow.pool import PoolAdvisor
-from astraflow.dataflow.serving import BatchServer
+from astraflow.dataflow.serving import BatchServer, Planned
 from astraflow.dataflow.validate import Limits
 from astraflow.dataflow.watch import BatchFailed, SampleUndecodable, TaskFailed, Trained, Watch
 from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.dataflow_state import Accounting, DataflowState
-from astraflow.streams.messages import BATCH_FORGED, BATCH_STALE, DataflowStats, Heartbeat, Trajectory, WeightVersion
+from astraflow.streams.messages import BATCH_FORGED, BATCH_STALE, DataflowStats, Heartbeat, Task, Trajectory, WeightVersion
 from astraflow.streams.plane import Consumer, NatsOptions, Plane
 from astraflow.streams.state import VersionRecord
 from astraflow.streams.trajectories import resolve_all
@@ -82,11 +84,24 @@ class Dataflow:
     # ------------------------------------------------------------ the loop
     async def step(self, trajectories: Consumer[Trajectory]) -> None:
         self.apply_events()
-        await self.issuer.top_up(self.context(), drained=self.drained())
         await self.ingest.pull(trajectories)
         await self.measure()
-        await self.server.serve()
-        await self.journal.flush()
+        await asyncio.gather(self.server.read_backlogs(), self.issuer.read_pending())  # the server's counts, read together
+        planned = self.server.plan()
+        tasks = self.issuer.issue(self.context(), drained=self.drained())
+        await self.journal.flush()  # write-ahead: the plans and tasks are durable before they exist on the plane
+        if planned or tasks:
+            await self.publish(planned, tasks)
+
+    async def publish(self, planned: list[Planned], tasks: list[Task]) -> None:
+        """The turn's batches and tasks, pipelined: one wait for the server's acks of them all."""
+        for _ in planned:
+            crash_point("batch_planned")
+        await self.plane.publish_many([self.server.item(p.batch) for p in planned] + [self.issuer.item(t) for t in tasks])
+        for _ in planned:
+            crash_point("batch_published")
+        self.server.published(planned)
+        self.issuer.published()
 
     def apply_events(self) -> None:
         """Fold in what the plane reported since the last turn."""

@@ -2,15 +2,21 @@
 
 For each lane, as long as its buffer holds a batch worth of groups:
 
-1. read the trainer consumer's backlog from the server; at ``max_batch_backlog`` the lane waits
-   (counted as ``backpressure``); one slow trainer never holds back another policy's lane;
+1. the trainer consumer's backlog, read from the server at the start of the turn (every lane's
+   together, with the task budget's lag: :meth:`BatchServer.read_backlogs`), with the batches
+   planned this turn, may not reach ``max_batch_backlog``, else the lane waits (counted as
+   ``backpressure``); one slow trainer never holds back another policy's lane;
 2. let the server plug-in choose (it may drop stale or expired groups: fate ``dropped:R``);
 3. plan the batch (``PolicyLane.plan``: id, groups, trajectory references — TRAJ stream
-   sequence, trajectory id, task id —, advantages), commit the plan (write-ahead), write its plan
-   record for the trainer (``BatchPlanRecord``: the manifest's digest; the trainer trains nothing
-   else), publish the manifest with ``Nats-Msg-Id`` = batch id, clear the plan, and release the
-   fresh groups' trajectories to be acked after the next durable write. The plan record is
-   deleted once the batch's fate is known.
+   sequence, trajectory id, task id —, advantages) and queue its plan record for the trainer
+   (``BatchPlanRecord``: the manifest's digest; the trainer trains nothing else) and its tasks'
+   ``batched`` fates in the journal (:meth:`BatchServer.plan`).
+
+The dataflow then commits the plans with everything else of the turn (write-ahead), publishes
+the manifests with ``Nats-Msg-Id`` = batch id, together with the turn's tasks, in one pipelined
+publication, and calls :meth:`BatchServer.published`: the plan is cleared and the fresh groups'
+trajectories are released, to be acked after the next durable write. The plan record is deleted
+once the batch's fate is known.
 
 A batch is a manifest: a few dozen bytes per trajectory, however long the trajectories are. The
 trainer reads the trajectories from the TRAJ stream by sequence (Limits retention keeps them), so
@@ -20,19 +26,21 @@ again under its id (``republish``); the server drops it if the first publication
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from astraflow.algorithms import Group
 from astraflow.config import DataflowConfig
-from astraflow.dataflow.durability import Journal, crash_point
+from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.groups import HeldGroup
 from astraflow.dataflow.lane import PolicyLane, context
 from astraflow.streams.dataflow_state import BatchPlan
-from astraflow.streams.messages import Batch
+from astraflow.streams.messages import Batch, Message
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import BatchPlanRecord
 
@@ -42,6 +50,15 @@ log = logging.getLogger(__name__)
 def plan_record(batch: Batch) -> BatchPlanRecord:
     """What the trainer checks the batch against (written before the batch is published)."""
     return BatchPlanRecord(policy=batch.policy, batch_id=batch.batch_id, digest=batch.digest(), trajectories=len(batch.refs))
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A batch planned this turn: published after the turn's commit."""
+
+    lane: PolicyLane
+    batch: Batch
+    release: list[str]  # the trajectories of its fresh groups: acked once its publication is durable
 
 
 class BatchServer:
@@ -54,45 +71,49 @@ class BatchServer:
         self.stats = stats  # the dataflow's heartbeat counters
         self.rng = rng
 
-    async def serve(self) -> None:
-        for lane in self.lanes.values():
-            await self.serve_lane(lane)
+    async def read_backlogs(self) -> None:
+        """The backlog of each trainer whose lane holds a batch worth, as the server counts it now (read before :meth:`plan`)."""
+        ready = [lane for lane in self.lanes.values() if lane.ready(self.cfg.groups_per_batch)]
+        names = self.plane.names
+        lags = await asyncio.gather(*(self.plane.lag(names.batch_stream, names.trainer_consumer(lane.name)) for lane in ready))
+        for lane, lag in zip(ready, lags, strict=True):
+            lane.note_backlog(lag.pending)
 
-    async def serve_lane(self, lane: PolicyLane) -> None:
+    def plan(self) -> list[Planned]:
+        """Every batch the lanes' buffers and their trainers' backlogs allow now, written ahead in the journal."""
+        return [p for lane in self.lanes.values() for p in self.plan_lane(lane)]
+
+    def plan_lane(self, lane: PolicyLane) -> list[Planned]:
         n = self.cfg.groups_per_batch
+        out: list[Planned] = []
         while lane.ready(n):
-            if not await self.trainer_has_room(lane):
-                return
+            if lane.backlog + len(out) >= self.cfg.max_batch_backlog:
+                lane.backpressured()
+                break
             result = lane.choose(n, context(self.lanes, self.cfg.max_staleness), self.rng)
             for task_id, reason in result.dropped:
                 self.settle(lane, task_id, f"dropped:{reason}")
             if not result.batch:
                 if result.dropped:
                     continue
-                return
+                break
             chosen = [h for g in result.batch if (h := self.held(lane, g)) is not None]
             plan = lane.plan(chosen, list(result.taken), created_at=time.time())
             batch = plan.to_batch(lane.name)
             self.journal.write_ahead(plan_record(batch))
             for task_id in plan.tasks:
                 self.journal.record(lane.name, task_id, "batched", batch=plan.batch_id)
-            await self.journal.commit()  # write-ahead: the plan (and its record for the trainer) is durable before the batch exists
-            crash_point("batch_planned")
-            await self.publish(batch)
-            crash_point("batch_published")
-            lane.published(plan.batch_id)
             fresh = set(plan.tasks)
-            self.journal.release(t for h in chosen if h.task_id in fresh for t in h.traj_ids)
-            self.journal.changed()
+            out.append(Planned(lane, batch, [t for h in chosen if h.task_id in fresh for t in h.traj_ids]))
+        return out
 
-    async def trainer_has_room(self, lane: PolicyLane) -> bool:
-        names = self.plane.names
-        lag = await self.plane.lag(names.batch_stream, names.trainer_consumer(lane.name))
-        lane.note_backlog(lag.pending)
-        if lag.pending >= self.cfg.max_batch_backlog:
-            lane.backpressured()
-            return False
-        return True
+    def published(self, planned: list[Planned]) -> None:
+        """These batches are on the plane: their plans are cleared, their fresh trajectories released."""
+        for p in planned:
+            p.lane.published(p.batch.batch_id)
+            self.journal.release(p.release)
+        if planned:
+            self.journal.changed()
 
     def settle(self, lane: PolicyLane, task_id: str, fate: str) -> None:
         held = lane.settle(task_id, fate)
@@ -115,14 +136,15 @@ class BatchServer:
         lane.remember(held)
         return held
 
-    async def publish(self, batch: Batch) -> None:
-        await self.plane.publish(self.plane.names.batch(batch.policy), batch, msg_id=batch.batch_id)
+    def item(self, batch: Batch) -> tuple[str, Message, str | None]:
+        """What to publish for ``batch``: its subject, the manifest, its ``Nats-Msg-Id``."""
+        return self.plane.names.batch(batch.policy), batch, batch.batch_id
 
     async def republish(self, lane: PolicyLane, plan: BatchPlan) -> None:
         """A batch planned before a restart: its plan record written again, the manifest published again under its id."""
         batch = plan.to_batch(lane.name)
         await self.plane.state.put(plan_record(batch))
-        await self.publish(batch)
+        await self.plane.publish(*self.item(batch))
         lane.published(plan.batch_id)
         self.stats["republished_batches"] += 1
         log.info("batch %s was planned before the restart: published again (the server keeps one copy)", plan.batch_id)

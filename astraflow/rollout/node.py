@@ -4,7 +4,8 @@ Joining = binding the shared consumer, fetching the current weights, pulling tas
 ``rollout.tasks_per_generate`` generation slots busy: it admits a task whenever a slot frees, and
 each task is its own workflow call, so a slow task never holds the others back (``slots.py``; the
 engine batches what the slots ask for together). A task is acked only after its trajectories are
-stored. A task the node can never serve (another workflow or policy, another group size, a floor
+stored; tasks that finish together are published in one go and acked together (``outbox.py``).
+A task the node can never serve (another workflow or policy, another group size, a floor
 above any announced version, a prompt the model cannot hold, a meta the reward cannot score: ``task_checks.py``) is dead-lettered with its
 reason before it reaches the workflow. A task the node cannot serve yet (weights older
 than the task allows) is nak'ed back with a delay. A node told to stop (SIGTERM) stops
@@ -35,6 +36,7 @@ from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.models import encode_prompt, load_tokenizer, model_limits
 from astraflow.rollout.engines.base import SamplingParams, StaleWeights, close_engine
 from astraflow.rollout.engines.registry import build_engine
+from astraflow.rollout.outbox import Outbox
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.slots import Slots
 from astraflow.rollout.task_checks import TaskProblem, TaskRules, check_prompt, check_task, check_versions
@@ -100,6 +102,7 @@ class RolloutNode:
         self.endpoint = ""  # that endpoint's address, when the workflow serves one (advertised in heartbeats)
         self._exported: dict[tuple[str, str], float] = {}  # counters' values at the last export
         self.slots: Slots | None = None  # the generation slots, once joined
+        self.outbox = Outbox(plane, self._count_publish)  # finished tasks: published and acked together
         self._admission_closed = asyncio.Event()  # set once the node admits no more tasks (told to stop)
 
     # ------------------------------------------------------------ metrics
@@ -299,6 +302,9 @@ class RolloutNode:
         if not await asyncio.to_thread(host.wait_idle, self.recipe.rollout.drain_timeout):
             log.info("left with agent sessions open: their agents' tasks are redelivered")
 
+    def _count_publish(self, seconds: float) -> None:
+        self.stats["publish_s"] += seconds
+
     def _publish_from_thread(self, trajs: list[Trajectory]) -> None:
         """Publish an agent session's trajectories (called from the endpoint's threads); returns once they are stored."""
         assert self._loop is not None
@@ -379,9 +385,8 @@ class RolloutNode:
                 await asyncio.wait_for(d.nak(), 5)
             self.stats["drained_naks"] += 1
             return
-        t1 = time.perf_counter()
-        try:
-            await publish_trajectories(self.plane, trajs)  # one too large for a message goes by reference (object store)
+        try:  # published with the trajectories of the tasks that finished meanwhile, then acked (``outbox.py``)
+            await self.outbox.settle(d, trajs)  # one too large for a message goes by reference (object store)
         except MessageTooLarge as e:  # even by reference it will never fit: dead-letter the task rather than retry it forever
             await d.reject(f"trajectory too large to publish: {e}")
             self.stats["failed"] += 1
@@ -392,8 +397,6 @@ class RolloutNode:
                 await d.nak(delay=2.0)
             self.stats["failed"] += 1
             return
-        await d.ack()  # only now: the trajectories are stored
-        self.stats["publish_s"] += time.perf_counter() - t1
         self.stats["tasks"] += 1
         self.stats["trajectories"] += len(trajs)
         self.stats["tokens"] += sum(len(t.completion_ids) // 4 for t in trajs)

@@ -24,6 +24,7 @@ from nats.js.errors import NotFoundError
 
 from astraflow.streams.codec import DecodeError, decode
 from astraflow.streams.messages import Message
+from astraflow.streams.pull import PullRequests
 
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
@@ -106,22 +107,18 @@ class Consumer(Generic[M]):
     def __init__(self, plane: Plane, stream: str, durable: str, model: type[M]) -> None:
         self._plane = plane
         self.stream, self.durable, self.model = stream, durable, model
-        self._sub: JetStreamContext.PullSubscription | None = None
-
-    async def _bound(self) -> JetStreamContext.PullSubscription:
-        if self._sub is None:
-            self._sub = await self._plane._js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
-        return self._sub
+        self._pulls: PullRequests | None = None
 
     async def pull(self, batch: int = 1, timeout: float = 1.0) -> list[Delivery[M]]:
         """Fetch up to ``batch`` messages; an empty list on timeout. Bad ones go to the DLQ."""
-        sub = await self._bound()
+        if self._pulls is None:
+            self._pulls = PullRequests(self._plane._nc, self._plane.api_prefix, self.stream, self.durable)
         try:
-            raws = await sub.fetch(batch=batch, timeout=timeout)
+            raws = await self._pulls.fetch(batch, timeout)
         except (NatsTimeout, asyncio.TimeoutError):
             return []
         except NotFoundError:  # the server forgot the consumer (a restart without its store): make it again
-            self._sub = None
+            self._pulls = None
             await self._plane.recreate_consumer(self.stream, self.durable)
             return []
         out: list[Delivery[M]] = []

@@ -89,8 +89,8 @@ async def read_seqs(nc: Client, api_prefix: str, stream: str, seqs: Iterable[int
         highest = first - 1
         try:
             await nc.publish(f"{api_prefix}.DIRECT.GET.{stream}", json.dumps(body).encode(), reply=reply)
-            while True:
-                msg = await asyncio.wait_for(queue.get(), timeout)
+            while True:  # what has arrived is taken without a timer; only an empty queue is waited on
+                msg = queue.get_nowait() if not queue.empty() else await asyncio.wait_for(queue.get(), timeout)
                 headers = msg.headers or {}
                 status = headers.get("Status")
                 if status in ("204", "404"):  # end of the batch; nothing at or after ``first``

@@ -203,6 +203,11 @@ class Plane:
         return self._gone.seconds()
 
     @property
+    def api_prefix(self) -> str:
+        """The JetStream API's subject prefix in this plane's domain."""
+        return f"$JS.{self.domain}.API" if self.domain else "$JS.API"
+
+    @property
     def max_payload(self) -> int:
         return int(self._nc.max_payload)
 
@@ -447,8 +452,7 @@ class Plane:
         """The messages at ``seqs`` of ``stream``, decoded, in the order asked: batched direct gets, a few requests
         for the lot (``streams/direct.py``). Raises ``MissingMessages`` naming every sequence that is gone, and
         ``DecodeError`` for one that does not decode. Decoding runs on a thread: the event loop keeps beating."""
-        api_prefix = f"$JS.{self.domain}.API" if self.domain else "$JS.API"
-        got = await read_seqs(self._nc, api_prefix, stream, seqs, timeout=timeout)
+        got = await read_seqs(self._nc, self.api_prefix, stream, seqs, timeout=timeout)
         return await asyncio.to_thread(lambda: [decode(got[s].data, model) for s in seqs])
 
     def follower(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,

@@ -1,0 +1,96 @@
+"""The lean paths of the plane against a real nats-server: pulls that wake once per burst (``streams/pull.py``) and a
+node's group settlement of finished tasks (``rollout/outbox.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from astraflow.rollout.outbox import Outbox
+from astraflow.streams.messages import Task, Trajectory
+from astraflow.streams.plane import Plane
+from astraflow.streams.trajectories import publish_trajectories
+
+
+def task(i: int) -> Task:
+    return Task(task_id=f"t{i:04d}", workflow="math", policy="solver", prompt_id=f"p{i}", prompt="1+1", group_size=2)
+
+
+def trajectory(t: Task, i: int) -> Trajectory:
+    n = 6
+    return Trajectory(traj_id=f"{t.task_id}.{i}", task_id=t.task_id, prompt_id=t.prompt_id, policy="solver", index=i,
+                      group_size=t.group_size, prompt_ids=np.arange(3), completion_ids=np.arange(n), logprobs=np.full(n, -0.5),
+                      versions=np.zeros(n, np.int32), loss_mask=np.ones(n, np.uint8), reward=float(i))
+
+
+async def publish_tasks(plane: Plane, n: int, start: int = 0) -> None:
+    await plane.publish_many([(plane.names.task("math"), task(i), task(i).task_id) for i in range(start, start + n)])
+
+
+async def test_every_message_is_handed_out_once_across_pulls(plane: Plane):
+    await publish_tasks(plane, 300)
+    tasks = plane.consumer(plane.names.task_stream, plane.names.pool_consumer("raas"), Task)
+    seen: list[str] = []
+    while len(seen) < 300:
+        got = await tasks.pull(batch=64, timeout=5.0)
+        assert got, "a pull came back empty while messages were pending"
+        assert len(got) <= 64
+        seen += [d.msg.task_id for d in got]
+        for d in got:
+            await d.ack()
+    assert sorted(seen) == [task(i).task_id for i in range(300)]
+    assert await tasks.pull(batch=64, timeout=0.3) == []
+    await settled(plane)
+
+
+async def settled(plane: Plane) -> None:
+    """Wait (up to 10 s) until the server has processed every ack of the task consumer."""
+    deadline = time.monotonic() + 10.0
+    while (lag := await plane.lag(plane.names.task_stream, plane.names.pool_consumer("raas"))).ack_pending or lag.pending:
+        assert time.monotonic() < deadline, f"tasks still unsettled: {lag}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_waiting_pull_returns_with_the_first_arrivals_not_at_its_timeout(plane: Plane):
+    tasks = plane.consumer(plane.names.task_stream, plane.names.pool_consumer("raas"), Task)
+    waiting = asyncio.ensure_future(tasks.pull(batch=64, timeout=60.0))
+    await asyncio.sleep(0.2)  # let the pull find nothing and wait
+    t0 = time.monotonic()
+    await publish_tasks(plane, 3)
+    got = await asyncio.wait_for(waiting, 30.0)
+    assert 1 <= len(got) <= 3 and time.monotonic() - t0 < 30.0  # nats-py's fetch would wait for 64 or the full 60 s
+    rest = await tasks.pull(batch=64, timeout=5.0) if len(got) < 3 else []
+    assert sorted(d.msg.task_id for d in got + rest) == ["t0000", "t0001", "t0002"]
+
+
+async def test_tasks_that_finish_together_are_settled_together(plane: Plane):
+    await publish_tasks(plane, 12)
+    tasks = plane.consumer(plane.names.task_stream, plane.names.pool_consumer("raas"), Task)
+    got = await tasks.pull(batch=12, timeout=5.0)
+    while len(got) < 12:
+        got += await tasks.pull(batch=12 - len(got), timeout=5.0)
+    outbox = Outbox(plane)
+    await asyncio.gather(*(outbox.settle(d, [trajectory(d.msg, i) for i in range(2)]) for d in got))
+    assert outbox.settlements == 1  # one pipelined publish of 24 trajectories, one wait, then 12 acks
+    await settled(plane)  # every task acked
+    assert await plane.stream_msgs(plane.names.traj_stream) == 24
+    trajs = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
+    stored = await trajs.pull(batch=24, timeout=5.0)
+    assert sorted(d.msg.traj_id for d in stored) == sorted(f"{d.msg.task_id}.{i}" for d in got for i in range(2))
+
+
+async def test_a_task_settled_again_stores_nothing_twice(plane: Plane):
+    """A task redelivered after its trajectories were stored (its node died before the ack) is settled again:
+    the server drops the copies by their ids, and the new delivery is acked."""
+    await publish_tasks(plane, 1)
+    tasks = plane.consumer(plane.names.task_stream, plane.names.pool_consumer("raas"), Task)
+    (first,) = await tasks.pull(batch=1, timeout=5.0)
+    await publish_trajectories(plane, [trajectory(first.msg, i) for i in range(2)])
+    await first.nak()  # as if the node had died before its ack: the task comes back
+    (again,) = await tasks.pull(batch=1, timeout=5.0)
+    assert again.msg.task_id == first.msg.task_id and again.num_delivered == 2
+    await Outbox(plane).settle(again, [trajectory(again.msg, i) for i in range(2)])
+    assert await plane.stream_msgs(plane.names.traj_stream) == 2
+    await settled(plane)
