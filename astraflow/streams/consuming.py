@@ -82,8 +82,12 @@ class Delivery(Generic[M]):
         """The original bytes, as published."""
         return self._raw.data
 
-    async def ack(self) -> None:
-        await self._raw.ack()
+    async def ack(self, confirm: bool = False) -> None:
+        """Acknowledge it; with ``confirm``, wait until the server says it took the ack (one round trip)."""
+        if confirm:
+            await self._raw.ack_sync()
+        else:
+            await self._raw.ack()
 
     async def nak(self, delay: float | None = None) -> None:
         await self._raw.nak(delay=delay)

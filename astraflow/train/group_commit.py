@@ -111,7 +111,7 @@ class GroupCommit:
         while self._held and (self.ckpt is None or self._held[0].version <= self.durable):
             h = self._held.pop(0)
             h.keep_alive.cancel()
-            await h.delivery.ack()
+            await h.delivery.ack(confirm=True)  # the server has it before the next: acks land in version order
             crash_point("after_ack", h.version)
             if self._held and (self.ckpt is None or self._held[0].version <= self.durable):
                 crash_point("between_acks", h.version)
