@@ -83,11 +83,15 @@ class Delivery(Generic[M]):
         return self._raw.data
 
     async def ack(self, confirm: bool = False) -> None:
-        """Acknowledge it; with ``confirm``, wait until the server says it took the ack (one round trip)."""
-        if confirm:
-            await self._raw.ack_sync()
-        else:
+        """Acknowledge it; with ``confirm``, wait until the server says it took the ack (one round trip). A confirmation
+        that does not come is no error: the ack was sent, and a message whose ack was lost is redelivered."""
+        if not confirm:
             await self._raw.ack()
+            return
+        try:
+            await self._raw.ack_sync()
+        except NatsTimeout:
+            log.warning("the server did not confirm the ack of %s in time", self._raw.subject)
 
     async def nak(self, delay: float | None = None) -> None:
         await self._raw.nak(delay=delay)
