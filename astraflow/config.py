@@ -250,9 +250,12 @@ class TrainerConfig(Strict):
     max_grad_norm: float = Field(1.0, gt=0)
     keyframe_every: int = Field(10, ge=1)
     """A full keyframe every K versions (and at start); deltas in between."""
-    checkpoint_every: int = Field(1, ge=1)
-    """With ``--checkpoint-dir``: checkpoint every N versions, before that version is announced. 1 makes a
-    restart exact; N > 1 resumes from the last announced bf16 weights and the last checkpoint's optimizer."""
+    checkpoint_every: int = Field(10, ge=1)
+    """With ``--checkpoint-dir``: checkpoint every N versions, snapshotted before that version is announced and
+    written in the background (group commit, ``train/group_commit.py``); a batch is acked once a durable checkpoint
+    covers its version. A restart replays the announced batches after its checkpoint and is exact when each replayed
+    version hashes to the announced digest. At most half of ``plane.weights_history`` (the replay reads those
+    announcements back)."""
     checkpoint_keep: int = Field(2, ge=1)
     """Checkpoints kept on disk (the newest ones)."""
     threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
@@ -408,6 +411,11 @@ class Recipe(Strict):
             raise ValueError("dataflow.max_tasks_in_flight must be >= dataflow.groups_per_batch, or no batch ever fills")
         if self.eval.policy is not None and self.eval.policy not in self.policies:
             raise ValueError(f"eval.policy {self.eval.policy!r} is not one of the policies {list(self.policies)}")
+        for name, policy in self.policies.items():  # a restart replays up to ~2 x checkpoint_every announced versions
+            if 2 * policy.trainer.checkpoint_every > self.plane.weights_history:
+                raise ValueError(f"policy {name!r}: trainer.checkpoint_every ({policy.trainer.checkpoint_every}) must be at most "
+                                 f"half of plane.weights_history ({self.plane.weights_history}): a restart reads back the "
+                                 "announcements since its last checkpoint; raise plane.weights_history or lower checkpoint_every")
         for name, policy in self.policies.items():  # no prompt would fit: every task would be turned away, for ever
             if policy.model.pretrained is None and self.rollout.max_new_tokens >= policy.model.max_positions:
                 raise ValueError(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt in "

@@ -122,6 +122,7 @@ EXPECT: dict[tuple[str, str], set[str]] = {
     ("pub", f"{API}.STREAM.CREATE.AF_{R}_TASK"): {"admin", "dataflow"},
     # reads
     ("pub", f"{API}.CONSUMER.CREATE.AF_{R}_WEIGHTS"): set(USERS) - {"observer"} | {"observer"},
+    ("pub", f"{API}.STREAM.MSG.GET.AF_{R}_BATCH"): {"admin", "trainer-solver", "trainer-verifier"},  # replay after a restart
     ("pub", f"{API}.STREAM.MSG.GET.AF_{R}_TRAJ"): {"admin"},  # trainers read batches' trajectories with direct gets
     ("pub", f"{API}.DIRECT.GET.AF_{R}_TRAJ"): {"admin", "trainer-solver", "trainer-verifier"},
     ("pub", f"{API}.CONSUMER.CREATE.OBJ_af_{R}_traj_objects"): {"admin", "dataflow", "trainer-solver", "trainer-verifier"},

@@ -1,15 +1,16 @@
-"""Exact resume: SIGKILL the trainer process at every crash point of its loop and at an arbitrary
-moment, restart it from its checkpoint directory, and check what the plane recorded."""
+"""Exact resume with a checkpoint every version: SIGKILL the trainer process at crash points of its loop
+and at an arbitrary moment, restart it from its checkpoint directory, and check what the plane recorded.
+Group commit (a checkpoint every K > 1 versions, replay on restart): tests/test_group_commit.py."""
 
 from __future__ import annotations
 
 import signal
 
 import pytest
-import torch
 from test_train_support import (
     Announcements,
     VersionHolder,
+    check_exact,
     check_record,
     make_batches,
     publish_batches,
@@ -18,12 +19,8 @@ from test_train_support import (
     write_recipe,
 )
 
-from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import DoneRecord
-from astraflow.train.threads import threads_for
-from astraflow.train.torch_backend import TorchBackend
-from astraflow.weights.delta import state_digest
 from astraflow.weights.sync import WeightSync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # real trainer processes
@@ -31,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # real trainer proces
 
 async def test_kill_at_every_crash_point_resumes_exactly(nats_server, run_id, tmp_path):
     steps = 8
-    recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=steps)
+    recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=steps, checkpoint_every=1)
     plane = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "test")
     await plane.ensure_topology(recipe.topology())
     anns = await Announcements(plane).start()
@@ -56,21 +53,7 @@ async def test_kill_at_every_crash_point_resumes_exactly(nats_server, run_id, tm
         check_record(record, batches, steps)
         assert "was trained before the restart" in log.read_text()  # the redelivered batches were acked untrained
 
-        # exact: replaying the announced batch order in one uninterrupted run gives every announced digest
-        pcfg = recipe.policies["solver"]
-        tok = load_tokenizer(pcfg.model.tokenizer)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(threads_for(pcfg.trainer.threads))
-        try:
-            torch.manual_seed(pcfg.trainer.seed)
-            backend = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer)
-            by_id = {b.batch_id: b for b in batches}
-            assert state_digest(backend.state_dict_bf16()) == record[0].state_digest
-            for a in record[1:]:
-                backend.step(by_id[a.batch_ids[0]])
-                assert state_digest(backend.state_dict_bf16()) == a.state_digest, f"v{a.version} differs"
-        finally:
-            torch.set_num_threads(threads)
+        check_exact(recipe, "solver", record, batches)  # an uninterrupted run in the announced order gives every digest
 
         # and a late joiner can follow the whole chain across the restarts (deltas onto exact bases)
         holder = VersionHolder()

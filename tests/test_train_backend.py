@@ -136,6 +136,34 @@ def test_checkpoint_roundtrip_continues_bit_exactly(setup, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ck").glob("v*")) == ["v00000002", "v00000003"]
 
 
+def test_background_snapshot_writes_what_save_writes_as_of_when_it_was_taken(setup, tmp_path):
+    """Group commit: the snapshot is a copy taken at once (the step after it does not leak into the file), written
+    later as a checkpoint that loads to the same trainer as a synchronous save at that point (tied weights too)."""
+    pcfg, tok, batches = setup
+    cfg = pcfg.trainer.model_copy(update={"kl_coef": 0.1})
+    torch.manual_seed(0)
+    a = TorchBackend(build_model(pcfg.model, tok), tok, cfg)
+    assert any(p.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()  # the model ties weights
+               for n, p in a.module.state_dict().items() for m, q in a.module.state_dict().items() if n < m)
+    a.step(batches[0])
+    ckpt = Checkpointer(tmp_path / "ck", keep=3)
+    synchronous = ckpt.save(a, CheckpointMeta(version=1, policy="solver", trained=["b0"]))
+    expected = a.full_state()
+    snap = ckpt.snapshot(a, CheckpointMeta(version=2, policy="solver", trained=["b0"]))
+    assert snap is not None and snap.reference is None  # the reference file exists already
+    a.step(batches[1])  # training goes on while the snapshot waits to be written
+    written = ckpt.write(snap)
+    assert ckpt.latest() == (written, CheckpointMeta(**{**snap.meta.__dict__}))
+    for path in (synchronous, written):  # both restore the trainer as of the snapshot, bit for bit
+        b = TorchBackend(build_model(pcfg.model.model_copy(update={"seed": 7}), tok), tok, cfg)
+        ckpt.load(b, path)
+        assert _max_diff(b.full_state(), expected) == 0.0
+        c = TorchBackend(build_model(pcfg.model.model_copy(update={"seed": 8}), tok), tok, cfg)
+        ckpt.load(c, synchronous)
+        assert b.step(batches[1])["loss"] == c.step(batches[1])["loss"]
+        assert _max_diff(b.full_state(), c.full_state()) == 0.0 and _max_diff(b.full_state(), a.full_state()) == 0.0
+
+
 def test_registry_and_config_errors_say_what_to_do(setup):
     pcfg, tok, _ = setup
     with pytest.raises(ValueError, match="registered"):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 
 from astraflow.config import Recipe, load_recipe
@@ -19,6 +20,9 @@ from astraflow.streams.state import BatchPlanRecord
 from astraflow.streams.trajectories import TrainingBatch, publish_trajectories
 from astraflow.tasks import load_split
 from astraflow.train.synthetic import sample_batches
+from astraflow.train.threads import threads_for
+from astraflow.train.torch_backend import TorchBackend
+from astraflow.weights.delta import state_digest
 
 TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
 
@@ -147,3 +151,22 @@ def check_record(anns: list[WeightVersion], batches: list[TrainingBatch], steps:
     assert versions == list(range(steps + 1)), versions  # monotonic, no duplicate, no gap, no reuse
     trained = [b for a in anns for b in a.batch_ids]
     assert sorted(trained) == sorted(b.batch_id for b in batches)  # every batch exactly once
+
+
+def check_exact(recipe: Recipe, policy: str, anns: list[WeightVersion], batches: list[TrainingBatch]) -> None:
+    """Exact: one uninterrupted run from the recipe's initial weights, stepping the announced batches in the announced
+    order, gives every announced digest (so no batch was trained twice, or lost, into the weights)."""
+    pcfg = recipe.policies[policy]
+    tok = load_tokenizer(pcfg.model.tokenizer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads_for(pcfg.trainer.threads))
+    try:
+        torch.manual_seed(pcfg.trainer.seed)
+        backend = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer)
+        by_id = {b.batch_id: b for b in batches}
+        assert state_digest(backend.state_dict_bf16()) == anns[0].state_digest
+        for a in anns[1:]:
+            backend.step(by_id[a.batch_ids[0]])
+            assert state_digest(backend.state_dict_bf16()) == a.state_digest, f"v{a.version} differs"
+    finally:
+        torch.set_num_threads(threads)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js import JetStreamContext, api
+from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import NotFoundError
 
 from astraflow.streams.codec import DecodeError, decode
@@ -83,8 +83,16 @@ class Delivery(Generic[M]):
         """The original bytes, as published."""
         return self._raw.data
 
-    async def ack(self) -> None:
-        await self._raw.ack()
+    async def ack(self, confirm: bool = False) -> None:
+        """Acknowledge it; with ``confirm``, wait until the server says it took the ack (one round trip). A confirmation
+        that does not come is no error: the ack was sent, and a message whose ack was lost is redelivered."""
+        if not confirm:
+            await self._raw.ack()
+            return
+        try:
+            await self._raw.ack_sync()
+        except NatsTimeout:
+            log.warning("the server did not confirm the ack of %s in time", self._raw.subject)
 
     async def nak(self, delay: float | None = None) -> None:
         await self._raw.nak(delay=delay)
@@ -247,6 +255,25 @@ async def read_history(js: JetStreamContext, stream: str, subject: str, model: t
         except DecodeError as e:
             on_bad(m.subject, str(e))
     return out
+
+
+async def read_subject(jsm: JetStreamManager, stream: str, subject: str, model: type[M],
+                       on_bad: OnBad = log_bad) -> list[tuple[int, M]]:
+    """Every message ``stream`` holds on ``subject`` with its sequence, decoded, oldest first. One ``STREAM.MSG.GET``
+    (``next_by_subj``) per message and no consumer: it reads a work-queue stream, where a consumer may not overlap
+    the durable one. For a few messages (a trainer's batches still in the BATCH stream)."""
+    out: list[tuple[int, M]] = []
+    seq = 1
+    while True:
+        try:
+            raw = await jsm.get_msg(stream, seq, subject=subject, next=True)
+        except NotFoundError:  # nothing at or after ``seq``
+            return out
+        try:
+            out.append((int(raw.seq or 0), decode(raw.data or b"", model)))
+        except DecodeError as e:
+            on_bad(subject, str(e))
+        seq = int(raw.seq or 0) + 1
 
 
 class Subscription:

@@ -153,6 +153,7 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
               sub=[s.subject("hb"), f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s.stream('task')}.>"])
     elif role == "trainer":
         p.add(pub=[*_pulls(s.stream("batch"), "*" if policy == "*" else f"trainer-{policy}"), *_reads_weights(s),
+                   f"{API}.STREAM.MSG.GET.{s.stream('batch')}",  # its unacked batches, replayed after a restart
                    f"{API}.DIRECT.GET.{s.stream('traj')}", *_reads_trajectory_objects(s),
                    s.subject("weights", policy), s.subject("dlq", "batch"),
                    f"$O.{s.obj_bucket}.C.>", f"$O.{s.obj_bucket}.M.>", f"{API}.STREAM.PURGE.{s.obj_stream}",

@@ -41,6 +41,7 @@ from astraflow.streams.consuming import (
     Subscription,
     log_bad,
     read_history,
+    read_subject,
 )
 from astraflow.streams.credentials import Credential, redact
 from astraflow.streams.direct import read_seqs
@@ -467,6 +468,10 @@ class Plane:
         """Every message ``stream`` still holds on ``subject`` (or only the last), decoded, oldest first."""
         js = self._js_for(domain or self.domain)
         return await read_history(js, stream or self._stream_of(subject), subject, model, last_only, on_bad=on_bad)
+
+    async def held(self, stream: str, subject: str, model: type[M]) -> list[tuple[int, M]]:
+        """(sequence, message) of every message ``stream`` still holds on ``subject`` (a work queue's unacked ones too)."""
+        return await read_subject(self._jsm, stream, subject, model)
 
     async def follow(self, subject: str, model: type[M], cb: Callable[[M], Awaitable[None]], history: bool = True,
                      on_bad: OnBad = log_bad) -> Subscription:

@@ -8,7 +8,7 @@ saves / loads checkpoints through it.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,6 +43,10 @@ class TrainerBackend(Protocol):
 
     def load(self, path: Path) -> None:
         """Restore what :meth:`save` wrote."""
+
+    def snapshot(self) -> Callable[[Path], None] | None:
+        """Copy what :meth:`save` writes, now; the returned writer writes that copy later, from any thread, while
+        training goes on. None when the backend can only save synchronously (DeepSpeed: a collective save)."""
 
 
 BACKENDS: dict[str, str] = {

@@ -12,6 +12,12 @@ Layout under the checkpoint root (one root per policy, e.g. ``RUN_DIR/checkpoint
 A checkpoint is written into ``.tmp-v00000012/``, every file fsync'ed, then renamed into
 place (and the root fsync'ed), so a crash leaves either the whole checkpoint or none of it.
 The newest ``keep`` checkpoints are kept.
+
+Two ways to write one: :meth:`Checkpointer.save` (synchronous, collective under data parallel), or
+:meth:`Checkpointer.snapshot` (an in-memory copy of weights, optimizer, RNG and meta, taken at once)
+then :meth:`Checkpointer.write` of that copy from another thread while training goes on
+(``train/group_commit.py``). A backend that cannot copy itself (``snapshot()`` is None: DeepSpeed)
+is saved synchronously by ``snapshot``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from astraflow.train.backend import TrainerBackend
+from astraflow.train.crash_points import crash_point
 
 _NAME = re.compile(r"^v(\d{8})$")
 
@@ -46,6 +53,16 @@ class CheckpointMeta:
     created_at: float = field(default_factory=time.time)
     lineage: str = ""  # the weight lineage these weights belong to ("" in checkpoints from before lineages)
     lineage_base: int = 0  # its first version (``trainer.steps`` count from it)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A checkpoint held in memory, not yet written: what :meth:`Checkpointer.write` puts on disk."""
+
+    meta: CheckpointMeta
+    write_backend: Callable[[Path], None]  # writes the copied weights and optimizer state under a directory
+    rng: dict[str, Any]
+    reference: dict[str, torch.Tensor] | None  # the KL reference, while its file is not written yet
 
 
 class Checkpointer:
@@ -69,8 +86,7 @@ class Checkpointer:
 
     def save(self, backend: TrainerBackend, meta: CheckpointMeta) -> Path:
         """Write a checkpoint of ``backend`` at ``meta.version``; a collective call under data parallel."""
-        final = self.root / f"v{meta.version:08d}"
-        tmp = self.root / f".tmp-v{meta.version:08d}"
+        tmp = self._tmp(meta.version)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -81,15 +97,48 @@ class Checkpointer:
         backend.save(tmp)
         torch.save(_rng_state(), tmp / f"rng-{self.rank}.pt")
         self.barrier()
-        if self.rank == 0:
-            (tmp / "meta.json").write_text(json.dumps(asdict(meta)))
-            _fsync_tree(tmp)
-            if final.exists():  # a checkpoint of this version from an earlier life: replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            self._prune()
+        final = self._commit(tmp, meta) if self.rank == 0 else self._final(meta.version)
         self.barrier()
+        return final
+
+    def snapshot(self, backend: TrainerBackend, meta: CheckpointMeta) -> Snapshot | None:
+        """Copy what a checkpoint at ``meta.version`` holds, now, for :meth:`write` later (from any thread); None when
+        the backend cannot copy itself: then the checkpoint is saved here, synchronously (collective)."""
+        write_backend = backend.snapshot()
+        if write_backend is None:
+            self.save(backend, meta)
+            return None
+        reference = None if (self.root / "reference.safetensors").exists() else backend.reference_state()
+        return Snapshot(meta, write_backend, _rng_state(), reference)
+
+    def write(self, snap: Snapshot) -> Path:
+        """Write ``snap`` as a complete checkpoint (temp directory, fsync, atomic rename); one process only."""
+        tmp = self._tmp(snap.meta.version)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        if snap.reference is not None:
+            self.save_reference(snap.reference)
+        snap.write_backend(tmp)
+        torch.save(snap.rng, tmp / f"rng-{self.rank}.pt")
+        crash_point("during_checkpoint_write", snap.meta.version)
+        return self._commit(tmp, snap.meta)
+
+    def _tmp(self, version: int) -> Path:
+        return self.root / f".tmp-v{version:08d}"
+
+    def _final(self, version: int) -> Path:
+        return self.root / f"v{version:08d}"
+
+    def _commit(self, tmp: Path, meta: CheckpointMeta) -> Path:
+        """Rank 0: the meta, every file fsync'ed, then the directory renamed into place (the commit point)."""
+        final = self._final(meta.version)
+        (tmp / "meta.json").write_text(json.dumps(asdict(meta)))
+        _fsync_tree(tmp)
+        if final.exists():  # a checkpoint of this version from an earlier life: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
         return final
 
     def load(self, backend: TrainerBackend, path: Path) -> None:

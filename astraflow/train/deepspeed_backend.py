@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,9 @@ class DeepSpeedBackend(TorchBackend):
         weights = self.full_state()  # gathered on every rank under ZeRO-3
         if self.rank == 0:  # portable weights next to DeepSpeed's own files (tied tensors written once each)
             save_file(weights, str(path / "model.safetensors"))
+
+    def snapshot(self) -> Callable[[Path], None] | None:
+        return None  # DeepSpeed's save is collective over the ranks and reads the engine's live state: saved synchronously
 
     def load(self, path: Path) -> None:
         loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)

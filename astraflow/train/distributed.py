@@ -1,7 +1,7 @@
 """Backend operations every rank of a data-parallel trainer runs together.
 
 Rank 0 is the only rank on the plane: it pulls batches and publishes versions. Each operation
-that involves the model (a step, gathering the weights, a checkpoint) is named by rank 0 and
+that involves the model (a step, gathering the weights, a checkpoint or its in-memory snapshot) is named by rank 0 and
 broadcast to the other ranks, which run it in the same order (:meth:`Collective.follow`).
 With one process this is a plain call.
 
@@ -98,10 +98,10 @@ class Collective:
             return b.state_dict_bf16()
         if op == "load_weights":
             return b.load_weights(*args)
-        if op in ("save", "load"):
+        if op in ("save", "snapshot", "load"):
             if c is None:
                 raise RuntimeError(f"{op}: the trainer has no checkpoint directory")
-            return c.save(b, *args) if op == "save" else c.load(b, *args)
+            return c.save(b, *args) if op == "save" else c.snapshot(b, *args) if op == "snapshot" else c.load(b, *args)
         if op == "noop":
             return None
         if op == "stop":

@@ -3,15 +3,21 @@ a new weight lineage after the plane's newest version. Never under a version num
 
 The plane's last announcement of the policy (``weights.{policy}``) is the truth about which
 versions exist; the checkpoint holds the weights, optimizer, RNG, trained batch ids and the
-lineage. The worker writes a checkpoint *before* announcing its version, so after a crash:
+lineage. The worker snapshots a checkpoint every ``checkpoint_every`` versions *before* announcing
+that version and writes it in the background (``train/group_commit.py``), so after a crash:
 
 * checkpoint v, last announcement v-1 (crashed between the two): announce v now, from the
   checkpoint, as a keyframe; its batch is acked when redelivered;
 * checkpoint v, last announcement v: the publisher takes the checkpoint's bf16 image (same
   digest as announced) as the base of the next delta;
-* checkpoint v, last announcement u > v (``checkpoint_every`` > 1): the weights of u are read
-  back from the plane (bf16), on top of checkpoint v's optimizer state. No version is reused,
-  but the fp32 and optimizer progress since v is approximated: only ``checkpoint_every: 1`` is exact.
+* checkpoint c, last announcement u > c (versions announced since the last durable checkpoint):
+  their batches are still unacked in the BATCH stream; the trainer retrains them in the announced
+  order from checkpoint c, announcing nothing, and checks each replayed version against its
+  announced digest (``train/replay.py``). All match: the resume is exact, and the replayed image is
+  the publisher's base. One does not (or a batch is gone): the announced bf16 weights of u are read
+  back from the plane onto the optimizer state replayed so far, and a warning says the resume is
+  approximate. Either way a checkpoint of u is written before training goes on, so the redelivered
+  batches of c+1..u can be acked untrained.
 
 **Refusals** (:class:`LineageError`; the process exits and says what to do). A trainer whose
 weights would not be the announced ones never announces after them:
@@ -46,6 +52,7 @@ from astraflow.streams.messages import WeightVersion
 from astraflow.streams.plane import Plane
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.distributed import Collective
+from astraflow.train.replay import replay
 from astraflow.weights.checks import in_order
 from astraflow.weights.delta import state_digest
 from astraflow.weights.publish import WeightPublisher
@@ -70,17 +77,15 @@ def new_lineage() -> str:
     return uuid.uuid4().hex[:12]
 
 
-async def last_announcement(plane: Plane, publisher: WeightPublisher, policy: str) -> WeightVersion | None:
-    """The newest ``weights.{policy}`` announcement a node would follow (``checks.in_order``: what a foreign writer
-    put there that no trainer could have made does not count), or None; the publisher's next announcement must
-    follow exactly the subject's last message (a second trainer of the policy that announced meanwhile makes that
-    publish fail)."""
+async def announcements(plane: Plane, publisher: WeightPublisher, policy: str) -> list[WeightVersion]:
+    """The ``weights.{policy}`` announcements a node would follow (``checks.in_order``: what a foreign writer put there
+    that no trainer could have made does not count), oldest first; the publisher's next announcement must follow
+    exactly the subject's last message (a second trainer of the policy that announced meanwhile makes that publish fail)."""
     seq = await plane.last_seq(plane.names.weights_stream, plane.names.weights(policy))
     publisher.follows(seq)
     if not seq:
-        return None
-    valid = in_order(await plane.history(plane.names.weights(policy), WeightVersion), policy)
-    return valid[-1] if valid else None
+        return []
+    return in_order(await plane.history(plane.names.weights(policy), WeightVersion), policy)
 
 
 def adopt(publisher: WeightPublisher, state: dict[str, torch.Tensor], last: WeightVersion) -> None:
@@ -107,7 +112,8 @@ class _Image:
 async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ckpt: Checkpointer | None, policy: str,
                 fresh_lineage: bool = False, skip: int = 0) -> Start:
     """Publish the first version of a lineage, or resume from the newest checkpoint; returns where the trainer stands."""
-    last = await last_announcement(plane, publisher, policy)
+    history = await announcements(plane, publisher, policy)
+    last = history[-1] if history else None
     found = None if fresh_lineage else (ckpt.latest() if ckpt else None)
     if found is None:
         if last is not None and not fresh_lineage:
@@ -143,13 +149,22 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
     if last.version == meta.version:
         adopt(publisher, run_op("state"), last)
         return at
-    # announced past the checkpoint: take those weights back from the plane
-    log.warning("%s: checkpoint v%d is behind the announced v%d (checkpoint_every > 1): resuming from the announced "
-                "bf16 weights and the checkpoint's optimizer state", policy, meta.version, last.version)
-    image = _Image()
-    await WeightSync(plane, policy, image).goto(last.version)
-    assert image.state is not None
-    run_op("load_weights", dict(image.state))
+    # announced past the checkpoint: retrain those versions' batches, checking every digest
+    announced = [a for a in history if a.version > meta.version and a.lineage == last.lineage]
+    done = await replay(plane, run_op, policy, meta.version, announced)
+    if done.problem is None:
+        log.info("%s: replayed v%d..v%d onto checkpoint v%d: every digest is the announced one, the resume is exact",
+                 policy, meta.version + 1, last.version, meta.version)
+    else:
+        log.warning("%s: the resume is approximate: %s. Replayed to v%d; the announced bf16 weights of v%d now sit on that "
+                    "optimizer state", policy, done.problem, done.version, last.version)
+        image = _Image()
+        await WeightSync(plane, policy, image).goto(last.version)
+        assert image.state is not None
+        run_op("load_weights", dict(image.state))
     adopt(publisher, run_op("state"), last)
-    trained = list(meta.trained) + [b for b in last.batch_ids if b not in set(meta.trained)]
+    known = set(meta.trained)
+    trained = list(meta.trained) + [b for a in announced for b in a.batch_ids if b not in known]
+    run_op("save", CheckpointMeta(version=last.version, policy=policy, trained=trained, last_batch_ids=list(last.batch_ids),
+                                  last_metrics=dict(last.metrics), lineage=lineage, lineage_base=meta.lineage_base))
     return Start(last.version, trained, lineage, meta.lineage_base)

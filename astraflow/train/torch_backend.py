@@ -13,12 +13,12 @@ import contextlib
 import copy
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 
 from astraflow.config import TrainerConfig
 from astraflow.streams.trajectories import TrainingBatch
@@ -180,9 +180,47 @@ class TorchBackend:
         save_model(self.module, str(path / "model.safetensors"))
         torch.save(self.opt.state_dict(), path / "optimizer.pt")
 
+    def snapshot(self) -> Callable[[Path], None] | None:
+        """CPU copies of the weights (tied tensors once, as ``save_model`` writes them) and of the optimizer state."""
+        weights, aliases = _untied_copy(self.module.state_dict())
+        optimizer = _cpu_copy(self.opt.state_dict())
+
+        def write(path: Path) -> None:
+            save_file(weights, str(path / "model.safetensors"), metadata=aliases or None)
+            torch.save(optimizer, path / "optimizer.pt")
+
+        return write
+
     def load(self, path: Path) -> None:
         load_model(self.module, str(path / "model.safetensors"), strict=True, device=str(self.device))
         self.opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
+
+
+def _untied_copy(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Contiguous CPU copies of ``state``, a tensor sharing another's storage (tied weights) left out and named in the
+    metadata as an alias of the one kept (``load_model`` resolves it, as for a file ``save_model`` wrote)."""
+    kept: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    weights: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
+        if key in kept:
+            aliases[name] = kept[key]
+            continue
+        kept[key] = name
+        weights[name] = t.detach().to("cpu", copy=True).contiguous()
+    return weights, aliases
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """``obj`` (an optimizer state dict: nested dicts and lists of tensors and numbers) with every tensor copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
 
 
 def _frozen_copy(module: torch.nn.Module) -> torch.nn.Module:

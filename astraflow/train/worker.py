@@ -1,4 +1,4 @@
-"""The trainer worker: pull batches for one policy, vet, step, checkpoint, publish the new version, ack.
+"""The trainer worker: pull batches for one policy, vet, step, publish the new version, checkpoint in groups, ack.
 
 One trainer per policy; each has its own durable consumer (``trainer-{policy}``) and weight
 subject, and none waits for another. Per batch, in this order:
@@ -13,13 +13,16 @@ subject, and none waits for another. Per batch, in this order:
    dead-lettered (``non_finite``) and counted (``skipped_steps``);
 3. the new weights are checked finite (never checkpointed or announced otherwise: the trainer
    stops, and its restart resumes from the last checkpoint);
-4. checkpoint, every ``checkpoint_every`` versions, *before* the announcement;
-5. publish version v+1 (the announcement is the commit point);
-6. ack the batch.
+4. every ``checkpoint_every`` versions, an in-memory snapshot, written in the background
+   (``train/group_commit.py``);
+5. publish version v+1 (the announcement is the version's commit point);
+6. hold the batch unacked (kept alive) until a durable checkpoint covers v+1, then ack it.
 
-A crash between any two of these resumes exactly (see ``train/resume.py``). The time spent
-waiting for a batch is measured: it is the input of autoscaling, exported to Prometheus and
-in heartbeats with the loss parts, diagnostics, gradient norm and tokens/s.
+A crash between any two of these resumes exactly: the restart restores the last durable checkpoint
+and retrains the announced batches after it (still in the BATCH stream: unacked), checking each
+replayed version against its announced digest (see ``train/resume.py``, ``train/replay.py``). The
+time spent waiting for a batch is measured: it is the input of autoscaling, exported to Prometheus
+and in heartbeats with the loss parts, diagnostics, gradient norm and tokens/s.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -47,7 +48,9 @@ from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, fe
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
+from astraflow.train.crash_points import crash_point
 from astraflow.train.distributed import Collective, barrier_for
+from astraflow.train.group_commit import GroupCommit
 from astraflow.train.resume import start
 from astraflow.train.sft import sft
 from astraflow.train.threads import threads_for
@@ -55,22 +58,12 @@ from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, ch
 from astraflow.weights.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
-CRASH_ENV = "ASTRAFLOW_TRAINER_CRASH"
 
 
 def embedding_rows(model: torch.nn.Module) -> int:
     """Rows of the model's input embedding: token ids a batch may hold are below this."""
     embeddings = model.get_input_embeddings()  # type: ignore[operator]
     return int(embeddings.num_embeddings)
-
-
-def crash_point(where: str, version: int) -> None:
-    """Test hook: ``ASTRAFLOW_TRAINER_CRASH=where@version`` SIGKILLs the trainer at that point
-    (``after_step``, ``after_checkpoint``, ``after_publish``, ``after_ack``)."""
-    if os.environ.get(CRASH_ENV) == f"{where}@{version}":
-        log.warning("crash point %s@%d: SIGKILL", where, version)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "trainer", policy: str | None = None,
@@ -120,9 +113,16 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     at = await start(plane, publisher, run_op, ckpt, policy, fresh_lineage, skip=max_lag)
     version, trained = at.version, list(at.trained)
     seen = set(trained)
+    commits = GroupCommit(run_op, ckpt, durable=at.version)  # start() leaves a checkpoint of its version on disk
     waited, started = 0.0, time.monotonic()
     last: dict[str, float] = {}
+    last_ids: list[str] = []
     metrics.set({"version": version})
+
+    def meta_now() -> CheckpointMeta:
+        """What a checkpoint of the current version holds (copies: the loop goes on while it is written)."""
+        return CheckpointMeta(version=version, policy=policy, trained=list(trained), last_batch_ids=list(last_ids),
+                              last_metrics=dict(last), lineage=at.lineage, lineage_base=at.base)
 
     async def beat() -> None:
         elapsed = max(time.monotonic() - started, 1e-9)
@@ -133,10 +133,12 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     watchdog = asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))
     batches = plane.consumer(plane.names.batch_stream, plane.names.trainer_consumer(policy), Batch)
     keepalive_s = max((await batches.settings()).ack_wait / 3, 0.2)
-    log.info("trainer %s at v%d of lineage %s, training to v%d (%s backend, %s loss)", policy, version, at.lineage or "-",
-             at.base + cfg.steps, cfg.backend, cfg.loss.type)
+    log.info("trainer %s at v%d of lineage %s, training to v%d (%s backend, %s loss, checkpoint every %d versions)", policy,
+             version, at.lineage or "-", at.base + cfg.steps, cfg.backend, cfg.loss.type, cfg.checkpoint_every)
+    settled = False
     try:
         while version < at.base + cfg.steps and not stop.is_set():
+            await commits.settle()
             t0 = time.monotonic()
             got = await batches.pull(batch=1, timeout=1.0)
             wait = time.monotonic() - t0
@@ -146,7 +148,9 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 continue
             d = got[0]
             manifest = d.msg
-            if manifest.batch_id in seen:  # trained before a crash that came before its ack
+            if manifest.batch_id in seen:  # trained before a crash that came before its ack, or held here
+                if commits.redelivered(d, asyncio.create_task(_keep_alive(d, keepalive_s))):
+                    continue
                 log.info("%s was trained before the restart: ack without training", manifest.batch_id)
                 metrics.inc({"redelivered_trained_batches": 1})
                 await d.ack()
@@ -162,6 +166,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 await d.reject(refused)
                 continue
             keep = asyncio.create_task(_keep_alive(d, keepalive_s))
+            held = False
             try:
                 t_fetch = time.monotonic()
                 batch = await _fetch(plane, d, metrics)
@@ -190,6 +195,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 seen.add(batch.batch_id)
                 elapsed = time.monotonic() - started
                 last = {**step, "wait_frac": waited / elapsed, "batch_wait_s": wait, "fetch_s": fetch_s}
+                last_ids = [batch.batch_id]
                 state = await asyncio.to_thread(run_op, "state")
                 bad = non_finite(state)
                 if bad:  # not the data's doing (the step was finite and clipped): stop before anything is written
@@ -197,23 +203,25 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                     raise RuntimeError(f"{policy} weights turned non-finite after {batch.batch_id}; nothing was checkpointed or "
                                        "announced: a restart resumes from the last checkpoint")
                 if ckpt is not None and version % cfg.checkpoint_every == 0:
-                    meta = CheckpointMeta(version=version, policy=policy, trained=trained, last_batch_ids=[batch.batch_id],
-                                          last_metrics=last, lineage=at.lineage, lineage_base=at.base)
-                    await asyncio.to_thread(run_op, "save", meta)
-                    crash_point("after_checkpoint", version)
-                ann = await publisher.publish(state, version, [batch.batch_id], last)
+                    await commits.checkpoint(meta_now())
+                ann = await publisher.publish(state, version, last_ids, last)
                 crash_point("after_publish", version)
+                commits.hold(version, d, keep)
+                held = True
             finally:
-                keep.cancel()
-            await d.ack()
-            crash_point("after_ack", version)
+                if not held:
+                    keep.cancel()
             metrics.set({**last, "version": version})
             metrics.inc({"trained_tokens": step["tokens"], "trained_batches": 1})
-            log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (%s)", version, batch.batch_id, step["loss"],
-                     step["reward_mean"], 100 * last["wait_frac"], ann.encoding)
+            log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (%s, %d held)", version, batch.batch_id, step["loss"],
+                     step["reward_mean"], 100 * last["wait_frac"], ann.encoding, commits.held)
+        await commits.finish(meta_now())  # finished or stopped: everything trained durable, every batch acked
+        settled = True
         if version >= at.base + cfg.steps:  # finished, not stopped
             await plane.state.put(DoneRecord(policy=policy, version=version))
     finally:
+        if not settled:
+            await commits.abandon()
         stop.set()
         await asyncio.gather(beats, watchdog, return_exceptions=True)
         await plane.close()

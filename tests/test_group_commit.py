@@ -1,0 +1,87 @@
+"""Group commit: a checkpoint every K versions written in the background, batch acks held until a durable
+checkpoint covers them, and a restart that replays the announced batches after its checkpoint. SIGKILL the
+trainer at the group-commit crash points (after the snapshot, in the middle of the background write, between
+the held acks, after an announcement past the checkpoint) and check that the resume is exact."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+from test_train_support import (
+    Announcements,
+    VersionHolder,
+    check_exact,
+    check_record,
+    make_batches,
+    publish_batches,
+    spawn_trainer,
+    wait_exit,
+    write_recipe,
+)
+
+from astraflow.streams.messages import Batch
+from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.state import DoneRecord
+from astraflow.weights.sync import WeightSync
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real trainer processes
+
+
+async def test_kills_at_the_group_commit_points_resume_exactly(nats_server, run_id, tmp_path):
+    steps = 12
+    recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=steps, checkpoint_every=3)
+    plane = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "test")
+    await plane.ensure_topology(recipe.topology())
+    anns = await Announcements(plane).start()
+    batches = make_batches(recipe, "solver", steps, seed=2)
+    await publish_batches(plane, batches)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "trainer.log"
+
+    async def unacked() -> set[str]:
+        return {b.batch_id for _, b in await plane.held(plane.names.batch_stream, plane.names.batch("solver"), Batch)}
+
+    try:
+        # v1, v2 announced, the snapshot of v3 taken, nothing written: v0 is the only checkpoint, and the batches
+        # of v1 and v2 are still in the BATCH stream (held, unacked)
+        proc = spawn_trainer(recipe_file, nats_server.url, run_id, "solver", log, ckpt, crash="after_snapshot@3")
+        assert await wait_exit(proc) == -signal.SIGKILL, log.read_text()[-3000:]
+        assert sorted(p.name for p in ckpt.glob("v*")) == ["v00000000"]
+        assert {b for a in anns.of("solver")[1:] for b in a.batch_ids} <= await unacked()
+        assert [a.version for a in anns.of("solver")] == [0, 1, 2]
+
+        # killed in the middle of writing v6 in the background: the half-written directory is never taken
+        proc = spawn_trainer(recipe_file, nats_server.url, run_id, "solver", log, ckpt, crash="during_checkpoint_write@6")
+        assert await wait_exit(proc) == -signal.SIGKILL, log.read_text()[-3000:]
+        assert (ckpt / ".tmp-v00000006").is_dir() and not (ckpt / "v00000006").exists()
+        assert "replayed v1..v2 onto checkpoint v0" in log.read_text()
+
+        # checkpoint v9 durable, killed after acking the batch of v7 and before those of v8, v9
+        proc = spawn_trainer(recipe_file, nats_server.url, run_id, "solver", log, ckpt, crash="between_acks@7")
+        assert await wait_exit(proc) == -signal.SIGKILL, log.read_text()[-3000:]
+        assert not (ckpt / ".tmp-v00000006").exists() and (ckpt / "v00000009").is_dir()
+        assert anns.of("solver")[7].batch_ids[0] not in await unacked()  # acked: the durable v9 holds it
+        assert {anns.of("solver")[v].batch_ids[0] for v in (8, 9)} <= await unacked()
+
+        # v11 announced past checkpoint v9, then killed; the last life replays v10, v11 and finishes
+        proc = spawn_trainer(recipe_file, nats_server.url, run_id, "solver", log, ckpt, crash="after_publish@11")
+        assert await wait_exit(proc) == -signal.SIGKILL, log.read_text()[-3000:]
+        proc = spawn_trainer(recipe_file, nats_server.url, run_id, "solver", log, ckpt)
+        assert await wait_exit(proc) == 0, log.read_text()[-3000:]
+
+        text = log.read_text()
+        assert "approximate" not in text and re.search(r"replayed v1?\d\.\.v11 onto checkpoint v(9|10):", text)
+        assert (await plane.state.get(DoneRecord, "solver")).version == steps
+        record = await anns.settle("solver", steps)
+        check_record(record, batches, steps)  # every version announced once, every batch in exactly one version
+        check_exact(recipe, "solver", record, batches)  # the weights are those of one uninterrupted run
+        assert record[steps].batch_ids[0] not in await unacked()  # the last life made its end durable and acked it
+        holder = VersionHolder()
+        await WeightSync(plane, "solver", holder).goto(steps)
+        assert holder.version == steps
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await anns.close()
+        await plane.close()
