@@ -5,8 +5,8 @@ Each tree runs in its own child processes (``PYTHONPATH`` = the tree), on a fres
 
 1. **node**: a Qwen2 of 1.08 M parameters (hidden 128, 4 layers; 2.2 MB in bf16) takes real AdamW steps on random
    tokens; a ``WeightPublisher`` announces each as a delta; a ``WeightSync`` with an ``hf`` engine follows. Per
-   version: the fetch (``_payload``) and the apply (``_apply_chain`` less the fetch: decode, apply, state digest,
-   install into the engine), medians.
+   version: fetch + apply (``_apply_chain``: fetch, decode, apply, state digest, install into the engine; a streaming
+   node overlaps them), and, for a tree whose node fetches whole (``_payload``), the fetch and the rest apart; medians.
 2. **trainer**: the arithmetic recipe's shape (the same model, 8 prompts x 8 samples per batch) trained by the real
    trainer worker (``astraflow worker trainer``) from planned batches published beforehand, with a checkpoint
    directory. Per version: the time between two announcements less the step, the batch fetch and the wait for the
@@ -69,7 +69,7 @@ async def node_child(versions: int) -> dict[str, object]:
             await plane.ensure_topology(recipe.topology())
             pub = WeightPublisher(plane, "solver", keyframe_every=10_000)
             sync = WeightSync(plane, "solver", HFEngine(build_model(pcfg.model, tok), tok))
-            payload, apply_chain = sync._payload, sync._apply_chain
+            payload, apply_chain = getattr(sync, "_payload", None), sync._apply_chain  # _payload: a node that fetches whole
 
             async def timed_payload(ann):
                 t = time.perf_counter()
@@ -82,7 +82,9 @@ async def node_child(versions: int) -> dict[str, object]:
                 await apply_chain(c)
                 chain.append(time.perf_counter() - t)
 
-            sync._payload, sync._apply_chain = timed_payload, timed_chain  # type: ignore[method-assign]
+            sync._apply_chain = timed_chain  # type: ignore[method-assign]
+            if payload is not None:  # a streaming node (no _payload) fetches while it applies: one figure, fetch + apply
+                sync._payload = timed_payload
             await pub.publish(model.state_dict(), 0)
             await sync.wait_for(0)
             fetch.clear()
@@ -99,10 +101,10 @@ async def node_child(versions: int) -> dict[str, object]:
         finally:
             await plane.close()
             server.stop()
-    applies = [c - f for c, f in zip(chain, fetch)]
+    applies = [c - f for c, f in zip(chain, fetch)] if fetch else []
     n_params = sum(p.numel() for p in model.state_dict().values())
     return {"params": n_params, "bf16_mb": round(2 * n_params / 2**20, 2), "delta_kb": round(statistics.median(sizes) / 1024, 1),
-            "fetch_ms": _ms(fetch), "apply_ms": _ms(applies), "fetch_and_apply_ms": _ms(chain)}
+            "fetch_ms": _ms(fetch) if fetch else None, "apply_ms": _ms(applies) if applies else None, "fetch_and_apply_ms": _ms(chain)}
 
 
 async def trainer_child(versions: int, checkpoint_every: int, work: Path) -> dict[str, object]:
