@@ -10,19 +10,16 @@ import signal
 
 import pytest
 from test_train_support import (
-    Announcements,
     VersionHolder,
     check_exact,
     check_record,
-    make_batches,
-    publish_batches,
+    planned_run,
     spawn_trainer,
     wait_exit,
     write_recipe,
 )
 
 from astraflow.streams.messages import Batch
-from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import DoneRecord
 from astraflow.weights.sync import WeightSync
 
@@ -32,11 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real trainer proces
 async def test_kills_at_the_group_commit_points_resume_exactly(nats_server, run_id, tmp_path):
     steps = 12
     recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=steps, checkpoint_every=3)
-    plane = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "test")
-    await plane.ensure_topology(recipe.topology())
-    anns = await Announcements(plane).start()
-    batches = make_batches(recipe, "solver", steps, seed=2)
-    await publish_batches(plane, batches)
+    plane, anns, batches = await planned_run(nats_server.url, run_id, recipe, steps, seed=2)
     ckpt, log = tmp_path / "ckpt", tmp_path / "trainer.log"
 
     async def unacked() -> set[str]:

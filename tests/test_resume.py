@@ -8,18 +8,15 @@ import signal
 
 import pytest
 from test_train_support import (
-    Announcements,
     VersionHolder,
     check_exact,
     check_record,
-    make_batches,
-    publish_batches,
+    planned_run,
     spawn_trainer,
     wait_exit,
     write_recipe,
 )
 
-from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import DoneRecord
 from astraflow.weights.sync import WeightSync
 
@@ -29,11 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # real trainer proces
 async def test_kill_at_every_crash_point_resumes_exactly(nats_server, run_id, tmp_path):
     steps = 8
     recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=steps, checkpoint_every=1)
-    plane = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "test")
-    await plane.ensure_topology(recipe.topology())
-    anns = await Announcements(plane).start()
-    batches = make_batches(recipe, "solver", steps)
-    await publish_batches(plane, batches)
+    plane, anns, batches = await planned_run(nats_server.url, run_id, recipe, steps)
     ckpt, log = tmp_path / "ckpt", tmp_path / "trainer.log"
     try:
         # a crash between step and checkpoint, checkpoint and publish, publish and ack (after the ack:

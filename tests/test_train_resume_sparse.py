@@ -8,17 +8,14 @@ import signal
 
 import pytest
 from test_train_support import (
-    Announcements,
     VersionHolder,
     check_record,
-    make_batches,
-    publish_batches,
+    planned_run,
     spawn_trainer,
     wait_exit,
     write_recipe,
 )
 
-from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.weights.sync import WeightSync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]  # real trainer processes
@@ -30,11 +27,7 @@ async def test_a_replay_that_differs_resumes_from_the_announced_weights(nats_ser
     delta applies onto v4."""
     steps = 6
     recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=steps, checkpoint_every=3)
-    plane = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "test")
-    await plane.ensure_topology(recipe.topology())
-    anns = await Announcements(plane).start()
-    batches = make_batches(recipe, "solver", steps, seed=1)
-    await publish_batches(plane, batches)
+    plane, anns, batches = await planned_run(nats_server.url, run_id, recipe, steps, seed=1)
     ckpt, log = tmp_path / "ckpt", tmp_path / "trainer.log"
     try:
         proc = spawn_trainer(recipe_file, nats_server.url, run_id, "solver", log, ckpt, crash="after_publish@4")

@@ -15,7 +15,7 @@ import yaml
 from astraflow.config import Recipe, load_recipe
 from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.messages import Batch, WeightVersion
-from astraflow.streams.plane import Follower, Plane
+from astraflow.streams.plane import Follower, NatsOptions, Plane
 from astraflow.streams.state import BatchPlanRecord
 from astraflow.streams.trajectories import TrainingBatch, publish_trajectories
 from astraflow.tasks import load_split
@@ -90,6 +90,18 @@ def spawn_trainer(recipe_file: Path, url: str, run: str, policy: str, log: Path,
 
 async def wait_exit(proc: subprocess.Popen[bytes], timeout: float = 120.0) -> int:
     return await asyncio.to_thread(proc.wait, timeout)
+
+
+async def planned_run(url: str, run: str, recipe: Recipe, steps: int, seed: int = 0,
+                      policy: str = "solver") -> tuple[Plane, Announcements, list[TrainingBatch]]:
+    """A run's topology on the server, its announcements watched, and ``steps`` planned batches of ``policy``
+    published for a trainer process to take; the caller closes the watcher and the plane."""
+    plane = await Plane.connect(NatsOptions(url=url), run, "test")
+    await plane.ensure_topology(recipe.topology())
+    anns = await Announcements(plane).start()
+    batches = make_batches(recipe, policy, steps, seed=seed)
+    await publish_batches(plane, batches)
+    return plane, anns, batches
 
 
 class Announcements:
