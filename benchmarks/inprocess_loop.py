@@ -63,6 +63,7 @@ def warm_start(recipe: Recipe, out: Path, threads: int) -> float:
     """The recipe's SFT warm start, once, saved as a transformers checkpoint in ``out``; returns the last SFT loss."""
     pcfg = recipe.policies[recipe.primary]
     torch.set_num_threads(threads)
+    torch.manual_seed(pcfg.trainer.seed)  # the same initial weights on every run, as the trainer takes them
     tokenizer = load_tokenizer(pcfg.model.tokenizer)
     model = build_model(pcfg.model, tokenizer)
     loss = sft(model, tokenizer, load_split(recipe.data)[0], pcfg.sft, pcfg.trainer.seed)
