@@ -239,17 +239,22 @@ def plot(curves: list[Curve], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(seconds: float, nodes: list[int], threads: int, quick: bool, keep: Path | None, figure: Path) -> dict[str, Any]:
+def main(seconds: float, nodes: list[int], threads: int, quick: bool, keep: Path | None, figure: Path,
+         reuse: Path | None = None) -> dict[str, Any]:
     overrides = ["sft.steps=40", "eval.every=5"] if quick else []
     recipe = load_recipe(RECIPE, overrides)
     eval_every = recipe.eval.every
     with tempfile.TemporaryDirectory() as tmp:
         workdir = keep or Path(tmp)
-        checkpoint = workdir / "sft-checkpoint"
-        t0 = time.perf_counter()
-        sft_loss = warm_start(recipe, checkpoint, threads)
-        console.print(f"SFT warm start: {recipe.policies[recipe.primary].sft.steps} steps in {time.perf_counter() - t0:.0f} s, "
-                      f"last loss {sft_loss:.3f}; checkpoint {checkpoint}")
+        checkpoint = reuse or workdir / "sft-checkpoint"
+        sft_loss = 0.0
+        if reuse is None:
+            t0 = time.perf_counter()
+            sft_loss = warm_start(recipe, checkpoint, threads)
+            console.print(f"SFT warm start: {recipe.policies[recipe.primary].sft.steps} steps in {time.perf_counter() - t0:.0f} s, "
+                          f"last loss {sft_loss:.3f}; checkpoint {checkpoint}")
+        else:
+            console.print(f"SFT warm start: reused from {checkpoint}")
         start_here = load_recipe(RECIPE, [*overrides, f"model.pretrained={checkpoint}", "sft.steps=0"])
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
                       TimeElapsedColumn(), console=console) as progress:
@@ -270,7 +275,7 @@ def main(seconds: float, nodes: list[int], threads: int, quick: bool, keep: Path
     plot(curves, figure, f"{recipe.name}: held-out accuracy, {seconds:.0f} s of RL from one SFT checkpoint")
     console.print(f"plot: {figure}")
     return {"seconds": seconds, "quick": quick, "threads": threads, "sft_steps": recipe.policies[recipe.primary].sft.steps,
-            "sft_loss": round(sft_loss, 4),
+            "sft_loss": None if reuse else round(sft_loss, 4), "checkpoint_reused": str(reuse) if reuse else None,
             "load_average": os.getloadavg(), "results": results}
 
 
@@ -282,9 +287,12 @@ if __name__ == "__main__":
                                                            "trainer.threads: auto, 1 on 2 cores); see the module docstring")
     ap.add_argument("--quick", action="store_true", help="smoke run: 40 SFT steps, 30 s each side, evaluations every 5 steps")
     ap.add_argument("--keep", type=Path, default=None, help="keep the checkpoint, run directories and logs in this folder")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="start every side from this saved warm start (a folder "
+                                                                  "`--keep` left, sft-checkpoint) instead of taking the SFT again")
     ap.add_argument("--figure", type=Path, default=None, help=f"where the plot goes (default {FIGURE.relative_to(ROOT)}; "
                                                                "with --quick, the temporary directory)")
     args = ap.parse_args()
     secs = 30.0 if args.quick and args.seconds == 600.0 else args.seconds
     figure = args.figure or (Path(tempfile.gettempdir()) / "inprocess-quick.png" if args.quick else FIGURE)
-    print(json.dumps(main(secs, [int(n) for n in args.nodes.split(",")], args.threads, args.quick, args.keep, figure)))
+    print(json.dumps(main(secs, [int(n) for n in args.nodes.split(",")], args.threads, args.quick, args.keep, figure,
+                          args.checkpoint)))

@@ -5,14 +5,14 @@ Each tree runs in its own child processes (``PYTHONPATH`` = the tree), on a fres
 
 1. **node**: a Qwen2 of 1.08 M parameters (hidden 128, 4 layers; 2.2 MB in bf16) takes real AdamW steps on random
    tokens; a ``WeightPublisher`` announces each as a delta; a ``WeightSync`` with an ``hf`` engine follows. Per
-   version: fetch + apply (``_apply_chain``: fetch, decode, apply, state digest, install into the engine; a streaming
-   node overlaps them), and, for a tree whose node fetches whole (``_payload``), the fetch and the rest apart; medians.
+   version, medians: fetch + apply (``_apply_chain``, the whole), and its parts: apply (``DeltaApplier``: decode and
+   add in place), the state digest, the install into the engine, and the rest (the fetch and the thread hops).
 2. **trainer**: the arithmetic recipe's shape (the same model, 8 prompts x 8 samples per batch) trained by the real
    trainer worker (``astraflow worker trainer``) from planned batches published beforehand, with a checkpoint
    directory. Per version: the time between two announcements less the step, the batch fetch and the wait for the
    batch: bf16 copy, checkpoint, encode, publish, ack, vetting.
 
-    python benchmarks/bench_per_version.py --before /path/to/old/tree [--versions 16] [--checkpoint-every 1 10]
+    python benchmarks/bench_per_version.py --before /path/to/old/tree [--versions 16] [--checkpoint-every 1 10] [--only node]
 
 The last stdout line is one JSON object with every figure.
 """
@@ -48,6 +48,7 @@ async def node_child(versions: int) -> dict[str, object]:
     from astraflow.rollout.engines.hf import HFEngine
     from astraflow.streams.plane import NatsOptions, Plane
     from astraflow.streams.server import EmbeddedServer
+    from astraflow.weights import sync as sync_module
     from astraflow.weights.publish import WeightPublisher
     from astraflow.weights.sync import WeightSync
 
@@ -59,9 +60,26 @@ async def node_child(versions: int) -> dict[str, object]:
     model = build_model(pcfg.model, tok)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     gen = torch.Generator().manual_seed(0)
-    fetch: list[float] = []
-    chain: list[float] = []
+    totals = dict.fromkeys(("apply", "digest", "install"), 0.0)  # seconds so far, per part
+    per_chain: dict[str, list[float]] = {k: [] for k in ("whole", *totals)}
     sizes: list[int] = []
+
+    def timed(part: str, fn):
+        def run(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                totals[part] += time.perf_counter() - t
+        return run
+
+    class TimedApplier(sync_module.DeltaApplier):  # decode + add in place, as the payload is fed, and the final checks
+        feed = timed("apply", sync_module.DeltaApplier.feed)
+        close = timed("apply", sync_module.DeltaApplier.close)
+
+    sync_module.DeltaApplier = TimedApplier
+    sync_module.state_digest = timed("digest", sync_module.state_digest)
+    sync_module.install = timed("install", sync_module.install)
     with tempfile.TemporaryDirectory() as d:
         server = EmbeddedServer(Path(d)).start()
         plane = await Plane.connect(NatsOptions(url=server.url), "b" + uuid.uuid4().hex[:8], "bench")
@@ -69,26 +87,20 @@ async def node_child(versions: int) -> dict[str, object]:
             await plane.ensure_topology(recipe.topology())
             pub = WeightPublisher(plane, "solver", keyframe_every=10_000)
             sync = WeightSync(plane, "solver", HFEngine(build_model(pcfg.model, tok), tok))
-            payload, apply_chain = getattr(sync, "_payload", None), sync._apply_chain  # _payload: a node that fetches whole
-
-            async def timed_payload(ann):
-                t = time.perf_counter()
-                out = await payload(ann)
-                fetch.append(time.perf_counter() - t)
-                return out
+            apply_chain = sync._apply_chain
 
             async def timed_chain(c):
-                t = time.perf_counter()
+                t, before = time.perf_counter(), dict(totals)
                 await apply_chain(c)
-                chain.append(time.perf_counter() - t)
+                per_chain["whole"].append(time.perf_counter() - t)
+                for k, total in totals.items():
+                    per_chain[k].append(total - before[k])
 
             sync._apply_chain = timed_chain  # type: ignore[method-assign]
-            if payload is not None:  # a streaming node (no _payload) fetches while it applies: one figure, fetch + apply
-                sync._payload = timed_payload
             await pub.publish(model.state_dict(), 0)
             await sync.wait_for(0)
-            fetch.clear()
-            chain.clear()
+            for xs in per_chain.values():
+                xs.clear()
             for v in range(1, versions + 1):
                 x = torch.randint(0, 200, (8, 32), generator=gen)
                 model(input_ids=x, labels=x).loss.backward()
@@ -101,10 +113,11 @@ async def node_child(versions: int) -> dict[str, object]:
         finally:
             await plane.close()
             server.stop()
-    applies = [c - f for c, f in zip(chain, fetch)] if fetch else []
     n_params = sum(p.numel() for p in model.state_dict().values())
+    rest = [whole - sum(per_chain[k][i] for k in totals) for i, whole in enumerate(per_chain["whole"])]
     return {"params": n_params, "bf16_mb": round(2 * n_params / 2**20, 2), "delta_kb": round(statistics.median(sizes) / 1024, 1),
-            "fetch_ms": _ms(fetch) if fetch else None, "apply_ms": _ms(applies) if applies else None, "fetch_and_apply_ms": _ms(chain)}
+            "fetch_and_apply_ms": _ms(per_chain["whole"]), **{f"{k}_ms": _ms(per_chain[k]) for k in totals},
+            "fetch_and_hops_ms": _ms(rest)}
 
 
 async def trainer_child(versions: int, checkpoint_every: int, work: Path) -> dict[str, object]:
@@ -177,6 +190,7 @@ def main() -> dict[str, object]:
     ap.add_argument("--after", type=Path, default=ROOT)
     ap.add_argument("--versions", type=int, default=16)
     ap.add_argument("--checkpoint-every", type=int, nargs="+", default=[1, 10])
+    ap.add_argument("--only", choices=["node", "trainer"], help="run one half")
     ap.add_argument("--child", choices=["node", "trainer"], help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -186,10 +200,10 @@ def main() -> dict[str, object]:
         return asyncio.run(trainer_child(args.versions, args.checkpoint_every[0], args.work))
     trees = {"before": args.before, "after": args.after} if args.before else {"after": args.after}
     out: dict[str, object] = {"model": MODEL, "versions": args.versions, "node": {}, "trainer": {}}
-    for name, tree in trees.items():
+    for name, tree in trees.items() if args.only != "trainer" else ():
         out["node"][name] = run_child(tree, ["--child", "node", "--versions", str(args.versions)])  # type: ignore[index]
         print(name, "node", out["node"][name], flush=True)  # type: ignore[index]
-    for every in args.checkpoint_every:
+    for every in args.checkpoint_every if args.only != "node" else ():
         for name, tree in trees.items():
             with tempfile.TemporaryDirectory() as d:
                 r = run_child(tree, ["--child", "trainer", "--versions", str(args.versions), "--checkpoint-every", str(every),

@@ -63,6 +63,7 @@ def warm_start(recipe: Recipe, out: Path, threads: int) -> float:
     """The recipe's SFT warm start, once, saved as a transformers checkpoint in ``out``; returns the last SFT loss."""
     pcfg = recipe.policies[recipe.primary]
     torch.set_num_threads(threads)
+    torch.manual_seed(pcfg.trainer.seed)  # the same initial weights on every run, as the trainer takes them
     tokenizer = load_tokenizer(pcfg.model.tokenizer)
     model = build_model(pcfg.model, tokenizer)
     loss = sft(model, tokenizer, load_split(recipe.data)[0], pcfg.sft, pcfg.trainer.seed)
@@ -105,7 +106,7 @@ def run_inprocess(recipe: Recipe, seconds: float, eval_every: int, threads: int,
         curve.points.append(Point(version, curve.seconds, curve.generated, reward))
 
     evaluate(0)
-    version, losses = 0, []
+    version, losses, step_s = 0, [], 0.0
     while curve.seconds < seconds:
         t0 = time.perf_counter()
         tasks = [Task(task_id=f"s{version}-{i}", workflow=recipe.workflow, policy=policy, prompt_id=p.prompt_id, prompt=p.prompt,
@@ -117,7 +118,9 @@ def run_inprocess(recipe: Recipe, seconds: float, eval_every: int, threads: int,
             samples = tuple(to_sample(t) for t in group)
             values = pipeline.advantages(Group(task.task_id, task.prompt_id, policy, samples))
             advantages.update(zip((t.traj_id for t in group), values, strict=True))
+        t1 = time.perf_counter()
         step = backend.step(training_batch(trajectories, advantages, version, policy))
+        step_s += time.perf_counter() - t1
         version += 1
         engine.set_version(version)
         losses.append(step["loss"])
@@ -130,5 +133,5 @@ def run_inprocess(recipe: Recipe, seconds: float, eval_every: int, threads: int,
             evaluate(version)
     if curve.points[-1].version != version:
         evaluate(version)
-    curve.notes = {"versions": version, "s_per_step": curve.seconds / max(1, version)}
+    curve.notes = {"versions": version, "s_per_step": curve.seconds / max(1, version), "step_s": step_s / max(1, version)}
     return curve

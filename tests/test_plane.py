@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from nats.js.errors import ServiceUnavailableError
 
 from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
 from astraflow.streams.messages import Rejected, Task, Trajectory
@@ -66,6 +67,25 @@ async def test_topology_twice_is_idempotent(nats_server, run_id):
     assert await p.stream_msgs(p.names.task_stream) == 1
     assert (await p.lag(p.names.task_stream, "raas")).pending == 1
     await p.close()
+
+
+async def test_a_consumer_the_server_forgot_is_made_again_by_its_owner_only(nats_server, run_id):
+    owner = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "owner")
+    other = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "other")
+    await owner.ensure_topology(Topology(policies=("solver",)))
+    pool, stream = owner.names.pool_consumer("raas"), owner.names.task_stream
+    await owner._jsm.delete_consumer(stream, pool)  # as a restart without its store would leave it
+    with pytest.raises(ServiceUnavailableError):  # a role that did not make it cannot make it again: it says so
+        await other.consumer(stream, pool, Task).pull(timeout=0.3)
+    sub = owner.consumer(stream, pool, Task)
+    assert await sub.pull(timeout=0.3) == []  # made again
+    task = Task(task_id="after", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2)
+    await owner.publish(owner.names.task("math"), task, task.task_id)
+    got = await sub.pull(timeout=2)
+    assert [d.msg.task_id for d in got] == ["after"]
+    await got[0].ack()
+    await owner.close()
+    await other.close()
 
 
 async def test_dedup_of_republished_message(plane: Plane):

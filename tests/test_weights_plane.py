@@ -13,14 +13,25 @@ import itertools
 import os
 import time
 
+import nats
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nats.aio.msg import Msg
 from weights_helpers import Trainer, engine_digest, node, tiny_model
 
 from astraflow.rollout.engines.hf import HFEngine
 from astraflow.streams.messages import ObjectRef, WeightVersion
-from astraflow.streams.objects import MissingObject, chunk_subject, count_chunks, get_object, object_stream, put_object
+from astraflow.streams.objects import (
+    CorruptObject,
+    MissingObject,
+    chunk_subject,
+    count_chunks,
+    get_object,
+    object_stream,
+    put_object,
+    read_one_chunk_object,
+)
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.publish import WeightPublisher, request_keyframe
@@ -231,6 +242,67 @@ async def test_missing_chunk_is_reported_at_once_and_a_lagging_one_is_awaited(pl
         await asyncio.sleep(0.01)
     await plane._js.publish(chunk_subject(bucket, ref.nuid), data[3 * 100_000 :])
     assert bytes(await reader) == data
+
+
+class ApiCalls:
+    """The JetStream API subjects requested on the server while it watches (a plain subscriber sees every request)."""
+
+    async def __aenter__(self) -> list[str]:
+        self.nc = await nats.connect(self.url)
+        self.seen: list[str] = []
+
+        async def note(msg: Msg) -> None:
+            self.seen.append(msg.subject)
+
+        await self.nc.subscribe("$JS.API.>", cb=note)
+        await self.nc.flush()
+        return self.seen
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.flush()
+        await self.nc.close()
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+async def test_a_one_chunk_object_comes_in_one_direct_get_and_a_larger_one_streams(plane: Plane, nats_server):
+    store = plane.objects()
+    small = os.urandom(50_000)
+    large = os.urandom(250_000)
+    one = await put_object(plane._js, plane.names.object_bucket, "one", small, chunk_size=100_000)
+    three = await put_object(plane._js, plane.names.object_bucket, "three", large, chunk_size=100_000)
+    stream = object_stream(plane.names.object_bucket)
+    async with ApiCalls(nats_server.url) as calls:
+        assert b"".join([c async for c in store.iter_chunks(one)]) == small
+    assert calls == [f"$JS.API.DIRECT.GET.{stream}"]  # no stream info, no consumer made or deleted
+    async with ApiCalls(nats_server.url) as calls:
+        assert b"".join([c async for c in store.iter_chunks(three)]) == large
+    assert f"$JS.API.STREAM.INFO.{stream}" in calls and any(c.startswith(f"$JS.API.CONSUMER.CREATE.{stream}") for c in calls)
+
+
+async def test_a_one_chunk_object_is_checked_and_a_lagging_chunk_awaited(plane: Plane):
+    bucket = plane.names.object_bucket
+    data = os.urandom(50_000)
+    ref = await put_object(plane._js, bucket, "one", data, chunk_size=100_000)
+    await rewrite_chunks(plane, ref, corrupt=0)
+    with pytest.raises(CorruptObject, match="chunk 0 fails its digest"):
+        await read_one_chunk_object(plane._js, bucket, ref)
+    lying = ref.model_copy(update={"digest": hashlib.sha256(b"another payload").hexdigest()})  # chunk digest right, whole wrong
+    await plane._jsm.purge_stream(object_stream(bucket), subject=chunk_subject(bucket, ref.nuid))
+    await plane._js.publish(chunk_subject(bucket, ref.nuid), data)
+    with pytest.raises(CorruptObject, match="whole-payload digest"):
+        await read_one_chunk_object(plane._js, bucket, lying)
+    await rewrite_chunks(plane, ref, drop=0)
+    t0 = time.monotonic()
+    with pytest.raises(MissingObject, match="0 of 1 chunks"):
+        await read_one_chunk_object(plane._js, bucket, ref)
+    assert time.monotonic() - t0 < 2.0  # reported at once
+    reader = asyncio.create_task(read_one_chunk_object(plane._js, bucket, ref, wait_missing=10.0))  # a mirror that lags
+    await asyncio.sleep(0.2)
+    assert not reader.done()
+    await plane._js.publish(chunk_subject(bucket, ref.nuid), data)
+    assert await reader == data
 
 
 # ------------------------------------------------------------------------------ retention

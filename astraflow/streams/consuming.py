@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext, JetStreamManager, api
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from astraflow.streams.codec import DecodeError, decode
 from astraflow.streams.messages import Message
@@ -125,10 +125,10 @@ class Consumer(Generic[M]):
             raws = await self._pulls.fetch(batch, timeout)
         except (NatsTimeout, asyncio.TimeoutError):
             return []
-        except NotFoundError:  # the server forgot the consumer (a restart without its store): make it again
-            self._pulls = None
-            await self._plane.recreate_consumer(self.stream, self.durable)
-            return []
+        except ServiceUnavailableError:  # no one answers: JetStream is not up, or the server forgot the consumer
+            if await self._plane.remake_consumer(self.stream, self.durable):  # (a restart without its store): made again
+                return []
+            raise
         out: list[Delivery[M]] = []
         for raw in raws:
             try:

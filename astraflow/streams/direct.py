@@ -128,3 +128,43 @@ async def read_seqs(nc: Client, api_prefix: str, stream: str, seqs: Iterable[int
     if gone:
         raise MissingMessages(stream, gone)
     return got
+
+
+async def read_subject(nc: Client, api_prefix: str, stream: str, subject: str, count: int, max_bytes: int = DEFAULT_MAX_BYTES,
+                       timeout: float = 10.0) -> list[StreamMsg]:
+    """The first ``count`` messages of ``stream`` on ``subject``, in order, by batched direct gets with
+    ``next_by_subj`` (one request while the answer stays under ``max_bytes``): no stream info and no
+    consumer. Fewer come back when the stream holds fewer. Raises :class:`DirectGetError` when the
+    server refuses (503: no stream here allows direct gets, e.g. a mirror), ``asyncio.TimeoutError``
+    when an answer stalls for ``timeout`` seconds."""
+    got: list[StreamMsg] = []
+    queue: asyncio.Queue[Msg] = asyncio.Queue()
+    inbox = nc.new_inbox()
+
+    async def route(msg: Msg) -> None:
+        queue.put_nowait(msg)
+
+    sub = await nc.subscribe(inbox, cb=route, pending_bytes_limit=max(64 << 20, 2 * max_bytes))
+    try:
+        start = 1
+        while len(got) < count:
+            body = {"seq": start, "next_by_subj": subject, "batch": count - len(got), "max_bytes": max_bytes}
+            await nc.publish(f"{api_prefix}.DIRECT.GET.{stream}", json.dumps(body).encode(), reply=inbox)
+            before = len(got)
+            while True:
+                msg = queue.get_nowait() if not queue.empty() else await asyncio.wait_for(queue.get(), timeout)
+                headers = msg.headers or {}
+                status = headers.get("Status")
+                if status in ("204", "404"):  # end of the batch; nothing more on the subject
+                    break
+                if status:
+                    raise DirectGetError(f"direct get on {stream} refused: {status} {msg.data.decode(errors='replace')[:200]}")
+                got.append(StreamMsg(int(headers["Nats-Sequence"]), headers.get("Nats-Subject", subject), msg.data))
+                if "Nats-Num-Pending" not in headers:  # a server before 2.11 answers one message, without an end marker
+                    break
+            if len(got) == before:
+                break
+            start = got[-1].seq + 1  # cut at max_bytes: go on after what arrived
+    finally:
+        await sub.unsubscribe()
+    return got

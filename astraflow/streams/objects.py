@@ -11,9 +11,10 @@ subjects). Here:
   metadata last and purges its chunks if anything fails (the encoder's error included); the
   caller's announcement is the commit point (STYLE 7);
 * the reader binds a stream by name (the bucket's own, or a mirror's in another JetStream
-  domain through a domain-scoped ``js``), counts the chunks on the server first (a missing
-  chunk is reported at once, not after a timeout), then streams them through an ordered push
-  consumer with flow control (no request round trip per window) and checks each chunk's
+  domain through a domain-scoped ``js``). A one-chunk payload comes in one batched direct get
+  (:func:`read_one_chunk_object`: one round trip, no consumer). For a larger one it counts the
+  chunks on the server first (a missing chunk is reported at once, not after a timeout), then
+  streams them through an ordered push consumer with flow control (no request round trip per window) and checks each chunk's
   sha256 and length, and the whole payload's sha256, against the :class:`ObjectRef` of the
   announcement. Hashing runs on one helper thread, overlapping the network reads. Chunks are
   yielded in order as they check (:func:`iter_object`), so a node decodes or applies while it
@@ -34,6 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, NotFoundError
 
+from astraflow.streams.direct import DirectGetError, read_subject
 from astraflow.streams.messages import ObjectRef
 from astraflow.streams.subjects import Names
 
@@ -209,6 +212,31 @@ def _check_chunk(data: bytes, index: int, whole: Any, ref: ObjectRef) -> bytes:
     return data
 
 
+def _check_one(data: bytes, ref: ObjectRef) -> bytes:
+    """Check a one-chunk object: the chunk's length and sha256, which is the whole payload's too."""
+    _check_chunk(data, 0, hashlib.sha256(), ref)  # (the whole's hash it feeds is not read: it is the chunk's)
+    if ref.digests[0] != ref.digest:
+        raise CorruptObject(f"object {ref.name}: whole-payload digest mismatch")
+    return data
+
+
+async def read_one_chunk_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None,
+                                timeout: float = 10.0, wait_missing: float = 0.0) -> bytes:
+    """The payload of a one-chunk ``ref`` (a small model's delta), checked like :func:`iter_object`'s, in one direct
+    get: one round trip where an ordered consumer takes a stream-info request, a consumer creation and a deletion.
+    Raises :class:`MissingObject` (after waiting up to ``wait_missing`` seconds for the chunk to arrive),
+    :class:`CorruptObject`, or ``DirectGetError`` when the stream does not answer direct gets (a mirror)."""
+    stream = stream or object_stream(bucket)
+    if _expected_chunks(ref) != 1:
+        raise ValueError(f"object {ref.name} has {len(ref.digests)} chunks")
+    deadline = time.monotonic() + wait_missing
+    while not (msgs := await read_subject(js._nc, js._prefix, stream, chunk_subject(bucket, ref.nuid), 1, timeout=timeout)):
+        if time.monotonic() >= deadline:
+            raise MissingObject(f"object {ref.name}: 0 of 1 chunks on {stream}")
+        await asyncio.sleep(0.05)
+    return await asyncio.get_running_loop().run_in_executor(_HASHER, _check_one, msgs[0].data, ref)
+
+
 def _expected_chunks(ref: ObjectRef) -> int:
     n = max(1, -(-ref.size // ref.chunk_size)) if ref.chunk_size > 0 else -1
     if n != len(ref.digests):
@@ -294,6 +322,7 @@ class ObjectStore:
         self.stream = stream or object_stream(bucket)
         self.wait_missing = wait_missing
         self.chunk_size = chunk_size_for(max_payload)
+        self._direct = True  # until the stream refuses a direct get
 
     async def put(self, name: str | Awaitable[str], data: Data | Pieces) -> ObjectRef:
         """Write ``data``, whole or piece by piece as it is produced (:func:`put_object`)."""
@@ -302,9 +331,22 @@ class ObjectStore:
     async def get(self, ref: ObjectRef, timeout: float = 10.0) -> bytearray:
         return await get_object(self._js, self.bucket, ref, stream=self.stream, timeout=timeout, wait_missing=self.wait_missing)
 
-    def iter_chunks(self, ref: ObjectRef, timeout: float = 10.0) -> AsyncGenerator[bytes, None]:
-        """``ref``'s chunks in order, each checked before it is yielded (:func:`iter_object`)."""
-        return iter_object(self._js, self.bucket, ref, stream=self.stream, timeout=timeout, wait_missing=self.wait_missing)
+    async def iter_chunks(self, ref: ObjectRef, timeout: float = 10.0) -> AsyncGenerator[bytes, None]:
+        """``ref``'s chunks in order, each checked before it is yielded: a one-chunk object in one direct get
+        (:func:`read_one_chunk_object`), a larger one streamed so its reader works while it arrives
+        (:func:`iter_object`), and every object streamed once this domain's stream refused a direct get (a mirror)."""
+        if self._direct and len(ref.digests) == 1:
+            try:
+                data = await read_one_chunk_object(self._js, self.bucket, ref, self.stream, timeout, self.wait_missing)
+            except DirectGetError:
+                self._direct = False
+            else:
+                yield data
+                return
+        async with aclosing(iter_object(self._js, self.bucket, ref, stream=self.stream, timeout=timeout,
+                                        wait_missing=self.wait_missing)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def delete(self, ref: ObjectRef) -> None:
         await delete_object(self._js, self.bucket, ref, stream=self.stream)

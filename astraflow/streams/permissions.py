@@ -118,7 +118,8 @@ def _pulls(stream: str, durable: str) -> list[str]:
 
 def _reads_weights(s: Scope) -> list[str]:
     """Follow announcements and read payloads (hub streams, or a region's mirrors of them)."""
-    return [*_follows(s.stream("weights"), s.obj_stream), f"{API}.STREAM.MSG.GET.{s.stream('weights')}"]
+    return [*_follows(s.stream("weights"), s.obj_stream), f"{API}.STREAM.MSG.GET.{s.stream('weights')}",
+            f"{API}.DIRECT.GET.{s.obj_stream}"]  # a small payload in one batched direct get
 
 
 def _reads_trajectory_objects(s: Scope) -> list[str]:

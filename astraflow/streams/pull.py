@@ -86,7 +86,7 @@ class PullRequests:
             out += got
             if error is not None:  # what came before it is handed out by the next fetch, not dropped
                 self._got.extendleft(reversed(out))
-                APIError.from_msg(error)
+                APIError.from_msg(error)  # raises (NoReturn): ServiceUnavailableError for 503, else APIError
             if ended:
                 break
         return out
