@@ -15,6 +15,8 @@ Each tree runs in its own child processes (``PYTHONPATH`` = the tree), on a fres
 
     python benchmarks/bench_per_version.py --before /path/to/old/tree [--versions 16] [--checkpoint-every 1 10] [--halves trainer]
 
+The trees take turns in ABBA order over the ``--checkpoint-every`` list (``10 10`` runs before, after, after, before).
+
 The last stdout line is one JSON object with every figure.
 """
 
@@ -192,12 +194,13 @@ def main() -> dict[str, object]:
     for name, tree in trees.items() if "node" in args.halves else ():
         out["node"][name] = run_child(tree, ["--child", "node", "--versions", str(args.versions)])  # type: ignore[index]
         print(name, "node", out["node"][name], flush=True)  # type: ignore[index]
-    for every in args.checkpoint_every if "trainer" in args.halves else ():
-        for name, tree in trees.items():
+    for i, every in enumerate(args.checkpoint_every if "trainer" in args.halves else ()):
+        order = list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]  # ABBA: a load that drifts favours neither
+        for name, tree in order:
             with tempfile.TemporaryDirectory() as d:
                 r = run_child(tree, ["--child", "trainer", "--versions", str(args.versions), "--checkpoint-every", str(every),
                                      "--work", d])
-            out["trainer"][f"{name}, checkpoint_every {every}"] = r  # type: ignore[index]
+            out["trainer"][f"{name}, checkpoint_every {every}, #{i + 1}"] = r  # type: ignore[index]
             print(name, "trainer", r, flush=True)
     return out
 

@@ -4,13 +4,14 @@ batch acks held until a durable checkpoint covers them.
 Per version the trainer hands the bf16 image of its weights to :meth:`GroupCommit.publish`: a private copy taken right
 after the step (``state_dict_bf16``, a few ms), so the next step cannot change what is announced. The image is stored
 and announced (``WeightPublisher.store``, ``announce``) in a task while the loop pulls, fetches and steps the next batch;
-the digest, the encoding and the chunk hashing run in threads, which release the GIL, so the publish of v overlaps the
-step of v+1. Once v's announcement (the version's commit point) has landed, v's batch is *held*: unacked, kept alive
-with ``in_progress()`` so the server does not redeliver it. Every ``trainer.checkpoint_every`` versions the trainer
-takes an in-memory snapshot (weights, optimizer, RNG, meta: ``Checkpointer.snapshot``) on the loop and writes it from a
-background thread (temp directory, fsync, atomic rename) while training goes on. When checkpoint c is durable, every
-held batch of a version <= c is acked. So after a crash every batch no durable checkpoint covers is still in the BATCH
-stream, and the restart retrains exactly those, in their announced order (``train/replay.py``).
+the digest, the encoding and the chunk hashing run in threads, which release the GIL, so the publish of v runs beside the
+step of v+1 (it saves time where the step leaves a core idle). Once v's announcement (the version's commit point)
+has landed, v's batch is *held*: unacked, kept alive with ``in_progress()`` so the server does not redeliver it.
+Every ``trainer.checkpoint_every`` versions the trainer takes an in-memory snapshot (weights, optimizer, RNG, meta:
+``Checkpointer.snapshot``) on the loop and writes it from a background thread (temp directory, fsync, atomic rename)
+while training goes on. When checkpoint c is durable, every held batch of a version <= c is acked. So after a crash
+every batch no durable checkpoint covers is still in the BATCH stream, and the restart retrains exactly those, in
+their announced order (``train/replay.py``).
 
 Order kept:
 
