@@ -9,10 +9,13 @@ Each tree runs in its own child processes (``PYTHONPATH`` = the tree), on a fres
    add in place), the state digest, the install into the engine, and the rest (the fetch and the thread hops).
 2. **trainer**: the arithmetic recipe's shape (the same model, 8 prompts x 8 samples per batch) trained by the real
    trainer worker (``astraflow worker trainer``) from planned batches published beforehand, with a checkpoint
-   directory. Per version: the time between two announcements less the step, the batch fetch and the wait for the
-   batch: bf16 copy, checkpoint, encode, publish, ack, vetting.
+   directory. Per version: the time between two announcements (``interval``) and that less the step, the batch fetch
+   and the wait for the batch (``outside``): bf16 copy, checkpoint, vetting, acks, and whatever of the publish (encode,
+   write, announce) the step does not hide.
 
-    python benchmarks/bench_per_version.py --before /path/to/old/tree [--versions 16] [--checkpoint-every 1 10] [--only node]
+    python benchmarks/bench_per_version.py --before /path/to/old/tree [--versions 16] [--checkpoint-every 1 10] [--halves trainer]
+
+The trees take turns in ABBA order over the ``--checkpoint-every`` list (``10 10`` runs before, after, after, before).
 
 The last stdout line is one JSON object with every figure.
 """
@@ -167,13 +170,14 @@ async def trainer_child(versions: int, checkpoint_every: int, work: Path) -> dic
     finally:
         await plane.close()
         server.stop()
-    out, step = [], []
+    out, step, interval = [], [], []
     for prev, a in itertools.pairwise(anns):  # from v2: v1's interval holds the trainer's start-up
         m = a.metrics
-        out.append(a.created_at - prev.created_at - m["step_s"] - m["fetch_s"] - m["batch_wait_s"])
+        interval.append(a.created_at - prev.created_at)
+        out.append(interval[-1] - m["step_s"] - m["fetch_s"] - m["batch_wait_s"])
         step.append(m["step_s"])
-    return {"checkpoint_every": checkpoint_every, "versions": len(anns) - 1, "step_ms": _ms(step), "outside_step_ms": _ms(out),
-            "outside_frac": round(statistics.median(out) / statistics.median(step), 3)}
+    return {"checkpoint_every": checkpoint_every, "versions": len(anns) - 1, "interval_ms": _ms(interval), "step_ms": _ms(step),
+            "outside_step_ms": _ms(out), "outside_frac": round(statistics.median(out) / statistics.median(step), 3)}
 
 
 def run_child(tree: Path, args: list[str]) -> dict[str, object]:
@@ -190,7 +194,7 @@ def main() -> dict[str, object]:
     ap.add_argument("--after", type=Path, default=ROOT)
     ap.add_argument("--versions", type=int, default=16)
     ap.add_argument("--checkpoint-every", type=int, nargs="+", default=[1, 10])
-    ap.add_argument("--only", choices=["node", "trainer"], help="run one half")
+    ap.add_argument("--halves", choices=["node", "trainer"], nargs="+", default=["node", "trainer"], help="which halves to run")
     ap.add_argument("--child", choices=["node", "trainer"], help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -200,15 +204,16 @@ def main() -> dict[str, object]:
         return asyncio.run(trainer_child(args.versions, args.checkpoint_every[0], args.work))
     trees = {"before": args.before, "after": args.after} if args.before else {"after": args.after}
     out: dict[str, object] = {"model": MODEL, "versions": args.versions, "node": {}, "trainer": {}}
-    for name, tree in trees.items() if args.only != "trainer" else ():
+    for name, tree in trees.items() if "node" in args.halves else ():
         out["node"][name] = run_child(tree, ["--child", "node", "--versions", str(args.versions)])  # type: ignore[index]
         print(name, "node", out["node"][name], flush=True)  # type: ignore[index]
-    for every in args.checkpoint_every if args.only != "node" else ():
-        for name, tree in trees.items():
+    for i, every in enumerate(args.checkpoint_every if "trainer" in args.halves else ()):
+        order = list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]  # ABBA: a load that drifts favours neither
+        for name, tree in order:
             with tempfile.TemporaryDirectory() as d:
                 r = run_child(tree, ["--child", "trainer", "--versions", str(args.versions), "--checkpoint-every", str(every),
                                      "--work", d])
-            out["trainer"][f"{name}, checkpoint_every {every}"] = r  # type: ignore[index]
+            out["trainer"][f"{name}, checkpoint_every {every}, #{i + 1}"] = r  # type: ignore[index]
             print(name, "trainer", r, flush=True)
     return out
 

@@ -2,8 +2,9 @@
 
 Points: ``after_step``, ``after_snapshot`` (the checkpoint copied in memory, not written),
 ``during_checkpoint_write`` (its files written, not yet renamed into place), ``after_checkpoint``
-(durable), ``after_publish``, ``after_ack`` (that version's batch acked), ``between_acks`` (after the
-first of a group of held acks, before the rest).
+(durable), ``before_announce`` (the version's payload stored, not announced: a publish in flight behind the
+next step), ``after_publish`` (announced, its batch not yet held), ``after_ack`` (that version's batch acked),
+``between_acks`` (after the first of a group of held acks, before the rest).
 """
 
 from __future__ import annotations

@@ -1,17 +1,33 @@
-"""Group commit: a checkpoint every K versions off the critical path, batch acks held until one covers them.
+"""Group commit: each version announced in the background, a checkpoint every K versions written in the background,
+batch acks held until a durable checkpoint covers them.
 
-Per version the trainer announces its weights (the version's commit point) and *holds* the batch's
-delivery: unacked, kept alive with ``in_progress()`` so the server does not redeliver it. Every
-``trainer.checkpoint_every`` versions it takes an in-memory snapshot (weights, optimizer, RNG, meta:
-``Checkpointer.snapshot``) on the loop and writes it from a background thread (temp directory, fsync,
-atomic rename) while training goes on. When checkpoint c is durable, every held batch of a version
-<= c is acked. So after a crash every batch no durable checkpoint covers is still in the BATCH stream,
-and the restart retrains exactly those, in their announced order (``train/replay.py``).
+Per version the trainer hands the bf16 image of its weights to :meth:`GroupCommit.publish`: a private copy taken right
+after the step (``state_dict_bf16``, a few ms), so the next step cannot change what is announced. The image is stored
+and announced (``WeightPublisher.store``, ``announce``) in a task while the loop pulls, fetches and steps the next batch;
+the digest, the encoding and the chunk hashing run in threads, which release the GIL, so the publish of v runs beside the
+step of v+1 (it saves time where the step leaves a core idle). Once v's announcement (the version's commit point)
+has landed, v's batch is *held*: unacked, kept alive with ``in_progress()`` so the server does not redeliver it.
+Every ``trainer.checkpoint_every`` versions the trainer takes an in-memory snapshot (weights, optimizer, RNG, meta:
+``Checkpointer.snapshot``) on the loop and writes it from a background thread (temp directory, fsync, atomic rename)
+while training goes on. When checkpoint c is durable, every held batch of a version <= c is acked. So after a crash
+every batch no durable checkpoint covers is still in the BATCH stream, and the restart retrains exactly those, in
+their announced order (``train/replay.py``).
 
-Order kept: a batch is acked after its version is announced *and* after a checkpoint at or past that
-version is durable. At most one write is in flight: a snapshot due while the previous write runs waits
-for it (a write takes a fraction of K steps, so this is rare; skipping one would leave more to hold
-and to replay). Without a checkpoint directory nothing is held: a batch is acked once announced.
+Order kept:
+
+* a batch is held only once its version's announcement has landed, and acked only once a checkpoint at or past that
+  version is durable too; a publish that failed holds nothing: its batch stays unacked, for the restarted trainer;
+* one publish in flight: the next waits for it (the image it announces is the base of the next delta);
+* a snapshot waits for the publish in flight, so a durable checkpoint of v+1 never precedes v's announcement (its
+  restart would announce v+1 with v missing);
+* a failed publish (``PublishConflict``, ``NonFiniteWeights``, the server gone) raises from the next ``settle``,
+  ``publish``, ``checkpoint`` or ``finish``, before anything after it is stored: the trainer stops, as it did when it
+  published in line, and no version is announced twice or skipped;
+* at most one write in flight: a snapshot due while the previous write runs waits for it (a write takes a fraction of
+  K steps, so this is rare; skipping one would leave more to hold and to replay);
+* ``finish`` and ``abandon`` (the trainer stopping) await the publish in flight.
+
+Without a checkpoint directory nothing is held: a batch is acked once announced.
 """
 
 from __future__ import annotations
@@ -21,11 +37,14 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from astraflow.streams.messages import Batch
+import torch
+
+from astraflow.streams.messages import Batch, WeightVersion
 from astraflow.streams.plane import Delivery
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta, Snapshot
 from astraflow.train.crash_points import crash_point
 from astraflow.train.distributed import Collective
+from astraflow.weights.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +57,50 @@ class Held:
 
 
 class GroupCommit:
-    def __init__(self, run_op: Collective, ckpt: Checkpointer | None, durable: int) -> None:
-        self.run_op, self.ckpt = run_op, ckpt
+    def __init__(self, run_op: Collective, ckpt: Checkpointer | None, publisher: WeightPublisher, durable: int) -> None:
+        self.run_op, self.ckpt, self.publisher = run_op, ckpt, publisher
         self.durable = durable  # the newest version a durable checkpoint holds
         self._held: list[Held] = []  # announced, not yet covered by a durable checkpoint; oldest first
+        self._publishing: tuple[Held, asyncio.Task[WeightVersion]] | None = None  # the version in flight, with its batch
         self._writing: asyncio.Task[int] | None = None
 
     @property
     def held(self) -> int:
         return len(self._held)
 
-    def hold(self, version: int, delivery: Delivery[Batch], keep_alive: asyncio.Task[None]) -> None:
-        """Keep the batch of announced ``version`` unacked (``keep_alive`` tells the server so) until it is durable."""
-        self._held.append(Held(version, delivery, keep_alive))
+    async def publish(self, image: dict[str, torch.Tensor], version: int, batch_ids: list[str], metrics: dict[str, float],
+                      delivery: Delivery[Batch], keep_alive: asyncio.Task[None]) -> None:
+        """Announce ``image`` (a copy nothing changes any more) as ``version`` in the background, once the publish in flight
+        has landed; its batch (``delivery``, kept alive by ``keep_alive``) is held once this one has landed too."""
+        await self.landed()
+        self._publishing = Held(version, delivery, keep_alive), asyncio.create_task(self._publish(image, version, batch_ids, metrics))
+
+    async def landed(self) -> WeightVersion | None:
+        """Wait for the publish in flight and hold its batch; its announcement (None: none in flight). A failed publish
+        raises here and holds nothing."""
+        if self._publishing is None:
+            return None
+        (batch, task), self._publishing = self._publishing, None
+        try:
+            ann = await task
+        except BaseException:
+            batch.keep_alive.cancel()  # unacked: the restarted trainer gets the batch again
+            raise
+        self._held.append(batch)
+        return ann
+
+    async def _publish(self, image: dict[str, torch.Tensor], version: int, batch_ids: list[str],
+                       metrics: dict[str, float]) -> WeightVersion:
+        stored = await self.publisher.store(image, version, batch_ids, metrics)
+        crash_point("before_announce", version)
+        ann = await self.publisher.announce(stored)
+        crash_point("after_publish", version)
+        return ann
 
     def redelivered(self, delivery: Delivery[Batch], keep_alive: asyncio.Task[None]) -> bool:
-        """A held batch came again (its keep-alive fell behind): hold the new delivery instead. False if not held."""
-        for h in self._held:
+        """A held batch (or the one being published) came again (its keep-alive fell behind): hold the new delivery
+        instead. False if not held."""
+        for h in [*self._held, *([self._publishing[0]] if self._publishing else [])]:
             if h.delivery.msg.batch_id == delivery.msg.batch_id:
                 h.keep_alive.cancel()
                 h.delivery, h.keep_alive = delivery, keep_alive
@@ -64,6 +110,7 @@ class GroupCommit:
     async def checkpoint(self, meta: CheckpointMeta) -> None:
         """Snapshot the trainer at ``meta.version`` now and write it in the background (after the write in flight)."""
         assert self.ckpt is not None
+        await self.landed()  # a durable checkpoint of v+1 must not come before the announcement of v
         await self._wait_write()
         snap: Snapshot | None = await asyncio.to_thread(self.run_op, "snapshot", meta)
         crash_point("after_snapshot", meta.version)
@@ -74,14 +121,18 @@ class GroupCommit:
         self._writing = asyncio.create_task(asyncio.to_thread(self._write, self.ckpt, snap))
 
     async def settle(self) -> None:
-        """If the write in flight is done, note it durable; ack the held batches a durable checkpoint covers."""
+        """Take the outcome of a publish that ended (a failure raises); if the write in flight is done, note it durable;
+        ack the held batches a durable checkpoint covers."""
+        if self._publishing is not None and self._publishing[1].done():
+            await self.landed()
         if self._writing is not None and self._writing.done():
             await self._wait_write()
         await self._release()
 
     async def finish(self, meta: CheckpointMeta | None) -> None:
         """Make every trained version durable and ack its batch: the write in flight, then a checkpoint of ``meta``
-        (the trainer's current version) unless one holds it already."""
+        (the trainer's current version) unless one holds it already; the publish in flight first."""
+        await self.landed()
         await self._wait_write()
         if self.ckpt is not None and meta is not None and meta.version > self.durable:
             await self.checkpoint(meta)
@@ -89,7 +140,10 @@ class GroupCommit:
         await self._release()
 
     async def abandon(self) -> None:
-        """The trainer is stopping on an error: let the write in flight end (a valid checkpoint), ack nothing more."""
+        """The trainer is stopping on an error: let the publish in flight end (announced, or not at all) and the write in
+        flight (a valid checkpoint), ack nothing more."""
+        with contextlib.suppress(Exception):
+            await self.landed()
         with contextlib.suppress(Exception):
             await self._wait_write()
         for h in self._held:

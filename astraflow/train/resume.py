@@ -4,7 +4,8 @@ a new weight lineage after the plane's newest version. Never under a version num
 The plane's last announcement of the policy (``weights.{policy}``) is the truth about which
 versions exist; the checkpoint holds the weights, optimizer, RNG, trained batch ids and the
 lineage. The worker snapshots a checkpoint every ``checkpoint_every`` versions *before* announcing
-that version and writes it in the background (``train/group_commit.py``), so after a crash:
+that version (and after the announcement of the one before has landed) and writes it in the
+background (``train/group_commit.py``), so after a crash:
 
 * checkpoint v, last announcement v-1 (crashed between the two): announce v now, from the
   checkpoint, as a keyframe; its batch is acked when redelivered;

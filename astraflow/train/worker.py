@@ -1,4 +1,5 @@
-"""The trainer worker: pull batches for one policy, vet, step, publish the new version, checkpoint in groups, ack.
+"""The trainer worker: pull batches for one policy, vet, step, publish the new version behind the next step, checkpoint in
+groups, ack.
 
 One trainer per policy; each has its own durable consumer (``trainer-{policy}``) and weight
 subject, and none waits for another. Per batch, in this order:
@@ -11,12 +12,14 @@ subject, and none waits for another. Per batch, in this order:
    too stale makes the batch dead-lettered too (a failed read is retried: the batch is nak'ed);
 2. step; a step whose loss or gradient norm is not finite made no update: the batch is
    dead-lettered (``non_finite``) and counted (``skipped_steps``);
-3. the new weights are checked finite (never checkpointed or announced otherwise: the trainer
-   stops, and its restart resumes from the last checkpoint);
-4. every ``checkpoint_every`` versions, an in-memory snapshot, written in the background
-   (``train/group_commit.py``);
-5. publish version v+1 (the announcement is the version's commit point);
-6. hold the batch unacked (kept alive) until a durable checkpoint covers v+1, then ack it.
+3. the bf16 image of the new weights is taken (a copy: the next step cannot change it) and checked finite (never
+   checkpointed or announced otherwise: the trainer stops, and its restart resumes from the last checkpoint);
+4. every ``checkpoint_every`` versions, once the announcement of v has landed, an in-memory snapshot, written in the
+   background (``train/group_commit.py``);
+5. publish version v+1 in the background, once v's has landed (the announcement is the version's commit point): it is
+   stored and announced while the loop goes on with the next batch (the next step overlaps it);
+6. once v+1's announcement has landed, hold the batch unacked (kept alive) until a durable checkpoint covers v+1, then
+   ack it. A publish that failed stops the trainer at the next turn of the loop, its batch unacked.
 
 A crash between any two of these resumes exactly: the restart restores the last durable checkpoint
 and retrains the announced batches after it (still in the BATCH stream: unacked), checking each
@@ -113,7 +116,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     at = await start(plane, publisher, run_op, ckpt, policy, fresh_lineage, skip=max_lag)
     version, trained = at.version, list(at.trained)
     seen = set(trained)
-    commits = GroupCommit(run_op, ckpt, durable=at.version)  # start() leaves a checkpoint of its version on disk
+    commits = GroupCommit(run_op, ckpt, publisher, durable=at.version)  # start() leaves a checkpoint of its version on disk
     waited, started = 0.0, time.monotonic()
     last: dict[str, float] = {}
     last_ids: list[str] = []
@@ -166,7 +169,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 await d.reject(refused)
                 continue
             keep = asyncio.create_task(_keep_alive(d, keepalive_s))
-            held = False
+            handed = False  # to the group commit, which acks it or stops its keep-alive
             try:
                 t_fetch = time.monotonic()
                 batch = await _fetch(plane, d, metrics)
@@ -196,26 +199,24 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 elapsed = time.monotonic() - started
                 last = {**step, "wait_frac": waited / elapsed, "batch_wait_s": wait, "fetch_s": fetch_s}
                 last_ids = [batch.batch_id]
-                state = await asyncio.to_thread(run_op, "state")
+                state = await asyncio.to_thread(run_op, "state")  # the bf16 image of v: a copy, what gets announced
                 bad = non_finite(state)
                 if bad:  # not the data's doing (the step was finite and clipped): stop before anything is written
                     await d.reject(f"{BATCH_NON_FINITE}: the weights after the step hold NaN or inf ({', '.join(bad[:3])})")
                     raise RuntimeError(f"{policy} weights turned non-finite after {batch.batch_id}; nothing was checkpointed or "
                                        "announced: a restart resumes from the last checkpoint")
                 if ckpt is not None and version % cfg.checkpoint_every == 0:
-                    await commits.checkpoint(meta_now())
-                ann = await publisher.publish(state, version, last_ids, last)
-                crash_point("after_publish", version)
-                commits.hold(version, d, keep)
-                held = True
+                    await commits.checkpoint(meta_now())  # after the announcement of v-1 has landed
+                await commits.publish(state, version, last_ids, last, d, keep)  # in the background, after v-1's
+                handed = True
             finally:
-                if not held:
+                if not handed:
                     keep.cancel()
             metrics.set({**last, "version": version})
             metrics.inc({"trained_tokens": step["tokens"], "trained_batches": 1})
-            log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (%s, %d held)", version, batch.batch_id, step["loss"],
-                     step["reward_mean"], 100 * last["wait_frac"], ann.encoding, commits.held)
-        await commits.finish(meta_now())  # finished or stopped: everything trained durable, every batch acked
+            log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (v%s announced, %d held)", version, batch.batch_id, step["loss"],
+                     step["reward_mean"], 100 * last["wait_frac"], publisher.image_version, commits.held)
+        await commits.finish(meta_now())  # finished or stopped: the publish in flight landed, all trained durable, all acked
         settled = True
         if version >= at.base + cfg.steps:  # finished, not stopped
             await plane.state.put(DoneRecord(policy=policy, version=version))

@@ -17,7 +17,9 @@ chunks are purged and a keyframe is written instead.
 Weights that are not finite are never published (:class:`NonFiniteWeights`, before anything is
 written). The payload is written to the object store first (chunks, each with a sha256); the
 announcement (base version and digest, object refs with sizes and digests, the state digest)
-is published last and is the commit point; if it fails, the new chunks are purged. Each
+is published last and is the commit point; if it fails, the new chunks are purged. ``publish`` is
+``store`` (everything before the commit point) then ``announce`` (the commit point and what follows
+it), apart so that a caller can act between them (the trainer's ``before_announce`` crash point). Each
 announcement expects to follow the publisher's previous one on the subject (the server checks
 it): if another trainer of the policy announced in between, this one's publish fails
 (``PublishConflict``) instead of putting a second state under a version number. What else a
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Generator, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -51,6 +54,16 @@ STEP_OVERS = 8  # refused publishes in a row before a foreign writer counts as a
 
 class NonFiniteWeights(ValueError):
     """A state holding NaN or infinite values: never announced."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A version whose payload is in the object store, not yet announced (:meth:`WeightPublisher.store`)."""
+
+    ann: WeightVersion  # the announcement to publish: objects, digests, base
+    image: dict[str, torch.Tensor]  # its bf16 state: the base of the next delta once announced
+    request_rev: int  # the keyframe request revision it read
+    why: str  # why this encoding (logged)
 
 
 class DeltaTooLarge(RuntimeError):
@@ -153,6 +166,16 @@ class WeightPublisher:
         self, state: Mapping[str, torch.Tensor], version: int, batch_ids: list[str] | None = None,
         metrics: dict[str, float] | None = None, force_keyframe: bool = False,
     ) -> WeightVersion:
+        """Store ``state`` as ``version``, then announce it (:meth:`store`, :meth:`announce`)."""
+        return await self.announce(await self.store(state, version, batch_ids, metrics, force_keyframe))
+
+    async def store(
+        self, state: Mapping[str, torch.Tensor], version: int, batch_ids: list[str] | None = None,
+        metrics: dict[str, float] | None = None, force_keyframe: bool = False,
+    ) -> Stored:
+        """Everything before the commit point: a bf16 copy of ``state``, checked finite, its digest, the payload encoded
+        and written. Nothing is announced: :meth:`announce` it next, before anything else is stored (its delta's base is
+        the image of the last announcement)."""
         if not self._seeded:
             await self._seed_history()
         request_rev = await self._keyframe_request_rev()
@@ -178,20 +201,26 @@ class WeightPublisher:
             state_digest=digest, keyframe_version=version if is_key else self.keyframe_version, objects=[ref],
             batch_ids=list(batch_ids or []), metrics=dict(metrics or {}), lineage=self.lineage,
         )
+        return Stored(ann, new, request_rev, why)
+
+    async def announce(self, stored: Stored) -> WeightVersion:
+        """The commit point of a stored version: its announcement, then the image it becomes, ``version.{policy}`` and a
+        retention pass. A failed announcement purges the stored payload and raises; the image stays."""
+        ann, ref = stored.ann, stored.ann.objects[0]
         try:  # the commit point: a retry of the same state is deduplicated by the server; another writer's is refused
-            self._subject_seq = await self._announce(ann, msg_id=f"{self.policy}-w{version}-{digest[:16]}")
+            self._subject_seq = await self._announce(ann, msg_id=f"{self.policy}-w{ann.version}-{ann.state_digest[:16]}")
         except BaseException:
             await asyncio.shield(self._discard(ref))
             raise
-        if is_key:
-            self.keyframe_version = version
-            self._request_rev = max(self._request_rev, request_rev)
-        self.image, self.image_digest, self.image_version = new, digest, version
+        if ann.encoding == "keyframe":
+            self.keyframe_version = ann.version
+            self._request_rev = max(self._request_rev, stored.request_rev)
+        self.image, self.image_digest, self.image_version = stored.image, ann.state_digest, ann.version
         self.bytes_sent += ref.size
         self.history.pop(key_of(ann), None)  # a re-announced state moves to the end: publication order
         self.history[key_of(ann)] = ann
-        log.debug("weights %s v%d: %s (%s), %d bytes", self.policy, version, encoding, why, ref.size)
-        await self.plane.state.put(VersionRecord(policy=self.policy, version=version, lineage=self.lineage))
+        log.debug("weights %s v%d: %s (%s), %d bytes", self.policy, ann.version, ann.encoding, stored.why, ref.size)
+        await self.plane.state.put(VersionRecord(policy=self.policy, version=ann.version, lineage=self.lineage))
         if self._gc is None or self._gc.done():  # off the training path: a slow or unreachable mirror never stalls a step
             self._gc = asyncio.create_task(self._collect_logged())
         return ann
