@@ -116,13 +116,16 @@ def test_demonstration_files_resolve_against_the_recipe_folder():
     assert load_recipe(ROOT / "recipes" / "search").sft.demonstrations == str(ROOT / "recipes" / "search" / "demos.jsonl")
 
 
-@pytest.mark.parametrize("name", ["search", "calculator", "code", "alfworld", "webshop", "terminal", "code-multi-agent"])
+@pytest.mark.parametrize("name", ["search", "calculator", "code", "alfworld", "webshop", "terminal", "code-multi-agent",
+                                  "math-multi-agent"])
 def test_shipped_demonstrations_cover_training_problems_only(name: str):
     from astraflow.tasks import load_split
 
     recipe = load_recipe(ROOT / "recipes" / name)
     train, held_out = load_split(recipe.data)
-    for policy in recipe.policies.values():
+    demonstrated = [p for p in recipe.policies.values() if p.sft.demonstrations]
+    assert demonstrated
+    for policy in demonstrated:
         demos = read_demonstrations(policy.sft.demonstrations)
         assert {d.prompt_id for d in demos} <= {p.prompt_id for p in train}
         assert not {d.prompt_id for d in demos} & {p.prompt_id for p in held_out}

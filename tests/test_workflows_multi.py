@@ -7,6 +7,7 @@ per policy, every role its own process) on a real nats-server.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -72,6 +73,22 @@ def test_solver_verifier_rewards_correct_verdicts():
             assert t.reward == (1.0 if judged.reward == 1.0 else 0.0)  # "yes" is right exactly when the answer is
             assert TOK.decode(t.prompt_tokens().tolist()).endswith("Correct? ")
     assert sorted(t.reward for t in trajs if t.policy == "solver") == [0.0] * 4 + [1.0] * 4
+
+
+def test_shipped_verifier_demonstrations_judge_better_than_chance_but_not_perfectly(repo_root):
+    from astraflow.demonstrations import read_demonstrations
+
+    recipe = load_recipe(repo_root / "recipes" / "math-multi-agent")
+    demos = read_demonstrations(recipe.policies["verifier"].sft.demonstrations)
+    right = []
+    for d in demos:
+        a, b, answer = map(int, re.fullmatch(r"(\d+)\+(\d+)=(\d+)\nCorrect\? ", d.prompt).groups())  # the workflow's prompt
+        (reply, written), = d.segments
+        verdict = parse_verdict(reply)
+        assert written and d.eos and verdict is not None, reply
+        right.append(verdict == (a + b == answer))
+    assert 0.8 < sum(right) / len(right) < 0.95  # the judge is noisy: RL has room to raise the verifier's accuracy
+    assert 0.2 < sum(parse_verdict(d.segments[0][0]) is True for d in demos) / len(demos) < 0.6  # both verdicts are taught
 
 
 def test_solver_selector_rewards_the_chosen_answer():
@@ -149,8 +166,8 @@ def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, 
     load_recipe(recipe)  # loads as a recipe
     run_dir = tmp_path / "sv-run"
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(recipe), "--nats", nats_server.url, "--run-dir", str(run_dir),
-           "--set", "trainer.steps=2", "--set", "sft.steps=20", "--set", "rollout.nodes=1", "--set", "eval.enabled=false",
-           "--timeout", "240"]
+           "--set", "trainer.steps=2", "--set", "sft.steps=20", "--set", "policies.verifier.sft.steps=20", "--set", "rollout.nodes=1",
+           "--set", "eval.enabled=false", "--timeout", "240"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     logs = (
         "".join(f"\n--- {p.name}\n" + p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
