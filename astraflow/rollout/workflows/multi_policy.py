@@ -139,7 +139,6 @@ class SolverVerifier(_TwoPolicy):
                                            {"role": "verifier", "judged": f"{t.task_id}.{solver}.{i}", "verdict": verdict, "truth": truth}))
         return out
 
-
     def evaluate(self, problems: list[Problem], policies: Mapping[str, PolicyHandle], k: int,
                  temperature: float) -> dict[str, dict[str, float]]:
         """The solver answers each held-out prompt greedily and ``k`` times at ``temperature``; the verifier judges
