@@ -112,6 +112,7 @@ class GroupCommit:
         assert self.ckpt is not None
         await self.landed()  # a durable checkpoint of v+1 must not come before the announcement of v
         await self._wait_write()
+        await self._release()  # what that write made durable is acked now, not after the next one
         snap: Snapshot | None = await asyncio.to_thread(self.run_op, "snapshot", meta)
         crash_point("after_snapshot", meta.version)
         if snap is None:  # the backend saved it synchronously (DeepSpeed)
