@@ -246,6 +246,7 @@ def main(seconds: float, nodes: list[int], threads: int, quick: bool, keep: Path
     eval_every = recipe.eval.every
     with tempfile.TemporaryDirectory() as tmp:
         workdir = keep or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         checkpoint = reuse or workdir / "sft-checkpoint"
         sft_loss = 0.0
         if reuse is None:
