@@ -50,6 +50,20 @@ class DirectGetError(RuntimeError):
     """The server refused a direct get (a bad request, or a stream without ``allow_direct``)."""
 
 
+def _answer(msg: Msg, stream: str) -> tuple[StreamMsg | None, bool]:
+    """One answer to a batched direct get: (the message it carries, None at the end of the batch; whether more
+    answers follow). Raises :class:`DirectGetError` for a refusal (503: the stream does not allow direct gets)."""
+    headers = msg.headers or {}
+    status = headers.get("Status")
+    if status in ("204", "404"):  # end of the batch; nothing (more) at or after the first asked for
+        return None, False
+    if status:
+        raise DirectGetError(f"direct get on {stream} refused: {status} {msg.data.decode(errors='replace')[:200]} "
+                             "(503: the stream does not allow direct gets)")
+    found = StreamMsg(int(headers["Nats-Sequence"]), headers.get("Nats-Subject", ""), msg.data)
+    return found, "Nats-Num-Pending" in headers  # a server before 2.11 answers one message, without an end marker
+
+
 def runs(seqs: Iterable[int]) -> list[tuple[int, int]]:
     """Distinct sequences as runs of consecutive ones, ``(first, count)``, ascending."""
     out: list[tuple[int, int]] = []
@@ -91,18 +105,11 @@ async def read_seqs(nc: Client, api_prefix: str, stream: str, seqs: Iterable[int
             await nc.publish(f"{api_prefix}.DIRECT.GET.{stream}", json.dumps(body).encode(), reply=reply)
             while True:  # what has arrived is taken without a timer; only an empty queue is waited on
                 msg = queue.get_nowait() if not queue.empty() else await asyncio.wait_for(queue.get(), timeout)
-                headers = msg.headers or {}
-                status = headers.get("Status")
-                if status in ("204", "404"):  # end of the batch; nothing at or after ``first``
-                    return highest
-                if status:
-                    raise DirectGetError(f"direct get on {stream} refused: {status} {msg.data.decode(errors='replace')[:200]} "
-                                         "(503: the stream does not allow direct gets)")
-                seq = int(headers["Nats-Sequence"])
-                if seq <= last:  # past ``last``: the server filled the batch beyond a gone sequence
-                    got[seq] = StreamMsg(seq, headers.get("Nats-Subject", ""), msg.data)
-                    highest = max(highest, seq)
-                if "Nats-Num-Pending" not in headers:  # a server before 2.11 answers one message, without an end marker
+                answer, more = _answer(msg, stream)
+                if answer is not None and answer.seq <= last:  # past ``last``: the server filled the batch beyond a gone one
+                    got[answer.seq] = answer
+                    highest = max(highest, answer.seq)
+                if not more:
                     return highest
         finally:
             del answers[reply]
@@ -153,14 +160,10 @@ async def read_subject(nc: Client, api_prefix: str, stream: str, subject: str, c
             before = len(got)
             while True:
                 msg = queue.get_nowait() if not queue.empty() else await asyncio.wait_for(queue.get(), timeout)
-                headers = msg.headers or {}
-                status = headers.get("Status")
-                if status in ("204", "404"):  # end of the batch; nothing more on the subject
-                    break
-                if status:
-                    raise DirectGetError(f"direct get on {stream} refused: {status} {msg.data.decode(errors='replace')[:200]}")
-                got.append(StreamMsg(int(headers["Nats-Sequence"]), headers.get("Nats-Subject", subject), msg.data))
-                if "Nats-Num-Pending" not in headers:  # a server before 2.11 answers one message, without an end marker
+                answer, more = _answer(msg, stream)
+                if answer is not None:
+                    got.append(answer)
+                if not more:
                     break
             if len(got) == before:
                 break

@@ -203,18 +203,23 @@ async def count_chunks(js: JetStreamContext, stream: str, subject: str) -> int:
 def _check_chunk(data: bytes, index: int, whole: Any, ref: ObjectRef) -> bytes:
     """Check chunk ``index`` (length, sha256) and add it to the whole payload's hash; runs on the
     hashing thread, off the event loop (hashlib releases the GIL on large buffers)."""
+    _require_chunk(data, index, ref)
+    whole.update(data)
+    return data
+
+
+def _require_chunk(data: bytes, index: int, ref: ObjectRef) -> None:
+    """Chunk ``index`` has its length and its sha256, or :class:`CorruptObject`."""
     want_len = min(ref.chunk_size, ref.size - index * ref.chunk_size)
     if len(data) != want_len:
         raise CorruptObject(f"object {ref.name}: chunk {index} has {len(data)} bytes, expected {want_len}")
     if hashlib.sha256(data).hexdigest() != ref.digests[index]:
         raise CorruptObject(f"object {ref.name}: chunk {index} fails its digest")
-    whole.update(data)
-    return data
 
 
 def _check_one(data: bytes, ref: ObjectRef) -> bytes:
     """Check a one-chunk object: the chunk's length and sha256, which is the whole payload's too."""
-    _check_chunk(data, 0, hashlib.sha256(), ref)  # (the whole's hash it feeds is not read: it is the chunk's)
+    _require_chunk(data, 0, ref)  # hashed once: the chunk's sha256 is the whole payload's
     if ref.digests[0] != ref.digest:
         raise CorruptObject(f"object {ref.name}: whole-payload digest mismatch")
     return data
