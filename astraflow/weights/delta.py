@@ -362,10 +362,12 @@ def _zigzag(diff: np.ndarray) -> np.ndarray:
 
 
 def _unzigzag(z: np.ndarray) -> np.ndarray:
-    out: np.ndarray = np.negative(z & 1)
+    """Inverse of _zigzag, in place: (z >> 1) ^ -(z & 1)."""
+    sign = z & 1
+    np.negative(sign, out=sign)
     z >>= 1
-    out ^= z
-    return out
+    z ^= sign
+    return z
 
 
 def _compress(planes: list[np.ndarray]) -> list[bytes]:
@@ -557,6 +559,11 @@ class _Pieces:
 
     def take(self, n: int) -> memoryview:
         """The next n bytes (n <= size): a slice of the first piece, or one copy when they span pieces."""
+        first = self._pieces[0] if self._pieces else None
+        if first is not None and n < first.nbytes:  # the common case: a slice of the first piece
+            self._pieces[0] = first[n:]
+            self.size -= n
+            return first[:n]
         parts, left = [], n
         while left:
             piece = self._pieces.popleft()
@@ -592,6 +599,15 @@ def _planes_of(mode: int, width: int, itemsize: int) -> int:
     return {MODE_UNCHANGED: 0, MODE_SPARSE: width + itemsize, MODE_DENSE: itemsize, MODE_RAW: itemsize}[mode]
 
 
+def _row_ok(mode: int, width: int, n_changed: int, n: int) -> bool:
+    """A chunk row's counts fit its mode and its n values."""
+    if mode == MODE_UNCHANGED:
+        return n_changed == 0 and width == 0
+    if mode == MODE_SPARSE:
+        return 0 < n_changed <= n and 1 <= width <= 4
+    return width == 0 and (0 < n_changed <= n if mode == MODE_DENSE else n_changed == n)
+
+
 def _parse_index(t: _Tensor, index: memoryview, chunk: int, kind: int) -> list[tuple[int, int, _Chunk]]:
     modes = (MODE_RAW,) if kind == KIND_KEYFRAME else (MODE_UNCHANGED, MODE_SPARSE, MODE_DENSE)
     rows: list[tuple[int, int, _Chunk]] = []
@@ -599,13 +615,7 @@ def _parse_index(t: _Tensor, index: memoryview, chunk: int, kind: int) -> list[t
     try:
         for a, b in _chunk_spans(t.numel, chunk):
             mode, width, n_changed = _CHUNK_ROW.unpack_from(index, pos)
-            ok = mode in modes and {
-                MODE_UNCHANGED: n_changed == 0 and width == 0,
-                MODE_SPARSE: 0 < n_changed <= b - a and 1 <= width <= 4,
-                MODE_DENSE: 0 < n_changed <= b - a and width == 0,
-                MODE_RAW: n_changed == b - a and width == 0,
-            }[mode]
-            if not ok:
+            if mode not in modes or not _row_ok(mode, width, n_changed, b - a):
                 raise DeltaError(f"tensor {t.name!r}: corrupt chunk at {a} (mode {mode}, width {width}, "
                                  f"{n_changed} of {b - a} changed)")
             k = _planes_of(mode, width, t.bits.itemsize)
@@ -772,19 +782,22 @@ def _decode_section(section: _Section) -> tuple[_Tensor, list[_Change]]:
 
 
 def _add_in_place(target: torch.Tensor, bits: _Bits, changes: list[_Change]) -> None:
-    """Add the wrapping differences into the tensor's own storage (the tensor object is kept)."""
+    """Add the wrapping differences into the tensor's own storage (the tensor object is kept). A dense chunk adds
+    through numpy (a call costs a fraction of torch's on small tensors), a sparse one through torch's index_add_
+    (faster than numpy's fancy indexing); both wrap alike and release the GIL."""
     if not changes:
         return
     view = target.detach().view(bits.int_dtype)
     direct = view.device.type == "cpu" and view.is_contiguous()
     work = view if direct else view.to("cpu").contiguous()
     flat = work.reshape(-1)
-    for ch in changes:  # torch adds wrap like numpy's, and index_add_ releases the GIL (numpy's add.at does not)
-        diff = torch.from_numpy(ch.diff.view(f"i{bits.itemsize}"))
+    values = flat.numpy().view(bits.np_uint)
+    for ch in changes:
         if ch.idx is None:
-            flat[ch.start:ch.end] += diff
+            part = values[ch.start:ch.end]
+            np.add(part, ch.diff, out=part)
         else:
-            flat[ch.start:ch.end].index_add_(0, torch.from_numpy(ch.idx), diff)
+            flat[ch.start:ch.end].index_add_(0, torch.from_numpy(ch.idx), torch.from_numpy(ch.diff.view(f"i{bits.itemsize}")))
     if not direct:
         view.copy_(work)
 
