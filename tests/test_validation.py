@@ -22,8 +22,9 @@ from astraflow.models import build_model, load_tokenizer, model_limits
 from astraflow.streams.codec import decode, encode
 from astraflow.streams.messages import Batch, ObjectRef, Trajectory, TrajRef, WeightVersion
 from astraflow.streams.trajectories import TrainingBatch
-from astraflow.train.vetting import check_batch, check_manifest, non_finite
+from astraflow.train.vetting import check_batch, check_manifest
 from astraflow.weights.checks import announcement_problem, order_problem
+from astraflow.weights.finite import non_finite
 
 VOCAB, GROUP = 384, 4
 LIMITS = PolicyLimits(vocab=VOCAB, max_completion=16, max_generated=16, max_row=None)
@@ -248,6 +249,19 @@ def test_a_fetched_trajectory_must_be_the_one_its_reference_names(other: dict[st
 def test_non_finite_weights_are_named():
     state = {"a": torch.zeros(3), "b": torch.tensor([1.0, math.nan]), "c": torch.tensor([math.inf]), "steps": torch.tensor([3])}
     assert non_finite(state) == ["b", "c"] and non_finite({"a": torch.ones(2, dtype=torch.bfloat16)}) == []
+
+
+def test_non_finite_is_exact_at_the_edges_of_each_dtype():
+    """Found from a float64 sum: no false alarm where a float32 sum would overflow, none for float64 values whose
+    own sum overflows, and every NaN or infinity found, also an infinity beside one of the other sign."""
+    big = {dt: torch.full((4096,), torch.finfo(dt).max, dtype=dt) for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    assert non_finite({**{str(dt): t for dt, t in big.items()}, "f64": torch.tensor([1e308, 1e308], dtype=torch.float64),
+                       "empty": torch.zeros(0)}) == []
+    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for values in ([math.inf, -math.inf], [math.nan, 1.0], [-math.inf], [0.0, math.inf]):
+            t = torch.zeros(1000, dtype=dt)
+            t[500:500 + len(values)] = torch.tensor(values, dtype=dt)
+            assert non_finite({"ok": torch.ones(3, dtype=dt), "bad": t}) == ["bad"], (dt, values)
 
 
 # ------------------------------------------------------------ announcements (the node side)

@@ -17,15 +17,12 @@ its code (``streams/messages.py``, ``BATCH_*``), which the dataflow reads:
 
 A step whose loss or gradient norm is not finite makes no update (the backend skips it) and
 its batch is dead-lettered ``non_finite``. Weights are checked finite before every checkpoint
-and announcement (:func:`non_finite`); the publisher refuses non-finite weights too.
+and announcement (``weights/finite.py``); the publisher refuses non-finite weights too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
-import torch
 
 from astraflow.config import Recipe
 from astraflow.streams.messages import BATCH_FORGED, BATCH_INVALID, BATCH_MISMATCH, BATCH_STALE, BATCH_UNPLANNED, Batch
@@ -89,8 +86,3 @@ async def check_plan(plane: Plane, policy: str, batch: Batch) -> str | None:
         return (f"{BATCH_FORGED}: {batch.batch_id} names {len(batch.refs)} trajectories hashing to {digest[:16]}, "
                 f"the plan {plan.trajectories} hashing to {plan.digest[:16]}")
     return None
-
-
-def non_finite(state: Mapping[str, torch.Tensor]) -> list[str]:
-    """Names of the tensors holding a NaN or an infinity (empty: every weight is finite)."""
-    return [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]

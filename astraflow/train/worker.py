@@ -57,7 +57,8 @@ from astraflow.train.group_commit import GroupCommit
 from astraflow.train.resume import start
 from astraflow.train.sft import sft
 from astraflow.train.threads import threads_for
-from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan, non_finite
+from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan
+from astraflow.weights.finite import non_finite
 from astraflow.weights.publish import WeightPublisher
 
 log = logging.getLogger(__name__)

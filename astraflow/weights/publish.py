@@ -45,6 +45,7 @@ from astraflow.streams.plane import Plane, PublishConflict
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.checks import foreign_harmless, in_order
 from astraflow.weights.delta import iter_encode_delta, iter_encode_keyframe, state_digest, to_bf16_state
+from astraflow.weights.finite import non_finite
 from astraflow.weights.retention import Key, execute_retention, key_of, plan_retention
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class WeightPublisher:
         request_rev = await self._keyframe_request_rev()
         requested = request_rev > self._request_rev
         new = await asyncio.to_thread(to_bf16_state, state)
-        bad = [name for name, t in new.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        bad = await asyncio.to_thread(non_finite, new)
         if bad:
             raise NonFiniteWeights(f"weights {self.policy} v{version}: {len(bad)} tensors hold NaN or inf ({', '.join(bad[:3])}); "
                                    "not published")
