@@ -200,8 +200,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 elapsed = time.monotonic() - started
                 last = {**step, "wait_frac": waited / elapsed, "batch_wait_s": wait, "fetch_s": fetch_s}
                 last_ids = [batch.batch_id]
-                state = await asyncio.to_thread(run_op, "state")  # the bf16 image of v: a copy, what gets announced
-                bad = non_finite(state)
+                state, bad = await asyncio.to_thread(_checked_image, run_op)  # the bf16 image of v: a copy, what gets announced
                 if bad:  # not the data's doing (the step was finite and clipped): stop before anything is written
                     await d.reject(f"{BATCH_NON_FINITE}: the weights after the step hold NaN or inf ({', '.join(bad[:3])})")
                     raise RuntimeError(f"{policy} weights turned non-finite after {batch.batch_id}; nothing was checkpointed or "
@@ -242,6 +241,12 @@ async def _fetch(plane: Plane, d: Delivery[Batch], metrics: Metrics) -> Training
         log.warning("fetching the trajectories of %s failed (%s: %s); trying again", d.msg.batch_id, type(e).__name__, e)
         await d.nak(delay=1.0)
     return None
+
+
+def _checked_image(run_op: Collective) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The bf16 image of the current weights (a copy) and the names of its tensors holding a NaN or an infinity."""
+    state: dict[str, torch.Tensor] = run_op("state")
+    return state, non_finite(state)
 
 
 async def _keep_alive(d: Delivery[Batch], every_s: float) -> None:
