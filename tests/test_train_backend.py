@@ -136,6 +136,32 @@ def test_checkpoint_roundtrip_continues_bit_exactly(setup, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ck").glob("v*")) == ["v00000002", "v00000003"]
 
 
+def test_a_restart_with_another_lr_restores_the_checkpoint_and_retunes_after(setup, tmp_path):
+    """The checkpoint brings back the learning rate it was trained with (the replay of announced versions needs it);
+    retune() then sets the recipe's, and the next step moves the weights as a run at that rate would."""
+    pcfg, tok, batches = setup
+    a = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, lr=1e-4, weight_decay=0.0))
+    a.step(batches[0])
+    ckpt = Checkpointer(tmp_path / "ck", keep=2)
+    path = ckpt.save(a, CheckpointMeta(version=1, policy="solver", trained=[batches[0].batch_id]))
+    assert a.retune() == {}  # the recipe's values already
+
+    def restarted(lr: float) -> TorchBackend:
+        b = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, lr=lr, weight_decay=0.01))
+        ckpt.load(b, path)
+        return b
+
+    b = restarted(1e-2)
+    assert {g["lr"] for g in b.opt.param_groups} == {1e-4}  # as trained, for the replay
+    assert b.retune() == {"lr": (1e-4, 1e-2), "weight_decay": (0.0, 0.01)}
+    assert {g["lr"] for g in b.opt.param_groups} == {1e-2} and b.retune() == {}
+    before = b.full_state()
+    b.step(batches[1])
+    same = restarted(1e-4)  # the same step at the checkpoint's rate moves the weights less
+    same.step(batches[1])
+    assert _max_diff(b.full_state(), before) > 5 * _max_diff(same.full_state(), before)
+
+
 def test_background_snapshot_writes_what_save_writes_as_of_when_it_was_taken(setup, tmp_path):
     """Group commit: the snapshot is a copy taken at once (the step after it does not leak into the file), written
     later as a checkpoint that loads to the same trainer as a synchronous save at that point (tied weights too)."""

@@ -104,6 +104,13 @@ def test_checkpoint_roundtrip_and_weight_reload(setup, tmp_path, stage):
     moved = _max_diff({k: v.float() for k, v in image.items()}, b.full_state())
     assert 0 < moved < 1e-2  # one small step away from the loaded weights, not from the old masters
 
+    # a restart with another learning rate: retune() reaches the optimizer DeepSpeed steps with
+    assert b.retune() == {}
+    b.cfg = cfg.model_copy(update={"lr": cfg.lr * 10})
+    assert b.retune() == {"lr": (cfg.lr, cfg.lr * 10)}
+    inner = getattr(b.opt, "optimizer", b.opt)
+    assert {g["lr"] for g in b.opt.param_groups} == {g["lr"] for g in inner.param_groups} == {cfg.lr * 10}
+
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_moe_same_loss_and_weights_as_torch(setup, stage):

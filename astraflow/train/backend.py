@@ -44,6 +44,10 @@ class TrainerBackend(Protocol):
     def load(self, path: Path) -> None:
         """Restore what :meth:`save` wrote."""
 
+    def retune(self) -> dict[str, tuple[float, float]]:
+        """Set the optimizer's learning rate and weight decay to the recipe's (a checkpoint restores those it was trained
+        with); those that changed, as (was, now)."""
+
     def snapshot(self) -> Callable[[Path], None] | None:
         """Copy what :meth:`save` writes, now; the returned writer writes that copy later, from any thread, while
         training goes on. None when the backend can only save synchronously (DeepSpeed: a collective save)."""

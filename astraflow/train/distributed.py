@@ -96,6 +96,8 @@ class Collective:
             return b.step(*args)
         if op == "state":
             return b.state_dict_bf16()
+        if op == "retune":
+            return b.retune()
         if op == "load_weights":
             return b.load_weights(*args)
         if op in ("save", "snapshot", "load"):

@@ -195,6 +195,16 @@ class TorchBackend:
         load_model(self.module, str(path / "model.safetensors"), strict=True, device=str(self.device))
         self.opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
 
+    def retune(self) -> dict[str, tuple[float, float]]:
+        changed: dict[str, tuple[float, float]] = {}
+        for key, value in (("lr", self.cfg.lr), ("weight_decay", self.cfg.weight_decay)):
+            was = [float(g[key]) for g in self.opt.param_groups]
+            for g in self.opt.param_groups:
+                g[key] = value
+            if any(w != value for w in was):
+                changed[key] = (was[0], value)
+        return changed
+
 
 def _untied_copy(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Contiguous CPU copies of ``state``, a tensor sharing another's storage (tied weights) left out and named in the

@@ -115,6 +115,8 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     stop = stop_event()
     max_lag = allowed_lag(recipe)
     at = await start(plane, publisher, run_op, ckpt, policy, fresh_lineage, skip=max_lag)
+    for key, (was, now) in run_op("retune").items():  # after the replay, which needs the values it was trained with
+        log.warning("%s: trainer.%s is %g in the recipe, %g in the checkpoint: %g from the next step on", policy, key, now, was, now)
     version, trained = at.version, list(at.trained)
     seen = set(trained)
     commits = GroupCommit(run_op, ckpt, publisher, durable=at.version)  # start() leaves a checkpoint of its version on disk
