@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -65,9 +67,10 @@ def up(
     """Start the embedded server (or use --nats) and every role as a supervised process; watch; summarise."""
     from astraflow.launch import RunFailed, new_run_dir
     from astraflow.launch import up as run_up
-    from astraflow.runtime import setup_logging
+    from astraflow.runtime import setup_logging, tune_gc
 
     setup_logging("WARNING")
+    tune_gc()
     try:
         if resume is not None:
             r = _load(recipe or str(resume / "recipe.yaml"), set_)
@@ -131,7 +134,7 @@ def worker(
     """Run one role in this process (join a run from any machine that reaches the plane)."""
     import os
 
-    from astraflow.runtime import setup_logging
+    from astraflow.runtime import setup_logging, tune_gc
 
     setup_logging()
     r = _load(recipe, set_)
@@ -141,23 +144,26 @@ def worker(
         typer.echo("give --run RUN (or --credential FILE, which names the run)", err=True)
         raise typer.Exit(2)
     wid = id or f"{role}-{os.getpid()}"
+    main: Coroutine[Any, Any, None]
     if role == "dataflow":
         from astraflow.dataflow.service import serve
-        asyncio.run(serve(r, opts, run, wid, metrics_port))
+        main = serve(r, opts, run, wid, metrics_port)
     elif role == "trainer":
         from astraflow.train.worker import serve as serve_trainer
-        asyncio.run(serve_trainer(r, opts, run, wid, policy, checkpoint_dir, metrics_port, fresh_lineage))
+        main = serve_trainer(r, opts, run, wid, policy, checkpoint_dir, metrics_port, fresh_lineage)
     elif role == "rollout":
         from astraflow.rollout.node import serve as serve_rollout
         if weights_domain:
             r = r.model_copy(update={"rollout": r.rollout.model_copy(update={"weights_domain": weights_domain})})
-        asyncio.run(serve_rollout(r, opts, run, wid, pool, region, hardware, metrics_port))
+        main = serve_rollout(r, opts, run, wid, pool, region, hardware, metrics_port)
     elif role == "evaluator":
         from astraflow.rollout.evaluator import serve as serve_eval
-        asyncio.run(serve_eval(r, opts, run, wid, metrics_port))
+        main = serve_eval(r, opts, run, wid, metrics_port)
     else:
         typer.echo(f"unknown role {role!r}: dataflow | rollout | trainer | evaluator", err=True)
         raise typer.Exit(2)
+    tune_gc()
+    asyncio.run(main)
 
 
 @app.command()

@@ -43,6 +43,12 @@ from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.trajectories import fetch_trajectories
 
+try:  # the tree's roles tune the garbage collector at start-up; this process does as they do, before both paths
+    from astraflow.runtime import tune_gc
+except ImportError:  # a tree from before it
+    def tune_gc() -> None:
+        pass
+
 try:  # the tree's rollout node settles tasks that finish together at once
     from astraflow.rollout.outbox import Outbox
 except ImportError:  # a tree from before it: each task on its own
@@ -240,5 +246,6 @@ if __name__ == "__main__":
     if args.before is not None:
         print(json.dumps(side_by_side(args.before, args.rounds, args.quick)))
     else:
+        tune_gc()
         result = asyncio.run(main(args.quick, table=not args.child))
         print(json.dumps(result))
