@@ -6,9 +6,12 @@ import os
 
 import numpy as np
 import pytest
+from nats.aio.msg import Msg
+from nats.errors import NotJSMessageError
 from nats.js.errors import ServiceUnavailableError
 
 from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
+from astraflow.streams.consuming import Delivery
 from astraflow.streams.messages import Rejected, Task, Trajectory
 from astraflow.streams.objects import CorruptObject, get_object, object_stream, put_object
 from astraflow.streams.plane import NatsOptions, Plane, Topology
@@ -93,6 +96,29 @@ async def test_dedup_of_republished_message(plane: Plane):
     for _ in range(3):
         await plane.publish(plane.names.task("math"), task, msg_id=task.task_id)
     assert await plane.stream_msgs(plane.names.task_stream) == 1
+
+
+@pytest.mark.parametrize("reply", [
+    "$JS.ACK.TRAJ_r.dataflow.1.12345.678.1700000000000000000.3",  # v1: no domain, no account hash
+    "$JS.ACK._.ACCHASH.TRAJ_r.dataflow.2.999.5.1700000000000000000.0.tok",  # v2
+    "$JS.ACK.hub.ACCHASH.TRAJ_r.dataflow.2.999.5.1700000000000000000.0",  # v2 without its random token
+])
+def test_a_deliverys_stream_sequence_is_read_from_its_ack_subject_as_nats_py_reads_it(reply: str):
+    raw = Msg(None, subject="traj.r.solver", reply=reply, data=b"")
+    assert Delivery(None, raw, None).stream_seq == raw.metadata.sequence.stream  # type: ignore[arg-type]
+    with pytest.raises(NotJSMessageError):
+        _ = Delivery(None, Msg(None, subject="s", reply="_INBOX.x.y", data=b""), None).stream_seq  # type: ignore[arg-type]
+
+
+async def test_stream_sequences_of_live_deliveries(plane: Plane):
+    tasks = [Task(task_id=f"s{i}", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2) for i in range(3)]
+    seqs = [await plane.publish(plane.names.task("math"), t, msg_id=t.task_id) for t in tasks]
+    sub, got = plane.consumer(plane.names.task_stream, plane.names.pool_consumer("raas"), Task), []
+    for _ in range(20):  # a pull may return with the first arrivals
+        got += await sub.pull(batch=3 - len(got), timeout=0.5)
+        if len(got) == 3:
+            break
+    assert sorted(d.stream_seq for d in got) == sorted(seqs)
 
 
 async def test_redelivery_when_consumer_dies_without_ack(nats_server, plane: Plane, run_id):
