@@ -3,7 +3,7 @@
 A tensor holds a NaN or an infinity iff its float64 sum is not finite: any NaN makes the sum NaN, an infinity
 makes it infinite (or NaN beside one of the other sign), and a float64 sum of finite bf16, fp16 or fp32 values
 cannot overflow (|sum| <= n * 3.4e38, far below 1.8e308). A float64 tensor is checked value by value (its own
-finite values can overflow a sum). The sums are read back once for the whole state (one device sync on a GPU).
+finite values can overflow a sum). The sums are read back once for a state on one device (one sync on a GPU).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def non_finite(state: Mapping[str, torch.Tensor]) -> list[str]:
                 bad.add(name)
         else:
             summed.append(name)
-            sums.append(t.sum(dtype=torch.float64).cpu())
+            sums.append(t.sum(dtype=torch.float64))
     if sums:
-        bad.update(name for name, ok in zip(summed, torch.isfinite(torch.stack(sums)).tolist()) if not ok)
+        on_one_device = len({s.device for s in sums}) == 1
+        finite = torch.isfinite(torch.stack(sums if on_one_device else [s.cpu() for s in sums])).tolist()
+        bad.update(name for name, ok in zip(summed, finite) if not ok)
     return [name for name in state if name in bad]
