@@ -29,6 +29,7 @@ from astraflow.streams.objects import (
     count_chunks,
     get_object,
     object_stream,
+    owner_tag,
     put_object,
     read_one_chunk_object,
 )
@@ -388,6 +389,37 @@ async def test_a_restarted_trainer_collects_what_its_predecessor_left(plane: Pla
     await pub.wait_retention()
     counts = [await count_chunks(plane._js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in old + new]
     assert counts == [0] * 5 + [1] * 3  # "last" is by publication: the old v4 is older than the new v0
+    late = node(plane)
+    await late.wait_for(2, timeout=10)
+    assert engine_digest(late) == trainer.digest
+
+
+async def test_a_restarted_trainer_sweeps_the_payloads_its_predecessor_stored_and_never_announced(plane: Plane):
+    """Killed between its put and its announcement (chunks and metadata left), or in the middle of a put (chunks, no
+    metadata): the next publisher of the policy purges both before it writes; every announced object stays, and so
+    do another policy's unannounced payload and an object written without an owner."""
+    bucket, stream = plane.names.object_bucket, object_stream(plane.names.object_bucket)
+    trainer = Trainer(seed=0)
+    first = WeightPublisher(plane, "solver", keyframe_every=100, keep_versions=None)
+    announced = await publish_steps(first, trainer, range(2))
+    stored = await first.store(trainer.step(), 2)  # killed before the announcement
+    midway = owner_tag("solver") + "f" * 32  # killed in the middle of a put: two chunks, no metadata
+    for _ in range(2):
+        await plane._js.publish(chunk_subject(bucket, midway), b"x" * 100)
+    other = await WeightPublisher(plane, "verifier", keyframe_every=100).store(Trainer(seed=2).model.state_dict(), 0)
+    ownerless = await put_object(plane._js, bucket, "misc/untagged", b"y" * 100)
+
+    async def chunks(nuid: str) -> int:
+        return await count_chunks(plane._js, stream, chunk_subject(bucket, nuid))
+
+    assert await chunks(stored.ann.objects[0].nuid) == 1 and await chunks(midway) == 2
+    again = WeightPublisher(plane, "solver", keyframe_every=100, keep_versions=None)
+    await again.publish(trainer.model.state_dict(), 2)  # the restart's first publish sweeps first
+    assert await chunks(stored.ann.objects[0].nuid) == 0 and await chunks(midway) == 0
+    with pytest.raises(MissingObject):
+        await get_object(plane._js, bucket, stored.ann.objects[0], timeout=1.0)
+    for ref in [a.objects[0] for a in announced] + [other.ann.objects[0], ownerless]:
+        assert await chunks(ref.nuid) == 1, ref.name
     late = node(plane)
     await late.wait_for(2, timeout=10)
     assert engine_digest(late) == trainer.digest

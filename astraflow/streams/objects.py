@@ -31,9 +31,10 @@ import base64
 import hashlib
 import inspect
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ from nats.js.errors import BadRequestError, NotFoundError
 from astraflow.streams.direct import DirectGetError, read_subject
 from astraflow.streams.messages import ObjectRef
 from astraflow.streams.subjects import Names
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
@@ -122,8 +125,14 @@ def _next_chunk(chunks: Iterator[bytes], whole: Any) -> tuple[bytes, str] | None
     return chunk, hashlib.sha256(chunk).hexdigest()
 
 
+def owner_tag(owner: str) -> str:
+    """The prefix of the object ids ``owner`` writes, so its objects can be told from others' by id alone."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:16] + "-"
+
+
 async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[str], data: Data | Pieces,
-                     chunk_size: int = DEFAULT_CHUNK, timeout: float = 60.0, in_flight: int = IN_FLIGHT) -> ObjectRef:
+                     chunk_size: int = DEFAULT_CHUNK, timeout: float = 60.0, in_flight: int = IN_FLIGHT,
+                     owner: str = "") -> ObjectRef:
     """Write ``data`` under a fresh nuid (chunks pipelined, metadata last); purge the chunks on
     failure, including chunk acks not all back within ``timeout`` seconds.
 
@@ -131,10 +140,11 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
     each chunk goes out as soon as its bytes are in, with at most ``in_flight`` chunks unacknowledged,
     so memory stays bounded; pulling pieces runs on a worker thread. An exception raised by the
     iterable aborts the write (chunks purged) and propagates. ``name`` may be awaitable, for a name
-    known only once the data is written (it goes into the metadata, written last).
+    known only once the data is written (it goes into the metadata, written last). ``owner``: the writer, whose tag
+    prefixes the object id (:func:`owner_tag`; :func:`sweep_orphans` goes by it).
     """
     chunks = _in_chunks(data, chunk_size)
-    nuid = uuid.uuid4().hex
+    nuid = (owner_tag(owner) if owner else "") + uuid.uuid4().hex
     subject = chunk_subject(bucket, nuid)
     digests: list[str] = []
     whole = hashlib.sha256()
@@ -189,6 +199,47 @@ async def delete_object(js: JetStreamContext, bucket: str, ref: ObjectRef, strea
         await js.purge_stream(stream, subject=_meta_subject(bucket, ref.name))
     except Exception as e:
         raise ObjectError(f"could not delete object {ref.name} from {stream}: {type(e).__name__}: {e}") from e
+
+
+async def sweep_orphans(js: JetStreamContext, bucket: str, stream: str, owner: str, keep: set[str],
+                        stale: Callable[[str], bool]) -> int:
+    """Purge from ``stream`` (the bucket's own, or a mirror) the objects ``owner`` left behind; how many.
+
+    A writer killed in the middle of a put leaves chunks and no metadata (the metadata goes last); one killed between
+    its put and the announcement that would have named it leaves both. No announcement reaches them and retention,
+    which works from announcements, never deletes them, so a restarted writer sweeps its own before it writes again (a
+    trainer killed while a large model's keyframe was being stored leaves gigabytes). Among the objects whose id
+    carries ``owner_tag(owner)`` and that no id in ``keep`` names, it purges the chunks no metadata names, and the
+    metadata whose name ``stale(name)`` says no announcement can come to name any more, with its chunks. Objects
+    without the tag (another writer's, or written before tags) are never touched."""
+    tag = owner_tag(owner)
+    named: set[str] = set()  # ids of the owner's objects that have metadata
+    purged = 0
+    for subject in await _subjects(js, stream, f"$O.{bucket}.M.>"):
+        try:
+            meta = json.loads((await js.get_last_msg(stream, subject)).data or b"{}")
+        except Exception as e:  # purged meanwhile, or not JSON: not ours to judge
+            log.debug("sweep: %s unreadable: %s", subject, e)
+            continue
+        nuid, name = str(meta.get("nuid", "")), str(meta.get("name", ""))
+        if not nuid.startswith(tag):
+            continue
+        named.add(nuid)
+        if nuid not in keep and stale(name):
+            await js.purge_stream(stream, subject=chunk_subject(bucket, nuid))
+            await js.purge_stream(stream, subject=subject)
+            purged += 1
+    for subject in await _subjects(js, stream, f"$O.{bucket}.C.>"):
+        nuid = subject.rsplit(".", 1)[-1]
+        if nuid.startswith(tag) and nuid not in keep and nuid not in named:
+            await js.purge_stream(stream, subject=subject)
+            purged += 1
+    return purged
+
+
+async def _subjects(js: JetStreamContext, stream: str, subjects: str) -> list[str]:
+    info = await js.stream_info(stream, subjects_filter=subjects)
+    return list(info.state.subjects or {})
 
 
 # ------------------------------------------------------------------------------ read
@@ -329,9 +380,13 @@ class ObjectStore:
         self.chunk_size = chunk_size_for(max_payload)
         self._direct = True  # until the stream refuses a direct get
 
-    async def put(self, name: str | Awaitable[str], data: Data | Pieces) -> ObjectRef:
+    async def put(self, name: str | Awaitable[str], data: Data | Pieces, owner: str = "") -> ObjectRef:
         """Write ``data``, whole or piece by piece as it is produced (:func:`put_object`)."""
-        return await put_object(self._js, self.bucket, name, data, self.chunk_size)
+        return await put_object(self._js, self.bucket, name, data, self.chunk_size, owner=owner)
+
+    async def sweep(self, owner: str, keep: set[str], stale: Callable[[str], bool]) -> int:
+        """Purge what ``owner`` left behind here (:func:`sweep_orphans`); how many objects."""
+        return await sweep_orphans(self._js, self.bucket, self.stream, owner, keep, stale)
 
     async def get(self, ref: ObjectRef, timeout: float = 10.0) -> bytearray:
         return await get_object(self._js, self.bucket, ref, stream=self.stream, timeout=timeout, wait_missing=self.wait_missing)

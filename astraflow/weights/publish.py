@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -51,6 +52,7 @@ from astraflow.weights.retention import Key, execute_retention, key_of, plan_ret
 log = logging.getLogger(__name__)
 Encoding = Literal["keyframe", "delta"]
 STEP_OVERS = 8  # refused publishes in a row before a foreign writer counts as another trainer anyway
+_OBJECT_NAME = re.compile(r"(?P<policy>.+)/v(?P<version>\d+)-[0-9a-f]+\.(?:delta|keyframe)")  # what _put names a payload
 
 
 class NonFiniteWeights(ValueError):
@@ -155,12 +157,13 @@ class WeightPublisher:
             full_bytes = sum(t.numel() * t.element_size() for t in new.values())
             encoder = iter_encode_delta(self.image, new)
             try:
-                return "delta", await objects.put(name("delta"), capped(encoder, int(self.max_delta_fraction * full_bytes))), "delta"
+                capped_delta = capped(encoder, int(self.max_delta_fraction * full_bytes))
+                return "delta", await objects.put(name("delta"), capped_delta, self.policy), "delta"
             except DeltaTooLarge:
                 why = f"delta over {self.max_delta_fraction:g} x {full_bytes} B"
             finally:
                 await asyncio.to_thread(encoder.close)  # a dropped encoder's threads stop here
-        return "keyframe", await objects.put(name("keyframe"), iter_encode_keyframe(new)), why
+        return "keyframe", await objects.put(name("keyframe"), iter_encode_keyframe(new), self.policy), why
 
     # ------------------------------------------------------------------ publish
     async def publish(
@@ -280,6 +283,28 @@ class WeightPublisher:
         for ann in in_order(anns, self.policy):  # never what a foreign writer put there: its objects may be anyone's
             self.history.setdefault(key_of(ann), ann)
         self._seeded = True
+        await self._sweep(anns)
+
+    async def _sweep(self, anns: list[WeightVersion]) -> None:
+        """Purge the payloads an earlier trainer of this policy stored and never announced (killed in between, or in
+        the middle of the put): those of a version above every announcement, or never finished. Any object an
+        announcement names is kept, a foreign one's too (``ObjectStore.sweep``)."""
+        keep = {ref.nuid for a in anns for ref in a.objects}
+        newest = max((a.version for a in anns), default=-1)
+
+        def stale(name: str) -> bool:  # {policy}/v{version}-{digest}.{encoding}
+            found = _OBJECT_NAME.fullmatch(name)
+            return found is not None and found["policy"] == self.policy and int(found["version"]) > newest
+
+        for store in [self.plane.objects(), *(self.plane.objects(domain=d) for d in self.mirror_domains)]:
+            try:
+                purged = await store.sweep(self.policy, keep, stale)
+            except Exception as e:  # best effort, as retention: publishing goes on
+                log.warning("weights %s: could not sweep unannounced payloads from %s: %s", self.policy, store.stream, e)
+                continue
+            if purged:
+                log.warning("weights %s: purged %d payloads stored and never announced (a trainer killed before its "
+                            "announcement) from %s", self.policy, purged, store.stream)
 
     async def _discard(self, ref: ObjectRef) -> None:
         try:
