@@ -52,6 +52,7 @@ from astraflow.weights.retention import Key, execute_retention, key_of, plan_ret
 log = logging.getLogger(__name__)
 Encoding = Literal["keyframe", "delta"]
 STEP_OVERS = 8  # refused publishes in a row before a foreign writer counts as another trainer anyway
+MIRROR_SWEEP_S = 5.0  # how long a restarted publisher's first put waits for each region mirror's sweep
 _OBJECT_NAME = re.compile(r"(?P<policy>.+)/v(?P<version>\d+)-[0-9a-f]+\.(?:delta|keyframe)")  # what _put names a payload
 
 
@@ -296,15 +297,16 @@ class WeightPublisher:
             found = _OBJECT_NAME.fullmatch(name)
             return found is not None and found["policy"] == self.policy and int(found["version"]) > newest
 
-        for store in [self.plane.objects(), *(self.plane.objects(domain=d) for d in self.mirror_domains)]:
-            try:
-                purged = await store.sweep(self.policy, keep, stale)
+        stores = {"the hub": self.plane.objects(), **{f"the mirror in {d}": self.plane.objects(domain=d) for d in self.mirror_domains}}
+        for where, store in stores.items():
+            try:  # before the first put (a sweep beside it could take it for an orphan); a mirror gets a few seconds
+                purged = await asyncio.wait_for(store.sweep(self.policy, keep, stale), None if where == "the hub" else MIRROR_SWEEP_S)
             except Exception as e:  # best effort, as retention: publishing goes on
-                log.warning("weights %s: could not sweep unannounced payloads from %s: %s", self.policy, store.stream, e)
+                log.warning("weights %s: could not sweep unannounced payloads from %s: %s", self.policy, where, e)
                 continue
             if purged:
                 log.warning("weights %s: purged %d payloads stored and never announced (a trainer killed before its "
-                            "announcement) from %s", self.policy, purged, store.stream)
+                            "announcement) from %s", self.policy, purged, where)
 
     async def _discard(self, ref: ObjectRef) -> None:
         try:
