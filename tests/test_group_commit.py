@@ -67,7 +67,9 @@ async def test_kills_at_the_group_commit_points_resume_exactly(nats_server, run_
         proc = spawn_trainer(recipe_file, nats_server.url, run_id, "solver", log, ckpt, crash=f"before_announce@{last + 1}")
         assert await wait_exit(proc) == -signal.SIGKILL, log.read_text()[-3000:]
         on_plane = await plane.history(plane.names.weights("solver"), WeightVersion)
-        assert [a.version for a in on_plane] == list(range(last + 1)) and (ckpt / "v00000009").is_dir()
+        # (the restart replayed up to v{last} and checkpointed it; v{last + 1}'s own checkpoint may be durable too, if its
+        # write ended before the kill: the two newest are kept, so v9 may be gone by now)
+        assert [a.version for a in on_plane] == list(range(last + 1)) and max(int(p.name[1:]) for p in ckpt.glob("v*")) >= last
         assert {b.batch_id for b in batches} - {b for a in on_plane for b in a.batch_ids} <= await unacked()  # its too
 
         # announced past the last checkpoint, then killed; the last life replays up to it and finishes. Not at a checkpoint
