@@ -111,12 +111,21 @@ class SFTConfig(Strict):
     """Supervised warm-start steps the trainer takes before version 0: on the training prompts' reference answers,
     or on ``demonstrations``."""
     lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    """Steps over which the learning rate rises linearly from ``lr / warmup_steps`` to ``lr`` (constant after; at most ``steps``). A
+    high ``lr`` without warmup can leave some seeds stuck at a plateau (``recipes/arithmetic/hard.yaml``)."""
     batch_size: int = Field(64, gt=0)
     demonstrations: str | None = None
     """A JSONL of multi-turn demonstrations (relative paths: the recipe folder), one episode a line as
     ``astraflow demos`` records it: the prompt, then segments of text the model wrote (trained on) and text the
     workflow inserted (tool output, observations: masked out). Only episodes of training prompts are used.
     None: train on ``prompt + answer``."""
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self) -> SFTConfig:
+        if self.steps and self.warmup_steps > self.steps:
+            raise ValueError(f"sft.warmup_steps ({self.warmup_steps}) must not exceed sft.steps ({self.steps})")
+        return self
 
 
 class RolloutConfig(Strict):

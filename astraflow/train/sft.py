@@ -49,7 +49,7 @@ def sft(model: torch.nn.Module, tokenizer: Any, problems: list[Problem], cfg: SF
     """Train ``model`` in place on ``cfg.steps`` batches of examples; returns the last loss.
 
     Runs on the plain module, before any backend wraps it, with its own AdamW (the RL
-    optimizer starts fresh at version 0).
+    optimizer starts fresh at version 0), its learning rate warmed up linearly over ``cfg.warmup_steps``.
     """
     rng = random.Random(seed)
     if cfg.demonstrations:
@@ -58,6 +58,7 @@ def sft(model: torch.nn.Module, tokenizer: Any, problems: list[Problem], cfg: SF
         examples = answer_examples(tokenizer, problems)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     pad, loss = tokenizer.pad_token_id, torch.tensor(0.0)
     model.train()
     for _ in range(cfg.steps):
@@ -70,4 +71,5 @@ def sft(model: torch.nn.Module, tokenizer: Any, problems: list[Problem], cfg: SF
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        warmup.step()
     return float(loss.item())
