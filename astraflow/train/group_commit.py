@@ -3,7 +3,7 @@ batch acks held until a durable checkpoint covers them.
 
 Per version the trainer hands the bf16 image of its weights to :meth:`GroupCommit.publish`: a private copy taken right
 after the step (``state_dict_bf16``, a few ms) and checked finite, so the next step cannot change what is announced and
-the publisher neither copies nor checks it again. The image is stored
+the publisher need not copy it again (it still checks it finite). The image is stored
 and announced (``WeightPublisher.store``, ``announce``) in a task while the loop pulls, fetches and steps the next batch;
 the digest, the encoding and the chunk hashing run in threads, which release the GIL, so the publish of v runs beside the
 step of v+1 (it saves time where the step leaves a core idle). Once v's announcement (the version's commit point)
@@ -92,7 +92,7 @@ class GroupCommit:
 
     async def _publish(self, image: dict[str, torch.Tensor], version: int, batch_ids: list[str],
                        metrics: dict[str, float]) -> WeightVersion:
-        stored = await self.publisher.store(image, version, batch_ids, metrics, checked_image=True)
+        stored = await self.publisher.store(image, version, batch_ids, metrics, copy=False)
         crash_point("before_announce", version)
         ann = await self.publisher.announce(stored)
         crash_point("after_publish", version)

@@ -176,18 +176,18 @@ class WeightPublisher:
 
     async def store(
         self, state: Mapping[str, torch.Tensor], version: int, batch_ids: list[str] | None = None,
-        metrics: dict[str, float] | None = None, force_keyframe: bool = False, checked_image: bool = False,
+        metrics: dict[str, float] | None = None, force_keyframe: bool = False, copy: bool = True,
     ) -> Stored:
         """Everything before the commit point: a bf16 copy of ``state``, checked finite, its digest, the payload encoded
         and written. Nothing is announced: :meth:`announce` it next, before anything else is stored (its delta's base is
-        the image of the last announcement). ``checked_image``: ``state`` is already a bf16 copy that nothing changes any
-        more and that its caller checked finite (the trainer's image of a version): taken as it is."""
+        the image of the last announcement). ``copy=False``: ``state`` is already a bf16 image that nothing changes any
+        more (the trainer's image of a version), taken as it is; it is still checked finite."""
         if not self._seeded:
             await self._seed_history()
         request_rev = await self._keyframe_request_rev()
         requested = request_rev > self._request_rev
-        new = dict(state) if checked_image else await asyncio.to_thread(to_bf16_state, state)
-        bad = [] if checked_image else await asyncio.to_thread(non_finite, new)
+        new = await asyncio.to_thread(to_bf16_state, state) if copy else dict(state)
+        bad = await asyncio.to_thread(non_finite, new)
         if bad:
             raise NonFiniteWeights(f"weights {self.policy} v{version}: {len(bad)} tensors hold NaN or inf ({', '.join(bad[:3])}); "
                                    "not published")
