@@ -20,6 +20,7 @@ from test_train_support import (
 )
 
 from astraflow.streams.messages import Batch, WeightVersion
+from astraflow.streams.objects import object_stream
 from astraflow.streams.state import DoneRecord
 from astraflow.weights.sync import WeightSync
 
@@ -31,6 +32,13 @@ async def test_kills_at_the_group_commit_points_resume_exactly(nats_server, run_
     recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=steps, checkpoint_every=every)
     plane, anns, batches = await planned_run(nats_server.url, run_id, recipe, steps, seed=2)
     ckpt, log = tmp_path / "ckpt", tmp_path / "trainer.log"
+
+    async def unannounced_chunks() -> set[str]:
+        """Object ids holding chunks that no announcement on the plane names (a payload stored, never announced)."""
+        bucket = plane.names.object_bucket
+        info = await plane._jsm.stream_info(object_stream(bucket), subjects_filter=f"$O.{bucket}.C.>")
+        named = {ref.nuid for a in await plane.history(plane.names.weights("solver"), WeightVersion) for ref in a.objects}
+        return {subject.rsplit(".", 1)[-1] for subject in info.state.subjects or {}} - named
 
     async def unacked() -> set[str]:
         return {b.batch_id for _, b in await plane.held(plane.names.batch_stream, plane.names.batch("solver"), Batch)}
@@ -71,6 +79,7 @@ async def test_kills_at_the_group_commit_points_resume_exactly(nats_server, run_
         # write ended before the kill: the two newest are kept, so v9 may be gone by now)
         assert [a.version for a in on_plane] == list(range(last + 1)) and max(int(p.name[1:]) for p in ckpt.glob("v*")) >= last
         assert {b.batch_id for b in batches} - {b for a in on_plane for b in a.batch_ids} <= await unacked()  # its too
+        assert len(await unannounced_chunks()) == 1  # its payload, stored before the kill
 
         # announced past the last checkpoint, then killed; the last life replays up to it and finishes. Not at a checkpoint
         # version: its snapshot is taken before its publish, and the write may end before the announcement (nothing to replay)
@@ -82,6 +91,7 @@ async def test_kills_at_the_group_commit_points_resume_exactly(nats_server, run_
 
         text = log.read_text()
         assert "approximate" not in text and re.search(rf"replayed v\d+\.\.v{killed_at} onto checkpoint v\d+:", text)
+        assert "stored and never announced" in text and await unannounced_chunks() == set()  # swept by the next life
         assert (await plane.state.get(DoneRecord, "solver")).version == steps
         record = await anns.settle("solver", steps)
         check_record(record, batches, steps)  # every version announced once, every batch in exactly one version

@@ -208,32 +208,31 @@ async def sweep_orphans(js: JetStreamContext, bucket: str, stream: str, owner: s
     A writer killed in the middle of a put leaves chunks and no metadata (the metadata goes last); one killed between
     its put and the announcement that would have named it leaves both. No announcement reaches them and retention,
     which works from announcements, never deletes them, so a restarted writer sweeps its own before it writes again (a
-    trainer killed while a large model's keyframe was being stored leaves gigabytes). Among the objects whose id
-    carries ``owner_tag(owner)`` and that no id in ``keep`` names, it purges the chunks no metadata names, and the
-    metadata whose name ``stale(name)`` says no announcement can come to name any more, with its chunks. Objects
-    without the tag (another writer's, or written before tags) are never touched."""
+    trainer killed while a large model's keyframe was being stored leaves gigabytes). The candidates are the chunks
+    whose id carries ``owner_tag(owner)`` and that no id in ``keep`` names; without any (a clean restart) nothing
+    else is read. Otherwise the metadata is read: a candidate no metadata names is purged, and one whose metadata's
+    name ``stale(name)`` says no announcement can come to name any more is purged with it. Objects without the tag
+    (another writer's, or written before tags) are never touched."""
     tag = owner_tag(owner)
-    named: set[str] = set()  # ids of the owner's objects that have metadata
+    candidates = {nuid for subject in await _subjects(js, stream, f"$O.{bucket}.C.>")
+                  if (nuid := subject.rsplit(".", 1)[-1]).startswith(tag) and nuid not in keep}
     purged = 0
-    for subject in await _subjects(js, stream, f"$O.{bucket}.M.>"):
+    for subject in await _subjects(js, stream, f"$O.{bucket}.M.>") if candidates else []:
         try:
             meta = json.loads((await js.get_last_msg(stream, subject)).data or b"{}")
         except Exception as e:  # purged meanwhile, or not JSON: not ours to judge
             log.debug("sweep: %s unreadable: %s", subject, e)
             continue
-        nuid, name = str(meta.get("nuid", "")), str(meta.get("name", ""))
-        if not nuid.startswith(tag):
-            continue
-        named.add(nuid)
-        if nuid not in keep and stale(name):
-            await js.purge_stream(stream, subject=chunk_subject(bucket, nuid))
-            await js.purge_stream(stream, subject=subject)
-            purged += 1
-    for subject in await _subjects(js, stream, f"$O.{bucket}.C.>"):
-        nuid = subject.rsplit(".", 1)[-1]
-        if nuid.startswith(tag) and nuid not in keep and nuid not in named:
-            await js.purge_stream(stream, subject=subject)
-            purged += 1
+        nuid = str(meta.get("nuid", ""))
+        if nuid in candidates:
+            candidates.discard(nuid)  # it has metadata: kept unless stale
+            if stale(str(meta.get("name", ""))):
+                await js.purge_stream(stream, subject=chunk_subject(bucket, nuid))
+                await js.purge_stream(stream, subject=subject)
+                purged += 1
+    for nuid in candidates:  # no metadata: a put that died before its end
+        await js.purge_stream(stream, subject=chunk_subject(bucket, nuid))
+        purged += 1
     return purged
 
 

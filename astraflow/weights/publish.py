@@ -53,7 +53,18 @@ log = logging.getLogger(__name__)
 Encoding = Literal["keyframe", "delta"]
 STEP_OVERS = 8  # refused publishes in a row before a foreign writer counts as another trainer anyway
 MIRROR_SWEEP_S = 5.0  # how long a restarted publisher's first put waits for each region mirror's sweep
-_OBJECT_NAME = re.compile(r"(?P<policy>.+)/v(?P<version>\d+)-[0-9a-f]+\.(?:delta|keyframe)")  # what _put names a payload
+_PAYLOAD_NAME = re.compile(r"(?P<policy>.+)/v(?P<version>\d+)-[0-9a-f]+\.(?:delta|keyframe)")
+
+
+def payload_name(policy: str, version: int, digest: str, encoding: Encoding) -> str:
+    """The object name of a version's payload: ``{policy}/v{version}-{digest12}.{encoding}``."""
+    return f"{policy}/v{version}-{digest[:12]}.{encoding}"
+
+
+def payload_version(name: str, policy: str) -> int | None:
+    """The version a :func:`payload_name` of ``policy`` names (None: not one)."""
+    found = _PAYLOAD_NAME.fullmatch(name)
+    return int(found["version"]) if found is not None and found["policy"] == policy else None
 
 
 class NonFiniteWeights(ValueError):
@@ -150,7 +161,7 @@ class WeightPublisher:
         objects = self.plane.objects()
 
         async def name(encoding: Encoding) -> str:
-            return f"{self.policy}/v{version}-{(await digest)[:12]}.{encoding}"
+            return payload_name(self.policy, version, await digest, encoding)
 
         why = self._keyframe_reason(version, force_keyframe)
         if why is None:
@@ -293,9 +304,9 @@ class WeightPublisher:
         keep = {ref.nuid for a in anns for ref in a.objects}
         newest = max((a.version for a in anns), default=-1)
 
-        def stale(name: str) -> bool:  # {policy}/v{version}-{digest}.{encoding}
-            found = _OBJECT_NAME.fullmatch(name)
-            return found is not None and found["policy"] == self.policy and int(found["version"]) > newest
+        def stale(name: str) -> bool:
+            version = payload_version(name, self.policy)
+            return version is not None and version > newest
 
         stores = {"the hub": self.plane.objects(), **{f"the mirror in {d}": self.plane.objects(domain=d) for d in self.mirror_domains}}
         for where, store in stores.items():
