@@ -223,7 +223,7 @@ async def sweep_orphans(js: JetStreamContext, bucket: str, stream: str, owner: s
         except Exception as e:  # purged meanwhile, or not JSON: not ours to judge
             log.debug("sweep: %s unreadable: %s", subject, e)
             continue
-        nuid = str(meta.get("nuid", ""))
+        nuid = str(meta.get("nuid", "")) if isinstance(meta, dict) else ""  # a foreign writer's junk names nothing
         if nuid in candidates:
             candidates.discard(nuid)  # it has metadata: kept unless stale
             if stale(str(meta.get("name", ""))):
