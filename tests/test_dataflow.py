@@ -49,14 +49,15 @@ def varied(task: Task, policy: str, i: int) -> float:
 class Harness:
     """One dataflow plus scripted nodes and trainers, each its own connection to the plane."""
 
-    def __init__(self, url: str, run: str, r: Any) -> None:
-        self.url, self.run, self.recipe = url, run, r
+    def __init__(self, url: str, run: str, r: Any, max_deliver: int = 20) -> None:
+        self.url, self.run, self.recipe, self.max_deliver = url, run, r, max_deliver
         self.versions = {p: 0 for p in r.policy_names}
         self.batches: dict[str, list[TrainingBatch]] = {p: [] for p in r.policy_names}
 
     async def start(self) -> Harness:
         self.node = await Plane.connect(NatsOptions(url=self.url), self.run, "node")
-        await self.node.ensure_topology(Topology(policies=self.recipe.policy_names, task_ack_wait=2.0, traj_ack_wait=2.0))
+        await self.node.ensure_topology(Topology(policies=self.recipe.policy_names, task_ack_wait=2.0, traj_ack_wait=2.0,
+                                                 max_deliver=self.max_deliver))
         self.task_sub = self.node.consumer(self.node.names.task_stream, "raas", Task)
         self.trainer = await Plane.connect(NatsOptions(url=self.url), self.run, "trainer")
         self.batch_subs = {p: self.trainer.consumer(self.trainer.names.batch_stream, self.trainer.names.trainer_consumer(p), Batch)
@@ -311,6 +312,28 @@ async def test_autoscale_advice_is_published(harness: Harness):
     assert advice is not None and (advice.action, advice.target) == ("hold", 2), (
         advice
     )  # below lo, but nothing measured says the pool is too big
+
+
+async def test_a_task_the_server_gave_up_on_while_the_dataflow_was_down_still_fails(nats_server, run_id):
+    """The server gives up on a task (max deliveries) while no dataflow listens: its advisory is kept in DLQ, so the next
+    dataflow settles it ``failed:max_deliver`` and the task no longer holds a place in flight (which would shrink the
+    budget for good: enough of them and nothing is issued any more)."""
+    h = await Harness(nats_server.url, run_id, recipe(), max_deliver=2).start()
+    try:
+        await h.turn()
+        issued = h.df.ledger.issued
+        assert issued == len(h.df.in_flight) == 6  # the staleness budget: (2 + 1) batches of 2 groups
+        await h.kill_dataflow()
+        for _ in range(3):  # delivered twice, nak'ed twice: the third pull finds nothing, and the server gives up on all
+            for d in await h.task_sub.pull(batch=64, timeout=0.5):
+                await d.nak()
+        await h.open_dataflow()
+        await h.until(lambda: h.acc().fates.get("failed:max_deliver") == issued)
+        await h.turn()
+        assert h.df.ledger.issued == 2 * issued  # their places in flight are free again: as many more are out
+        assert len(h.df.in_flight) == issued and h.acc().adds_up
+    finally:
+        await h.close()
 
 
 @with_recipe(max_tasks_in_flight=8, max_staleness=3,

@@ -24,6 +24,7 @@ import yaml
 from rich.console import Console
 
 from astraflow.config import Recipe, dump_recipe
+from astraflow.launch.diagnose import stall_report
 from astraflow.launch.report import summarize
 from astraflow.launch.rundir import RunDir
 from astraflow.launch.supervisor import Child, CrashLoop, LocalPool, RoleSpec, Supervisor, exit_text
@@ -40,7 +41,11 @@ console = Console()
 
 
 class RunFailed(RuntimeError):
-    """The run stopped without finishing (a crash loop, a timeout); the message says why."""
+    """The run stopped without finishing (a crash loop, a timeout); the message says why, ``detail`` where it stood."""
+
+    def __init__(self, why: str, detail: str = "") -> None:
+        super().__init__(f"{why}; where it stood:\n{detail}" if detail else why)
+        self.why = why
 
 
 def recipe_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
@@ -190,7 +195,11 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
                     await watcher.record_accounting()
                     return "finished"
                 if time.monotonic() - started > timeout:
-                    raise RunFailed(f"run did not finish in {timeout:.0f}s")
+                    with contextlib.suppress(Exception):  # what the dataflow accounts, for the summary of a stalled run
+                        await watcher.record_accounting()
+                    session = len(rundir.sessions())
+                    raise RunFailed(f"run did not finish in {timeout:.0f}s",
+                                    stall_report(watcher.live, {s.name: rundir.log(s.name, session) for s in specs}))
             await watcher.record_accounting()
             return "stopped"
     finally:
@@ -258,7 +267,7 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         outcome = f"crash loop: {e.child.name}"
         raise RunFailed(str(e)) from None
     except RunFailed as e:
-        outcome = str(e)
+        outcome = e.why
         raise
     finally:
         sup.stop(timeout=recipe.rollout.drain_timeout + 5)

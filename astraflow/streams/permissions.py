@@ -9,7 +9,7 @@ Least privilege, by what each role does and nothing more:
 
 | role | publishes | pulls and acks | reads |
 |---|---|---|---|
-| ``dataflow`` | tasks, batch manifests, ``dlq.traj``, state ``dataflow``/``autoscale.*``, fates and batch plans (``plan.*``) | durable ``dataflow`` on TRAJ | weights, DLQ, KV, TASK by sequence, trajectory objects, lags, heartbeats, max-delivery advisories |
+| ``dataflow`` | tasks, batch manifests, ``dlq.traj``, state ``dataflow``/``autoscale.*``, fates and batch plans (``plan.*``) | durable ``dataflow`` on TRAJ | weights, DLQ, KV, TASK by sequence, trajectory objects, lags, heartbeats (the server's max-delivery advisories: kept in DLQ) |
 | ``trainer-{p}`` | ``weights.{p}`` and its payload chunks, ``dlq.batch``, state ``version.{p}``/``done.{p}`` | durable ``trainer-{p}`` on BATCH | TRAJ by sequence (direct gets), trajectory objects, weights, objects, KV, batch plans |
 | ``rollout`` | trajectories and the chunks of their arrays (trajectory bucket only), ``dlq.task``, ``dlq.weights``, state ``keyframe_request.*`` | durable ``{pool}`` on TASK | weights, objects, KV |
 | ``evaluator`` | ``dlq.weights``, state ``eval.*`` and ``keyframe_request.*`` | nothing | weights, objects, KV |
@@ -151,7 +151,7 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
                    s.kv("state", "dataflow"), s.kv("state", "autoscale.*"), s.kv("fates", "plan.>"), s.kv("fates", "fate.>"),
                    f"{API}.DIRECT.GET.{s.kv_stream('fates')}", f"{API}.DIRECT.GET.{s.kv_stream('fates')}.>",
                    f"{API}.STREAM.MSG.GET.{s.kv_stream('fates')}"],
-              sub=[s.subject("hb"), f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{s.stream('task')}.>"])
+              sub=[s.subject("hb")])
     elif role == "trainer":
         p.add(pub=[*_pulls(s.stream("batch"), "*" if policy == "*" else f"trainer-{policy}"), *_reads_weights(s),
                    f"{API}.STREAM.MSG.GET.{s.stream('batch')}",  # its unacked batches, replayed after a restart

@@ -405,7 +405,9 @@ class Plane:
         return Subscription(sub.unsubscribe)
 
     async def on_max_deliveries(self, stream: str, durable: str, cb: Callable[[int], Awaitable[None]]) -> Subscription:
-        """Call ``cb(stream_seq)`` when the server gives up on a message of ``durable`` (it ran out of deliveries)."""
+        """Call ``cb(stream_seq)`` for every message of ``durable`` the server gave up on (it ran out of deliveries), from
+        the start: the DLQ stream keeps the server's advisories (``topology.py``), so one given while nobody listened
+        (a dataflow restarting) is not lost. A restarted follower sees the old ones again: ``cb`` must be idempotent."""
 
         async def handle(msg: Msg) -> None:
             try:
@@ -415,6 +417,6 @@ class Plane:
                 return
             await cb(seq)
 
-        sub = await self._nc.subscribe(self.names.max_deliveries_advisory(stream, durable), cb=handle)
-        await self._nc.flush()
+        sub = await self._js.subscribe(self.names.max_deliveries_advisory(stream, durable), stream=self.names.dlq_stream,
+                                       ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL, cb=handle)
         return Subscription(sub.unsubscribe)

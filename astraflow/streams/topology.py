@@ -146,14 +146,18 @@ class TopologyMaker:
         n, dedup, r = self.names, topo.dedup_window, topo.replicas
         file, limits, work = api.StorageType.FILE, api.RetentionPolicy.LIMITS, api.RetentionPolicy.WORK_QUEUE
         def stream(family: str, retention: api.RetentionPolicy, dedup: float = dedup, max_age: float | None = None,
-                   per_subject: int = -1, direct: bool = False) -> api.StreamConfig:
-            return api.StreamConfig(name=n.stream(family), subjects=[n.all(family)], retention=retention, storage=file,
+                   per_subject: int = -1, direct: bool = False, also: tuple[str, ...] = ()) -> api.StreamConfig:
+            return api.StreamConfig(name=n.stream(family), subjects=[n.all(family), *also], retention=retention, storage=file,
                                     num_replicas=r, duplicate_window=dedup, max_age=max_age, max_msgs_per_subject=per_subject,
                                     allow_direct=direct or None)
 
-        # TRAJ allows direct gets: trainers read their batches' trajectories by sequence (streams/direct.py)
+        # TRAJ allows direct gets: trainers read their batches' trajectories by sequence (streams/direct.py). DLQ also keeps
+        # the server's max-deliveries advisories of the pools' consumers: a task nobody could serve is a dead letter too, and
+        # kept, a dataflow that was down when the server gave up on it still learns of it (``dataflow/watch.py``)
+        dead_tasks = (n.max_deliveries_advisory(n.task_stream, "*"),)  # every pool's
         for cfg in (stream("task", work), stream("traj", limits, max_age=topo.traj_max_age, direct=True), stream("batch", work),
-                    stream("weights", limits, per_subject=topo.weights_history), stream("dlq", limits, 0, max_age=topo.traj_max_age)):
+                    stream("weights", limits, per_subject=topo.weights_history),
+                    stream("dlq", limits, 0, max_age=topo.traj_max_age, also=dead_tasks)):
             await self._stream(cfg)
         explicit = api.AckPolicy.EXPLICIT
         for pool in topo.pools:
