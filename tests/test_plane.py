@@ -11,7 +11,7 @@ from nats.errors import NotJSMessageError
 from nats.js.errors import ServiceUnavailableError
 
 from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
-from astraflow.streams.consuming import Delivery
+from astraflow.streams.consuming import Delivery, IncompleteHistory, read_history
 from astraflow.streams.messages import Rejected, Task, Trajectory
 from astraflow.streams.objects import CorruptObject, get_object, object_stream, put_object
 from astraflow.streams.plane import NatsOptions, Plane, Topology
@@ -69,6 +69,20 @@ async def test_topology_twice_is_idempotent(nats_server, run_id):
     await p.ensure_topology(topo)  # second time: nothing changes, nothing lost
     assert await p.stream_msgs(p.names.task_stream) == 1
     assert (await p.lag(p.names.task_stream, "raas")).pending == 1
+    await p.close()
+
+
+async def test_a_history_read_that_falls_behind_raises_rather_than_returning_part(nats_server, run_id):
+    p = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "a")
+    await p.ensure_topology(Topology(policies=("solver",)))
+    subject = p.names.dlq("task")
+    for i in range(50):
+        await p.publish(subject, Rejected(subject=subject, reason=f"r{i}", worker_id="w", payload=b"x"))
+    whole = await read_history(p._js, p.names.dlq_stream, subject, Rejected)
+    assert [r.reason for r in whole] == [f"r{i}" for i in range(50)]
+    with pytest.raises(IncompleteHistory):  # no time to read them all: not handed over as if it were the whole history
+        await read_history(p._js, p.names.dlq_stream, subject, Rejected, timeout=0.0)
+    assert await read_history(p._js, p.names.dlq_stream, p.names.dlq("batch"), Rejected, timeout=0.0) == []  # nothing there
     await p.close()
 
 

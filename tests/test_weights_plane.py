@@ -33,7 +33,7 @@ from astraflow.streams.objects import (
     put_object,
     read_one_chunk_object,
 )
-from astraflow.streams.plane import Plane
+from astraflow.streams.plane import Plane, PublishRefused
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.publish import WeightPublisher, request_keyframe
 from astraflow.weights.retention import chain_of, key_of, plan_retention
@@ -113,10 +113,31 @@ async def test_announcement_is_the_commit_point(plane: Plane):
     stream = object_stream(plane.names.object_bucket)
     before = await plane.stream_msgs(stream)
     await plane._jsm.delete_stream(plane.names.weights_stream)  # the announcement cannot be stored
-    with pytest.raises(Exception):
+    with pytest.raises(PublishRefused):
         await pub.publish(trainer.step(), 2)
     assert await plane.stream_msgs(stream) == before  # the unannounced chunks and metadata were purged
     assert pub.image_version == 1 and (await plane.state.get(VersionRecord, "solver")).version == 1
+
+
+async def test_an_announcement_whose_ack_is_lost_keeps_its_payload(plane: Plane, monkeypatch: pytest.MonkeyPatch):
+    """The server stored the announcement but its ack never came back (a timeout): the payload it names must stay, or
+    every node would be stuck below that version (a joining node could not join at all)."""
+    trainer = Trainer()
+    pub = WeightPublisher(plane, "solver", keyframe_every=100)
+    await publish_steps(pub, trainer, range(2))
+    publish = plane.publish  # the announcement's (the payload's chunks go through the object store)
+
+    async def stored_but_ack_lost(*args, **kwargs):
+        await publish(*args, **kwargs)
+        raise asyncio.TimeoutError
+
+    monkeypatch.setattr(plane, "publish", stored_but_ack_lost)
+    with pytest.raises(asyncio.TimeoutError):
+        await pub.publish(trainer.step(), 2)
+    monkeypatch.undo()
+    late = node(plane)
+    await late.wait_for(2, timeout=10)
+    assert late.version == 2 and engine_digest(late) == trainer.digest
 
 
 # ------------------------------------------------------------------------------ RaaS side

@@ -229,11 +229,17 @@ class Follower(Generic[M]):
             self._sub = None
 
 
+class IncompleteHistory(TimeoutError):
+    """A history read that did not reach the end of what the stream holds in time: never handed over as if it were whole
+    (a caller that took it for the whole history would, e.g., take announced payloads for orphans)."""
+
+
 async def read_history(js: JetStreamContext, stream: str, subject: str, model: type[M], last_only: bool = False,
                        timeout: float = 5.0, on_bad: OnBad = log_bad) -> list[M]:
     """Every message (or only the last) ``stream`` holds on ``subject``, decoded, oldest first.
     Binds the stream by name, so it reads mirrors too; returns at once when there is nothing.
-    Reads through an ordered push consumer until the server says nothing is pending."""
+    Reads through an ordered push consumer until the server says nothing is pending; one that has not got there within
+    ``timeout`` raises :class:`IncompleteHistory`, unless nothing came because the subject was trimmed to nothing meanwhile."""
     subjects = (await js.stream_info(stream, subjects_filter=subject)).state.subjects or {}
     if not sum(subjects.values()):
         return []
@@ -249,8 +255,11 @@ async def read_history(js: JetStreamContext, stream: str, subject: str, model: t
     sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, deliver_policy=deliver, cb=on_msg)
     try:
         await asyncio.wait_for(done.wait(), timeout)
-    except asyncio.TimeoutError:  # trimmed meanwhile: what came is all there is
-        pass
+    except asyncio.TimeoutError:
+        held = sum(((await js.stream_info(stream, subjects_filter=subject)).state.subjects or {}).values())
+        if raws or held:  # not trimmed away: the read fell behind
+            raise IncompleteHistory(f"{stream} {subject}: {len(raws)} messages read in {timeout:.0f}s, the stream holds "
+                                    f"{held}; not the whole history") from None
     finally:
         await sub.unsubscribe()
     out = []

@@ -22,8 +22,9 @@ from urllib.parse import urlsplit
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext, JetStreamManager, api
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from pydantic import BaseModel, ConfigDict
 
 from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
@@ -52,11 +53,16 @@ from astraflow.streams.topology import Topology, TopologyMaker
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 Oversize = Callable[[Message], Awaitable[Message]]  # a message too large to publish -> the one to publish instead
-__all__ = ["Consumer", "ConsumerSettings", "Delivery", "Follower", "Lag", "NatsOptions", "Plane", "PublishConflict", "Subscription",
-           "Topology"]
+__all__ = ["Consumer", "ConsumerSettings", "Delivery", "Follower", "Lag", "NatsOptions", "Plane", "PublishConflict", "PublishRefused",
+           "Subscription", "Topology"]
 
 
-class PublishConflict(RuntimeError):
+class PublishRefused(RuntimeError):
+    """The server answered a publish with an error: the message is not in the stream. (A publish that raised anything
+    else, a timeout or a lost connection, may have landed.)"""
+
+
+class PublishConflict(PublishRefused):
     """A publish expected to follow a given message on its subject, and someone else published there first."""
 
 
@@ -249,7 +255,9 @@ class Plane:
         except APIError as e:
             if after is not None and "wrong last sequence" in str(e.description).lower():
                 raise PublishConflict(f"{subject}: another message was published after sequence {after}: {e.description}") from None
-            raise
+            raise PublishRefused(f"{subject}: {e.description or e}") from e
+        except (NoRespondersError, NoStreamResponseError):
+            raise PublishRefused(f"{subject}: no stream stores it") from None
         return int(ack.seq)
 
     async def publish_many(self, items: list[tuple[str, Message, str | None]], oversize: Oversize | None = None) -> list[int]:

@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 
 from astraflow.streams.messages import ObjectRef, WeightVersion
-from astraflow.streams.plane import Plane, PublishConflict
+from astraflow.streams.plane import Plane, PublishConflict, PublishRefused
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.checks import foreign_harmless, in_order
 from astraflow.weights.delta import iter_encode_delta, iter_encode_keyframe, state_digest, to_bf16_state
@@ -222,12 +222,17 @@ class WeightPublisher:
 
     async def announce(self, stored: Stored) -> WeightVersion:
         """The commit point of a stored version: its announcement, then the image it becomes, ``version.{policy}`` and a
-        retention pass. A failed announcement purges the stored payload and raises; the image stays."""
+        retention pass. An announcement the server refused purges the stored payload and raises; one whose outcome is unknown
+        (a timeout, the connection lost) raises and leaves it to the next trainer's sweep (it may be named). The image stays."""
         ann, ref = stored.ann, stored.ann.objects[0]
         try:  # the commit point: a retry of the same state is deduplicated by the server; another writer's is refused
             self._subject_seq = await self._announce(ann, msg_id=f"{self.policy}-w{ann.version}-{ann.state_digest[:16]}")
-        except BaseException:
+        except PublishRefused:  # not in the stream: nothing will ever name the payload
             await asyncio.shield(self._discard(ref))
+            raise
+        except BaseException as e:  # a timeout, a lost connection: the announcement may have landed, naming the payload
+            log.warning("weights %s v%d: the announcement's outcome is unknown (%s); its payload stays (the next trainer "
+                        "sweeps it if no announcement names it)", self.policy, ann.version, type(e).__name__)
             raise
         if ann.encoding == "keyframe":
             self.keyframe_version = ann.version
