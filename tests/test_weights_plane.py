@@ -33,7 +33,7 @@ from astraflow.streams.objects import (
     put_object,
     read_one_chunk_object,
 )
-from astraflow.streams.plane import Plane, PublishRefused
+from astraflow.streams.plane import Plane, PublishConflict, PublishRefused
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.publish import WeightPublisher, request_keyframe
 from astraflow.weights.retention import chain_of, key_of, plan_retention
@@ -132,12 +132,50 @@ async def test_an_announcement_whose_ack_is_lost_keeps_its_payload(plane: Plane,
         raise asyncio.TimeoutError
 
     monkeypatch.setattr(plane, "publish", stored_but_ack_lost)
+    state = trainer.step()
     with pytest.raises(asyncio.TimeoutError):
-        await pub.publish(trainer.step(), 2)
+        await pub.publish(state, 2)
     monkeypatch.undo()
     late = node(plane)
     await late.wait_for(2, timeout=10)
     assert late.version == 2 and engine_digest(late) == trainer.digest
+    # a retry by the same publisher is refused (v2 is there already, after the sequence it knew): its own payload goes
+    async def chunks() -> dict[str, int]:
+        info = await plane._jsm.stream_info(object_stream(plane.names.object_bucket), subjects_filter=f"$O.{plane.names.object_bucket}.C.>")
+        return dict(info.state.subjects or {})
+
+    before = await chunks()
+    with pytest.raises(PublishConflict):
+        await pub.publish(state, 2)
+    assert await chunks() == before  # the retry's chunks purged, the announced ones kept
+    again = node(plane)
+    await again.wait_for(2, timeout=10)
+    assert engine_digest(again) == trainer.digest
+
+
+async def test_a_keyframe_request_is_answered_while_no_version_is_coming(plane: Plane):
+    """v2's payload is gone and no v3 is coming (no node can serve a task, so the trainer gets no batch): the request
+    of a node that cannot join is answered by announcing v2 again as a keyframe, and the node joins on it."""
+    trainer = Trainer()
+    pub = WeightPublisher(plane, "solver", keyframe_every=100)
+    anns = await publish_steps(pub, trainer, range(3))
+    assert await pub.answer_keyframe_request() is None  # nothing asked
+    await plane.objects().delete(anns[2].objects[0])
+    late = node(plane)
+    with pytest.raises(TimeoutError):
+        await late.wait_for(2, timeout=3)
+    assert late.version == 1 and late.stats["keyframe_requests"] >= 1  # below the version tasks need, and it asked
+    again = await pub.answer_keyframe_request()
+    assert again is not None and (again.version, again.encoding, again.state_digest) == (2, "keyframe", anns[2].state_digest)
+    assert await pub.answer_keyframe_request() is None  # served once
+    await late.wait_for(2, timeout=10)
+    assert engine_digest(late) == trainer.digest
+    evaluator = node(plane)
+    await evaluator.goto(2)  # by number: the first announcement of v2 names the gone payload, the state's latest does not
+    assert engine_digest(evaluator) == trainer.digest
+    assert (await pub.publish(trainer.step(), 3)).encoding == "delta"  # the next version follows on as usual
+    await late.wait_for(3, timeout=10)
+    assert engine_digest(late) == trainer.digest
 
 
 # ------------------------------------------------------------------------------ RaaS side

@@ -192,11 +192,18 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
 
 
 async def delete_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None) -> None:
-    """Purge the object's chunks and metadata from ``stream`` (default the bucket's own; a mirror works too)."""
+    """Purge the object's chunks and metadata from ``stream`` (default the bucket's own; a mirror works too). The metadata
+    is kept when it names another object: a later put under the same name (the same state stored again) owns it now."""
     stream = stream or object_stream(bucket)
     try:
         await js.purge_stream(stream, subject=chunk_subject(bucket, ref.nuid))
-        await js.purge_stream(stream, subject=_meta_subject(bucket, ref.name))
+        meta = _meta_subject(bucket, ref.name)
+        try:
+            named = json.loads((await js.get_last_msg(stream, meta)).data or b"{}")
+        except NotFoundError:
+            return
+        if not isinstance(named, dict) or named.get("nuid") in (None, ref.nuid):
+            await js.purge_stream(stream, subject=meta)
     except Exception as e:
         raise ObjectError(f"could not delete object {ref.name} from {stream}: {type(e).__name__}: {e}") from e
 

@@ -98,6 +98,12 @@ class GroupCommit:
         crash_point("after_publish", version)
         return ann
 
+    async def answer_keyframe_request(self) -> WeightVersion | None:
+        """While the trainer waits for batches: a pending keyframe request answered with the current version announced
+        again as a keyframe (``WeightPublisher.answer_keyframe_request``), once the publish in flight has landed."""
+        await self.landed()
+        return await self.publisher.answer_keyframe_request()
+
     def redelivered(self, delivery: Delivery[Batch], keep_alive: asyncio.Task[None]) -> bool:
         """A held batch (or the one being published) came again (its keep-alive fell behind): hold the new delivery
         instead. False if not held."""

@@ -21,6 +21,10 @@ subject, and none waits for another. Per batch, in this order:
 6. once v+1's announcement has landed, hold the batch unacked (kept alive) until a durable checkpoint covers v+1, then
    ack it. A publish that failed stops the trainer at the next turn of the loop, its batch unacked.
 
+While no batch comes, a keyframe request is looked for every ``KEYFRAME_CHECK_S`` and answered at once (the current
+version announced again as a keyframe): when every node has lost its chain, no node serves a task and no version
+would come to serve it.
+
 A crash between any two of these resumes exactly: the restart restores the last durable checkpoint
 and retrains the announced batches after it (still in the BATCH stream: unacked), checking each
 replayed version against its announced digest (see ``train/resume.py``, ``train/replay.py``). The
@@ -45,7 +49,7 @@ from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.direct import MissingMessages
 from astraflow.streams.messages import BATCH_INVALID, BATCH_MISSING, BATCH_NON_FINITE, BATCH_STEP_FAILED, Batch, Heartbeat, TrainerStats
-from astraflow.streams.plane import Delivery, NatsOptions, Plane
+from astraflow.streams.plane import Delivery, NatsOptions, Plane, PublishConflict
 from astraflow.streams.state import DoneRecord, StateReadError
 from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, fetch_trajectories
 from astraflow.tasks import load_split
@@ -59,9 +63,10 @@ from astraflow.train.sft import sft
 from astraflow.train.threads import threads_for
 from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan
 from astraflow.weights.finite import non_finite
-from astraflow.weights.publish import WeightPublisher
+from astraflow.weights.publish import NonFiniteWeights, WeightPublisher
 
 log = logging.getLogger(__name__)
+KEYFRAME_CHECK_S = 2.0  # while waiting for batches, how often a keyframe request is looked for
 
 
 def embedding_rows(model: torch.nn.Module) -> int:
@@ -142,6 +147,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     log.info("trainer %s at v%d of lineage %s, training to v%d (%s backend, %s loss, checkpoint every %d versions)", policy,
              version, at.lineage or "-", at.base + cfg.steps, cfg.backend, cfg.loss.type, cfg.checkpoint_every)
     settled = False
+    asked_at = time.monotonic()
     try:
         while version < at.base + cfg.steps and not stop.is_set():
             await commits.settle()
@@ -151,6 +157,9 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
             waited += wait
             metrics.inc({"wait_seconds": wait})
             if not got:
+                if time.monotonic() - asked_at >= KEYFRAME_CHECK_S:  # no version is coming: a node that lost its chain
+                    asked_at = time.monotonic()                    # would wait for the next one forever
+                    await _answer_keyframe_request(commits, policy)
                 continue
             d = got[0]
             manifest = d.msg
@@ -249,6 +258,16 @@ def _checked_image(run_op: Collective) -> tuple[dict[str, torch.Tensor], list[st
     """The bf16 image of the current weights (a copy) and the names of its tensors holding a NaN or an infinity."""
     state: dict[str, torch.Tensor] = run_op("state")
     return state, non_finite(state)
+
+
+async def _answer_keyframe_request(commits: GroupCommit, policy: str) -> None:
+    """Answer a keyframe request while idle; a failure is logged (the next check tries again), never fatal."""
+    try:
+        await commits.answer_keyframe_request()
+    except (PublishConflict, NonFiniteWeights):  # as from a publish: the trainer must stop
+        raise
+    except Exception as e:
+        log.warning("%s: answering a keyframe request failed: %s", policy, e)
 
 
 async def _keep_alive(d: Delivery[Batch], every_s: float) -> None:

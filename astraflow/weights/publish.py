@@ -47,7 +47,7 @@ from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.checks import foreign_harmless, in_order
 from astraflow.weights.delta import iter_encode_delta, iter_encode_keyframe, state_digest, to_bf16_state
 from astraflow.weights.finite import non_finite
-from astraflow.weights.retention import Key, execute_retention, key_of, plan_retention
+from astraflow.weights.retention import Key, RetentionPlan, execute_retention, key_of, plan_retention
 
 log = logging.getLogger(__name__)
 Encoding = Literal["keyframe", "delta"]
@@ -130,6 +130,7 @@ class WeightPublisher:
         self._request_rev = 0  # KV revision of the last keyframe request served
         self._subject_seq: int | None = None  # stream sequence of the newest announcement on our subject, as we know it
         self._gc: asyncio.Task[None] | None = None
+        self._superseded: list[WeightVersion] = []  # first announcements of a state announced again, their payloads to delete
 
     def follows(self, seq: int) -> None:
         """The announcement this publisher's next version follows is at stream sequence ``seq`` (0: none yet):
@@ -220,13 +221,30 @@ class WeightPublisher:
         )
         return Stored(ann, new, request_rev, why)
 
-    async def announce(self, stored: Stored) -> WeightVersion:
+    async def answer_keyframe_request(self) -> WeightVersion | None:
+        """A keyframe request made since the last one served, answered now: the current version announced again as a
+        keyframe (same number, same state; nothing is trained for it). A trainer calls this while it waits for batches,
+        since the next version, which would serve the request, may never come: when every node has lost its chain (a
+        payload gone), no node can serve a task and no batch ever arrives. None: nothing to answer."""
+        if self.image is None or self.image_version is None or self.image_digest is None:
+            return None
+        if await self._keyframe_request_rev() <= self._request_rev:
+            return None
+        first = self.history.get((self.image_version, self.image_digest))
+        stored = await self.store(self.image, self.image_version, list(first.batch_ids) if first else [],
+                                  dict(first.metrics) if first else {}, force_keyframe=True, copy=False)
+        log.warning("weights %s: a keyframe was requested while no version is coming; v%d announced again as a keyframe",
+                    self.policy, self.image_version)
+        return await self.announce(stored, again=True)
+
+    async def announce(self, stored: Stored, again: bool = False) -> WeightVersion:
         """The commit point of a stored version: its announcement, then the image it becomes, ``version.{policy}`` and a
         retention pass. An announcement the server refused purges the stored payload and raises; one whose outcome is unknown
         (a timeout, the connection lost) raises and leaves it to the next trainer's sweep (it may be named). The image stays."""
         ann, ref = stored.ann, stored.ann.objects[0]
+        msg_id = f"{self.policy}-w{ann.version}-{ann.state_digest[:16]}" + (f"-k{stored.request_rev}" if again else "")
         try:  # the commit point: a retry of the same state is deduplicated by the server; another writer's is refused
-            self._subject_seq = await self._announce(ann, msg_id=f"{self.policy}-w{ann.version}-{ann.state_digest[:16]}")
+            seq, landed = await self._announce(ann, msg_id=msg_id)
         except PublishRefused:  # not in the stream: nothing will ever name the payload
             await asyncio.shield(self._discard(ref))
             raise
@@ -234,12 +252,20 @@ class WeightPublisher:
             log.warning("weights %s v%d: the announcement's outcome is unknown (%s); its payload stays (the next trainer "
                         "sweeps it if no announcement names it)", self.policy, ann.version, type(e).__name__)
             raise
+        if landed:
+            self._subject_seq = seq
+        else:  # the server held this announcement already (a retry under the same id): it names its own payload, not ours
+            await asyncio.shield(self._discard(ref))
+            ann = await self.plane.get(self.plane.names.weights_stream, seq, WeightVersion)
+            ref = ann.objects[0]
         if ann.encoding == "keyframe":
             self.keyframe_version = ann.version
             self._request_rev = max(self._request_rev, stored.request_rev)
         self.image, self.image_digest, self.image_version = stored.image, ann.state_digest, ann.version
         self.bytes_sent += ref.size
-        self.history.pop(key_of(ann), None)  # a re-announced state moves to the end: publication order
+        before = self.history.pop(key_of(ann), None)  # a re-announced state moves to the end: publication order
+        if landed and before is not None and before.objects != ann.objects:  # announced again: the first payload goes next pass
+            self._superseded.append(before)
         self.history[key_of(ann)] = ann
         log.debug("weights %s v%d: %s (%s), %d bytes", self.policy, ann.version, ann.encoding, stored.why, ref.size)
         await self.plane.state.put(VersionRecord(policy=self.policy, version=ann.version, lineage=self.lineage))
@@ -247,20 +273,23 @@ class WeightPublisher:
             self._gc = asyncio.create_task(self._collect_logged())
         return ann
 
-    async def _announce(self, ann: WeightVersion, msg_id: str) -> int:
-        """Publish ``ann`` right after the last announcement this publisher knows of; its stream sequence. A refusal
+    async def _announce(self, ann: WeightVersion, msg_id: str) -> tuple[int, bool]:
+        """Publish ``ann`` right after the last announcement this publisher knows of; its stream sequence, and False when
+        the server held it already (a retry under the same id: the original's sequence, not past the last). A refusal
         because of announcements no trainer could have made (``foreign_harmless``) is retried after them."""
         subject = self.plane.names.weights(self.policy)
-        if self._subject_seq is None:
-            self._subject_seq = await self.plane.last_seq(self.plane.names.weights_stream, subject)
+        after = self._subject_seq
+        if after is None:
+            after = self._subject_seq = await self.plane.last_seq(self.plane.names.weights_stream, subject)
         for _ in range(STEP_OVERS):
             try:
-                return await self.plane.publish(subject, ann, msg_id=msg_id, after=self._subject_seq)
+                seq = await self.plane.publish(subject, ann, msg_id=msg_id, after=after)
+                return seq, seq > after
             except PublishConflict:
-                seq = await self._past_foreign(subject)
-                if seq is None:
+                past = await self._past_foreign(subject)
+                if past is None:
                     raise
-                self._subject_seq = seq
+                after = self._subject_seq = past
         raise PublishConflict(f"{subject}: still refused after stepping over foreign announcements {STEP_OVERS} times")
 
     async def _past_foreign(self, subject: str) -> int | None:
@@ -331,13 +360,18 @@ class WeightPublisher:
             log.warning("weights %s: could not purge unannounced %s: %s", self.policy, ref.name, e)
 
     async def collect_garbage(self) -> int:
-        """Delete what the last ``keep_versions`` versions' chains do not need; returns how many versions went."""
+        """Delete what the last ``keep_versions`` versions' chains do not need, and the first payload of a state announced
+        again (its nodes rebuild from the later announcement); returns how many versions went."""
+        targets = [self.plane.objects(), *(self.plane.objects(domain=d) for d in self.mirror_domains)]
+        if self._superseded:
+            superseded, self._superseded = self._superseded, []
+            gone = await execute_retention(RetentionPlan(keep=(), delete=tuple(superseded)), targets)
+            self._superseded += [a for a in superseded if a not in gone]  # a failed delete is tried again next pass
         if self.keep_versions is None or len(self.history) <= self.keep_versions:
             return 0
         plan = plan_retention(self.history.values(), self.keep_versions)
         if not plan.delete:
             return 0
-        targets = [self.plane.objects(), *(self.plane.objects(domain=d) for d in self.mirror_domains)]
         gone = await execute_retention(plan, targets)
         for ann in gone:
             self.history.pop(key_of(ann), None)

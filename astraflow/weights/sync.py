@@ -246,7 +246,7 @@ class WeightSync:
         held = (self.image_version, self.digest) if from_state and self.image is not None else None
         if held == key_of(target):
             return []
-        chain = [target]
+        chain = [index.get(key_of(target), target)]  # a state announced again (as a keyframe): its latest announcement
         while chain[-1].encoding == "delta":
             base = base_key(chain[-1])
             if base is not None and base == held:
