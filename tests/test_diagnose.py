@@ -1,4 +1,5 @@
-"""A run that does not finish says where it stood: backlogs, each live worker's figures, each role's last warnings."""
+"""A run that does not finish says where it stood: backlogs, each live worker's figures, each role's last warnings; and
+how long a run took counts each session once."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 from pathlib import Path
 
 from astraflow.launch.diagnose import figures, stall_report, warnings_in
+from astraflow.launch.rundir import RunDir
 from astraflow.launch.watcher import STALE_BEATS, Live
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, DataflowStats, Heartbeat, RolloutStats, TrainerStats
 
@@ -43,3 +45,13 @@ def test_the_report_names_each_live_worker_its_figures_and_its_roles_last_warnin
 def test_figures_leave_out_zeros_and_a_missing_log_has_no_warnings(tmp_path: Path):
     assert figures(Heartbeat(worker_id="n", stats=RolloutStats())) == "-"
     assert warnings_in(tmp_path / "nope.log") == []
+
+
+def test_wall_time_counts_a_killed_launchers_session_up_to_its_own_last_sample(tmp_path: Path):
+    rundir = RunDir(tmp_path / "run")
+    rundir.path.mkdir()
+    rundir.append("sessions.jsonl", {"session": 1, "start": 1000.0, "end": None})  # its launcher was killed
+    rundir.append("sessions.jsonl", {"session": 2, "start": 2000.0, "end": 2600.0})
+    for ts in (1002.0, 1027.0, 2010.0, 2590.0):
+        rundir.append("pool.jsonl", {"wall_ts": ts})
+    assert rundir.wall_s() == 27.0 + 600.0  # not up to session 2's last sample

@@ -101,12 +101,14 @@ class RunDir:
     def wall_s(self) -> float:
         """Wall time over every session (a session a killed launcher never closed counts up to its last record)."""
         total = 0.0
-        for r in self.sessions():
-            end = r.get("end") or self._last_record_ts(r["start"])
+        sessions = self.sessions()
+        for r, following in zip(sessions, [*sessions[1:], None], strict=True):
+            end = r.get("end") or self._last_record_ts(r["start"], following["start"] if following else None)
             total += max(0.0, end - r["start"])
         return total
 
-    def _last_record_ts(self, after: float) -> float:
+    def _last_record_ts(self, after: float, before: float | None) -> float:
+        """The last pool sample of the session that started at ``after`` (not the next session's)."""
         ts = [float(r.get("wall_ts", 0.0)) for r in self.rows("pool.jsonl")]
-        later = [t for t in ts if t >= after]
-        return max(later, default=after)
+        within = [t for t in ts if t >= after and (before is None or t < before)]
+        return max(within, default=after)
