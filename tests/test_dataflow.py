@@ -314,6 +314,35 @@ async def test_autoscale_advice_is_published(harness: Harness):
     )  # below lo, but nothing measured says the pool is too big
 
 
+@pytest.mark.parametrize("restart", [False, True])
+async def test_a_task_acked_with_its_group_never_complete_is_settled_lost(nats_server, run_id, restart: bool):
+    """A node acks its tasks after publishing one sample of each group of two: the tasks would hold their places in flight
+    for good (enough of them and nothing is issued any more). The audit finds their messages gone from the TASK stream
+    and, past the grace, settles them ``failed:lost``; after a restart it finds where they are by scanning the stream."""
+    h = await Harness(nats_server.url, run_id, recipe()).start()
+    try:
+        await h.turn()
+        issued = h.df.ledger.issued
+        got = await h.task_sub.pull(batch=64, timeout=0.5)
+        assert len(got) == issued == 6
+        half = [(h.node.names.traj("solver"), Trajectory(
+            traj_id=f"{d.msg.task_id}.solver.0", task_id=d.msg.task_id, prompt_id=d.msg.prompt_id, policy="solver", index=0,
+            group_size=2, prompt_ids=np.arange(3), completion_ids=np.arange(4), logprobs=np.full(4, -0.5, np.float32),
+            versions=np.zeros(4, np.int32), loss_mask=np.ones(4, np.uint8), reward=1.0), None) for d in got]
+        await h.node.publish_many(half)
+        for d in got:
+            await d.ack()
+        if restart:
+            await h.kill_dataflow()
+            await h.open_dataflow()
+        await h.until(lambda: h.acc().fates.get("failed:lost") == issued, turns=400)
+        assert h.df.stats["lost_tasks"] == issued and h.acc().adds_up
+        await h.turn()
+        assert h.df.ledger.issued == 2 * issued  # their places in flight are free again
+    finally:
+        await h.close()
+
+
 async def test_a_task_the_server_gave_up_on_while_the_dataflow_was_down_still_fails(nats_server, run_id):
     """The server gives up on a task (max deliveries) while no dataflow listens: its advisory is kept in DLQ, so the next
     dataflow settles it ``failed:max_deliver`` and the task no longer holds a place in flight (which would shrink the

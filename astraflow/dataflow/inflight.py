@@ -46,6 +46,8 @@ class InFlight:
         self.deadlines: OrderedDict[str, float] = OrderedDict()  # recent tasks' deadlines, for every lane
         self.floors = Floors()
         self.newest = 0  # the highest task number issued
+        self.seqs: dict[str, int] = {}  # task -> its TASK stream sequence, once known (kept in memory: a restart scans the stream)
+        self.since: dict[str, float] = {}  # task -> when it went out (or was found out, after a restart): the audit's clock
 
     def __len__(self) -> int:
         return len(self.open)
@@ -65,15 +67,24 @@ class InFlight:
             if floors is not None:
                 self.floors.note(n, floors)
 
+    def published(self, task_id: str, seq: int | None, now: float) -> None:
+        """It is on the plane (at ``seq`` of the TASK stream; None: not found there), since ``now``."""
+        if task_id in self.open:
+            if seq is not None:
+                self.seqs[task_id] = seq
+            self.since.setdefault(task_id, now)
+
     def land(self, task_id: str) -> None:
         """Its primary group is complete (or it was never ours: nothing happens)."""
         self.open.pop(task_id, None)
+        self.seqs.pop(task_id, None)
+        self.since.pop(task_id, None)
 
     def fail(self, task_id: str) -> bool:
         """It failed on the plane; False if it was not out (already back, failed before, not ours)."""
         if task_id not in self.open:
             return False
-        del self.open[task_id]
+        self.land(task_id)
         return True
 
     def deadline(self, task_id: str) -> float | None:

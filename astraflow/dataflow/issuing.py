@@ -155,9 +155,9 @@ class TaskIssuer:
             self.issuing = []
             self.journal.changed()
 
-    async def republish(self, tasks: list[Task]) -> None:
-        """Publish under the task ids: a copy of one that landed before is dropped by the server."""
-        await self.plane.publish_many([self.item(t) for t in tasks])
+    async def republish(self, tasks: list[Task]) -> list[int]:
+        """Publish under the task ids: a copy of one that landed before is dropped by the server; their stream sequences."""
+        return await self.plane.publish_many([self.item(t) for t in tasks])
 
     # ------------------------------------------------------------ state
     def state(self) -> TaskState:

@@ -8,7 +8,8 @@ One loop, plain and explicit (STYLE 6); each turn (``Dataflow.step``):
    one message, check each one's values and its claim on a task (``validate.py``; an invalid one
    goes to the DLQ and may settle its task ``invalid:R``),
    route it by policy to its lane, assemble groups, apply curator feedback, the deadline's late
-   policy and filters;
+   policy and filters; every ``audit.AUDIT_S``, settle ``failed:lost`` the tasks a node acked whose group never
+   completes (``audit.py``);
 3. per lane, plan batches while that trainer's measured backlog is under its bound
    (``serving.BatchServer``): each batch's plan, its plan record for the trainer and its tasks'
    fates are queued to be written ahead;
@@ -38,6 +39,7 @@ from collections import Counter
 
 from astraflow.algorithms import Context, build_pipeline
 from astraflow.config import Recipe
+from astraflow.dataflow.audit import AUDIT_S, due, lost_tasks
 from astraflow.dataflow.durability import Journal, crash_point
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.ingest import TrajectoryIngest
@@ -80,11 +82,15 @@ class Dataflow:
         self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
         self.watch = Watch(plane, recipe.rollout.pool, recipe.policy_names)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
+        self.gone_since: dict[str, float] = {}  # tasks out whose message has left the TASK stream: since when (the audit)
+        self._audited = 0.0
+        self._waits: tuple[float, float] | None = None
 
     # ------------------------------------------------------------ the loop
     async def step(self, trajectories: Consumer[Trajectory]) -> None:
         self.apply_events()
         await self.ingest.pull(trajectories)
+        await self.audit()
         await self.measure()
         await asyncio.gather(self.server.read_backlogs(), self.issuer.read_pending())  # the server's counts, read together
         planned = self.server.plan()
@@ -97,11 +103,14 @@ class Dataflow:
         """The turn's batches and tasks, pipelined: one wait for the server's acks of them all."""
         for _ in planned:
             crash_point("batch_planned")
-        await self.plane.publish_many([self.server.item(p.batch) for p in planned] + [self.issuer.item(t) for t in tasks])
+        seqs = await self.plane.publish_many([self.server.item(p.batch) for p in planned] + [self.issuer.item(t) for t in tasks])
         for _ in planned:
             crash_point("batch_published")
         self.server.published(planned)
         self.issuer.published()
+        now = time.time()
+        for t, seq in zip(tasks, seqs[len(planned):], strict=True):
+            self.in_flight.published(t.task_id, seq, now)
 
     def apply_events(self) -> None:
         """Fold in what the plane reported since the last turn."""
@@ -119,10 +128,8 @@ class Dataflow:
                         self.journal.record(lane.name, task_id, "trained", batch=batch_id, version=e.version)
                         if lane.primary:
                             self.stats["groups_trained"] += 1
-            elif isinstance(e, TaskFailed) and self.in_flight.fail(e.task_id):
-                self.ingest.abandon(e.task_id)
-                lane.settle(e.task_id, f"failed:{e.reason}")
-                self.journal.record(lane.name, e.task_id, f"failed:{e.reason}", error=e.detail)
+            elif isinstance(e, TaskFailed):
+                self.fail_task(lane, e.task_id, e.reason, e.detail)
             elif isinstance(e, SampleUndecodable):
                 self.ingest.undecodable(lane, e.task_id, e.traj_id, e.detail)
             elif isinstance(e, BatchFailed):
@@ -139,6 +146,38 @@ class Dataflow:
             self.pool.seen(hb, now)
         if self.watch.ignored:
             self.stats["ignored_announcements"] = self.watch.ignored
+
+    def fail_task(self, lane: PolicyLane, task_id: str, reason: str, detail: str = "") -> None:
+        """The task ended on the plane without its group (``failed:{reason}``); nothing if it was not out."""
+        if self.in_flight.fail(task_id):
+            self.ingest.abandon(task_id)
+            lane.settle(task_id, f"failed:{reason}")
+            self.journal.record(lane.name, task_id, f"failed:{reason}", error=detail)
+
+    async def audit(self) -> None:
+        """Every ``AUDIT_S``: the tasks out that will never come back settled ``failed:lost`` (``dataflow/audit.py``)."""
+        now = time.time()
+        if now - self._audited < AUDIT_S:
+            return
+        self._audited = now
+        names = self.plane.names
+        if self._waits is None:  # the server's ack waits: (task, trajectory)
+            task_wait = (await self.plane.consumer_settings(names.task_stream, names.pool_consumer(self.recipe.rollout.pool))).ack_wait
+            self._waits = task_wait, (await self.plane.consumer_settings(names.traj_stream, names.DATAFLOW_CONSUMER)).ack_wait
+        task_wait, traj_wait = self._waits
+        for task in [t for t in self.gone_since if t not in self.in_flight]:  # back or failed meanwhile
+            del self.gone_since[task]
+        looked = {t: (seq := self.in_flight.seqs.get(t)) is not None and await self.plane.holds(names.task_stream, seq)
+                  for t in due(self.in_flight.since, now, task_wait)}
+        if not looked and not self.gone_since:
+            return
+        drained = (await self.plane.lag(names.traj_stream, names.DATAFLOW_CONSUMER)).pending == 0
+        lane = self.lanes[self.recipe.primary]
+        for task in lost_tasks(self.gone_since, looked, now, 2 * traj_wait, drained):
+            del self.gone_since[task]
+            self.stats["lost_tasks"] += 1
+            log.warning("task %s is lost: acked on the plane, its group never complete", task)
+            self.fail_task(lane, task, "lost", "acked by a node, its group never complete (a partial group, or trajectories lost)")
 
     def context(self) -> Context:
         return context(self.lanes, self.recipe.dataflow.max_staleness)
@@ -170,8 +209,14 @@ class Dataflow:
         for p, lane_state in s.lanes.items():
             if p in self.lanes and (fresh := self.lanes[p].load_state(lane_state)):
                 log.warning("lane %s: plug-ins without saved state start fresh: %s", p, fresh)
+        now = time.time()  # where the tasks out are in the TASK stream (a work queue holds only the unacked)
+        found = {t.task_id: seq for seq, t in await self.plane.held(self.plane.names.task_stream, self.plane.names.all("task"), Task)}
+        for task in list(self.in_flight.open):
+            self.in_flight.published(task, found.get(task), now)
         if s.tasks.issuing:  # written ahead, maybe never published: publish again (deduplicated)
-            await self.issuer.republish(s.tasks.issuing)
+            seqs = await self.issuer.republish(s.tasks.issuing)
+            for t, seq in zip(s.tasks.issuing, seqs, strict=True):
+                self.in_flight.seqs[t.task_id] = seq
         for lane in self.lanes.values():
             for plan in lane.planned():
                 await self.server.republish(lane, plan)

@@ -320,6 +320,14 @@ class Plane:
         except NotFoundError:
             return 0
 
+    async def holds(self, stream: str, seq: int) -> bool:
+        """Whether ``stream`` still holds the message at ``seq`` (a work queue drops a message once it is acked)."""
+        try:
+            await self._jsm.get_msg(stream, seq)
+        except NotFoundError:
+            return False
+        return True
+
     async def get(self, stream: str, seq: int, model: type[M]) -> M:
         """The message at sequence ``seq`` of ``stream``, decoded (NotFoundError when it is gone)."""
         raw = await self._jsm.get_msg(stream, seq)
