@@ -137,8 +137,11 @@ class RunWatcher:
         await self._sample()
 
     async def _poll_evals(self) -> None:
+        """Read the evaluations that may exist by now: of versions already announced (one KV read each; the ones still
+        ahead would be a read per poll each, for nothing)."""
         epol = self.recipe.eval_policy
-        for subject, v in sorted(self.wanted_evals - self._evals):
+        newest = max(self.live.versions.values(), default=-1)
+        for subject, v in sorted(w for w in self.wanted_evals - self._evals if w[1] <= newest):
             try:
                 got = await self.plane.state.get(EvalRecord, subject, v)
             except StateSchemaError as e:  # not a record (a writer the permissions let through): no figure, the run goes on
