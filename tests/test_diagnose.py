@@ -50,6 +50,7 @@ def test_figures_leave_out_zeros_and_a_missing_log_has_no_warnings(tmp_path: Pat
 def test_wall_time_counts_a_killed_launchers_session_up_to_its_own_last_sample(tmp_path: Path):
     rundir = RunDir(tmp_path / "run")
     rundir.path.mkdir()
+    assert rundir.wall_s() == 0.0  # no session yet
     rundir.append("sessions.jsonl", {"session": 1, "start": 1000.0, "end": None})  # its launcher was killed
     rundir.append("sessions.jsonl", {"session": 2, "start": 2000.0, "end": 2600.0})
     for ts in (1002.0, 1027.0, 2010.0, 2590.0):

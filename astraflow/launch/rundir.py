@@ -102,7 +102,7 @@ class RunDir:
         """Wall time over every session (a session a killed launcher never closed counts up to its last record)."""
         total = 0.0
         sessions = self.sessions()
-        for r, following in zip(sessions, [*sessions[1:], None], strict=True):
+        for r, following in zip(sessions, [*sessions[1:], None][:len(sessions)], strict=True):
             end = r.get("end") or self._last_record_ts(r["start"], following["start"] if following else None)
             total += max(0.0, end - r["start"])
         return total
