@@ -343,6 +343,26 @@ async def test_a_task_acked_with_its_group_never_complete_is_settled_lost(nats_s
         await h.close()
 
 
+async def test_a_kept_group_whose_trajectories_never_come_back_after_a_restart_is_settled_lost(nats_server, run_id):
+    """A group kept before a restart comes back by redelivery of its unacked trajectories. If they are gone (purged
+    behind the dataflow's back), the group would count as buffered for good and shrink the issuing budget: the audit
+    settles it ``failed:lost``."""
+    h = await Harness(nats_server.url, run_id, recipe()).start()
+    try:
+        await h.turn()
+        await h.rollout(limit=1)
+        await h.until(lambda: h.acc().buffered == 1)
+        await h.turn()  # committed: the state keeps it
+        await h.kill_dataflow()
+        await h.node._jsm.purge_stream(h.node.names.traj_stream)
+        await h.open_dataflow()
+        assert h.acc().buffered == 1
+        await h.until(lambda: h.acc().fates.get("failed:lost") == 1, turns=400)
+        assert h.acc().buffered == 0 and h.df.stats["lost_groups"] == 1 and h.acc().adds_up
+    finally:
+        await h.close()
+
+
 async def test_a_task_the_server_gave_up_on_while_the_dataflow_was_down_still_fails(nats_server, run_id):
     """The server gives up on a task (max deliveries) while no dataflow listens: its advisory is kept in DLQ, so the next
     dataflow settles it ``failed:max_deliver`` and the task no longer holds a place in flight (which would shrink the

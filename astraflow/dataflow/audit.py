@@ -5,6 +5,9 @@ deliveries, kept in the DLQ stream). One more end needs looking for: a node acke
 work queue) but its group never completes (a node that published part of a group, trajectories lost). Such a task
 would hold its place in flight for good, and enough of them stop the run: the issuing budget counts them.
 
+The same holds for a group kept before a restart (in the state, its trajectories unacked): it comes back by
+redelivery; one that does not within the grace would count as buffered for good, and is settled ``failed:lost`` too.
+
 So every ``AUDIT_S`` the dataflow looks up, by the TASK stream sequence each was published at, the oldest tasks out
 for longer than the task ack wait (at most ``AUDIT_MAX`` a pass). A task whose message is gone while no trajectory
 waits undelivered on the dataflow's consumer, for longer than ``grace`` (two trajectory ack waits: a trajectory

@@ -83,6 +83,7 @@ class Dataflow:
         self.watch = Watch(plane, recipe.rollout.pool, recipe.policy_names)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
         self.gone_since: dict[str, float] = {}  # tasks out whose message has left the TASK stream: since when (the audit)
+        self.kept_gone: dict[str, dict[str, float]] = {}  # per lane: kept groups not back in memory after a restart, since when
         self._audited = 0.0
         self._waits: tuple[float, float] | None = None
 
@@ -155,7 +156,8 @@ class Dataflow:
             self.journal.record(lane.name, task_id, f"failed:{reason}", error=detail)
 
     async def audit(self) -> None:
-        """Every ``AUDIT_S``: the tasks out that will never come back settled ``failed:lost`` (``dataflow/audit.py``)."""
+        """Every ``AUDIT_S``: the tasks out, and the kept groups of a restored state, that will never come back settled
+        ``failed:lost`` (``dataflow/audit.py``)."""
         now = time.time()
         if now - self._audited < AUDIT_S:
             return
@@ -169,7 +171,8 @@ class Dataflow:
             del self.gone_since[task]
         looked = {t: (seq := self.in_flight.seqs.get(t)) is not None and await self.plane.holds(names.task_stream, seq)
                   for t in due(self.in_flight.since, now, task_wait)}
-        if not looked and not self.gone_since:
+        back = {lane.name: {t: lane.is_buffered(t) for t in lane.kept} for lane in self.lanes.values()}  # kept groups in memory?
+        if not looked and not self.gone_since and all(all(b.values()) for b in back.values()):
             return
         drained = (await self.plane.lag(names.traj_stream, names.DATAFLOW_CONSUMER)).pending == 0
         lane = self.lanes[self.recipe.primary]
@@ -178,6 +181,16 @@ class Dataflow:
             self.stats["lost_tasks"] += 1
             log.warning("task %s is lost: acked on the plane, its group never complete", task)
             self.fail_task(lane, task, "lost", "acked by a node, its group never complete (a partial group, or trajectories lost)")
+        for lane in self.lanes.values():  # a group kept before a restart whose trajectories do not come back
+            since = self.kept_gone.setdefault(lane.name, {})
+            for task in [t for t in since if t not in lane.kept]:
+                del since[task]
+            for task in lost_tasks(since, back[lane.name], now, 2 * traj_wait, drained):
+                del since[task]
+                self.stats["lost_groups"] += 1
+                log.warning("lane %s: kept group %s is lost: its trajectories did not come back after the restart", lane.name, task)
+                lane.settle(task, "failed:lost")
+                self.journal.record(lane.name, task, "failed:lost", error="kept before a restart, its trajectories never came back")
 
     def context(self) -> Context:
         return context(self.lanes, self.recipe.dataflow.max_staleness)
