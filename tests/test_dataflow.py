@@ -377,6 +377,7 @@ async def test_a_task_the_server_gave_up_on_while_the_dataflow_was_down_still_fa
             for d in await h.task_sub.pull(batch=64, timeout=0.5):
                 await d.nak()
         await h.open_dataflow()
+        assert len(h.df.in_flight.seqs) == issued  # found in the TASK stream by the restart's scan (given up on, still there)
         await h.until(lambda: h.acc().fates.get("failed:max_deliver") == issued)
         await h.turn()
         assert h.df.ledger.issued == 2 * issued  # their places in flight are free again: as many more are out
