@@ -13,6 +13,7 @@ from test_train_support import make_batches, publish_batches, write_recipe
 
 from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.messages import Batch, WeightVersion
+from astraflow.streams.objects import chunk_subject, object_stream
 from astraflow.streams.plane import Delivery, NatsOptions, Plane, PublishConflict
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
@@ -20,7 +21,7 @@ from astraflow.train.distributed import Collective
 from astraflow.train.group_commit import GroupCommit
 from astraflow.train.torch_backend import TorchBackend
 from astraflow.weights.delta import state_digest
-from astraflow.weights.publish import NonFiniteWeights, WeightPublisher
+from astraflow.weights.publish import NonFiniteWeights, WeightPublisher, request_keyframe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,3 +124,33 @@ async def test_a_failed_publish_surfaces_holds_nothing_and_announces_nothing_aft
                 await asyncio.sleep(0.01)
     await asyncio.sleep(0)
     assert keep2.cancelled() and c.held == 0 and await t.announced() == [0, 1]
+
+
+async def test_answering_a_keyframe_request_while_idle_never_hides_a_failed_publish(run_plane: Plane, tmp_path):
+    """The idle trainer answers a keyframe request (v0 announced again as a keyframe, its first payload deleted, the new
+    one kept), and the answer first takes the outcome of the publish in flight: a failure raises, as from ``settle``
+    (swallowed, the version's batch would be acked as trained with the version never announced)."""
+    t = await Trainer(run_plane, tmp_path).start()
+    c = t.commits
+    assert await c.answer_keyframe_request() is None  # nothing asked
+    await request_keyframe(run_plane, "solver", "a node lost its chain")
+    first = (await run_plane.history(run_plane.names.weights("solver"), WeightVersion))[0]
+    again = await c.answer_keyframe_request()
+    assert again is not None and (again.version, again.encoding, again.state_digest) == (0, "keyframe", first.state_digest)
+    assert again.objects[0].name == first.objects[0].name and again.objects[0].nuid != first.objects[0].nuid
+    await t.publisher.wait_retention()
+    bucket = run_plane.names.object_bucket
+    info = await run_plane._jsm.stream_info(object_stream(bucket), subjects_filter=f"$O.{bucket}.>")
+    held = set(info.state.subjects or {})
+    assert chunk_subject(bucket, again.objects[0].nuid) in held and chunk_subject(bucket, first.objects[0].nuid) not in held
+    assert any(".M." in s for s in held)  # the name's metadata stays: it names the new payload
+    assert await c.answer_keyframe_request() is None  # served once
+
+    d1, keep1, image1 = await t.step()
+    rival = WeightPublisher(run_plane, "solver")
+    rival.follows(await run_plane.last_seq(run_plane.names.weights_stream, run_plane.names.weights("solver")))
+    await rival.publish(image1, 1, force_keyframe=True)
+    await c.publish(image1, 1, [d1.msg.batch_id], {}, d1, keep1)
+    with pytest.raises(PublishConflict):
+        await c.answer_keyframe_request()
+    assert c.held == 0 and d1.msg.batch_id in await t.unacked()

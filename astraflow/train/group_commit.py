@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import torch
 
 from astraflow.streams.messages import Batch, WeightVersion
-from astraflow.streams.plane import Delivery
+from astraflow.streams.plane import Delivery, PublishConflict
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta, Snapshot
 from astraflow.train.crash_points import crash_point
 from astraflow.train.distributed import Collective
-from astraflow.weights.publish import WeightPublisher
+from astraflow.weights.publish import NonFiniteWeights, WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,18 @@ class GroupCommit:
 
     async def answer_keyframe_request(self) -> WeightVersion | None:
         """While the trainer waits for batches: a pending keyframe request answered with the current version announced
-        again as a keyframe (``WeightPublisher.answer_keyframe_request``), once the publish in flight has landed."""
+        again as a keyframe (``WeightPublisher.answer_keyframe_request``), once the publish in flight has landed (a failed
+        one raises, as from :meth:`settle`). Failing to answer is logged, not raised (the next check tries again), unless
+        the publish says the trainer must stop (another trainer's announcement, weights not finite)."""
         await self.landed()
-        return await self.publisher.answer_keyframe_request()
+        try:
+            return await self.publisher.answer_keyframe_request()
+        except (PublishConflict, NonFiniteWeights):
+            raise
+        except Exception as e:
+            log.warning("weights %s: answering a keyframe request failed (%s: %s); tried again later", self.publisher.policy,
+                        type(e).__name__, e)
+            return None
 
     def redelivered(self, delivery: Delivery[Batch], keep_alive: asyncio.Task[None]) -> bool:
         """A held batch (or the one being published) came again (its keep-alive fell behind): hold the new delivery

@@ -49,7 +49,7 @@ from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.direct import MissingMessages
 from astraflow.streams.messages import BATCH_INVALID, BATCH_MISSING, BATCH_NON_FINITE, BATCH_STEP_FAILED, Batch, Heartbeat, TrainerStats
-from astraflow.streams.plane import Delivery, NatsOptions, Plane, PublishConflict
+from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.streams.state import DoneRecord, StateReadError
 from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, fetch_trajectories
 from astraflow.tasks import load_split
@@ -63,7 +63,7 @@ from astraflow.train.sft import sft
 from astraflow.train.threads import threads_for
 from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan
 from astraflow.weights.finite import non_finite
-from astraflow.weights.publish import NonFiniteWeights, WeightPublisher
+from astraflow.weights.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
 KEYFRAME_CHECK_S = 2.0  # while waiting for batches, how often a keyframe request is looked for
@@ -159,7 +159,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
             if not got:
                 if time.monotonic() - asked_at >= KEYFRAME_CHECK_S:  # no version is coming: a node that lost its chain
                     asked_at = time.monotonic()                    # would wait for the next one forever
-                    await _answer_keyframe_request(commits, policy)
+                    await commits.answer_keyframe_request()
                 continue
             d = got[0]
             manifest = d.msg
@@ -258,16 +258,6 @@ def _checked_image(run_op: Collective) -> tuple[dict[str, torch.Tensor], list[st
     """The bf16 image of the current weights (a copy) and the names of its tensors holding a NaN or an infinity."""
     state: dict[str, torch.Tensor] = run_op("state")
     return state, non_finite(state)
-
-
-async def _answer_keyframe_request(commits: GroupCommit, policy: str) -> None:
-    """Answer a keyframe request while idle; a failure is logged (the next check tries again), never fatal."""
-    try:
-        await commits.answer_keyframe_request()
-    except (PublishConflict, NonFiniteWeights):  # as from a publish: the trainer must stop
-        raise
-    except Exception as e:
-        log.warning("%s: answering a keyframe request failed: %s", policy, e)
 
 
 async def _keep_alive(d: Delivery[Batch], every_s: float) -> None:
