@@ -5,14 +5,16 @@ deliveries, kept in the DLQ stream). One more end needs looking for: a node acke
 work queue) but its group never completes (a node that published part of a group, trajectories lost). Such a task
 would hold its place in flight for good, and enough of them stop the run: the issuing budget counts them.
 
-The same holds for a group kept before a restart (in the state, its trajectories unacked): it comes back by
-redelivery; one that does not within the grace would count as buffered for good, and is settled ``failed:lost`` too.
-
 So every ``AUDIT_S`` the dataflow looks up, by the TASK stream sequence each was published at, the oldest tasks out
-for longer than the task ack wait (at most ``AUDIT_MAX`` a pass). A task whose message is gone while no trajectory
-waits undelivered on the dataflow's consumer, for longer than ``grace`` (two trajectory ack waits: a trajectory
-delivered and held comes back within one), is lost. The bookkeeping is pure (:func:`lost_tasks`); the service reads
-the plane and settles what it returns.
+for longer than the task ack wait (at most ``AUDIT_MAX`` a pass). A node publishes a task's trajectories before it
+acks it, so when the task's message is first seen gone, its trajectories are at or below the TRAJ stream's last
+sequence then. The task is lost once the dataflow's consumer has delivered past that sequence and ``grace`` (two
+trajectory ack waits: a delivered trajectory not yet taken comes back within one) has passed with its group still
+incomplete (:func:`lost_tasks`).
+
+A group kept before a restart (in the state, its trajectories unacked) comes back by redelivery; one not back in
+memory after ``grace`` would count as buffered for good, and is settled ``failed:lost`` too (:func:`lost_groups`).
+The bookkeeping is pure; the service reads the plane and settles what these return.
 """
 
 from __future__ import annotations
@@ -29,15 +31,25 @@ def due(out_since: Mapping[str, float], now: float, older_than: float, limit: in
     return old[:limit]
 
 
-def lost_tasks(gone_since: dict[str, float], looked_up: Mapping[str, bool], now: float, grace: float, drained: bool) -> list[str]:
-    """Note when each task's message was first seen gone (``looked_up``: task -> its message still in the stream), forget
-    the ones seen there again; the tasks gone for longer than ``grace`` while the dataflow's consumer holds nothing
-    undelivered (``drained``) are lost. Updates ``gone_since`` in place."""
+def lost_tasks(gone: dict[str, tuple[float, int]], looked_up: Mapping[str, bool], now: float, grace: float, stored: int,
+               delivered: int) -> list[str]:
+    """``looked_up``: task -> its message is still in the TASK stream. A task first seen gone is noted with the time and
+    ``stored`` (the TRAJ stream's last sequence now); one seen there again is forgotten. Lost: gone for longer than
+    ``grace``, and the consumer has ``delivered`` up to the sequence noted. Updates ``gone`` in place."""
     for task, present in looked_up.items():
         if present:
-            gone_since.pop(task, None)
+            gone.pop(task, None)
         else:
-            gone_since.setdefault(task, now)
-    if not drained:
-        return []
-    return [t for t, since in gone_since.items() if now - since > grace]
+            gone.setdefault(task, (now, stored))
+    return [t for t, (since, last) in gone.items() if now - since > grace and delivered >= last]
+
+
+def lost_groups(missing_since: dict[str, float], back: Mapping[str, bool], now: float, grace: float) -> list[str]:
+    """``back``: kept group -> it is in memory again. One first seen missing is noted; one back is forgotten. Lost:
+    missing for longer than ``grace``. Updates ``missing_since`` in place."""
+    for task, present in back.items():
+        if present:
+            missing_since.pop(task, None)
+        else:
+            missing_since.setdefault(task, now)
+    return [t for t, since in missing_since.items() if now - since > grace]

@@ -9,7 +9,7 @@ One loop, plain and explicit (STYLE 6); each turn (``Dataflow.step``):
    goes to the DLQ and may settle its task ``invalid:R``),
    route it by policy to its lane, assemble groups, apply curator feedback, the deadline's late
    policy and filters; every ``audit.AUDIT_S``, settle ``failed:lost`` the tasks a node acked whose group never
-   completes (``audit.py``);
+   completes, and the kept groups a restart does not get back (``audit.py``);
 3. per lane, plan batches while that trainer's measured backlog is under its bound
    (``serving.BatchServer``): each batch's plan, its plan record for the trainer and its tasks'
    fates are queued to be written ahead;
@@ -39,7 +39,7 @@ from collections import Counter
 
 from astraflow.algorithms import Context, build_pipeline
 from astraflow.config import Recipe
-from astraflow.dataflow.audit import AUDIT_S, due, lost_tasks
+from astraflow.dataflow.audit import AUDIT_S, due, lost_groups, lost_tasks
 from astraflow.dataflow.durability import Journal, crash_point
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.ingest import TrajectoryIngest
@@ -82,8 +82,8 @@ class Dataflow:
         self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
         self.watch = Watch(plane, recipe.rollout.pool, recipe.policy_names)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
-        self.gone_since: dict[str, float] = {}  # tasks out whose message has left the TASK stream: since when (the audit)
-        self.kept_gone: dict[str, dict[str, float]] = {}  # per lane: kept groups not back in memory after a restart, since when
+        self.gone: dict[str, tuple[float, int]] = {}  # tasks out whose message left the TASK stream: (since, TRAJ's last seq then)
+        self.kept_missing: dict[str, dict[str, float]] = {}  # per lane: kept groups not back in memory after a restart, since when
         self._audited = 0.0
         self._waits: tuple[float, float] | None = None
 
@@ -167,26 +167,25 @@ class Dataflow:
             task_wait = (await self.plane.consumer_settings(names.task_stream, names.pool_consumer(self.recipe.rollout.pool))).ack_wait
             self._waits = task_wait, (await self.plane.consumer_settings(names.traj_stream, names.DATAFLOW_CONSUMER)).ack_wait
         task_wait, traj_wait = self._waits
-        for task in [t for t in self.gone_since if t not in self.in_flight]:  # back or failed meanwhile
-            del self.gone_since[task]
+        for task in [t for t in self.gone if t not in self.in_flight]:  # back or failed meanwhile
+            del self.gone[task]
         looked = {t: (seq := self.in_flight.seqs.get(t)) is not None and await self.plane.holds(names.task_stream, seq)
                   for t in due(self.in_flight.since, now, task_wait)}
-        back = {lane.name: {t: lane.is_buffered(t) for t in lane.kept} for lane in self.lanes.values()}  # kept groups in memory?
-        if not looked and not self.gone_since and all(all(b.values()) for b in back.values()):
-            return
-        drained = (await self.plane.lag(names.traj_stream, names.DATAFLOW_CONSUMER)).pending == 0
-        lane = self.lanes[self.recipe.primary]
-        for task in lost_tasks(self.gone_since, looked, now, 2 * traj_wait, drained):
-            del self.gone_since[task]
-            self.stats["lost_tasks"] += 1
-            log.warning("task %s is lost: acked on the plane, its group never complete", task)
-            self.fail_task(lane, task, "lost", "acked by a node, its group never complete (a partial group, or trajectories lost)")
+        if looked or self.gone:
+            stored = await self.plane.stream_last(names.traj_stream)  # read after the lookups: their trajectories are in
+            delivered = (await self.plane.lag(names.traj_stream, names.DATAFLOW_CONSUMER)).delivered
+            lane = self.lanes[self.recipe.primary]
+            for task in lost_tasks(self.gone, looked, now, 2 * traj_wait, stored, delivered):
+                del self.gone[task]
+                self.stats["lost_tasks"] += 1
+                log.warning("task %s is lost: acked on the plane, its group never complete", task)
+                self.fail_task(lane, task, "lost", "acked by a node, its group never complete (a partial group, or trajectories lost)")
         for lane in self.lanes.values():  # a group kept before a restart whose trajectories do not come back
-            since = self.kept_gone.setdefault(lane.name, {})
-            for task in [t for t in since if t not in lane.kept]:
-                del since[task]
-            for task in lost_tasks(since, back[lane.name], now, 2 * traj_wait, drained):
-                del since[task]
+            missing = self.kept_missing.setdefault(lane.name, {})
+            for task in [t for t in missing if t not in lane.kept]:
+                del missing[task]
+            for task in lost_groups(missing, {t: lane.is_buffered(t) for t in lane.kept}, now, 2 * traj_wait):
+                del missing[task]
                 self.stats["lost_groups"] += 1
                 log.warning("lane %s: kept group %s is lost: its trajectories did not come back after the restart", lane.name, task)
                 lane.settle(task, "failed:lost")

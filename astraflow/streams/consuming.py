@@ -47,6 +47,7 @@ class Lag:
     pending: int  # not yet delivered
     ack_pending: int  # delivered, not yet acked
     redelivered: int
+    delivered: int = 0  # the highest stream sequence delivered so far
 
 
 @dataclass(frozen=True)

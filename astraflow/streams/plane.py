@@ -292,7 +292,8 @@ class Plane:
 
     async def lag(self, stream: str, durable: str) -> Lag:
         info = await self._jsm.consumer_info(stream, durable)
-        return Lag(info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0)
+        delivered = int(info.delivered.stream_seq or 0) if info.delivered is not None else 0
+        return Lag(info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0, delivered)
 
     async def consumer_settings(self, stream: str, durable: str) -> ConsumerSettings:
         cfg = (await self._jsm.consumer_info(stream, durable)).config
@@ -319,6 +320,10 @@ class Plane:
             return int((await self._jsm.get_last_msg(stream, subject)).seq or 0)
         except NotFoundError:
             return 0
+
+    async def stream_last(self, stream: str) -> int:
+        """The sequence of the newest message ``stream`` has stored (0: none yet)."""
+        return int((await self._jsm.stream_info(stream)).state.last_seq or 0)
 
     async def holds(self, stream: str, seq: int) -> bool:
         """Whether ``stream`` still holds the message at ``seq`` (a work queue drops a message once it is acked)."""
