@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from learning import held_out_rose
 
 from astraflow.config import load_recipe
+from astraflow.streams.messages import WeightVersion
+from astraflow.streams.plane import NatsOptions, Plane
 
 
 @pytest.mark.slow
@@ -78,3 +82,45 @@ def test_status_says_no_such_run_and_gives_up_on_an_absent_server(nats_server):
     )
     assert proc.returncode == 2 and "no nats-server at nats://127.0.0.1:9" in proc.stderr, proc.stderr
     assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.slow
+def test_a_run_whose_only_payload_is_gone_recovers_while_its_trainer_waits(nats_server, repo_root, tmp_path):
+    """No node yet; v0 announced, then its payload deleted (a bucket purged by hand, a lost disk). The node that joins
+    cannot load any version and asks for a keyframe; the trainer, waiting for batches with no version coming, answers
+    at once: v0 announced again as a keyframe. Before, nothing would ever have moved (no weights, no rollouts, no batch,
+    no version to serve the request)."""
+    run_dir = tmp_path / "lost-payload"
+    url = nats_server.url
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen([sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "arithmetic"), "--nats", url,
+                           "--run-dir", str(run_dir), "--set", "trainer.steps=3", "--set", "sft.steps=10", "--set", "rollout.nodes=0",
+                           "--set", "eval.enabled=false", "--timeout", "240"], stdout=log, stderr=subprocess.STDOUT)
+    node = None
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+            assert time.monotonic() < deadline and up.poll() is None, (tmp_path / "up.log").read_text()[-2000:]
+            time.sleep(0.5)
+
+        async def delete_v0() -> None:
+            plane = await Plane.connect(NatsOptions(url=url), run_dir.name, "operator")
+            try:
+                (v0,) = await plane.history(plane.names.weights("solver"), WeightVersion)
+                await plane.objects().delete(v0.objects[0])
+            finally:
+                await plane.close()
+
+        asyncio.run(delete_v0())
+        node = subprocess.Popen([sys.executable, "-m", "astraflow.cli", "worker", "rollout", "--recipe", str(run_dir / "recipe.yaml"),
+                                 "--nats", url, "--run", run_dir.name, "--id", "late-node"], stdout=log, stderr=subprocess.STDOUT)
+        assert up.wait(timeout=300) == 0, (tmp_path / "up.log").read_text()[-4000:]
+    finally:
+        for p in (node, up):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        log.close()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [0, 1, 2, 3]  # v0's second announcement is the same version, recorded once
+    assert "announced again as a keyframe" in (run_dir / "logs" / "trainer-solver.s1.log").read_text()
