@@ -94,9 +94,14 @@ def summarise(curves: dict[str, list[Curve]], metric: str) -> dict[str, Any]:
     equal = min(c[-1]["rollouts"] for runs in curves.values() for c in runs)  # every run reached this many rollouts
     bar = over_seeds([c[-1][metric] for c in curves[names[0]]]).mean
     out: dict[str, Any] = {"equal_rollouts": equal, "bar": bar, "variants": {}}
-    base_at = [at(*xs_ys(c, metric), equal) for c in curves[names[0]]]
+    def at_equal_rollouts(c: Curve) -> float:  # every run reached ``equal`` rollouts: its curve is read inside its range
+        y = at(*xs_ys(c, metric), equal)
+        assert y is not None
+        return y
+
+    base_at = [at_equal_rollouts(c) for c in curves[names[0]]]
     for name, runs in curves.items():
-        at_equal = [at(*xs_ys(c, metric), equal) for c in runs]
+        at_equal = [at_equal_rollouts(c) for c in runs]
         reach = [first_reaching(*xs_ys(c, metric), bar) for c in runs]
         reached = [r for r in reach if r is not None]
         out["variants"][name] = {
@@ -192,7 +197,7 @@ def report(curves: dict[str, list[Curve]], recipe: Path, steps: int, out: Path) 
     console.print(t)
     console.print(f"* the paired interval excludes 0; n.s.: not significant at 95 %.  plot: {out}")
 
-    def plain(e: Estimate | None) -> list[float] | None:
+    def plain(e: Estimate | None) -> list[float | None] | None:
         return None if e is None else [e.mean, e.half_width if e.n > 1 else None, e.n]
 
     return {"recipe": str(recipe), "steps": steps, "metric": label, "eval_se_max": se, "plot": str(out),
