@@ -24,7 +24,8 @@ from astraflow.rollout.experts import Expert, record_recipe_demonstrations
 from astraflow.streams.messages import Task
 
 HERE = Path(__file__).resolve().parent
-EPISODES = 600
+EPISODES = 3100  # held-out 100, training 3,000: RL draws from all of them
+DEMONSTRATED = 500  # the warm start sees only the first 500 training episodes
 CAREFUL = 0.3  # share of demonstrations that act on what they saw; the others act on the first file listed
 
 
@@ -52,7 +53,7 @@ def careful_or_careless(rng: random.Random) -> Expert:
 def main() -> None:
     rows = [{"id": f"term-{i}", "prompt": "", "answer": "", "seed": i} for i in range(EPISODES)]
     (HERE / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    demos = record_recipe_demonstrations(HERE, careful_or_careless)
+    demos = record_recipe_demonstrations(HERE, careful_or_careless, limit=DEMONSTRATED)
     n = len(demos)
     print(f"{len(rows)} episodes, {n} demonstrations, mean reward {sum(d.reward or 0 for d in demos) / n:.2f}")
 
