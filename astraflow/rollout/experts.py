@@ -97,11 +97,13 @@ def _turns(expert: Expert, task: Task, tokenizer: Any, limit: int) -> Callable[[
     return reply
 
 
-def record_recipe_demonstrations(folder: Path, expert: ExpertFactory, per_problem: int = 2, seed: int = 0) -> list[Demonstration]:
+def record_recipe_demonstrations(folder: Path, expert: ExpertFactory, per_problem: int = 2, seed: int = 0,
+                                 limit: int | None = None) -> list[Demonstration]:
     """What each recipe's ``make_data.py`` ends with: the recipe in ``folder`` played by ``expert`` (its primary policy)
-    on its training problems, written to ``folder/demos.jsonl``; the demonstrations recorded."""
+    on its training problems (the first ``limit`` of them when given, so that RL also meets episodes the warm start
+    never saw), written to ``folder/demos.jsonl``; the demonstrations recorded."""
     recipe = load_recipe(folder)
     train, _ = load_split(recipe.data)
-    demos = record(recipe, {recipe.primary: expert}, train, per_problem=per_problem, seed=seed)[recipe.primary]
+    demos = record(recipe, {recipe.primary: expert}, train[:limit], per_problem=per_problem, seed=seed)[recipe.primary]
     write_demonstrations(folder / "demos.jsonl", demos)
     return demos

@@ -3,10 +3,12 @@
 Writes, next to this file:
 
 - ``episodes.jsonl``: one seed a line; each seed is one task of the bundled ``terminal`` game (a scratch
-  directory with three files, one holding a made-up keyword; copy, move or delete that file). Held-out
-  seeds make keywords and file names never seen in training;
-- ``demos.jsonl``: the warm start's episodes, played through the recipe's own workflow against the real
-  game (every command runs in the sandbox) by a noisy demonstrator. Both look first
+  directory with three files, one holding a made-up keyword; copy, move or delete that file). The recipe
+  holds out 100 of them and trains on the other 3,000 (held-out episodes are never trained on; their
+  keywords and file names are drawn at random, so a few recur in training episodes);
+- ``demos.jsonl``: the warm start's episodes, two of each of the first 500 training episodes only (RL draws
+  from all 3,000, so most of its episodes are new to the policy), played through the recipe's own workflow
+  against the real game (every command runs in the sandbox) by a noisy demonstrator. Both look first
   (``grep -l WORD *.txt``). A careful one acts on the file the output names, then exits; a careless one
   does not read the output and acts on the first file listed (right one time in three), then exits.
 
@@ -24,8 +26,9 @@ from astraflow.rollout.experts import Expert, record_recipe_demonstrations
 from astraflow.streams.messages import Task
 
 HERE = Path(__file__).resolve().parent
-EPISODES = 600
-CAREFUL = 0.3  # share of demonstrations that act on what they saw; the others act on the first file listed
+EPISODES = 3100  # held-out 100, training 3,000: RL draws from all of them
+DEMONSTRATED = 500  # the warm start sees only the first 500 training episodes
+CAREFUL = 0.5  # share of demonstrations that act on what they saw; the others act on the first file listed
 
 
 def act(verb: str, name: str) -> str:
@@ -52,7 +55,7 @@ def careful_or_careless(rng: random.Random) -> Expert:
 def main() -> None:
     rows = [{"id": f"term-{i}", "prompt": "", "answer": "", "seed": i} for i in range(EPISODES)]
     (HERE / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    demos = record_recipe_demonstrations(HERE, careful_or_careless)
+    demos = record_recipe_demonstrations(HERE, careful_or_careless, limit=DEMONSTRATED)
     n = len(demos)
     print(f"{len(rows)} episodes, {n} demonstrations, mean reward {sum(d.reward or 0 for d in demos) / n:.2f}")
 
