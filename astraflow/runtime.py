@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import io
 import logging
 import os
 import signal
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
@@ -51,7 +52,22 @@ def stop_event() -> Stop:
         loop.call_soon_threadsafe(stop.now, "the launcher is gone (SIGHUP)")
 
     signal.signal(signal.SIGHUP, orphaned)
+    loop.add_signal_handler(signal.SIGUSR2, log_tasks)
     return stop
+
+
+def log_tasks() -> None:
+    """SIGUSR2: log what every task of the role's event loop is waiting on (``kill -USR2 PID``, for a role that seems stuck)."""
+    buf = io.StringIO()
+    for task in asyncio.all_tasks():
+        buf.write(f"--- {task.get_name()}\n")
+        coro: Any = task.get_coro()
+        while coro is not None:  # the chain of awaits, outermost first
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                buf.write(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}\n")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    log.warning("SIGUSR2: the role's tasks and where each waits:\n%s", buf.getvalue())
 
 
 async def watch_server(plane: Plane, stop: Stop, bound_s: float) -> None:

@@ -116,6 +116,8 @@ EXPECT: dict[tuple[str, str], set[str]] = {
     ("pub", f"{API}.STREAM.DELETE.AF_{R}_TASK"): {"admin"},
     ("pub", f"{API}.STREAM.PURGE.AF_{R}_BATCH"): {"admin"},
     ("pub", f"{API}.STREAM.PURGE.OBJ_af_{R}_weights"): {"admin", "trainer-solver", "trainer-verifier"},
+    # a payload's metadata, read by the trainer's orphan sweep and retention (refused, each read waited out a timeout)
+    ("pub", f"{API}.STREAM.MSG.GET.OBJ_af_{R}_weights"): {"admin", "trainer-solver", "trainer-verifier"},
     ("pub", f"{API}.CONSUMER.CREATE.AF_{R}_BATCH.evil"): {"admin", "dataflow"},
     ("pub", f"{API}.CONSUMER.DURABLE.CREATE.AF_{R}_TASK.evil"): {"admin", "dataflow"},
     ("pub", f"{API}.CONSUMER.CREATE.AF_{R}_BATCH"): {"admin"},  # an ephemeral over the trainers' work queue

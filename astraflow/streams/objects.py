@@ -202,6 +202,8 @@ async def delete_object(js: JetStreamContext, bucket: str, ref: ObjectRef, strea
             named = json.loads((await js.get_last_msg(stream, meta)).data or b"{}")
         except NotFoundError:
             return
+        except Exception:  # unreadable: purge it, as before the check (a reader needs only the chunks)
+            named = None
         if not isinstance(named, dict) or named.get("nuid") in (None, ref.nuid):
             await js.purge_stream(stream, subject=meta)
     except Exception as e:

@@ -159,6 +159,8 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
                    s.subject("weights", policy), s.subject("dlq", "batch"),
                    f"$O.{s.obj_bucket}.C.>", f"$O.{s.obj_bucket}.M.>", f"{API}.STREAM.PURGE.{s.obj_stream}",
                    f"$JS.*.API.STREAM.PURGE.{s.obj_stream}",
+                   # its payloads' metadata (the orphan sweep, retention), on the hub and the mirrors
+                   f"{API}.STREAM.MSG.GET.{s.obj_stream}", f"$JS.*.API.STREAM.MSG.GET.{s.obj_stream}",
                    s.kv("state", f"version.{policy}"), s.kv("state", f"done.{policy}"),
                    f"{API}.DIRECT.GET.{s.kv_stream('fates')}", f"{API}.DIRECT.GET.{s.kv_stream('fates')}.>",
                    f"{API}.STREAM.MSG.GET.{s.kv_stream('fates')}"])

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 Encoding = Literal["keyframe", "delta"]
 STEP_OVERS = 8  # refused publishes in a row before a foreign writer counts as another trainer anyway
 MIRROR_SWEEP_S = 5.0  # how long a restarted publisher's first put waits for each region mirror's sweep
+HUB_SWEEP_S = 30.0  # and for the hub's (a sweep cut short leaves its orphans to the next life; it never holds a version back)
 _PAYLOAD_NAME = re.compile(r"(?P<policy>.+)/v(?P<version>\d+)-[0-9a-f]+\.(?:delta|keyframe)")
 
 
@@ -344,8 +345,9 @@ class WeightPublisher:
 
         stores = {"the hub": self.plane.objects(), **{f"the mirror in {d}": self.plane.objects(domain=d) for d in self.mirror_domains}}
         for where, store in stores.items():
-            try:  # before the first put (a sweep beside it could take it for an orphan); a mirror gets a few seconds
-                purged = await asyncio.wait_for(store.sweep(self.policy, keep, stale), None if where == "the hub" else MIRROR_SWEEP_S)
+            try:  # before the first put (a sweep beside it could take it for an orphan), bounded: best effort, never a stall
+                bound = HUB_SWEEP_S if where == "the hub" else MIRROR_SWEEP_S
+                purged = await asyncio.wait_for(store.sweep(self.policy, keep, stale), bound)
             except Exception as e:  # best effort, as retention: publishing goes on
                 log.warning("weights %s: could not sweep unannounced payloads from %s: %s", self.policy, where, e)
                 continue
