@@ -5,8 +5,7 @@ URL --credentials DIR``), so the store outlives the run and its dead-letter stre
 afterwards. Two attackers:
 
 * **rollout** (``credentials/rollout.json``, what any node is given): pulls real tasks and answers
-  each with one poisoned trajectory (one that claims another task leaves the pulled one acked and never
-  answered); forges task rejections (``dlq.task``); beats poisoned
+  each with one poisoned trajectory; forges task rejections (``dlq.task``); beats poisoned
   heartbeats on ``hb.rollout.*``; writes poisoned ``keyframe_request.*`` records; and tries what the
   permissions refuse it (tasks, batches, announcements, batch rejections, trainer state), which must
   not land;
@@ -118,7 +117,7 @@ class Campaign:
     stolen_batch: str = ""  # the batch held until its redelivery went stale
     rogue_trainer: tuple[int, str] = (0, "")  # exit status and log tail of the trainer started without checkpoints
     held_failed: str = ""  # a task the rollout attacker held and dead-lettered with a forged rejection
-    unanswered: int = 0  # real tasks the rollout attacker pulled and acked without answering (its poison claimed another)
+    gave_up: int = 0  # real tasks the rollout attacker pulled, poisoned elsewhere, then dead-lettered
 
 
 def view_of(recipe: Recipe, newest: int) -> RunView:
@@ -173,9 +172,9 @@ async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: in
                 await plane.publish(n.traj(t.policy), t)
                 if t.task_id == d.msg.task_id and t.policy == d.msg.policy:
                     await d.ack()  # the poison claims this task: the dataflow settles it invalid
-                else:  # it claims another: this one is acked and never answered, which would hold its place in the
-                    await d.ack()  # dataflow's budget for good but for the in-flight audit (``failed:lost``)
-                    camp.unanswered += 1
+                else:  # it claims another: give this one up, as a node may (a task acked and never answered would hold
+                    await d.reject("gave up")  # a slot of the dataflow's budget for good)
+                    camp.gave_up += 1
                 camp.poisons.append(p)
                 done += 1
         if held is not None:

@@ -38,7 +38,7 @@ from astraflow.streams.messages import Rejected
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 150
 PER_FIELD = 2  # poisons per field and attacker (seeded: the same ones every run)
-SETS = {"trainer.steps": STEPS, "eval.every": STEPS, "plane.batch_ack_wait": 10, "plane.task_ack_wait": 10, "plane.traj_ack_wait": 10}
+SETS = {"trainer.steps": STEPS, "eval.every": STEPS, "plane.batch_ack_wait": 10}
 # held-out reward (greedy, 100 prompts) at v150 of 9 clean runs of this set-up: 0.64-0.85, mean 0.74, standard deviation
 # 0.06 (BENCHMARKS.md, "Poison suite"); 0.35 at v0. The floor sits under the mean less 4 standard deviations (0.52): noise
 # does not break it, and a run poisoned into not learning stays near v0's, below it
@@ -102,8 +102,7 @@ def test_a_live_run_under_poison_finishes_learns_and_dead_letters_every_poison(t
     fates = acc["fates"]
     settled = sum(p.kind == "trajectory" and p.field not in ("task_id", "policy") for p in camp.poisons)
     assert sum(v for k, v in fates.items() if k.startswith("invalid:")) == settled, fates
-    assert fates.get("failed:rollout", 0) >= 1, fates  # the task held, then dead-lettered with a forged rejection
-    assert camp.unanswered and fates.get("failed:lost", 0) == camp.unanswered, fates  # acked, never answered: the audit
+    assert fates.get("failed:rollout", 0) >= camp.gave_up + 1, fates
     assert fates.get("dropped:stale", 0) >= load_recipe(run_dir / "recipe.yaml").dataflow.groups_per_batch, fates
 
     # and it still learns as a clean run does
