@@ -153,3 +153,30 @@ def test_cpu_seconds_of_every_instance_are_counted(sup: Supervisor):
     poll_until(sup, lambda: sleeper.alive())
     sup.stop(timeout=5)  # reaps the sleeper (and whatever instance of the burner runs) with its CPU time
     assert sup.cpu_s["trainer-solver"] >= 1.9 and 0 < sup.cpu_s["rollout-0"] < 1.0, sup.cpu_s
+
+
+def test_a_role_dies_with_its_launcher_even_under_nohup():
+    """A launcher started under ``nohup`` ignores SIGHUP, and an ignored disposition survives exec: a role still
+    connecting (before it installs its own handler) would outlive its launcher. The preexec hook restores it."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from astraflow.launch.supervisor import _hangup_with_parent
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the launcher, under nohup: it starts a role that is still connecting, then dies
+        try:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=_hangup_with_parent)
+            os.write(w, str(child.pid).encode())
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    child = int(os.read(r, 32))
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the role outlived its launcher"
+        time.sleep(0.05)

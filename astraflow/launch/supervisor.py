@@ -32,9 +32,12 @@ _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("lin
 
 
 def _hangup_with_parent() -> None:
-    """preexec hook: the kernel sends SIGHUP to this child when the launcher dies (Linux). Only a
-    call into the already loaded libc runs between fork and exec (no import, no dlopen, no lock)."""
+    """preexec hook: the kernel sends SIGHUP to this child when the launcher dies (Linux), and SIGHUP is not ignored
+    (an ignored disposition survives exec: a launcher started under ``nohup`` would pass it on, and a role still
+    connecting, before its own handler, would outlive it). Only calls into the already loaded libc run between fork
+    and exec (no import, no dlopen, no lock)."""
     if _LIBC is not None:
+        _LIBC.signal(signal.SIGHUP, 0)  # SIG_DFL
         _LIBC.prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
 
 
