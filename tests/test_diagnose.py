@@ -56,3 +56,33 @@ def test_wall_time_counts_a_killed_launchers_session_up_to_its_own_last_sample(t
     for ts in (1002.0, 1027.0, 2010.0, 2590.0):
         rundir.append("pool.jsonl", {"wall_ts": ts})
     assert rundir.wall_s() == 27.0 + 600.0  # not up to session 2's last sample
+
+
+async def test_sigusr2_logs_where_each_task_waits(caplog):
+    """``kill -USR2 PID``: a role logs each task of its loop with the chain of awaits it is parked in."""
+    import asyncio
+    import logging
+    import os
+    import signal
+
+    from astraflow.runtime import stop_event
+
+    async def parked_in_a_publish() -> None:
+        await asyncio.Event().wait()
+
+    hangup = signal.getsignal(signal.SIGHUP)
+    stop_event()  # installs a role's handlers, SIGUSR2's among them
+    task = asyncio.create_task(parked_in_a_publish(), name="the-stuck-one")
+    try:
+        await asyncio.sleep(0)
+        with caplog.at_level(logging.WARNING, logger="astraflow.runtime"):
+            os.kill(os.getpid(), signal.SIGUSR2)
+            await asyncio.sleep(0.1)
+    finally:  # this process is the test runner, not a role
+        task.cancel()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+            loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGHUP, hangup)
+    text = caplog.text
+    assert "--- the-stuck-one" in text and "parked_in_a_publish" in text and "locks.py" in text
