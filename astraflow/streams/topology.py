@@ -20,6 +20,7 @@ from astraflow.streams.objects import object_stream
 from astraflow.streams.subjects import Names
 
 log = logging.getLogger(__name__)
+NO_PEERS_FOR_PLACEMENT = 10005  # JetStream's error code for a replicated stream no set of peers can hold (yet)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class TopologyMaker:
             try:
                 await self._create(topo)
                 return
+            except BadRequestError as e:  # a cluster whose peers are not all current yet: no placement for a replicated stream
+                if e.err_code != NO_PEERS_FOR_PLACEMENT or loop.time() > deadline:
+                    raise
+                log.warning("JetStream has no peers for the streams' placement yet (%s): retrying", e.description)
+                await asyncio.sleep(1.0)
             except (ServiceUnavailableError, NoRespondersError, NatsTimeoutError) as e:
                 if loop.time() > deadline:
                     raise ConnectionError(f"JetStream did not become available in {wait:.0f}s: {type(e).__name__}") from None
