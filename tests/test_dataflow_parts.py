@@ -352,3 +352,21 @@ def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
     assert lane.trained(plan.batch_id) == ["t0", "t1"] and lane.trained(plan.batch_id) == []  # counted once
     assert lane.drained() and lane.accounting(in_flight=0).fates == {"filtered:zero_variance": 1, "trained": 2}
     assert lane.failed("solver-b000009") == [] and "failed:train" not in lane.ledger.fates
+
+
+def test_the_audit_calls_a_task_lost_only_past_the_grace_and_once_its_trajectories_were_delivered():
+    from astraflow.dataflow.audit import due, lost_groups, lost_tasks
+
+    assert due({"t1": 0.0, "t2": 50.0, "t3": 10.0}, now=100.0, older_than=60.0) == ["t1", "t3"]  # oldest first
+    gone: dict[str, tuple[float, int]] = {}
+    out = {"t1", "t2", "t3"}
+    assert lost_tasks(gone, out, {"t1": False, "t2": True}, now=0.0, grace=10.0, stored=500, delivered=400) == []
+    assert gone == {"t1": (0.0, 500)}  # first seen gone while TRAJ held up to seq 500
+    assert lost_tasks(gone, out, {}, now=20.0, grace=10.0, stored=600, delivered=499) == []  # 500 not delivered yet
+    assert lost_tasks(gone, out, {"t3": False}, now=21.0, grace=10.0, stored=600, delivered=500) == ["t1"]
+    assert gone == {"t3": (21.0, 600)}  # a lost task is forgotten
+    assert lost_tasks(gone, {"t1"}, {}, now=99.0, grace=10.0, stored=600, delivered=900) == [] and gone == {}  # t3 came back
+    missing: dict[str, tuple[float, int]] = {}
+    assert lost_groups(missing, {"g1": False, "g2": True}, now=0.0, grace=10.0) == []
+    assert lost_groups(missing, {"g1": True}, now=5.0, grace=10.0) == [] and missing == {}  # back in memory: forgotten
+    assert lost_groups(missing, {"g1": False}, now=6.0, grace=10.0) == [] and lost_groups(missing, {"g1": False}, 17.0, 10.0) == ["g1"]

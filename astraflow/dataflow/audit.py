@@ -19,7 +19,7 @@ The bookkeeping is pure; the service reads the plane and settles what these retu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 AUDIT_S = 5.0  # how often the audit runs
 AUDIT_MAX = 64  # tasks looked up per pass, oldest first
@@ -31,25 +31,32 @@ def due(out_since: Mapping[str, float], now: float, older_than: float, limit: in
     return old[:limit]
 
 
-def lost_tasks(gone: dict[str, tuple[float, int]], looked_up: Mapping[str, bool], now: float, grace: float, stored: int,
-               delivered: int) -> list[str]:
+def lost_tasks(gone: dict[str, tuple[float, int]], out: Container[str], looked_up: Mapping[str, bool], now: float, grace: float,
+               stored: int, delivered: int) -> list[str]:
     """``looked_up``: task -> its message is still in the TASK stream. A task first seen gone is noted with the time and
-    ``stored`` (the TRAJ stream's last sequence now); one seen there again is forgotten. Lost: gone for longer than
-    ``grace``, and the consumer has ``delivered`` up to the sequence noted. Updates ``gone`` in place."""
-    for task, present in looked_up.items():
-        if present:
-            gone.pop(task, None)
-        else:
-            gone.setdefault(task, (now, stored))
-    return [t for t, (since, last) in gone.items() if now - since > grace and delivered >= last]
+    ``stored`` (the TRAJ stream's last sequence now); one seen there again, or no longer ``out``, is forgotten. Lost (and
+    forgotten): gone for longer than ``grace`` with the consumer ``delivered`` up to the sequence noted."""
+    return _absent_too_long(gone, out, looked_up, now, grace, stored, delivered)
 
 
-def lost_groups(missing_since: dict[str, float], back: Mapping[str, bool], now: float, grace: float) -> list[str]:
-    """``back``: kept group -> it is in memory again. One first seen missing is noted; one back is forgotten. Lost:
-    missing for longer than ``grace``. Updates ``missing_since`` in place."""
-    for task, present in back.items():
-        if present:
-            missing_since.pop(task, None)
+def lost_groups(missing: dict[str, tuple[float, int]], back: Mapping[str, bool], now: float, grace: float) -> list[str]:
+    """``back``: every kept group -> it is in memory again. One first seen missing is noted; one back, or no longer kept,
+    is forgotten. Lost (and forgotten): missing for longer than ``grace``."""
+    return _absent_too_long(missing, back, back, now, grace, 0, 0)
+
+
+def _absent_too_long(absent: dict[str, tuple[float, int]], tracked: Container[str], present: Mapping[str, bool], now: float,
+                     grace: float, mark: int, reached: int) -> list[str]:
+    """``absent``: id -> (first seen absent, ``mark`` then), updated in place; the ids absent past ``grace`` whose mark
+    ``reached`` has got to are returned and dropped."""
+    for key in [k for k in absent if k not in tracked]:
+        del absent[key]
+    for key, here in present.items():
+        if here:
+            absent.pop(key, None)
         else:
-            missing_since.setdefault(task, now)
-    return [t for t, since in missing_since.items() if now - since > grace]
+            absent.setdefault(key, (now, mark))
+    lost = [k for k, (since, at) in absent.items() if now - since > grace and reached >= at]
+    for key in lost:
+        del absent[key]
+    return lost

@@ -52,7 +52,7 @@ class InFlight:
     def __len__(self) -> int:
         return len(self.open)
 
-    def __contains__(self, task_id: str) -> bool:
+    def __contains__(self, task_id: object) -> bool:
         return task_id in self.open
 
     def issue(self, task_id: str, deadline: float | None, floors: Mapping[str, int] | None = None) -> None:

@@ -83,7 +83,7 @@ class Dataflow:
         self.watch = Watch(plane, recipe.rollout.pool, recipe.policy_names)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
         self.gone: dict[str, tuple[float, int]] = {}  # tasks out whose message left the TASK stream: (since, TRAJ's last seq then)
-        self.kept_missing: dict[str, dict[str, float]] = {}  # per lane: kept groups not back in memory after a restart, since when
+        self.kept_missing: dict[str, dict[str, tuple[float, int]]] = {}  # per lane: kept groups not back after a restart
         self._audited = 0.0
         self._waits: tuple[float, float] | None = None
 
@@ -167,25 +167,19 @@ class Dataflow:
             task_wait = (await self.plane.consumer_settings(names.task_stream, names.pool_consumer(self.recipe.rollout.pool))).ack_wait
             self._waits = task_wait, (await self.plane.consumer_settings(names.traj_stream, names.DATAFLOW_CONSUMER)).ack_wait
         task_wait, traj_wait = self._waits
-        for task in [t for t in self.gone if t not in self.in_flight]:  # back or failed meanwhile
-            del self.gone[task]
         looked = {t: (seq := self.in_flight.seqs.get(t)) is not None and await self.plane.holds(names.task_stream, seq)
                   for t in due(self.in_flight.since, now, task_wait)}
         if looked or self.gone:
             stored = await self.plane.stream_last(names.traj_stream)  # read after the lookups: their trajectories are in
             delivered = (await self.plane.lag(names.traj_stream, names.DATAFLOW_CONSUMER)).delivered
             lane = self.lanes[self.recipe.primary]
-            for task in lost_tasks(self.gone, looked, now, 2 * traj_wait, stored, delivered):
-                del self.gone[task]
+            for task in lost_tasks(self.gone, self.in_flight, looked, now, 2 * traj_wait, stored, delivered):
                 self.stats["lost_tasks"] += 1
                 log.warning("task %s is lost: acked on the plane, its group never complete", task)
                 self.fail_task(lane, task, "lost", "acked by a node, its group never complete (a partial group, or trajectories lost)")
         for lane in self.lanes.values():  # a group kept before a restart whose trajectories do not come back
-            missing = self.kept_missing.setdefault(lane.name, {})
-            for task in [t for t in missing if t not in lane.kept]:
-                del missing[task]
-            for task in lost_groups(missing, {t: lane.is_buffered(t) for t in lane.kept}, now, 2 * traj_wait):
-                del missing[task]
+            back = {t: lane.is_buffered(t) for t in lane.kept}
+            for task in lost_groups(self.kept_missing.setdefault(lane.name, {}), back, now, 2 * traj_wait):
                 self.stats["lost_groups"] += 1
                 log.warning("lane %s: kept group %s is lost: its trajectories did not come back after the restart", lane.name, task)
                 lane.settle(task, "failed:lost")
@@ -228,7 +222,7 @@ class Dataflow:
         if s.tasks.issuing:  # written ahead, maybe never published: publish again (deduplicated)
             seqs = await self.issuer.republish(s.tasks.issuing)
             for t, seq in zip(s.tasks.issuing, seqs, strict=True):
-                self.in_flight.seqs[t.task_id] = seq
+                self.in_flight.published(t.task_id, seq, now)
         for lane in self.lanes.values():
             for plan in lane.planned():
                 await self.server.republish(lane, plan)

@@ -60,15 +60,13 @@ class TopologyMaker:
             try:
                 await self._create(topo)
                 return
-            except BadRequestError as e:  # a cluster whose peers are not all current yet: no placement for a replicated stream
-                if e.err_code != NO_PEERS_FOR_PLACEMENT or loop.time() > deadline:
-                    raise
-                log.warning("JetStream has no peers for the streams' placement yet (%s): retrying", e.description)
-                await asyncio.sleep(1.0)
-            except (ServiceUnavailableError, NoRespondersError, NatsTimeoutError) as e:
+            except (ServiceUnavailableError, NoRespondersError, NatsTimeoutError, BadRequestError) as e:
+                if isinstance(e, BadRequestError) and e.err_code != NO_PEERS_FOR_PLACEMENT:
+                    raise  # a request the server refuses: waiting changes nothing (a peer not current yet does)
+                why = e.description if isinstance(e, BadRequestError) else type(e).__name__
                 if loop.time() > deadline:
-                    raise ConnectionError(f"JetStream did not become available in {wait:.0f}s: {type(e).__name__}") from None
-                log.warning("JetStream not ready (%s): retrying", type(e).__name__)
+                    raise ConnectionError(f"JetStream did not become available in {wait:.0f}s: {why}") from None
+                log.warning("JetStream not ready (%s): retrying", why)
                 await asyncio.sleep(1.0)
 
     async def wait_for(self, topo: Topology, note_every: float = 10.0) -> None:
