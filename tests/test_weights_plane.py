@@ -33,8 +33,10 @@ from astraflow.streams.objects import (
     put_object,
     read_one_chunk_object,
 )
-from astraflow.streams.plane import Plane, PublishConflict, PublishRefused
+from astraflow.streams.plane import NatsOptions, Plane, PublishConflict, PublishRefused, Topology
 from astraflow.streams.state import KeyframeRequest, VersionRecord
+from astraflow.train.resume import adopt
+from astraflow.weights.delta import to_bf16_state
 from astraflow.weights.publish import WeightPublisher, request_keyframe
 from astraflow.weights.retention import chain_of, key_of, plan_retention
 from astraflow.weights.sync import WeightSync, WeightSyncError
@@ -493,3 +495,30 @@ async def test_an_unreachable_mirror_does_not_stop_publishing_or_hub_retention(p
     counts = [await count_chunks(plane._js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
     assert counts == [0, 0, 0, 0, 1]  # deleted from the hub all the same
     assert pub.deleted == 0 and len(pub.history) == 5  # but kept in the plan until the mirror is reachable again
+
+
+async def test_payloads_whose_announcements_the_stream_trimmed_are_swept_once(nats_server, run_id):
+    """The WEIGHTS stream keeps ``weights_history`` announcements per subject; the payloads of older ones no chain can
+    reach. A restarted trainer (retention on) purges them at its first publish, so the next restart finds nothing to
+    read; every payload an announcement in the stream names stays, and a node still joins."""
+    plane = await Plane.connect(NatsOptions(url=nats_server.url), run_id + "t", "trainer")
+    try:
+        await plane.ensure_topology(Topology(policies=("solver",), weights_history=3))
+        bucket, stream = plane.names.object_bucket, object_stream(plane.names.object_bucket)
+        trainer = Trainer()
+        anns = await publish_steps(WeightPublisher(plane, "solver", keyframe_every=100, keep_versions=None), trainer, range(6))
+
+        async def chunks(a: WeightVersion) -> int:
+            return await count_chunks(plane._js, stream, chunk_subject(bucket, a.objects[0].nuid))
+
+        assert [await chunks(a) for a in anns] == [1] * 6  # v0..v2's announcements are trimmed, their payloads stay
+        again = WeightPublisher(plane, "solver", keyframe_every=2, keep_versions=3)
+        again.follows(await plane.last_seq(plane.names.weights_stream, plane.names.weights("solver")))
+        adopt(again, to_bf16_state(trainer.model.state_dict()), anns[5])  # as a resume from a checkpoint of v5 does
+        await again.publish(trainer.step(), 6)
+        assert [await chunks(a) for a in anns] == [0, 0, 0, 1, 1, 1]
+        late = node(plane)
+        await late.wait_for(6, timeout=10)
+        assert engine_digest(late) == trainer.digest
+    finally:
+        await plane.close()
