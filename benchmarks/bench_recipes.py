@@ -11,7 +11,7 @@ copied to ``DIR/recipe-NAME.png``. For a team recipe the table also shows the te
 (the partner's pick of k samples) against the solver alone at the same k samples, and their difference
 paired by seed (significant when its interval excludes 0).
 
-Run: ``python benchmarks/bench_recipes.py [--only search,terminal] [--steps N] [--seeds 3] [--set eval.k=8] [--figures DIR]``.
+Run: ``python benchmarks/bench_recipes.py [--only search,terminal] [--steps N] [--seeds 3] [--set eval.k=8] [--figures DIR] [--keep DIR]``.
 Last stdout line: JSON.
 """
 
@@ -88,11 +88,13 @@ def main() -> list[dict[str, Any]]:
     ap.add_argument("--first-seed", type=int, default=0, help="seeds first..first+N-1")
     ap.add_argument("--figures", type=Path, default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a.b=value for every run (repeatable)")
+    ap.add_argument("--keep", type=Path, default=None, help="keep each run's folder (logs, metrics, batches) under this folder")
     args = ap.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as d:
+        base = args.keep or Path(d)
         for name in args.only.split(","):
-            runs = [run(name, args.steps, seed, Path(d), args.overrides) for seed in range(args.first_seed, args.first_seed + args.seeds)]
+            runs = [run(name, args.steps, seed, base, args.overrides) for seed in range(args.first_seed, args.first_seed + args.seeds)]
             if args.figures is not None and runs[0]["ok"]:
                 args.figures.mkdir(parents=True, exist_ok=True)
                 shutil.copy(Path(runs[0]["run_dir"]) / "reward.png", args.figures / f"recipe-{label(name)}.png")
