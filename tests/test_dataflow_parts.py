@@ -272,6 +272,21 @@ async def test_a_filtered_group_is_settled_and_its_trajectories_acked_after_its_
     assert log == [("fates", [("t1", "filtered:zero_variance")]), ("state", 0), ("ack", 10), ("ack", 11)]
 
 
+async def test_a_run_of_filtered_groups_is_warned_about_at_each_doubling_and_a_kept_group_ends_it(caplog):
+    ingest, lane, in_flight, _, log = ingest_setup(groups_per_batch=1)  # a warning at 4, 8, 16 ... groups in a row
+    warned = []
+    for n, rewards in enumerate([(1.0, 1.0)] * 8 + [(0.0, 1.0)] + [(0.0, 0.0)] * 4):
+        task = f"t{n}"
+        in_flight.issue(task, None)
+        caplog.clear()
+        for i, r in enumerate(rewards):
+            await ingest.take(MemoryDelivery(traj(task, i, r), 100 + 2 * n + i, log))
+        if any("dropped the last" in r.getMessage() for r in caplog.records):
+            warned.append(n + 1)
+    assert warned == [4, 8, 13]  # groups 1-4, 1-8, then after the kept ninth group, 10-13
+    assert ingest.filtered_in_a_row["solver"] == 4 and lane.ledger.fates["filtered:zero_variance"] == 12
+
+
 async def test_a_group_kept_before_a_restart_goes_back_into_the_buffer_without_the_hooks():
     ingest, lane, in_flight, _journal, log = ingest_setup(late_policy="drop")
     lane.kept["t1"] = 0.5  # what a restored state says

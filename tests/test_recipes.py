@@ -45,7 +45,8 @@ def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
     recipe = load_recipe(ROOT / "recipes" / name)
     if recipe.policies[recipe.primary].sft.steps:
         sets.append("sft.steps=10")
-    if name in ("terminal", "alfworld") and recipe.dataflow.algorithms.filters:  # after 10 SFT steps every episode scores 0: dynamic_sampling would keep no group
+    # after 10 SFT steps every episode of these scores 0: their dynamic_sampling filter would keep no group
+    if name in ("terminal", "alfworld") and recipe.dataflow.algorithms.filters:
         sets.append("dataflow.algorithms.filters=[]")
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(ROOT / "recipes" / name), "--nats", nats_server.url,
            "--run-dir", str(run_dir), "--timeout", "240", *(x for s in sets for x in ("--set", s))]

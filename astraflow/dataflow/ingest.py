@@ -63,6 +63,7 @@ from astraflow.streams.plane import Consumer
 from astraflow.streams.trajectories import PayloadUnavailable
 
 log = logging.getLogger(__name__)
+FILTERED_BATCHES = 4  # a warning once a policy's filters dropped this many batches' worth of groups in a row, then at each doubling
 
 
 class Incoming(Ackable, Protocol):
@@ -136,6 +137,7 @@ class TrajectoryIngest:
         self.newest = newest
         self.resolve = resolve
         self.assembler = Assembler()
+        self.filtered_in_a_row: Counter[str] = Counter()  # per policy: groups its filters dropped since the last one kept
 
     @property
     def assembling(self) -> bool:
@@ -261,12 +263,25 @@ class TrajectoryIngest:
                        self.cfg)
         lane.receive(landing.late)
         if landing.fate is None:
+            self.filtered_in_a_row[lane.name] = 0
             held.weight = landing.weight
             lane.keep(held)
             return
         lane.settle(held.task_id, landing.fate)
         self.journal.release(held.traj_ids)
         self.journal.record(lane.name, held.task_id, landing.fate)
+        if landing.fate.startswith("filtered:"):
+            self.note_filtered(lane.name, landing.fate)
+
+    def note_filtered(self, policy: str, fate: str) -> None:
+        """Warn when ``policy``'s filters drop every group for a while: no batch forms, so no version comes (a policy
+        whose samples all score the same under ``dynamic_sampling``; a filter too strict). Said at FILTERED_BATCHES
+        batches' worth of groups in a row, then at each doubling; the run goes on (a policy may come out of it)."""
+        n = self.filtered_in_a_row[policy] = self.filtered_in_a_row[policy] + 1
+        first = FILTERED_BATCHES * self.cfg.groups_per_batch
+        if n % first == 0 and (n // first) & (n // first - 1) == 0:
+            log.warning("%s: its filters dropped the last %d groups in a row (the last %s): no batch forms while every group is "
+                        "dropped; with dynamic_sampling, every sample of a group scored the same", policy, n, fate)
 
     def abandon(self, task_id: str) -> None:
         """The task failed: forget what came back of it and ack that once the failure is durable."""

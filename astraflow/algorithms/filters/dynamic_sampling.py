@@ -6,7 +6,9 @@ are all equal has A_i = 0 for every sample: it costs a training slot and teaches
     drop  if  max(r) - min(r) <= tolerance      (reason "zero_variance")
 
 A group with a missing or non-finite reward never gets here from the dataflow (it validates rewards);
-alone, such a group is left to the reward_guard filter.
+alone, such a group is left to the reward_guard filter. While every group is dropped (a policy that
+always succeeds or always fails) no batch forms and no version comes: the dataflow warns after four
+batches' worth of groups dropped in a row, and at each doubling (``dataflow/ingest.py``).
 """
 
 from __future__ import annotations
