@@ -9,7 +9,7 @@ The workload (pinned; the same nodes and trainers in both modes, only ``dataflow
   the policy's tiny model, then a per-request latency drawn from a lognormal with median
   0.5 s and sigma 1.0 (a long tail: p99 ≈ 5 s), 8 requests in flight per node; each node works
   on up to 8 tasks at once (``rollout.tasks_per_generate`` generation slots), admitting one whenever one finishes;
-- a real nats-server, the real dataflow, an evaluator (greedy held-out accuracy of the solver
+- a real nats-server, the real dataflow, an evaluator (held-out accuracy of the solver, greedy, or avg@k with ``eval.k`` > 1,
   at v0 and at the last version, on its own ``hf`` engine so it adds no scripted latency).
 
 ``async``: tasks flow within the staleness budget (max_staleness 6, at most 40 tasks in
@@ -172,9 +172,8 @@ async def run_mode(url: str, mode: str, steps: int, workdir: Path, timeout: floa
         figures = {p: step_figures(await announcements(plane, p, steps + 1), waits[p]) for p in POLICIES}
         state = await plane.state.get(DataflowState) or DataflowState()
         acc = state.accounting
-        evals = {
-            v: (await plane.state.get(EvalRecord, "solver", v)).reward for v in sorted({0, steps, *range(EVAL_EVERY, steps, EVAL_EVERY)})
-        }
+        records = {v: await plane.state.get(EvalRecord, "solver", v) for v in sorted({0, steps, *range(EVAL_EVERY, steps, EVAL_EVERY)})}
+        evals = {v: (r.avg_at_k if r.k > 1 else r.reward) for v, r in records.items() if r is not None}  # avg@k with eval.k > 1
     finally:
         roles.stop()
         await plane.close()
