@@ -382,6 +382,13 @@ async def test_a_task_the_server_gave_up_on_while_the_dataflow_was_down_still_fa
         await h.turn()
         assert h.df.ledger.issued == 2 * issued  # their places in flight are free again: as many more are out
         assert len(h.df.in_flight) == issued and h.acc().adds_up
+        info = await h.plane._jsm.stream_info(h.plane.names.task_stream)
+        assert info.state.messages == issued  # the given-up ones were removed from the work queue: only the new ones wait
+        await h.kill_dataflow()
+        await h.open_dataflow()  # replays the advisories: settled and removed already, nothing changes
+        assert len(h.df.in_flight.seqs) == issued
+        await h.turn(3)
+        assert h.acc().fates.get("failed:max_deliver") == issued and h.acc().adds_up
     finally:
         await h.close()
 

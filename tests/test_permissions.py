@@ -114,6 +114,8 @@ EXPECT: dict[tuple[str, str], set[str]] = {
     ("pub", f"{API}.CONSUMER.DELETE.AF_{R}_TASK.raas"): {"admin"},
     ("pub", f"{API}.CONSUMER.DELETE.AF_{R}_TRAJ.dataflow"): {"admin"},
     ("pub", f"{API}.STREAM.DELETE.AF_{R}_TASK"): {"admin"},
+    ("pub", f"{API}.STREAM.MSG.DELETE.AF_{R}_TASK"): {"admin", "dataflow"},  # a task the server gave up on
+    ("pub", f"{API}.STREAM.MSG.DELETE.AF_{R}_TRAJ"): {"admin"},
     ("pub", f"{API}.STREAM.PURGE.AF_{R}_BATCH"): {"admin"},
     ("pub", f"{API}.STREAM.PURGE.OBJ_af_{R}_weights"): {"admin", "trainer-solver", "trainer-verifier"},
     # a payload's metadata, read by the trainer's orphan sweep and retention (refused, each read waited out a timeout)
@@ -165,6 +167,9 @@ async def test_roles_do_their_job(secured):
     await dataflow.ensure_topology(topo)  # everything exists: read-only
     task = Task(task_id="t1", workflow="math", policy="solver", prompt_id="p", prompt="1+1", group_size=1)
     await dataflow.publish(dataflow.names.task("math"), task, "t1")
+    dead = await dataflow.publish(dataflow.names.task("math"), task.model_copy(update={"task_id": "t0"}), "t0")
+    assert await dataflow.delete(dataflow.names.task_stream, dead)  # given up on: out of the work queue
+    assert not await dataflow.delete(dataflow.names.task_stream, dead)  # gone already
     plan = BatchPlanRecord(policy="solver", batch_id="solver-b000001", digest="d" * 64, trajectories=4)
     await dataflow.state.put(plan)
 

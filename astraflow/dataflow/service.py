@@ -36,6 +36,7 @@ import logging
 import random
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from astraflow.algorithms import Context, build_pipeline
 from astraflow.config import Recipe
@@ -62,6 +63,25 @@ from astraflow.tasks import load_split
 from astraflow.weights.checks import announcement_problem
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TaskRemoval:
+    """A task the server gave up on (max deliveries) stays in the TASK work queue, never delivered again, and every
+    restart's scan reads it: the journal "acks" it, by deleting it, once its ``failed:max_deliver`` is durable. A
+    removal that fails is retried when the next dataflow replays the advisory (DLQ keeps them)."""
+
+    plane: Plane
+    seq: int
+
+    async def ack(self) -> None:
+        try:
+            await self.plane.delete(self.plane.names.task_stream, self.seq)
+        except Exception as e:  # housekeeping: never worth stopping a flush for
+            log.warning("could not remove task message %d, given up on, from the TASK stream: %s", self.seq, e)
+
+    async def in_progress(self) -> None:
+        return None
 
 
 class Dataflow:
@@ -131,6 +151,8 @@ class Dataflow:
                             self.stats["groups_trained"] += 1
             elif isinstance(e, TaskFailed):
                 self.fail_task(lane, e.task_id, e.reason, e.detail)
+                if e.seq is not None:  # the server gave up on it: out of the work queue once its failure is durable
+                    self.journal.ack_later(TaskRemoval(self.plane, e.seq))
             elif isinstance(e, SampleUndecodable):
                 self.ingest.undecodable(lane, e.task_id, e.traj_id, e.detail)
             elif isinstance(e, BatchFailed):

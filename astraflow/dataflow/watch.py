@@ -44,6 +44,7 @@ class TaskFailed:
     policy: str
     reason: str  # short, a fate suffix: "rollout", "max_deliver"
     detail: str = ""
+    seq: int | None = None  # max_deliver: its TASK stream sequence (the message stays in the work queue, never delivered again)
 
 
 @dataclass(frozen=True)
@@ -140,4 +141,4 @@ class Watch:
         except Exception as e:  # gone already, or not one of ours
             log.debug("max-deliveries advisory for seq %d not resolved: %s", seq, e)
             return
-        self.events.append(TaskFailed(task.task_id, task.policy, "max_deliver", "no node could serve it"))
+        self.events.append(TaskFailed(task.task_id, task.policy, "max_deliver", "no node could serve it", seq))

@@ -9,7 +9,7 @@ Least privilege, by what each role does and nothing more:
 
 | role | publishes | pulls and acks | reads |
 |---|---|---|---|
-| ``dataflow`` | tasks, batch manifests, ``dlq.traj``, state ``dataflow``/``autoscale.*``, fates and batch plans (``plan.*``) | durable ``dataflow`` on TRAJ | weights, DLQ, KV, TASK by sequence, trajectory objects, lags, heartbeats (the server's max-delivery advisories: kept in DLQ) |
+| ``dataflow`` | tasks, batch manifests, ``dlq.traj``, state ``dataflow``/``autoscale.*``, fates and batch plans (``plan.*``) | durable ``dataflow`` on TRAJ | weights, DLQ, KV, TASK by sequence (and deletes a task the server gave up on), trajectory objects, lags, heartbeats (the server's max-delivery advisories: kept in DLQ) |
 | ``trainer-{p}`` | ``weights.{p}`` and its payload chunks, ``dlq.batch``, state ``version.{p}``/``done.{p}`` | durable ``trainer-{p}`` on BATCH | TRAJ by sequence (direct gets), trajectory objects, weights, objects, KV, batch plans |
 | ``rollout`` | trajectories and the chunks of their arrays (trajectory bucket only), ``dlq.task``, ``dlq.weights``, state ``keyframe_request.*`` | durable ``{pool}`` on TASK | weights, objects, KV |
 | ``evaluator`` | ``dlq.weights``, state ``eval.*`` and ``keyframe_request.*`` | nothing | weights, objects, KV |
@@ -146,7 +146,8 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
     p.add(pub=[*_reads_state(s), s.subject("hb", f"{role}.*")])
     if role == "dataflow":
         p.add(pub=[*_creates_topology(s), *_pulls(s.stream("traj"), "dataflow"), *_reads_trajectory_objects(s),
-                   f"{API}.STREAM.MSG.GET.{s.stream('task')}", *_reads_weights(s), *_follows(s.stream("dlq")),
+                   f"{API}.STREAM.MSG.GET.{s.stream('task')}", f"{API}.STREAM.MSG.DELETE.{s.stream('task')}",  # a task given up on
+                   *_reads_weights(s), *_follows(s.stream("dlq")),
                    s.subject("task"), s.subject("batch"), s.subject("dlq", "traj"),
                    s.kv("state", "dataflow"), s.kv("state", "autoscale.*"), s.kv("fates", "plan.>"), s.kv("fates", "fate.>"),
                    f"{API}.DIRECT.GET.{s.kv_stream('fates')}", f"{API}.DIRECT.GET.{s.kv_stream('fates')}.>",

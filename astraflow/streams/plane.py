@@ -338,6 +338,15 @@ class Plane:
         raw = await self._jsm.get_msg(stream, seq)
         return decode(raw.data or b"", model)
 
+    async def delete(self, stream: str, seq: int) -> bool:
+        """Remove the message at ``seq`` from ``stream``; False when it was gone already."""
+        try:
+            return bool(await self._jsm.delete_msg(stream, seq))
+        except APIError as e:
+            if e.err_code == 10043:  # "sequence N not found": deleted before, or acked from a work queue
+                return False
+            raise
+
     async def get_many(self, stream: str, seqs: list[int], model: type[M], timeout: float = 10.0) -> list[M]:
         """The messages at ``seqs`` of ``stream``, decoded, in the order asked: batched direct gets, a few requests
         for the lot (``streams/direct.py``). Raises ``MissingMessages`` naming every sequence that is gone, and
