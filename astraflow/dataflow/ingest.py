@@ -280,8 +280,9 @@ class TrajectoryIngest:
         n = self.filtered_in_a_row[policy] = self.filtered_in_a_row[policy] + 1
         first = FILTERED_BATCHES * self.cfg.groups_per_batch
         if n % first == 0 and (n // first) & (n // first - 1) == 0:
-            log.warning("%s: its filters dropped the last %d groups in a row (the last %s): no batch forms while every group is "
-                        "dropped; with dynamic_sampling, every sample of a group scored the same", policy, n, fate)
+            why = ": every sample of each group scored the same" if fate == "filtered:zero_variance" else ""
+            log.warning("%s: its filters dropped the last %d groups in a row (the last %s%s); no batch forms while every group "
+                        "is dropped", policy, n, fate, why)
 
     def abandon(self, task_id: str) -> None:
         """The task failed: forget what came back of it and ack that once the failure is durable."""
