@@ -51,12 +51,13 @@ def seeded(seed: int, overrides: list[str]) -> Callable[[str, int], dict[str, An
 def main() -> dict[str, Any]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first..first+N-1 (split a campaign across processes)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--timeout", type=float, default=1500.0, help="per mode")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a.b=value for the recipe (repeatable)")
     args = ap.parse_args()
     runs = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         bench.recipe = seeded(seed, args.overrides)  # type: ignore[assignment]
         result = asyncio.run(bench.main(args.steps, args.timeout, ["async", "sync"], None, 1))  # one repeat of both modes
         runs.append({row["mode"]: row for row in result["rows"]})
