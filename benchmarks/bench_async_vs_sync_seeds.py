@@ -2,10 +2,13 @@
 
 Each seed runs both modes of the pinned workload (see ``bench_async_vs_sync.py``) with ``model.seed`` =
 ``trainer.seed`` = seed, plus any ``--set a.b=value`` given (``--set data.max_operand=49 --set data.n_eval=500
---set eval.k=4`` for a held-out set that keeps improving and a small evaluation error). Figures, per mode, as
+--set eval.k=4`` for a held-out set that keeps improving and a small evaluation error; with ``--set sft.steps=700
+--set policies.solver.sft.steps=700 --set sft.warmup_steps=400``, hard.yaml's warm start, which converges on every
+seed measured: the bench's own 250 steps did not on seed 1). Figures, per mode, as
 mean ± 95 % t-interval over seeds (benchmarks/stats.py): seconds per training step, held-out accuracy (avg@k when
 ``eval.k`` > 1, else greedy) at the last step (equal samples trained in both modes), and their paired differences (async - sync, per seed).
-Run: ``python benchmarks/bench_async_vs_sync_seeds.py [--seeds 3] [--steps 40]``. Last stdout line: JSON.
+Run: ``python benchmarks/bench_async_vs_sync_seeds.py [--seeds 3] [--first-seed 0] [--steps 40]``. Last stdout line: JSON;
+each seed's rows are also written to stderr as it finishes.
 """
 
 from __future__ import annotations
