@@ -498,15 +498,17 @@ async def test_an_unreachable_mirror_does_not_stop_publishing_or_hub_retention(p
 
 
 async def test_payloads_whose_announcements_the_stream_trimmed_are_swept_once(nats_server, run_id):
-    """The WEIGHTS stream keeps ``weights_history`` announcements per subject; the payloads of older ones no chain can
-    reach. A restarted trainer (retention on) purges them at its first publish, so the next restart finds nothing to
-    read; every payload an announcement in the stream names stays, and a node still joins."""
+    """The WEIGHTS stream keeps ``weights_history`` announcements per subject; the payloads below the keyframe of every one
+    of them no chain can reach. A restarted trainer (retention on) purges them at its first publish, so the next restart
+    finds nothing to read; every payload an announcement in the stream names, or its chain needs, stays, and a node
+    still joins."""
     plane = await Plane.connect(NatsOptions(url=nats_server.url), run_id + "t", "trainer")
     try:
         await plane.ensure_topology(Topology(policies=("solver",), weights_history=3))
         bucket, stream = plane.names.object_bucket, object_stream(plane.names.object_bucket)
         trainer = Trainer()
-        anns = await publish_steps(WeightPublisher(plane, "solver", keyframe_every=100, keep_versions=None), trainer, range(6))
+        anns = await publish_steps(WeightPublisher(plane, "solver", keyframe_every=3, keep_versions=None), trainer, range(6))
+        assert [a.keyframe_version for a in anns[3:]] == [3, 3, 3]  # the chains the stream still names start at v3
 
         async def chunks(a: WeightVersion) -> int:
             return await count_chunks(plane._js, stream, chunk_subject(bucket, a.objects[0].nuid))

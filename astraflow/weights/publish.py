@@ -335,17 +335,17 @@ class WeightPublisher:
     async def _sweep(self, anns: list[WeightVersion]) -> None:
         """Purge the payloads an earlier trainer of this policy stored and never announced (killed in between, or in
         the middle of the put): those of a version above every announcement, or never finished. With retention on, also
-        those below every announcement the stream still holds (it keeps ``weights_history`` per subject): no chain reaches
-        them any more, and a trainer restarted past that many versions would otherwise find them here, unnamed, at every
-        start (retention works from announcements and never sees them). Any object an announcement names is kept, a
-        foreign one's too (``ObjectStore.sweep``)."""
+        those below the keyframe of every announcement the stream still holds (it keeps ``weights_history`` per
+        subject): no chain the stream names reaches them, and a trainer restarted past that many versions would otherwise
+        find them here, unnamed, at every start (retention works from announcements and never sees them). Any object an
+        announcement names is kept, a foreign one's too (``ObjectStore.sweep``)."""
         keep = {ref.nuid for a in anns for ref in a.objects}
         newest = max((a.version for a in anns), default=-1)
-        oldest = min((a.version for a in anns), default=-1) if self.keep_versions is not None else -1
+        floor = min((a.keyframe_version for a in anns), default=-1) if self.keep_versions is not None else -1
 
         def stale(name: str) -> bool:
             version = payload_version(name, self.policy)
-            return version is not None and (version > newest or version < oldest)
+            return version is not None and (version > newest or version < floor)
 
         stores = {"the hub": self.plane.objects(), **{f"the mirror in {d}": self.plane.objects(domain=d) for d in self.mirror_domains}}
         for where, store in stores.items():
