@@ -132,6 +132,7 @@ EXPECT: dict[tuple[str, str], set[str]] = {
     ("pub", f"{API}.CONSUMER.CREATE.OBJ_af_{R}_traj_objects"): {"admin", "dataflow", "trainer-solver", "trainer-verifier"},
     ("sub", f"af.{R}.hb.>"): {"admin", "dataflow", "observer"},
     ("sub", f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.AF_{R}_TASK.raas"): {"admin"},  # kept in DLQ, followed from there
+    ("pub", f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.AF_{R}_TASK.raas"): {"admin"},  # a forged one would fail a live task
     ("sub", "_INBOX_dataflow.x"): {"admin", "dataflow"},
     ("sub", "_INBOX.x"): {"admin"},
 }
