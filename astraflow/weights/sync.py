@@ -23,8 +23,9 @@ engine keeps the last verified version (it is only installed from an image whose
 checked), and the node rebuilds from the keyframe chain as above.
 
 Installing into the engine: a keyframe goes through ``load_state``; a delta chain writes only
-the tensors it changed — through ``load_tensors`` where the engine has it (the sglang/vllm
-runtime update APIs: docs/weights.md, unverified until run on a GPU), else in place through
+the tensors it changed — through ``load_tensors`` where an engine has it (none shipped does: the
+sglang and vllm engines take the whole image through ``load_state``, staged as a model directory;
+docs/weights.md), else in place through
 ``load_state`` with the engine's own tensors standing in for the unchanged ones (hf: no model
 reload, the engine's lock held).
 
@@ -105,7 +106,7 @@ class WeightTarget(Protocol):
     """What the sync needs of an engine (the rollout ``Engine`` satisfies it).
 
     Optional, used when present: ``load_tensors(tensors, version)`` to receive only the changed
-    tensors (sglang/vllm runtime updates), and ``state_view()`` (the engine's own tensors by
+    tensors (a hook for runtime-update APIs; no shipped engine has it yet), and ``state_view()`` (the engine's own tensors by
     name) so a delta writes only what changed (hf).
     """
 
@@ -118,7 +119,7 @@ class WeightTarget(Protocol):
 def install(engine: Any, image: Mapping[str, torch.Tensor], version: int, changed: set[str] | None) -> None:
     """Put ``image`` (version ``version``) into the engine; ``changed`` None: the whole state.
 
-    * ``load_tensors(changed, version)`` where the engine has it (sglang/vllm runtime updates);
+    * ``load_tensors(changed, version)`` where the engine has it (a hook; no shipped engine has it yet);
     * else, when the engine's ``state_view()`` holds every tensor (hf), ``load_state`` gets the
       engine's own tensors for the unchanged names and the image's for the changed ones: copying
       a tensor onto itself is a no-op in torch, so only changed tensors are written, in place,
