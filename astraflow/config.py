@@ -492,14 +492,45 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         key, sep, value = item.partition("=")
         if not sep:
             raise RecipeError(f"override {item!r} must look like section.field=value")
-        node = data
-        *parents, leaf = key.split(".")
-        for part in parents:
-            if isinstance(node.get(part), str):  # a bare name (engine: hf) opened for its options
-                node[part] = {"type": node[part]}
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+        keys = key.split(".")
+        new = yaml.safe_load(value)
+        for policy in _inheriting_policies(data, keys):  # a stored recipe spells every policy's defaults out
+            _set(policy, keys, new)
+        _set(data, keys, new)
     return parse_recipe(data, str(p))
+
+
+_MISSING = object()
+
+
+def _get(node: Any, path: list[str]) -> Any:
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _set(node: dict[str, Any], path: list[str], value: Any) -> None:
+    *parents, leaf = path
+    for part in parents:
+        if isinstance(node.get(part), str):  # a bare name (engine: hf) opened for its options
+            node[part] = {"type": node[part]}
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _inheriting_policies(data: dict[str, Any], path: list[str]) -> list[dict[str, Any]]:
+    """The policy entries that ``--set model|sft|trainer.…`` must reach besides the default: those that spell out
+    the default's current value. A recipe as written leaves them out (they inherit), but the one a run directory
+    keeps (``--resume``) is resolved, every policy's sections written in full; without this, ``--set
+    trainer.steps=80`` on resume changed the default and no policy. A policy whose own value differs keeps it."""
+    policies = data.get("policies")
+    if path[0] not in ("model", "sft", "trainer") or len(path) < 2 or not isinstance(policies, dict):
+        return []
+    default = _get(data, path)
+    return [over for over in policies.values()
+            if isinstance(over, dict) and (found := _get(over, path)) is not _MISSING and found == default]
 
 
 def _recipe_files(data: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:

@@ -83,6 +83,22 @@ def test_overrides_open_a_bare_name_and_a_policy_may_pick_another_loss(tmp_path)
     assert r.policies["verifier"].trainer.loss.model_dump() == {"type": "ppo", "clip_low": 0.2, "clip_high": 0.3, "dual_clip": 3.0}
 
 
+def test_an_override_of_a_default_reaches_the_policies_of_a_stored_recipe_that_inherit_it(tmp_path):
+    """A run directory keeps the resolved recipe (every policy's trainer written out): ``--resume --set trainer.steps=80``
+    must still lengthen the run. A policy with a value of its own keeps it."""
+    (tmp_path / "src.yaml").write_text(yaml.safe_dump({
+        "name": "t", "trainer": {"steps": 40, "lr": 2e-4}, "sft": {"steps": 8},
+        "policies": {"solver": {}, "verifier": {"trainer": {"steps": 10}}}}))
+    dump_recipe(load_recipe(tmp_path / "src.yaml"), tmp_path / "recipe.yaml")
+    stored = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    assert stored["policies"]["solver"]["trainer"]["steps"] == 40  # spelled out: what made the override miss
+    r = load_recipe(tmp_path / "recipe.yaml", ["trainer.steps=80", "sft.steps=0", "trainer.lr=1e-4"])
+    assert (r.trainer.steps, r.policies["solver"].trainer.steps, r.policies["verifier"].trainer.steps) == (80, 80, 10)
+    assert r.policies["solver"].sft.steps == r.policies["verifier"].sft.steps == 0
+    assert r.policies["solver"].trainer.lr == r.policies["verifier"].trainer.lr == 1e-4
+    assert load_recipe(tmp_path / "src.yaml", ["trainer.steps=80"]).policies["verifier"].trainer.steps == 10
+
+
 def test_a_plugin_engine_and_loss_are_selected_from_yaml(tmp_path):
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
         "name": "plugins", "model": MODEL, "data": {"n_train": 8, "n_eval": 2},

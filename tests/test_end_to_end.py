@@ -58,7 +58,8 @@ def test_up_resume_continues_the_run(repo_root, tmp_path):
     proc = subprocess.run(first, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (run_dir / "checkpoints" / "solver").is_dir()
-    again = base + ["--resume", str(run_dir), "--set", "policies.solver.trainer.steps=5", "--timeout", "300"]
+    # the default's field, as a user types it: the stored recipe spells it out per policy, and the override reaches it
+    again = base + ["--resume", str(run_dir), "--set", "trainer.steps=5", "--timeout", "300"]
     proc = subprocess.run(again, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
