@@ -62,6 +62,8 @@ def test_up_resume_continues_the_run(repo_root, tmp_path):
     again = base + ["--resume", str(run_dir), "--set", "trainer.steps=5", "--timeout", "300"]
     proc = subprocess.run(again, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    changes = proc.stdout.split("AstraFlow run")[0]  # what the launcher printed as changed: only what was
+    assert "policies.solver.trainer.steps: 3 -> 5" in changes and "workflow" not in changes, changes
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [0, 1, 2, 3, 4, 5]  # continued, no version reused
     assert "resum" in (run_dir / "logs" / "trainer-solver.s2.log").read_text().lower()  # from its checkpoint, not from scratch

@@ -139,7 +139,7 @@ def prepare(recipe: Recipe, rundir: RunDir, resume: bool) -> Recipe:
         if not rundir.exists():
             raise FileNotFoundError(f"{rundir.path} holds no recipe.yaml: not a run directory")
         old = yaml.safe_load(rundir.recipe.read_text())
-        changes = recipe_diff(old, recipe.model_dump(mode="json"))
+        changes = recipe_diff(old, recipe.model_dump(mode="json", by_alias=True))  # as dump_recipe wrote it
         if changes:
             console.print("[bold]resuming with a changed recipe[/] (applied):\n  " + "\n  ".join(changes))
     dump_recipe(recipe, rundir.recipe)
