@@ -285,3 +285,20 @@ async def test_an_unreadable_evaluation_record_is_evaluated_again_and_never_stop
         ("solver", 10),
     }
     await watcher.stop()
+
+
+async def test_an_evaluation_is_recorded_at_the_rollouts_of_its_versions_last_record(plane: Plane, tmp_path):
+    """``evals.jsonl``'s ``rollouts`` (the summary's x axis) is what the TRAJ stream held when the evaluated version was
+    recorded; a version recorded twice (a trainer restarted before its checkpoint) counts at its last record, also on
+    resume, when the records come from the file."""
+    r = parse_recipe({"name": "e", "eval": {"every": 5}, "trainer": {"steps": 10}})
+    rundir = RunDir(tmp_path / "run")
+    rundir.prepare()
+    for version, digest, trajectories in ((0, "a", 0), (5, "b", 320), (5, "c", 352), (10, "d", 700)):
+        rundir.append("metrics.jsonl", {"policy": "solver", "version": version, "state_digest": digest, "trajectories": trajectories})
+    watcher = RunWatcher(plane, r, rundir, {0, 5, 10})
+    for v in (0, 5):
+        await plane.state.put(EvalRecord(policy="solver", version=v, reward=0.5))
+    await watcher._poll_evals()
+    assert [(row["version"], row["rollouts"]) for row in rundir.rows("evals.jsonl")] == [(0, 0), (5, 352)]
+    await watcher.stop()

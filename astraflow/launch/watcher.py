@@ -62,8 +62,10 @@ class RunWatcher:
         self.wanted_evals = {(s, v) for s in self.subjects for v in wanted_evals}
         self.live = Live()
         self.subs: list[Subscription] = []
-        self._recorded = {(r["policy"], r["version"], r.get("state_digest")) for r in rundir.rows("metrics.jsonl")}
+        self._recorded: set[tuple[str, int, str | None]] = set()
+        self._trajectories_at: dict[tuple[str, int], int] = {}  # (policy, version) -> trajectories stored when it was recorded
         for r in rundir.rows("metrics.jsonl"):
+            self._recorded.add((r["policy"], r["version"], r.get("state_digest")))
             self._seen_version(r)
         self._evals = {(r["policy"], int(r["version"])) for r in rundir.rows("evals.jsonl")}
         self.live.evals = {int(r["version"]): float(r["reward"]) for r in rundir.rows("evals.jsonl")
@@ -105,6 +107,7 @@ class RunWatcher:
 
     def _seen_version(self, row: dict[str, Any]) -> None:
         p = row["policy"]
+        self._trajectories_at[(p, row["version"])] = row.get("trajectories", 0)  # the last record of a version wins
         if row["version"] >= self.live.versions.get(p, -1):
             self.live.versions[p] = row["version"]
             if "reward_mean" in row:
@@ -153,8 +156,7 @@ class RunWatcher:
             self._evals.add((subject, v))
             if subject == epol:
                 self.live.evals[v] = got.reward
-            at = [r for r in self.rundir.rows("metrics.jsonl") if r["policy"] == epol and r["version"] == v]
-            rollouts = at[-1]["trajectories"] if at else self.live.trajectories  # generated when v was trained
+            rollouts = self._trajectories_at.get((epol, v), self.live.trajectories)  # generated when v was trained
             self.rundir.append(
                 "evals.jsonl",
                 {
