@@ -9,7 +9,6 @@ and, at the versions every run evaluated, the mean over seeds with its Student-t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,13 +17,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from astraflow.launch.rundir import RunDir  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stats import over_seeds  # noqa: E402
 
 
 def curve(run_dir: Path, policy: str | None) -> dict[int, float]:
     """Version -> held-out reward of ``policy`` (default: the first policy evaluated)."""
-    rows = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines() if line.strip()]
+    rows = list(RunDir(run_dir).rows("evals.jsonl"))  # the launcher's own reader: a torn last line is skipped
     policy = policy or rows[0]["policy"]
     return {int(r["version"]): float(r["reward"]) for r in rows if r["policy"] == policy}
 
