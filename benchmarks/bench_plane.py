@@ -59,8 +59,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = {"raw": 0, "plane": 0}  # NATS messages sent and received by the clients of each path
 
 
+PROMPT_IDS, COMPLETION_IDS = np.arange(PROMPT, dtype=np.int32).tobytes(), np.arange(COMPLETION, dtype=np.int32).tobytes()
+LOGPROBS, VERSIONS = np.full(COMPLETION, -0.5, np.float32).tobytes(), np.zeros(COMPLETION, np.int32).tobytes()
+LOSS_MASK = np.ones(COMPLETION, np.uint8).tobytes()  # fixed tokens: their arrays are packed once, each message built per sample
+
+
 def trajectory_for(task: Task, i: int) -> Trajectory:
-    n = COMPLETION
     return Trajectory(
         traj_id=f"{task.task_id}.{task.policy}.{i}",
         task_id=task.task_id,
@@ -68,11 +72,11 @@ def trajectory_for(task: Task, i: int) -> Trajectory:
         policy=task.policy,
         index=i,
         group_size=task.group_size,
-        prompt_ids=np.arange(PROMPT, dtype=np.int32),
-        completion_ids=np.arange(n, dtype=np.int32),
-        logprobs=np.full(n, -0.5, np.float32),
-        versions=np.zeros(n, np.int32),
-        loss_mask=np.ones(n, np.uint8),
+        prompt_ids=PROMPT_IDS,
+        completion_ids=COMPLETION_IDS,
+        logprobs=LOGPROBS,
+        versions=VERSIONS,
+        loss_mask=LOSS_MASK,
         reward=float(i % 2),
     )
 
@@ -160,7 +164,10 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
         done.set()
 
     async def dataflow_loop() -> None:
-        sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
+        if hasattr(plane, "trajectory_consumer"):  # the tree's TRAJ stream carries trajectory groups too
+            sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
+        else:
+            sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
         while not done.is_set():
             await df.step(sub)
 

@@ -349,7 +349,7 @@ def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
     lane.note_issued(3)
     groups = [group_of(f"t{i}", [0.0, 1.0], seq0=10 * (i + 1), version=1) for i in range(3)]  # stream sequences start at 1
     for _h in groups:
-        lane.receive()
+        lane.receive(1)
     lane.keep(groups[0])
     lane.keep(groups[1])
     lane.settle("t2", "filtered:zero_variance")

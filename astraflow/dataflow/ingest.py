@@ -57,8 +57,9 @@ from astraflow.dataflow.durability import Ackable, Journal
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane, context
+from astraflow.dataflow.parts import taken
 from astraflow.dataflow.validate import Invalid, Limits, Stats, check_trajectory, check_versions, measure
-from astraflow.streams.messages import Trajectory
+from astraflow.streams.messages import Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Consumer
 from astraflow.streams.trajectories import PayloadUnavailable
 
@@ -67,7 +68,7 @@ FILTERED_BATCHES = 4  # a warning once a policy's filters dropped this many batc
 
 
 class Incoming(Ackable, Protocol):
-    """A delivery of the TRAJ stream (``Delivery[Trajectory]``)."""
+    """A trajectory's delivery: a ``Delivery[Trajectory]``, or one trajectory of a group's (``parts.Part``)."""
 
     msg: Trajectory
 
@@ -143,12 +144,14 @@ class TrajectoryIngest:
     def assembling(self) -> bool:
         return self.assembler.assembling
 
-    async def pull(self, trajectories: Consumer[Trajectory], timeout: float = 0.1) -> int:
+    async def pull(self, trajectories: Consumer[Trajectory | TrajectoryGroup], timeout: float = 0.1) -> int:
+        """One pull of the TRAJ stream taken in; returns the number of trajectories it carried (a group's each)."""
         deliveries = await trajectories.pull(batch=256, timeout=timeout)
-        items = await self.whole(deliveries)
+        incoming: list[Incoming] = [x for d in deliveries for x in taken(d)]  # a group's trajectory by trajectory (``parts.py``)
+        items = await self.whole(incoming)
         for (d, t, unreadable), s in zip(items, measure([t for _, t, _ in items]), strict=True):  # a whole pull's arrays at once
             await self.take(d, s, t, unreadable)
-        return len(deliveries)
+        return len(incoming)
 
     async def whole(self, deliveries: Sequence[Incoming]) -> list[tuple[Incoming, Trajectory, Invalid | None]]:
         """Each delivery with its trajectory whole (offloaded arrays read back), or why they cannot be read. If the
@@ -261,7 +264,7 @@ class TrajectoryIngest:
             return
         landing = land(held.group, lane.pipeline, context(self.lanes, self.cfg.max_staleness), self.in_flight.deadline(held.task_id),
                        self.cfg)
-        lane.receive(landing.late)
+        lane.receive(len(held.group.samples), landing.late)
         if landing.fate is None:
             self.filtered_in_a_row[lane.name] = 0
             held.weight = landing.weight

@@ -119,9 +119,10 @@ class PolicyLane:
     def backpressured(self) -> None:
         self.stats["backpressure"] = self.stats.get("backpressure", 0) + 1
 
-    def receive(self, late: str | None = None) -> None:
-        """A group completed into this lane; ``late``: what the late policy did with it."""
+    def receive(self, samples: int, late: str | None = None) -> None:
+        """A group of ``samples`` trajectories completed into this lane; ``late``: what the late policy did with it."""
         self.ledger.received += 1
+        self.ledger.samples += samples
         if late:
             self.ledger.late[late] += 1
 

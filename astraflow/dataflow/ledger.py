@@ -90,6 +90,7 @@ class Ledger:
 
     issued: int = 0  # tasks issued for this policy (primary lane)
     received: int = 0  # groups that completed into this lane
+    samples: int = 0  # their trajectories
     skipped: Counter[str] = field(default_factory=Counter)  # curator decisions: prompts never issued
     fates: Counter[str] = field(default_factory=Counter)  # trained / filtered:R / dropped:R / failed:R
     late: Counter[str] = field(default_factory=Counter)  # late groups by what the late policy did
@@ -99,11 +100,11 @@ class Ledger:
         self.fates[fate] += n
 
     def state(self) -> LedgerState:
-        return LedgerState(issued=self.issued, received=self.received, skipped=dict(self.skipped), fates=dict(self.fates),
-                           late=dict(self.late), replayed=self.replayed)
+        return LedgerState(issued=self.issued, received=self.received, samples=self.samples, skipped=dict(self.skipped),
+                           fates=dict(self.fates), late=dict(self.late), replayed=self.replayed)
 
     def load_state(self, s: LedgerState) -> None:
-        self.issued, self.received, self.replayed = s.issued, s.received, s.replayed
+        self.issued, self.received, self.samples, self.replayed = s.issued, s.received, s.samples, s.replayed
         self.skipped, self.fates, self.late = Counter(s.skipped), Counter(s.fates), Counter(s.late)
 
     def settled(self) -> int:

@@ -55,7 +55,7 @@ from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.dataflow_state import Accounting, DataflowState
-from astraflow.streams.messages import BATCH_FORGED, BATCH_STALE, DataflowStats, Heartbeat, Task, Trajectory, WeightVersion
+from astraflow.streams.messages import BATCH_FORGED, BATCH_STALE, DataflowStats, Heartbeat, Task, Trajectory, TrajectoryGroup, WeightVersion
 from astraflow.streams.plane import Consumer, NatsOptions, Plane
 from astraflow.streams.state import VersionRecord
 from astraflow.streams.trajectories import resolve_all
@@ -108,7 +108,7 @@ class Dataflow:
         self._waits: tuple[float, float] | None = None
 
     # ------------------------------------------------------------ the loop
-    async def step(self, trajectories: Consumer[Trajectory]) -> None:
+    async def step(self, trajectories: Consumer[Trajectory | TrajectoryGroup]) -> None:
         self.apply_events()
         await self.ingest.pull(trajectories)
         await self.audit()
@@ -282,7 +282,8 @@ class Dataflow:
                           **{f"fate.{k}": v for k, v in acc[p].fates.items()}, **{f"late.{k}": v for k, v in acc[p].late.items()}}
                       for p, lane in self.lanes.items()}
         primary = self.lanes[self.recipe.primary]
-        stats = DataflowStats(issued=self.ledger.issued, in_flight=len(self.in_flight), buffered=acc[primary.name].buffered,
+        stats = DataflowStats(issued=self.ledger.issued, samples=sum(lane.ledger.samples for lane in self.lanes.values()),
+                              in_flight=len(self.in_flight), buffered=acc[primary.name].buffered,
                               batches=primary.batch_seq, overdue=self.in_flight.overdue(time.time()),
                               wait_frac=obs.wait_frac, produce_rate=obs.produce_rate, consume_rate=obs.consume_rate,
                               autoscale_target=advice.target, autoscale_nodes=obs.nodes,
@@ -307,7 +308,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "d
     stop = stop_event()
     watchdog = asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))
     names = plane.names
-    trajectories = plane.consumer(names.traj_stream, names.DATAFLOW_CONSUMER, Trajectory)
+    trajectories = plane.trajectory_consumer(names.DATAFLOW_CONSUMER)
     ack_wait = (await trajectories.settings()).ack_wait
     side = [asyncio.create_task(every(2.0, df.beat, stop)), asyncio.create_task(every(ack_wait / 3, df.journal.keep_alive, stop))]
     log.info("dataflow up for run %s (%s), policies %s", run, recipe.dataflow.mode, list(df.lanes))

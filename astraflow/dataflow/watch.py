@@ -23,8 +23,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from astraflow.streams.codec import DecodeError, decode, fields_of
-from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, Trajectory, WeightVersion, reason_code
+from astraflow.streams.codec import DecodeError, decode, decode_either, fields_of
+from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, Trajectory, TrajectoryGroup, WeightVersion, reason_code
 from astraflow.streams.plane import Plane, Subscription
 from astraflow.weights.checks import announcement_problem, order_problem
 
@@ -125,12 +125,14 @@ class Watch:
             elif family == "batch":
                 batch = decode(rej.payload, Batch)
                 self.events.append(BatchFailed(batch.batch_id, batch.policy, rej.reason[:300], reason_code(rej.reason)))
-            elif family == "traj":
-                decode(rej.payload, Trajectory)  # it decodes: ingest's own checks turned it away, and settled its task then
+            elif family == "traj":  # it decodes: ingest's own checks turned it away, and settled its task then
+                decode_either(rej.payload, Trajectory, TrajectoryGroup)
         except DecodeError:
             if family == "traj":  # the consumer turned it away undecoded: ingest never saw the task it claims
-                claimed = fields_of(rej.payload, Trajectory)
+                claimed = fields_of(rej.payload, Trajectory, TrajectoryGroup)
                 task_id, policy, traj_id = (claimed.get(k) for k in ("task_id", "policy", "traj_id"))
+                if "trajectories" in claimed and isinstance(task_id, str) and isinstance(policy, str):  # a whole group
+                    traj_id = f"{task_id}.{policy}.group"  # none of its samples can be held: it never reached ingest
                 if isinstance(task_id, str) and isinstance(policy, str) and isinstance(traj_id, str):
                     self.events.append(SampleUndecodable(task_id, policy, traj_id, rej.reason[:300]))
             # otherwise the original itself was malformed: never one of our tasks or batches

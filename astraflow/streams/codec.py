@@ -20,6 +20,7 @@ COMPRESS_ABOVE = 16 * 1024
 MAX_DECOMPRESSED = 256 * 1024 * 1024
 
 M = TypeVar("M", bound=Message)
+N = TypeVar("N", bound=Message)
 _zc = zstandard.ZstdCompressor(level=3)
 _zd = zstandard.ZstdDecompressor()
 
@@ -41,7 +42,16 @@ def encode(msg: Message, max_payload: int | None = None) -> bytes:
 
 
 def decode(data: bytes, expected: type[M]) -> M:
-    fields = _envelope(data, expected)
+    return _validate(expected, _envelope(data, expected)[1])
+
+
+def decode_either(data: bytes, first: type[M], second: type[N]) -> M | N:
+    """Decode a message of either kind (a stream that carries two, as TRAJ carries trajectories and their groups)."""
+    kind, fields = _envelope(data, first, second)
+    return _validate(second, fields) if kind == second.kind else _validate(first, fields)
+
+
+def _validate(expected: type[M], fields: Any) -> M:
     if isinstance(fields, dict) and fields.get("v", SCHEMA_VERSION) != SCHEMA_VERSION:
         raise DecodeError(f"schema version {fields.get('v')} not supported (this build speaks {SCHEMA_VERSION})")
     try:  # strict: what the exported schemas accept (no lists for packed arrays, no strings for numbers)
@@ -50,18 +60,19 @@ def decode(data: bytes, expected: type[M]) -> M:
         raise DecodeError(f"invalid {expected.kind}: {e.errors(include_url=False)}") from None
 
 
-def fields_of(data: bytes, expected: type[Message]) -> dict[str, Any]:
-    """The fields of an envelope of ``expected``'s kind as sent, unvalidated ({} when ``data`` is not one): to read
-    the ids of a message that failed its model. Nothing in them is checked: the caller checks what it reads."""
+def fields_of(data: bytes, *expected: type[Message]) -> dict[str, Any]:
+    """The fields of an envelope of one of ``expected``'s kinds as sent, unvalidated ({} when ``data`` is not one): to
+    read the ids of a message that failed its model. Nothing in them is checked: the caller checks what it reads."""
     try:
-        fields = _envelope(data, expected)
+        fields = _envelope(data, *expected)[1]
     except DecodeError:
         return {}
     return fields if isinstance(fields, dict) else {}
 
 
-def _envelope(data: bytes, expected: type[Message]) -> Any:
-    """The unvalidated fields of ``data``, an envelope of ``expected``'s kind; DecodeError when it is not one."""
+def _envelope(data: bytes, *expected: type[Message]) -> tuple[str, Any]:
+    """The kind and unvalidated fields of ``data``, an envelope of one of ``expected``'s kinds; DecodeError when it is
+    not one."""
     if not data:
         raise DecodeError("empty payload")
     flag, body = data[:1], data[1:]
@@ -77,7 +88,7 @@ def _envelope(data: bytes, expected: type[Message]) -> Any:
         raise DecodeError(f"undecodable payload: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict) or "k" not in obj or "d" not in obj:
         raise DecodeError("payload is not an astraflow envelope")
-    if obj["k"] != expected.kind:
+    if obj["k"] not in [m.kind for m in expected]:
         known = "known" if obj["k"] in KINDS else "unknown"
-        raise DecodeError(f"expected {expected.kind}, got {known} kind {obj['k']!r}")
-    return obj["d"]
+        raise DecodeError(f"expected {' or '.join(m.kind for m in expected)}, got {known} kind {obj['k']!r}")
+    return obj["k"], obj["d"]

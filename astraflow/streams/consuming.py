@@ -109,6 +109,11 @@ class Delivery(Generic[M]):
     async def term(self) -> None:
         await self._raw.term()
 
+    async def dead_letter(self, payload: bytes, reason: str) -> None:
+        """Dead-letter ``payload``, a part of this message (one trajectory of a group), with ``reason``, as if it had
+        come alone on this subject; this delivery is not settled."""
+        await self._plane.reject(self._raw.subject, payload, reason, self._raw.headers)
+
     async def reject(self, reason: str) -> None:
         """Dead-letter it with ``reason`` (the original bytes kept), then terminate it: never redelivered."""
         await self._plane.reject(self._raw.subject, self._raw.data, reason, self._raw.headers)
@@ -118,9 +123,9 @@ class Delivery(Generic[M]):
 class Consumer(Generic[M]):
     """A durable pull consumer, bound by name, that hands out typed deliveries."""
 
-    def __init__(self, plane: Plane, stream: str, durable: str, model: type[M]) -> None:
+    def __init__(self, plane: Plane, stream: str, durable: str, decoder: Callable[[bytes], M]) -> None:
         self._plane = plane
-        self.stream, self.durable, self.model = stream, durable, model
+        self.stream, self.durable, self.decoder = stream, durable, decoder  # decoder: bytes -> message, or DecodeError
         self._pulls: PullRequests | None = None
 
     async def pull(self, batch: int = 1, timeout: float = 1.0) -> list[Delivery[M]]:
@@ -138,7 +143,7 @@ class Consumer(Generic[M]):
         out: list[Delivery[M]] = []
         for raw in raws:
             try:
-                out.append(Delivery(decode(raw.data, self.model), raw, self._plane))
+                out.append(Delivery(self.decoder(raw.data), raw, self._plane))
             except DecodeError as e:
                 await self._plane.reject(raw.subject, raw.data, str(e), raw.headers)
                 await raw.term()

@@ -39,6 +39,7 @@ class BatchPlan(_Frozen):
 class LedgerState(_Frozen):
     issued: int = 0
     received: int = 0
+    samples: int = 0
     skipped: dict[str, int] = {}
     fates: dict[str, int] = {}
     late: dict[str, int] = {}

@@ -155,12 +155,47 @@ class Trajectory(Message):
         return self.payload_ref is not None
 
 
+MAX_GROUP = 4096  # trajectories one TrajectoryGroup may carry
+
+
+class TrajectoryGroup(Message):
+    """Several finished samples of one task for one policy in one message: what a RaaS node publishes when a task's
+    group fits in ``max_payload`` (one publication, one delivery and one read for the lot instead of one each). The
+    dataflow takes each trajectory as if it had come alone; a batch names one by the group's TRAJ stream sequence and
+    its ``traj_id``. A trajectory too large for a message still travels alone, by reference."""
+
+    kind: ClassVar[str] = "trajectory_group"
+    task_id: str  # the task every trajectory here belongs to
+    policy: Token  # the policy every trajectory here belongs to (routing key)
+    trajectories: list[Trajectory] = Field(min_length=1, max_length=MAX_GROUP)  # whole (no payload_ref), distinct traj_ids
+
+    @model_validator(mode="after")
+    def _one_task(self) -> TrajectoryGroup:
+        """Cross-field rules (listed in the schema's ``x-astraflow-rules``)."""
+        foreign = [t.traj_id for t in self.trajectories if t.task_id != self.task_id or t.policy != self.policy]
+        if foreign:
+            raise ValueError(f"trajectories of another task or policy than {self.task_id}/{self.policy}: {foreign[:4]}")
+        offloaded = [t.traj_id for t in self.trajectories if t.offloaded]
+        if offloaded:
+            raise ValueError(f"a group carries its trajectories whole; by reference: {offloaded[:4]}")
+        if len({t.traj_id for t in self.trajectories}) != len(self.trajectories):
+            raise ValueError("a traj_id appears twice in the group")
+        return self
+
+    @property
+    def msg_id(self) -> str:
+        """Its ``Nats-Msg-Id``: the task, the policy and a digest of the trajectory ids it carries, so a retry of the
+        same group is deduplicated and a group of other samples of the task is not."""
+        ids = hashlib.sha256("\n".join(t.traj_id for t in self.trajectories).encode()).hexdigest()[:16]
+        return f"{self.task_id}.{self.policy}.group.{ids}"
+
+
 class TrajRef(BaseModel):
     """Where a batch's trajectory lies: its TRAJ stream sequence, and the ids the trainer checks it against."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     seq: int = Field(ge=1)  # stream sequence in AF_{run}_TRAJ (Limits retention keeps it for replay and audit)
-    traj_id: str
+    traj_id: str  # the trajectory at ``seq``, or the one of that id in the trajectory group at ``seq``
     task_id: str
 
 
@@ -261,6 +296,7 @@ class DataflowStats(_Stats):
 
     role: Literal["dataflow"] = "dataflow"
     issued: int = 0
+    samples: int = 0  # trajectories of the groups that completed into the dataflow, every policy (durable: survives restarts)
     in_flight: int = 0
     buffered: int = 0
     batches: int = 0
@@ -335,5 +371,5 @@ def reason_code(reason: str) -> str:
     return reason.split(":", 1)[0].strip()
 
 
-KINDS: dict[str, type[Message]] = {m.kind: m for m in (Task, Trajectory, Batch, WeightVersion, Heartbeat, Rejected)}
+KINDS: dict[str, type[Message]] = {m.kind: m for m in (Task, Trajectory, TrajectoryGroup, Batch, WeightVersion, Heartbeat, Rejected)}
 HEARTBEAT_PERIOD_S = 2.0

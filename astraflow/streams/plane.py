@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -27,7 +28,7 @@ from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from pydantic import BaseModel, ConfigDict
 
-from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
+from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, decode_either, encode
 from astraflow.streams.consuming import (
     Check,
     Consumer,
@@ -44,7 +45,7 @@ from astraflow.streams.consuming import (
 from astraflow.streams.credentials import Credential, redact
 from astraflow.streams.direct import read_seqs
 from astraflow.streams.kv import RunState
-from astraflow.streams.messages import Heartbeat, Message, Rejected
+from astraflow.streams.messages import Heartbeat, Message, Rejected, Trajectory, TrajectoryGroup
 from astraflow.streams.objects import ObjectStore, object_stream
 from astraflow.streams.permissions import inbox_prefix
 from astraflow.streams.subjects import Names
@@ -260,13 +261,16 @@ class Plane:
             raise PublishRefused(f"{subject}: no stream stores it") from None
         return int(ack.seq)
 
-    async def publish_many(self, items: list[tuple[str, Message, str | None]], oversize: Oversize | None = None) -> list[int]:
+    async def publish_many(self, items: Sequence[tuple[str, Message | bytes, str | None]], oversize: Oversize | None = None) -> list[int]:
         """Pipelined publish of several messages (``publish_async``), waiting for every ack; returns their stream
-        sequences (a duplicate's is the original's). ``oversize``: what a message whose encoding exceeds ``max_payload``
-        is replaced with (published in its place); without it, such a message raises
-        :class:`~astraflow.streams.codec.MessageTooLarge` before anything is published."""
+        sequences (a duplicate's is the original's). A message may come encoded already (bytes within ``max_payload``).
+        ``oversize``: what a message whose encoding exceeds ``max_payload`` is replaced with (published in its place);
+        without it, such a message raises :class:`~astraflow.streams.codec.MessageTooLarge` before anything is published."""
         encoded = []
         for subject, msg, msg_id in items:
+            if isinstance(msg, bytes):
+                encoded.append((subject, msg, msg_id))
+                continue
             try:
                 data = encode(msg, self.max_payload)
             except MessageTooLarge:
@@ -288,7 +292,11 @@ class Plane:
     # ---------------------------------------------------------------- consume
     def consumer(self, stream: str, durable: str, model: type[M]) -> Consumer[M]:
         """The durable pull consumer ``durable`` of ``stream``, handing out ``model`` deliveries."""
-        return Consumer(self, stream, durable, model)
+        return Consumer(self, stream, durable, functools.partial(decode, expected=model))
+
+    def trajectory_consumer(self, durable: str) -> Consumer[Trajectory | TrajectoryGroup]:
+        """The durable pull consumer ``durable`` of the TRAJ stream, which carries trajectories and trajectory groups."""
+        return Consumer(self, self.names.traj_stream, durable, functools.partial(decode_either, first=Trajectory, second=TrajectoryGroup))
 
     async def lag(self, stream: str, durable: str) -> Lag:
         info = await self._jsm.consumer_info(stream, durable)
@@ -353,6 +361,11 @@ class Plane:
         ``DecodeError`` for one that does not decode. Decoding runs on a thread: the event loop keeps beating."""
         got = await read_seqs(self._nc, self.api_prefix, stream, seqs, timeout=timeout)
         return await asyncio.to_thread(lambda: [decode(got[s].data, model) for s in seqs])
+
+    async def read_many(self, stream: str, seqs: list[int], timeout: float = 10.0) -> dict[int, bytes]:
+        """The bytes of the messages at ``seqs`` of ``stream``, by sequence (each distinct one read once), as
+        :meth:`get_many` reads them; ``MissingMessages`` names every sequence that is gone."""
+        return {s: m.data for s, m in (await read_seqs(self._nc, self.api_prefix, stream, seqs, timeout=timeout)).items()}
 
     def follower(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
                  start: Literal["last", "all"] = "last", on_bad: OnBad = log_bad, check: Check[M] | None = None) -> Follower[M]:

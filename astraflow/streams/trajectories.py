@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zstandard
 
-from astraflow.streams.codec import MessageTooLarge
-from astraflow.streams.messages import PER_TOKEN, Batch, Message, Trajectory
+from astraflow.streams.codec import MessageTooLarge, decode_either, encode
+from astraflow.streams.messages import MAX_GROUP, PER_TOKEN, Batch, Message, Trajectory, TrajectoryGroup
 from astraflow.streams.objects import ObjectError, ObjectStore
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 _LENGTHS = struct.Struct("<5Q")
 MAX_ARRAYS = 1 << 30  # bytes of arrays one trajectory may unpack to (~80M tokens): a bound on what a node can make us hold
+INLINE_DECODE_BYTES = 1 << 20  # a batch's messages up to this size are decoded on the event loop, larger ones on a thread
 _zc = zstandard.ZstdCompressor(level=3)
 _zd = zstandard.ZstdDecompressor()
 
@@ -115,9 +116,19 @@ async def resolve_all(store: ObjectStore, trajs: list[Trajectory], at_once: int 
     return list(await asyncio.gather(*(one(t) for t in trajs)))
 
 
+def grouped(trajs: list[Trajectory]) -> list[list[Trajectory]]:
+    """``trajs`` cut by (task, policy), in order of first appearance: the groups a node publishes one message each."""
+    out: dict[tuple[str, str], list[Trajectory]] = {}
+    for t in trajs:
+        out.setdefault((t.task_id, t.policy), []).append(t)
+    return list(out.values())
+
+
 async def publish_trajectories(plane: Plane, trajs: list[Trajectory]) -> list[int]:
-    """Publish ``trajs`` (``Nats-Msg-Id`` = ``traj_id``, pipelined); one too large for a message goes with its arrays
-    in the trajectory bucket. Returns their TRAJ stream sequences."""
+    """Publish ``trajs``, pipelined: the samples of one task for one policy as one :class:`TrajectoryGroup`
+    (``Nats-Msg-Id`` = its ``msg_id``) when there are several and they fit in a message; otherwise each alone
+    (``Nats-Msg-Id`` = ``traj_id``), one too large for a message with its arrays in the trajectory bucket. Returns
+    each trajectory's TRAJ stream sequence (its group's, for one that went in a group)."""
     store = plane.trajectory_objects()
 
     async def by_reference(msg: Message) -> Message:
@@ -125,7 +136,41 @@ async def publish_trajectories(plane: Plane, trajs: list[Trajectory]) -> list[in
             raise MessageTooLarge(f"{msg.kind} exceeds max_payload and only trajectories travel by reference")
         return await offload(store, msg)
 
-    return await plane.publish_many([(plane.names.traj(t.policy), t, t.traj_id) for t in trajs], oversize=by_reference)
+    items: list[tuple[str, Message | bytes, str | None]] = []
+    owners: list[int] = []  # per trajectory: the item that carries it
+    for group in grouped(trajs):
+        subject = plane.names.traj(group[0].policy)
+        if 1 < len(group) <= MAX_GROUP and not any(t.offloaded for t in group):
+            msg = _group_of(group)
+            data = encode(msg) if msg is not None else b""
+            if msg is not None and len(data) <= plane.max_payload:
+                owners += [len(items)] * len(group)
+                items.append((subject, data, msg.msg_id))
+                continue
+        for t in group:  # alone: a single sample, or a group too large for one message
+            owners.append(len(items))
+            items.append((subject, t, t.traj_id))
+    seqs = await plane.publish_many(items, oversize=by_reference)
+    by_id = {id(t): seqs[owners[i]] for i, t in enumerate(t for g in grouped(trajs) for t in g)}
+    return [by_id[id(t)] for t in trajs]
+
+
+def _group_of(trajs: list[Trajectory]) -> TrajectoryGroup | None:
+    """``trajs`` as one message, or None when they cannot be one (a traj_id twice): then each goes alone."""
+    try:
+        return TrajectoryGroup(task_id=trajs[0].task_id, policy=trajs[0].policy, trajectories=trajs)
+    except ValueError:
+        return None
+
+
+def carried(msg: Trajectory | TrajectoryGroup) -> list[Trajectory]:
+    """The trajectories a TRAJ stream message carries: itself, or its group's."""
+    return msg.trajectories if isinstance(msg, TrajectoryGroup) else [msg]
+
+
+def decode_carried(data: bytes) -> list[Trajectory]:
+    """The trajectories of a TRAJ stream message's bytes (``DecodeError`` when it is neither kind)."""
+    return carried(decode_either(data, Trajectory, TrajectoryGroup))
 
 
 @dataclass(frozen=True)
@@ -153,9 +198,18 @@ class TrainingBatch:
 
 async def fetch_trajectories(plane: Plane, batch: Batch) -> list[Trajectory]:
     """The trajectories ``batch`` names, whole, in its order: read by TRAJ stream sequence in a few batched
-    requests, offloaded arrays resolved. Raises ``MissingMessages`` (sequences gone), :class:`PayloadUnavailable`,
-    or the transient error of the read. The caller checks each one's ids against its reference."""
-    stubs = await plane.get_many(plane.names.traj_stream, [r.seq for r in batch.refs], Trajectory)
+    requests (a group's message once for all of its trajectories), the one of each reference's ``traj_id`` taken from
+    a group, offloaded arrays resolved. Raises ``MissingMessages`` (sequences gone), :class:`PayloadUnavailable`, or
+    the transient error of the read. The caller checks each one's ids against its reference (a group without that
+    id gives its first trajectory, which fails that check)."""
+    raw = await plane.read_many(plane.names.traj_stream, [r.seq for r in batch.refs])
+
+    def pick() -> list[Trajectory]:
+        found = {seq: {t.traj_id: t for t in decode_carried(data)} for seq, data in raw.items()}
+        return [found[r.seq].get(r.traj_id) or next(iter(found[r.seq].values())) for r in batch.refs]
+
+    small = sum(map(len, raw.values())) <= INLINE_DECODE_BYTES  # a thread's hand-off costs more than a small batch's decode
+    stubs = pick() if small else await asyncio.to_thread(pick)  # a large one decodes on a thread: the event loop keeps beating
     out = await resolve_all(plane.trajectory_objects(), stubs)
     for t in out:
         if isinstance(t, PayloadUnavailable):

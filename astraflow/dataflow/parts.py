@@ -1,0 +1,84 @@
+"""A trajectory group's delivery, taken trajectory by trajectory.
+
+A node publishes the samples of one task for one policy as one :class:`TrajectoryGroup` message.
+The dataflow admits, holds, acks and dead-letters trajectories, one at a time (``ingest.py``,
+``durability.py``), so a group's delivery is cut into one :class:`Part` per trajectory, each a
+delivery of its own to everything downstream:
+
+- the message is acked once every part is settled: acked, or dead-lettered (the part's own
+  trajectory, encoded alone, goes to ``dlq.traj`` with its reason, so it decodes there as any
+  rejected trajectory does);
+- a part given back (``nak``) gives the whole message back at once; the parts settled after that
+  ack nothing (the message comes again, and each of its trajectories is admitted again: a copy of
+  one held is refreshed, of one settled acked and ignored);
+- ``in_progress`` on several parts tells the server once per second at most.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import cast
+
+from astraflow.streams.codec import encode
+from astraflow.streams.messages import Trajectory, TrajectoryGroup
+from astraflow.streams.plane import Delivery
+
+KEEP_ALIVE_EVERY_S = 1.0
+
+
+@dataclass
+class _Shared:
+    delivery: Delivery[TrajectoryGroup]
+    open: int  # parts not settled yet
+    given_back: bool = False
+    told_at: float = field(default=-1e9)  # when the server was last told the message is still being worked on
+
+
+class Part:
+    """One trajectory of a group's delivery: what ``ingest`` takes for a delivery of that trajectory alone."""
+
+    def __init__(self, msg: Trajectory, shared: _Shared) -> None:
+        self.msg = msg
+        self._shared = shared
+        self._settled = False
+
+    @property
+    def stream_seq(self) -> int:
+        return self._shared.delivery.stream_seq
+
+    async def ack(self) -> None:
+        if self._settle():
+            await self._shared.delivery.ack()
+
+    async def reject(self, reason: str) -> None:
+        await self._shared.delivery.dead_letter(encode(self.msg), reason)
+        if self._settle():
+            await self._shared.delivery.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        if not self._shared.given_back:
+            self._shared.given_back = True
+            await self._shared.delivery.nak(delay)
+
+    async def in_progress(self) -> None:
+        now = time.monotonic()
+        if now - self._shared.told_at >= KEEP_ALIVE_EVERY_S:
+            self._shared.told_at = now
+            await self._shared.delivery.in_progress()
+
+    def _settle(self) -> bool:
+        """Count this part settled (once); whether that settles the message (the last part, none given back)."""
+        if self._settled:
+            return False
+        self._settled = True
+        self._shared.open -= 1
+        return self._shared.open == 0 and not self._shared.given_back
+
+
+def taken(d: Delivery[Trajectory | TrajectoryGroup]) -> list[Part | Delivery[Trajectory]]:
+    """A TRAJ stream delivery as deliveries of one trajectory each: itself, or one :class:`Part` per trajectory."""
+    if not isinstance(d.msg, TrajectoryGroup):
+        return [cast(Delivery[Trajectory], d)]
+    shared = _Shared(cast(Delivery[TrajectoryGroup], d), open=len(d.msg.trajectories))
+    return [Part(t, shared) for t in d.msg.trajectories]
