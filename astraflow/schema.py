@@ -50,6 +50,14 @@ RULES: dict[str, list[str]] = {
         "before); loss_mask holds 0 or 1",
         "with payload_ref set, the five per-token arrays are empty and held by that object in the bucket af_{run}_traj_objects",
     ],
+    "trajectory_group": [
+        "every trajectory has the group's task_id and policy, a distinct traj_id, and no payload_ref (a trajectory too large "
+        "for a message travels alone, by reference)",
+        "each trajectory obeys the trajectory rules; the dataflow admits, dead-letters (on dlq.traj, encoded alone) and "
+        "settles each as if it had come alone",
+        "published on af.{run}.traj.{policy} with Nats-Msg-Id '{task_id}.{policy}.group.' + the first 16 hex digits of the "
+        "sha256 of its traj_ids joined by newlines; a batch names one of its trajectories by the group's sequence and traj_id",
+    ],
     "task": ["min_versions maps policies of the run to weight versions; a node holding older weights naks the task (delay 1 s)"],
     "batch": ["advantages holds one float32 per entry of refs; each ref names a trajectory by its sequence in AF_{run}_TRAJ"],
     "weight_version": ["a 'delta' applies onto exactly base_version, whose state digest is base_digest (a node checks both "
@@ -138,6 +146,8 @@ def envelope_schema() -> dict[str, Any]:
         "x-astraflow-subjects": {
             "task": "af.{run}.task.{workflow} on stream AF_{run}_TASK; rollout nodes pull the durable consumer {pool} (default raas)",
             "trajectory": "af.{run}.traj.{policy} on stream AF_{run}_TRAJ; publish with header Nats-Msg-Id = traj_id",
+            "trajectory_group": "af.{run}.traj.{policy} on stream AF_{run}_TRAJ: several samples of one task in one message; "
+                                "publish with header Nats-Msg-Id = its group id (see its rules)",
             "weight_version": "af.{run}.weights.{policy} on stream AF_{run}_WEIGHTS (Limits; follow it, never pull a durable)",
             "heartbeat": "af.{run}.hb.{role}.{worker_id}, core NATS, every 2 s",
             "rejected": "af.{run}.dlq.{family} on stream AF_{run}_DLQ: family is the subject family of the rejected message "

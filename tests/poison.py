@@ -230,6 +230,7 @@ def poisoned_batches(base: TrainingBatch, view: RunView) -> Fields:
     they are published first, as a rollout node's, and the manifest pointed at them (:func:`published_at`)."""
     m, trajs = base.manifest, base.trajectories
     k = len(m.refs)
+    others = [j for j in range(1, k) if m.refs[j].seq != m.refs[0].seq] or list(range(1, k))  # in another message than ref 0
 
     def poison(name: str, values: st.SearchStrategy[Any], expect: str, update: Callable[[Any], dict[str, Any]], label: str,
                plan: bool | str = True) -> tuple[str, st.SearchStrategy[Poison]]:
@@ -263,7 +264,8 @@ def poisoned_batches(base: TrainingBatch, view: RunView) -> Fields:
                "advantages {v:.1e}"),
         poison("policy", st.sampled_from(["verifier", "critic"]), "invalid", lambda p: {"policy": p}, "policy {v!r}"),
         # one field each, so that every campaign draws each: a reference to another trajectory, another task, nothing
-        poison("refs.target", st.integers(1, k - 1), "mismatch", lambda j: ref0(seq=m.refs[j].seq), "ref 0 at trajectory {v}'s sequence"),
+        # (a message that holds another trajectory: not one of ref 0's group, which the message at ref 0's sequence carries too)
+        poison("refs.target", st.sampled_from(others), "mismatch", lambda j: ref0(seq=m.refs[j].seq), "ref 0 at trajectory {v}'s sequence"),
         poison("refs.task_id", st.integers(1, 10**9), "mismatch", lambda i: ref0(task_id=f"x{i}"), "ref 0 naming task x{v}"),
         poison("refs.seq", st.integers(2**40, 2**62), "missing", lambda q: ref0(seq=q), "ref 0 at sequence {v}, never written"),
         poison("refs", st.integers(1, k - 1), "invalid", lambda j: {"refs": m.refs[:-j]},

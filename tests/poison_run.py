@@ -63,7 +63,7 @@ from astraflow.streams.permissions import Scope, render_accounts
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.state import BatchPlanRecord, DoneRecord, VersionRecord
-from astraflow.streams.trajectories import TrainingBatch
+from astraflow.streams.trajectories import TrainingBatch, decode_carried
 from astraflow.tasks import load_split
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +124,16 @@ def view_of(recipe: Recipe, newest: int) -> RunView:
     limits = model_limits(recipe.policies[recipe.primary].model)
     return RunView(vocab=limits.vocab, group_size=recipe.dataflow.group_size, max_new_tokens=recipe.rollout.max_new_tokens,
                    context=limits.context, newest=newest, workflow=recipe.workflow, policy=recipe.primary)
+
+
+async def first_trajectories(plane: Plane, n: int) -> list[Trajectory]:
+    """The first ``n`` trajectories of the TRAJ stream (a message may carry a task's group)."""
+    found: list[Trajectory] = []
+    seq = 1
+    while len(found) < n:
+        found += decode_carried((await plane.read_many(plane.names.traj_stream, [seq]))[seq])
+        seq += 1
+    return found[:n]
 
 
 async def newest(plane: Plane, policy: str) -> int:
@@ -265,7 +275,7 @@ async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, 
         # batches: manifests over 16 real trajectories at their sequences (tokens of the current weights: only the poisoned
         # field turns a batch away); poisoned trajectory values published first by a rollout credential, as a node's
         now = await newest(plane, policy)
-        real = [await plane.get(n.traj_stream, seq, Trajectory) for seq in range(1, 17)]
+        real = await first_trajectories(plane, 16)
         fresh = [t.model_copy(update={"versions": np.full(len(t.completion_ids) // 4, now, "<i4").tobytes()}) for t in real]
         node = await connect(cred_dir, "rollout", run)
         try:

@@ -29,6 +29,7 @@ from astraflow.rollout.workflows.base import PolicyHandle
 from astraflow.rollout.workflows.registry import get_workflow
 from astraflow.streams.messages import Heartbeat, RolloutStats, Task, Trajectory
 from astraflow.streams.plane import Plane
+from astraflow.streams.trajectories import carried
 from astraflow.weights.publish import WeightPublisher
 
 TOK = load_tokenizer("byt5")
@@ -90,11 +91,11 @@ def fields(delivery) -> dict:
 
 
 async def stored(plane: Plane, n: int) -> list[Trajectory]:
-    sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
+    sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
     got: list[Trajectory] = []
     for _ in range(20):
         for d in await sub.pull(batch=64, timeout=0.5):
-            got.append(d.msg)
+            got += carried(d.msg)
             await d.ack()
         if len(got) >= n:
             break

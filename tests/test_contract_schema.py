@@ -27,6 +27,7 @@ from astraflow.streams.messages import (
     Task,
     TrainerStats,
     Trajectory,
+    TrajectoryGroup,
     TrajRef,
     WeightVersion,
 )
@@ -54,6 +55,7 @@ def samples() -> list:
         Task(task_id="t", workflow="single_turn", policy="solver", prompt_id="p", prompt="1+1=", group_size=2, meta={"answer": "2"},
              min_versions={"solver": 3}),
         traj(),
+        TrajectoryGroup(task_id="t", policy="solver", trajectories=[traj(), traj(traj_id="t.solver.1", index=1, reward=0.0)]),
         Batch(batch_id="b", policy="solver", refs=[TrajRef(seq=7, traj_id="t.solver.0", task_id="t"),
                                                    TrajRef(seq=9, traj_id="t.solver.1", task_id="t")],
               advantages=np.array([0.5, -0.5], np.float32), task_ids=["t"]),
@@ -118,8 +120,31 @@ def test_cross_field_rules_are_listed_and_python_checks_them(repo_root, case: st
         decode(wire("trajectory", fields), Trajectory)
 
 
+GROUP_RULES = {  # a trajectory group's cross-field rules: listed in x-astraflow-rules, checked by Python
+    "another task": (1, {"task_id": "u", "traj_id": "u.solver.1"}, "group's task_id and policy"),
+    "another policy": (1, {"policy": "verifier", "traj_id": "t.verifier.1"}, "group's task_id and policy"),
+    "a traj_id twice": (1, {"index": 0, "traj_id": "t.solver.0"}, "distinct traj_id"),
+    "by reference": (1, {**dict.fromkeys(("prompt_ids", "completion_ids", "logprobs", "versions", "loss_mask"), b""),
+                         "payload_ref": {"name": "traj/x", "nuid": "n", "size": 1, "chunk_size": 1, "digests": ["a"], "digest": "b"}},
+                     "no payload_ref"),
+    "a member's arrays of different lengths": (0, {"logprobs": np.zeros(2, "<f4").tobytes()}, "obeys the `trajectory` rules"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GROUP_RULES))
+def test_a_trajectory_groups_rules_are_listed_and_python_checks_them(repo_root, case: str):
+    at, change, rule = GROUP_RULES[case]
+    rules = json.loads((repo_root / "schemas" / "trajectory_group.json").read_text())["x-astraflow-rules"]
+    assert any(rule.replace("`", "") in r for r in rules)
+    fields = fields_of(samples()[2])
+    fields["trajectories"][at] = {**fields["trajectories"][at], **change}
+    assert not list(validator(repo_root, "trajectory_group").iter_errors(schema.json_mapping(fields)))  # beyond JSON Schema
+    with pytest.raises(DecodeError):
+        decode(wire("trajectory_group", fields), TrajectoryGroup)
+
+
 def test_batch_advantages_align_with_its_references(repo_root):
-    good = fields_of(samples()[2])
+    good = fields_of(samples()[3])
     short = {**good, "advantages": good["advantages"][:4]}
     with pytest.raises(DecodeError, match="one value per trajectory"):
         decode(wire("batch", short), Batch)

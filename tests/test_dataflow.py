@@ -69,7 +69,7 @@ class Harness:
         self.plane = await Plane.connect(NatsOptions(url=self.url), self.run, "dataflow")
         self.df = Dataflow(self.recipe, self.plane)
         await self.df.start()
-        self.sub = self.plane.consumer(self.plane.names.traj_stream, self.plane.names.DATAFLOW_CONSUMER, Trajectory)
+        self.sub = self.plane.trajectory_consumer(self.plane.names.DATAFLOW_CONSUMER)
 
     async def kill_dataflow(self) -> None:
         """Gone without a word: nothing flushed, nothing acked (like SIGKILL)."""

@@ -8,13 +8,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import msgpack
 import numpy as np
 import pytest
 from test_dataflow import Harness, recipe
 
-from astraflow.streams.messages import Batch, Rejected, Task, Trajectory
+from astraflow.streams.codec import decode, encode
+from astraflow.streams.messages import Batch, Rejected, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.state import BatchPlanRecord, FateRecord
-from astraflow.streams.trajectories import offload
+from astraflow.streams.trajectories import offload, publish_trajectories
 
 Make = Callable[[Task, str, int, int], Trajectory]  # (task, policy, index, version) -> what the node sends
 
@@ -111,6 +113,91 @@ async def test_a_redelivered_bad_trajectory_changes_nothing_after_a_restart(harn
     await h.until(lambda: h.acc().fates.get("invalid:reward") == 1 and h.acc().buffered == 1)
     await h.turn(3)
     assert len(await dead_letters(h)) == 1 and h.acc().adds_up
+
+
+async def serve_groups(h: Harness, bad: Make | None = None, limit: int = 64) -> list[Task]:
+    """Serve the pool's tasks as a node does: each task's samples in one message (``TrajectoryGroup``); the first
+    sample of the first task from ``bad``."""
+    got = await h.task_sub.pull(batch=limit, timeout=0.3)
+    trajs = [(bad if bad is not None and k == 0 and i == 0 else good)(d.msg, "solver", i, h.versions["solver"])
+             for k, d in enumerate(got) for i in range(d.msg.group_size)]
+    seqs = await publish_trajectories(h.node, trajs)
+    assert len(set(seqs)) == len(got)  # one message a task
+    for d in got:
+        await d.ack()
+    return [d.msg for d in got]
+
+
+async def traj_unacked(h: Harness) -> int:
+    lag = await h.plane.lag(h.plane.names.traj_stream, h.plane.names.DATAFLOW_CONSUMER)
+    return lag.pending + lag.ack_pending
+
+
+def held_tasks(h: Harness) -> set[str]:
+    return {traj_id.rsplit(".", 2)[0] for traj_id in h.df.journal.held}
+
+
+def held_messages(h: Harness) -> int:
+    return len(held_tasks(h))
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_a_bad_trajectory_in_a_group_is_dead_lettered_alone_and_its_group_message_acked(harness: Harness):
+    h = harness
+    await h.turn(2)
+    tasks = await serve_groups(h, BAD["reward"], limit=2)
+    await h.until(lambda: h.acc().fates.get("invalid:reward") == 1 and h.acc().buffered == 1)
+    await h.turn(2)
+    (rej,) = await dead_letters(h)
+    alone = decode(rej.payload, Trajectory)  # the bad sample, encoded alone: not its group
+    assert alone.traj_id == f"{tasks[0].task_id}.solver.0" and math.isnan(alone.reward) and rej.reason.startswith("invalid reward: ")
+    for _ in range(3):  # the run goes on: groups batched from their messages, read back by the trainer, trained
+        await h.turn(2)
+        await serve_groups(h)
+        await h.turn(2)
+        await h.train("solver")
+    assert len(h.batches["solver"]) >= 2 and h.acc().adds_up and h.df.stats["invalid.reward"] == 1
+    assert tasks[0].task_id not in {t for b in h.batches["solver"] for t in b.task_ids}
+    for _ in range(20):  # a group's message is acked once its trajectories are settled (the half-bad one too): unacked
+        await h.turn()   # are those of groups still held (buffered), one message each
+        if await traj_unacked(h) == held_messages(h):
+            break
+    assert await traj_unacked(h) == held_messages(h) and tasks[0].task_id not in held_tasks(h)
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_a_group_redelivered_after_a_restart_is_judged_once(harness: Harness):
+    h = harness
+    await h.turn(2)
+    await serve_groups(h, BAD["reward"], limit=2)
+    for _ in range(20):  # ingest only: the fate queued, nothing written, dead-lettered or acked
+        await h.df.ingest.pull(h.sub, timeout=0.5)
+        if h.df.stats["invalid.reward"]:
+            break
+    assert h.df.stats["invalid.reward"] == 1 and await dead_letters(h) == []
+    await h.kill_dataflow()
+    await h.open_dataflow()  # both group messages come back whole: judged the same, once
+    await h.until(lambda: h.acc().fates.get("invalid:reward") == 1 and h.acc().buffered == 1)
+    await h.turn(3)
+    assert len(await dead_letters(h)) == 1 and h.acc().adds_up
+    assert h.df.lanes["solver"].ledger.samples == 2  # the good group's samples, counted once (the first count died unwritten)
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_an_undecodable_group_settles_its_task_invalid(harness: Harness):
+    h = harness
+    await h.turn(2)
+    (d,) = await h.task_sub.pull(batch=1, timeout=2.0)
+    t = d.msg
+    group = TrajectoryGroup(task_id=t.task_id, policy="solver", trajectories=[good(t, "solver", i, 0) for i in range(t.group_size)])
+    fields = msgpack.unpackb(encode(group)[1:], raw=False)["d"]
+    fields["trajectories"][1]["logprobs"] = fields["trajectories"][1]["logprobs"][:4]  # arrays that do not align
+    wire = b"\x01" + msgpack.packb({"k": "trajectory_group", "d": fields}, use_bin_type=True)
+    await h.node._js.publish(h.node.names.traj("solver"), wire)
+    await d.ack()
+    await h.until(lambda: h.acc().fates.get("invalid:schema") == 1)
+    (rej,) = await dead_letters(h)
+    assert "invalid trajectory_group" in rej.reason and h.acc().adds_up
 
 
 @with_recipe(max_staleness=1, max_tasks_in_flight=4)

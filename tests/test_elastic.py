@@ -24,8 +24,9 @@ import yaml
 from astraflow.config import load_recipe
 from astraflow.dataflow.groups import Assembler
 from astraflow.models import build_model, load_tokenizer
-from astraflow.streams.messages import Heartbeat, Task, Trajectory
+from astraflow.streams.messages import Heartbeat, Task
 from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.trajectories import carried
 from astraflow.weights.publish import WeightPublisher
 
 PLUGIN = '''
@@ -118,22 +119,22 @@ async def test_nodes_join_die_and_leave_and_every_task_is_trained_once(nats_serv
 
     await plane.on_heartbeats(on_beat)
     assembler, trained, duplicates, seen, served_by = Assembler(), {}, [], [], {}
-    sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
+    sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
 
     async def collect() -> None:
         while True:
             for d in await sub.pull(batch=64, timeout=0.5):
-                seen.append(d.msg.traj_id)
-                held = assembler.add(d.msg, d.stream_seq)
-                if held is False:
-                    duplicates.append(d.msg.traj_id)
-                    await d.ack()
-                    continue
-                served_by.setdefault(d.msg.task_id, set()).add(d.msg.node_id)  # the nodes whose samples make up the group
-                if held is not None:
-                    if held.task_id in trained:
-                        duplicates.append(held.task_id)
-                    trained[held.task_id] = held
+                for t in carried(d.msg):  # a task's group comes as one message
+                    seen.append(t.traj_id)
+                    held = assembler.add(t, d.stream_seq)
+                    if held is False:
+                        duplicates.append(t.traj_id)
+                        continue
+                    served_by.setdefault(t.task_id, set()).add(t.node_id)  # the nodes whose samples make up the group
+                    if held is not None:
+                        if held.task_id in trained:
+                            duplicates.append(held.task_id)
+                        trained[held.task_id] = held
                 await d.ack()
 
     tasks = [Task(task_id=f"e{i:03d}", workflow="gated_single_turn", policy="solver", prompt_id=f"p{i}", prompt=f"{i % 10}+1=",

@@ -9,9 +9,9 @@ import time
 import numpy as np
 
 from astraflow.rollout.outbox import Outbox
-from astraflow.streams.messages import Task, Trajectory
+from astraflow.streams.messages import Task, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Plane
-from astraflow.streams.trajectories import publish_trajectories
+from astraflow.streams.trajectories import carried, publish_trajectories
 
 
 def task(i: int) -> Task:
@@ -73,12 +73,30 @@ async def test_tasks_that_finish_together_are_settled_together(plane: Plane):
         got += await tasks.pull(batch=12 - len(got), timeout=5.0)
     outbox = Outbox(plane)
     await asyncio.gather(*(outbox.settle(d, [trajectory(d.msg, i) for i in range(2)]) for d in got))
-    assert outbox.settlements == 1  # one pipelined publish of 24 trajectories, one wait, then 12 acks
+    assert outbox.settlements == 1  # one pipelined publish of 12 groups of 2, one wait, then 12 acks
     await settled(plane)  # every task acked
-    assert await plane.stream_msgs(plane.names.traj_stream) == 24
-    trajs = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
+    assert await plane.stream_msgs(plane.names.traj_stream) == 12  # a task's group is one message
+    trajs = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
     stored = await trajs.pull(batch=24, timeout=5.0)
-    assert sorted(d.msg.traj_id for d in stored) == sorted(f"{d.msg.task_id}.{i}" for d in got for i in range(2))
+    assert all(isinstance(d.msg, TrajectoryGroup) for d in stored)
+    assert sorted(t.traj_id for d in stored for t in carried(d.msg)) == sorted(f"{d.msg.task_id}.{i}" for d in got for i in range(2))
+
+
+async def test_a_group_goes_as_one_message_when_it_fits_and_alone_otherwise(plane: Plane):
+    small = [trajectory(task(0), i) for i in range(3)]
+    seqs = await publish_trajectories(plane, [small[2], small[0], small[1]])
+    assert len(set(seqs)) == 1  # one message for the task's three samples, whatever their order
+    (stored,) = await plane.get_many(plane.names.traj_stream, seqs[:1], TrajectoryGroup)
+    assert [t.traj_id for t in stored.trajectories] == [small[2].traj_id, small[0].traj_id, small[1].traj_id]
+    assert await publish_trajectories(plane, small) != seqs  # other order, other group id: stored again (ingest dedups)
+    one = await publish_trajectories(plane, [trajectory(task(1), 0)])
+    assert isinstance((await plane.get_many(plane.names.traj_stream, one, Trajectory))[0], Trajectory)  # one sample: alone
+    n = int(0.6 * plane.max_payload) // 4  # prompts of random int32 (no compression): each fits alone, two together do not
+    big = [Trajectory(**{**trajectory(task(2), i).model_dump(), "prompt_ids": np.random.default_rng(i).integers(0, 1 << 30, n)})
+           for i in range(2)]
+    seqs = await publish_trajectories(plane, big)
+    assert len(set(seqs)) == 2
+    assert [t.traj_id for t in await plane.get_many(plane.names.traj_stream, seqs, Trajectory)] == [t.traj_id for t in big]
 
 
 async def test_a_task_settled_again_stores_nothing_twice(plane: Plane):
@@ -92,5 +110,5 @@ async def test_a_task_settled_again_stores_nothing_twice(plane: Plane):
     (again,) = await tasks.pull(batch=1, timeout=5.0)
     assert again.msg.task_id == first.msg.task_id and again.num_delivered == 2
     await Outbox(plane).settle(again, [trajectory(again.msg, i) for i in range(2)])
-    assert await plane.stream_msgs(plane.names.traj_stream) == 2
+    assert await plane.stream_msgs(plane.names.traj_stream) == 1  # the group, once: the copy had its id
     await settled(plane)

@@ -26,6 +26,7 @@ from astraflow.rollout.workflows.single_turn import SingleTurn
 from astraflow.rollout.workflows.tools import TOOLS, register_tool
 from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.plane import Plane
+from astraflow.streams.trajectories import carried
 from astraflow.weights.publish import WeightPublisher
 
 TOK = load_tokenizer("byt5")
@@ -43,13 +44,13 @@ def task(i: int, **kw: Any) -> Task:
 
 
 async def trajectories(plane: Plane, n: int, timeout: float = 30.0) -> list[Trajectory]:
-    sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)
+    sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
     got: list[Trajectory] = []
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while len(got) < n and loop.time() < deadline:
         for d in await sub.pull(batch=64, timeout=0.5):
-            got.append(d.msg)
+            got += carried(d.msg)
             await d.ack()
     return got
 

@@ -105,7 +105,7 @@ async def train_end_to_end(url: str, run: str, tmp_path: Path, recipe_file: Path
     df_plane = await Plane.connect(NatsOptions(url=url), run, "dataflow")
     df = Dataflow(recipe, df_plane)
     await df.start()
-    consumer = df_plane.consumer(df_plane.names.traj_stream, df_plane.names.DATAFLOW_CONSUMER, Trajectory)
+    consumer = df_plane.trajectory_consumer(df_plane.names.DATAFLOW_CONSUMER)
     node_plane = await Plane.connect(NatsOptions(url=url), run, "node-0")
     engine = ScriptEngine(TOK, lambda p: "", version=-1)
     node = RolloutNode(recipe, node_plane, "node-0", workflow=workflow,

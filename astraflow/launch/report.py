@@ -101,7 +101,7 @@ def plot(versions: list[dict[str, Any]], evals: list[dict[str, Any]], pool: list
         c.plot([s["run_s"] for s in rows], [s[key] for s in rows], label=f"trainer {key[5:]}")
     c.set(xlabel="run time (s)", ylabel="fraction of wall time", ylim=(-0.02, 1.02), title="trainer waiting for data")
     ts = [s["run_s"] for s in pool]
-    d.plot(ts, [s.get("rate", 0.0) for s in pool], label="trajectories / s (stored)")
+    d.plot(ts, [s.get("rate", 0.0) for s in pool], label="trajectories / s (received by the dataflow)")
     d2 = d.twinx()
     d2.step(ts, [s.get("nodes", 0) for s in pool], color="C2", where="post", label="live rollout nodes")
     d2.set_ylabel("nodes")
