@@ -6,9 +6,9 @@ restarts; only announcements a node would follow, ``weights/checks.py``: what a 
 announced that no trainer could have made is dead-lettered, not recorded), every held-out
 evaluation a line of ``evals.jsonl`` (one per subject: the evaluated policy, or a team's
 policies and the team), and the pool is sampled into ``pool.jsonl``. The trajectory count is the
-dataflow's durable one (the trajectories of every group that completed into it, kept in its
-state on the server and reported in its heartbeat), so it survives restarts of either side; the
-TRAJ stream's message count is no such count, since a message may carry a whole group.
+dataflow's durable one (the trajectories of every group that completed into it, read from its
+state on the server every turn), so it survives restarts of either side; the TRAJ stream's
+message count is no such count, since a message may carry a whole group.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from astraflow.config import Recipe
 from astraflow.launch.rundir import RunDir
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.messages import HEARTBEAT_PERIOD_S, DataflowStats, Heartbeat, RolloutStats, TrainerStats, WeightVersion
+from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat, RolloutStats, TrainerStats, WeightVersion
 from astraflow.streams.plane import Plane, Subscription
 from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord, StateSchemaError
 from astraflow.weights.checks import announcement_problem, order_problem
@@ -90,8 +90,17 @@ class RunWatcher:
 
     def _on_beat(self, hb: Heartbeat) -> None:
         self.live.beats[hb.worker_id] = (hb, time.monotonic())
-        if isinstance(hb.stats, DataflowStats):  # its durable count: never lower after a restart (of it or of us)
-            self.live.trajectories = max(self.live.trajectories, hb.stats.samples)
+
+    async def _count_trajectories(self) -> None:
+        """The dataflow's durable count, as its state on the server has it now (written every turn that changed it):
+        never lower, whatever restarted."""
+        try:
+            state = await self.plane.state.get(DataflowState)
+        except StateSchemaError as e:  # a state this build cannot read: the count stays where it is
+            log.debug("dataflow state unreadable: %s", e)
+            return
+        if state is not None:
+            self.live.trajectories = max(self.live.trajectories, sum(lane.ledger.samples for lane in state.lanes.values()))
 
     def _possible_on(self, policy: str) -> Callable[[WeightVersion], str | None]:
         def check(ann: WeightVersion) -> str | None:
@@ -118,6 +127,7 @@ class RunWatcher:
 
     async def poll(self, wait: float) -> None:
         """One turn: announcements, evaluations, lags and a pool sample."""
+        await self._count_trajectories()
         anns = [a for i, f in enumerate(self._announcements) for a in await f.fetch(wait if i == 0 else 0.0)]
         for ann in anns:
             key = (ann.policy, ann.version, ann.state_digest)
