@@ -16,10 +16,12 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Final, Literal
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationInfo, model_validator
+from pydantic_core import core_schema
 
 SCHEMA_VERSION: Final = 1
 WIRE: Final = {"wire": True}
@@ -28,23 +30,51 @@ TOKEN_PATTERN: Final = r"^[A-Za-z0-9_-]{1,64}$"
 Token = Annotated[str, Field(pattern=TOKEN_PATTERN)]  # a NATS subject token: policy and workflow names
 
 
-def _packer(dtype: str) -> BeforeValidator:
-    def pack(value: Any, info: ValidationInfo) -> bytes:
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            raw = bytes(value)
-            if len(raw) % np.dtype(dtype).itemsize:
-                raise ValueError(f"packed {dtype} array has {len(raw)} bytes, not a multiple of its item size")
-            return raw
+@dataclass(frozen=True)
+class Packed:
+    """A per-token array's type: packed little-endian items of ``dtype``. ``bytes`` are taken by pydantic's own
+    (compiled) validator, with no Python call per field; a list or numpy array from a Python caller is packed here; on
+    the wire (the ``WIRE`` context) only bytes pass. That the bytes are a whole number of items is checked by the
+    message's model validator (:func:`whole_items`): one Python call per message, not one per array."""
+
+    dtype: str
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    def pack(self, value: Any, info: ValidationInfo) -> bytes:
+        if isinstance(value, (bytearray, memoryview)):
+            return bytes(value)
         if isinstance(info.context, dict) and info.context.get("wire"):
-            raise ValueError(f"a packed {dtype} array travels as bytes (msgpack bin), not as {type(value).__name__}")
-        return np.ascontiguousarray(np.asarray(value), dtype=dtype).tobytes()
+            raise ValueError(f"a packed {self.dtype} array travels as bytes (msgpack bin), not as {type(value).__name__}")
+        return np.ascontiguousarray(np.asarray(value), dtype=self.dtype).tobytes()
 
-    return BeforeValidator(pack)
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.union_schema([core_schema.bytes_schema(strict=True), core_schema.with_info_plain_validator_function(self.pack)],
+                                        mode="left_to_right")
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        return {"type": "string", "format": "binary"}
 
 
-I32 = Annotated[bytes, _packer("<i4")]  # int32 little-endian
-F32 = Annotated[bytes, _packer("<f4")]  # float32 little-endian
-U8 = Annotated[bytes, _packer("<u1")]
+I32 = Annotated[bytes, Packed("<i4")]  # int32 little-endian
+F32 = Annotated[bytes, Packed("<f4")]  # float32 little-endian
+U8 = Annotated[bytes, Packed("<u1")]
+
+
+_PACKED_FIELDS: dict[type[BaseModel], list[tuple[str, int]]] = {}  # per model: its packed fields of items over 1 byte
+
+
+def whole_items(msg: BaseModel) -> None:
+    """Every packed array of ``msg`` holds a whole number of items (ValueError naming the first that does not)."""
+    fields = _PACKED_FIELDS.get(type(msg))
+    if fields is None:
+        fields = _PACKED_FIELDS[type(msg)] = [(name, m.itemsize) for name, info in type(msg).model_fields.items()
+                                              for m in info.metadata if isinstance(m, Packed) and m.itemsize > 1]
+    for name, size in fields:
+        if len(getattr(msg, name)) % size:
+            raise ValueError(f"{name}: a packed array of {len(getattr(msg, name))} bytes, not a whole number of {size}-byte items")
 
 
 def unpack(raw: bytes, dtype: str) -> np.ndarray:
@@ -117,6 +147,7 @@ class Trajectory(Message):
     @model_validator(mode="after")
     def _aligned(self) -> Trajectory:
         """Cross-field rules (listed in the schema's ``x-astraflow-rules``: JSON Schema cannot say them)."""
+        whole_items(self)
         if self.payload_ref is not None:
             held = [k for k in PER_TOKEN if getattr(self, k)]
             if held:
@@ -213,6 +244,7 @@ class Batch(Message):
 
     @model_validator(mode="after")
     def _aligned(self) -> Batch:
+        whole_items(self)
         if len(self.advantages) // 4 != len(self.refs):
             raise ValueError(f"advantages must hold one value per trajectory: {len(self.advantages) // 4} for {len(self.refs)}")
         return self
