@@ -17,10 +17,11 @@ from astraflow.algorithms import Group, Sample
 from astraflow.streams.messages import Trajectory, TrajRef
 
 
-def to_sample(t: Trajectory, deadline: float | None = None) -> Sample:
+def to_sample(t: Trajectory, deadline: float | None = None, version: int | None = None) -> Sample:
+    """``version``: the oldest token version, when measured already (``validate.measure``)."""
     return Sample(
         traj_id=t.traj_id, task_id=t.task_id, prompt_id=t.prompt_id, policy=t.policy, reward=t.reward,
-        version=t.min_version, n_tokens=len(t.completion_ids) // 4, truncated=t.finish_reason == "length",
+        version=t.min_version if version is None else version, n_tokens=len(t.completion_ids) // 4, truncated=t.finish_reason == "length",
         created_at=t.created_at, deadline=deadline,
     )
 
@@ -56,19 +57,21 @@ class Assembler:
     partial: dict[tuple[str, str], dict[int, tuple[Sample, int]]] = field(default_factory=dict)
     done: OrderedDict[tuple[str, str], None] = field(default_factory=OrderedDict)
 
-    def add(self, traj: Trajectory, seq: int, deadline: float | None = None) -> HeldGroup | Literal[False] | None:
+    def add(self, traj: Trajectory, seq: int, deadline: float | None = None,
+            version: int | None = None) -> HeldGroup | Literal[False] | None:
         """The completed group, None while incomplete, False for a copy of something already held or
-        completed here (ack it): a second sample at a held index, or any sample of a completed group."""
+        completed here (ack it): a second sample at a held index, or any sample of a completed group.
+        ``version``: its oldest token version, when measured already."""
         key = (traj.task_id, traj.policy)
         if key in self.done:
             return False
         slot = self.partial.setdefault(key, {})
         if traj.index in slot:
             if slot[traj.index][0].traj_id == traj.traj_id:  # the same message again: keep the newer copy
-                slot[traj.index] = (to_sample(traj, deadline), seq)
+                slot[traj.index] = (to_sample(traj, deadline, version), seq)
                 return None
             return False
-        slot[traj.index] = (to_sample(traj, deadline), seq)
+        slot[traj.index] = (to_sample(traj, deadline, version), seq)
         if len(slot) < traj.group_size:
             return None
         del self.partial[key]

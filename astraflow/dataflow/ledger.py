@@ -21,6 +21,7 @@ heartbeat and ``astraflow status`` show. Pure bookkeeping, no I/O.
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from astraflow.streams.dataflow_state import Accounting, IdSetState, LedgerState
 _SEQ = re.compile(r"^t(\d{1,12})$")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # asked several times for each trajectory of a task
 def task_number(task_id: str) -> int | None:
     """The number of one of our task ids (``t%08d``); None for any other id."""
     m = _SEQ.match(task_id)

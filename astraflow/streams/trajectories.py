@@ -102,6 +102,8 @@ async def resolve(store: ObjectStore, t: Trajectory) -> Trajectory:
 async def resolve_all(store: ObjectStore, trajs: list[Trajectory], at_once: int = 4) -> list[Trajectory | PayloadUnavailable]:
     """Every trajectory whole, or the reason it cannot be (``at_once`` objects read together). Other errors
     (a timeout, a lost connection) raise: they say nothing about the trajectory."""
+    if not any(t.offloaded for t in trajs):  # the usual case: nothing to read, no task to start
+        return list(trajs)
     slots = asyncio.Semaphore(at_once)
 
     async def one(t: Trajectory) -> Trajectory | PayloadUnavailable:
