@@ -18,10 +18,14 @@ import pytest
 from learning import held_out_rose
 from node_example import NODE, installed
 
-from astraflow.streams.messages import Heartbeat, RolloutStats, Trajectory
+from astraflow.streams.messages import Heartbeat, RolloutStats, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import NatsOptions, Plane
 
 STEPS = 40
+
+
+def ignore(subject: str, reason: str) -> None:  # a message of the other kind, followed by the other follower
+    pass
 
 
 async def until(pred, timeout: float, what: str, every: float = 0.2):
@@ -62,14 +66,19 @@ async def test_a_javascript_agent_does_every_rollout_and_the_policy_learns(repo_
         async def collect(t: Trajectory) -> None:
             trajs.append(t)
 
+        async def collect_group(g: TrajectoryGroup) -> None:  # the node publishes a task's samples as one message
+            trajs.extend(g.trajectories)
+
         endpoint = await until(lambda: next((b.stats.endpoint for b in beats if isinstance(b.stats, RolloutStats) and b.stats.endpoint),
                                             None), 300, "the node's advertised endpoint")
-        follow = await watch.follow(watch.names.traj("solver"), Trajectory, collect)  # the topology exists once a node serves
+        follow = await watch.follow(watch.names.traj("solver"), Trajectory, collect, on_bad=ignore)  # the topology exists now
+        follow_groups = await watch.follow(watch.names.traj("solver"), TrajectoryGroup, collect_group, on_bad=ignore)
         agent = subprocess.Popen([NODE, "agent.js", "--credential", str(creds / "rollout.json"), "--facade", endpoint,
                                   "--agent-id", "js-1", "--stream"], cwd=example, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         rc = await asyncio.to_thread(up.wait, 560)
         out, err = await asyncio.to_thread(agent.communicate, timeout=120)
         await follow.stop()
+        await follow_groups.stop()
         await hb.stop()
         await watch.close()
     finally:
