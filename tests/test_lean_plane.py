@@ -8,8 +8,10 @@ import time
 
 import numpy as np
 
+from astraflow.dataflow.parts import taken
 from astraflow.rollout.outbox import Outbox
-from astraflow.streams.messages import Task, Trajectory, TrajectoryGroup
+from astraflow.streams.codec import decode
+from astraflow.streams.messages import Rejected, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Plane
 from astraflow.streams.trajectories import carried, publish_trajectories
 
@@ -112,3 +114,44 @@ async def test_a_task_settled_again_stores_nothing_twice(plane: Plane):
     await Outbox(plane).settle(again, [trajectory(again.msg, i) for i in range(2)])
     assert await plane.stream_msgs(plane.names.traj_stream) == 1  # the group, once: the copy had its id
     await settled(plane)
+
+
+async def traj_lag(plane: Plane) -> tuple[int, int]:
+    lag = await plane.lag(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
+    return lag.pending, lag.ack_pending
+
+
+async def until_lag(plane: Plane, want: tuple[int, int]) -> None:
+    deadline = time.monotonic() + 10.0
+    while (got := await traj_lag(plane)) != want:
+        assert time.monotonic() < deadline, f"TRAJ consumer lag {got}, expected {want}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_groups_message_is_acked_once_every_part_is_settled_and_given_back_whole(plane: Plane):
+    await publish_trajectories(plane, [trajectory(task(0), i) for i in range(3)])
+    sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
+    (d,) = await sub.pull(batch=4, timeout=5.0)
+    p0, p1, p2 = taken(d)
+    assert [p.msg.traj_id for p in (p0, p1, p2)] == ["t0000.0", "t0000.1", "t0000.2"] and p0.stream_seq == d.stream_seq
+    await p0.ack()
+    await p0.ack()  # once is once
+    await p1.reject("invalid reward: a test")  # dead-lettered alone, counted settled
+    await until_lag(plane, (0, 1))  # one part still open: the message stays unacked
+    await p2.ack()
+    await until_lag(plane, (0, 0))
+    (rej,) = await plane.history(plane.names.dlq("traj"), Rejected, stream=plane.names.dlq_stream)
+    assert decode(rej.payload, Trajectory).traj_id == "t0000.1" and rej.subject == plane.names.traj("solver")
+
+    await publish_trajectories(plane, [trajectory(task(1), i) for i in range(2)])
+    (d,) = await sub.pull(batch=4, timeout=5.0)
+    q0, q1 = taken(d)
+    await q0.ack()
+    await q1.nak()  # the whole message comes back; the part acked before it acks nothing more
+    (again,) = await sub.pull(batch=4, timeout=5.0)
+    assert again.stream_seq == d.stream_seq and again.num_delivered == 2
+    await q0.ack()
+    await until_lag(plane, (0, 1))
+    for p in taken(again):
+        await p.ack()
+    await until_lag(plane, (0, 0))

@@ -30,6 +30,7 @@ KEEP_ALIVE_EVERY_S = 1.0
 @dataclass
 class _Shared:
     delivery: Delivery[TrajectoryGroup]
+    seq: int  # the message's TRAJ stream sequence
     open: int  # parts not settled yet
     given_back: bool = False
     told_at: float = field(default=-1e9)  # when the server was last told the message is still being worked on
@@ -45,7 +46,7 @@ class Part:
 
     @property
     def stream_seq(self) -> int:
-        return self._shared.delivery.stream_seq
+        return self._shared.seq
 
     async def ack(self) -> None:
         if self._settle():
@@ -80,5 +81,5 @@ def taken(d: Delivery[Trajectory | TrajectoryGroup]) -> list[Part | Delivery[Tra
     """A TRAJ stream delivery as deliveries of one trajectory each: itself, or one :class:`Part` per trajectory."""
     if not isinstance(d.msg, TrajectoryGroup):
         return [cast(Delivery[Trajectory], d)]
-    shared = _Shared(cast(Delivery[TrajectoryGroup], d), open=len(d.msg.trajectories))
+    shared = _Shared(cast(Delivery[TrajectoryGroup], d), d.stream_seq, open=len(d.msg.trajectories))
     return [Part(t, shared) for t in d.msg.trajectories]
