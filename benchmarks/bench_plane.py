@@ -10,7 +10,7 @@ settles tasks that finish together (``rollout/outbox.py``: one pipelined publish
 trajectories, then their acks); a tree without it settles each task on its own (publish, wait for
 the server, ack), concurrently, as its node's slots did.
 
-Run: ``python benchmarks/bench_plane.py``. Side by side with another tree (e.g. ``main``):
+Run: ``python benchmarks/bench_plane.py [--batches 60]``. Side by side with another tree (e.g. ``main``):
 ``python benchmarks/bench_plane.py --before /tmp/lean_before`` runs each tree in its own child
 process (``PYTHONPATH`` = the tree), alternating, ``--rounds`` each, and reports every round.
 """
@@ -182,8 +182,8 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
     return n_batches * groups_per_batch * group / dt
 
 
-async def main(quick: bool, table: bool = True) -> dict[str, float | str]:
-    n_batches = 10 if quick else 60
+async def main(quick: bool, table: bool = True, batches: int = 60) -> dict[str, float | str]:
+    n_batches = 10 if quick else batches
     group, gpb = 8, 8
     size = len(encode(trajectory_for(Task(task_id="x", workflow="w", policy="solver", prompt_id="p", prompt="q", group_size=group), 0)))
     with tempfile.TemporaryDirectory() as d, EmbeddedServer(d) as server:
@@ -212,22 +212,22 @@ async def main(quick: bool, table: bool = True) -> dict[str, float | str]:
     return result
 
 
-def run_child(tree: Path, quick: bool) -> dict[str, float]:
+def run_child(tree: Path, quick: bool, batches: int) -> dict[str, float]:
     """This benchmark once, in a child process that imports astraflow from ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, __file__, "--child", *(["--quick"] if quick else [])], capture_output=True, text=True,
-                          env=env, cwd=tree)
+    proc = subprocess.run([sys.executable, __file__, "--child", "--batches", str(batches), *(["--quick"] if quick else [])],
+                          capture_output=True, text=True, env=env, cwd=tree)
     if proc.returncode != 0:
         raise RuntimeError(f"{tree}: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}")
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def side_by_side(before: Path, rounds: int, quick: bool) -> dict[str, list[dict[str, float]]]:
+def side_by_side(before: Path, rounds: int, quick: bool, batches: int) -> dict[str, list[dict[str, float]]]:
     """Both trees, alternating, ``rounds`` each; every round's figures."""
     out: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     for r in range(rounds):
         for name, tree in (("before", before), ("after", ROOT)):
-            out[name].append(run_child(tree, quick))
+            out[name].append(run_child(tree, quick, batches))
             print(f"round {r + 1} {name}: {out[name][-1]}", flush=True)
     t = Table(title=f"plane throughput, {rounds} rounds each, trees alternating (before: {before})")
     for col in ("round", "tree", "raw msgs/s", "plane traj/s", "ratio", "client CPU µs / raw msg", "client CPU µs / traj",
@@ -248,11 +248,12 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--before", type=Path, help="a baseline source tree, measured side by side with this one")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", type=int, default=60, help="batches of 8 groups x 8 per path (raw: as many messages)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.before is not None:
-        print(json.dumps(side_by_side(args.before, args.rounds, args.quick)))
+        print(json.dumps(side_by_side(args.before, args.rounds, args.quick, args.batches)))
     else:
         tune_gc()
-        result = asyncio.run(main(args.quick, table=not args.child))
+        result = asyncio.run(main(args.quick, table=not args.child, batches=args.batches))
         print(json.dumps(result))

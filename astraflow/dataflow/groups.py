@@ -98,7 +98,8 @@ RECENT = 512  # batched groups remembered for replay
 
 class Recent:
     """Recently batched groups, for replay: in memory while this process holds them, and by TRAJ
-    stream sequences (what the state keeps) so a successor can name them again."""
+    stream sequences (what the state keeps) so a successor can name them again. A group whose samples
+    all lie in one message (a node's ``TrajectoryGroup``) is kept as that one sequence."""
 
     def __init__(self, size: int = RECENT) -> None:
         self.size = size
@@ -107,7 +108,7 @@ class Recent:
 
     def remember(self, held: HeldGroup) -> None:
         self.held[held.task_id] = held
-        self.seqs[held.task_id] = list(held.seqs)
+        self.seqs[held.task_id] = held.seqs[:1] if len(set(held.seqs)) == 1 else list(held.seqs)
         for memory in (self.held, self.seqs):
             while len(memory) > self.size:
                 memory.popitem(last=False)
@@ -115,8 +116,12 @@ class Recent:
     def get(self, task_id: str) -> HeldGroup | None:
         return self.held.get(task_id)
 
-    def seqs_of(self, task_id: str) -> list[int] | None:
-        return self.seqs.get(task_id)
+    def seqs_of(self, task_id: str, n: int) -> list[int] | None:
+        """The sequences of the ``n`` samples of ``task_id``'s group; None when not remembered (or not ``n``)."""
+        seqs = self.seqs.get(task_id)
+        if seqs is not None and len(seqs) == 1:
+            seqs = seqs * n  # one message held them all
+        return seqs if seqs is not None and len(seqs) == n else None
 
     def state(self) -> dict[str, list[int]]:
         return {k: list(v) for k, v in self.seqs.items()}

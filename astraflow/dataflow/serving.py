@@ -127,8 +127,8 @@ class BatchServer:
         held = lane.find(group.task_id)
         if held is not None:
             return held
-        seqs = lane.replay_seqs(group.task_id)
-        if seqs is None or len(seqs) != len(group.samples):  # a replay memory larger than what the lane remembers
+        seqs = lane.replay_seqs(group.task_id, len(group.samples))
+        if seqs is None:  # a replay memory larger than what the lane remembers
             log.warning("lane %s: replayed group %s is no longer remembered; left out of the batch", lane.name, group.task_id)
             self.stats["replay_missing"] += 1
             return None

@@ -61,7 +61,7 @@ class LaneState(_Frozen):
     closed: IdSetState = IdSetState()
     plans: dict[str, BatchPlan] = {}
     awaiting: dict[str, list[str]] = {}  # published batch -> its fresh tasks
-    recent: dict[str, list[int]] = {}  # recently batched task -> TRAJ stream sequences of its samples (replay)
+    recent: dict[str, list[int]] = {}  # recently batched task -> TRAJ stream sequences of its samples, or the one holding all (replay)
     history: list[list[float]] = []  # per batch: [seq, groups received, tasks issued, max lag, mean lag]
 
 
