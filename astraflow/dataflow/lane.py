@@ -15,7 +15,8 @@ to continue exactly where this one stopped is in ``state()``:
 - ``awaiting``: published batches the trainer has not announced yet (their tasks);
 - ``recent``: stream sequences of recently batched groups, so replay survives a restart;
 - ``history``: per batch, the groups received and tasks issued when it was planned (the data
-  each version cost) and how many versions its groups lagged the trainer (max, mean);
+  each version cost) and how many versions its groups lagged the trainer (max, mean), for the last
+  ``HISTORY`` batches (the state is written every turn that changes it, so what it keeps is kept short);
 - the ledger and the plug-ins' own state.
 """
 
@@ -30,7 +31,7 @@ from astraflow.dataflow.groups import HeldGroup, Recent
 from astraflow.dataflow.ledger import IdSet, Ledger, account
 from astraflow.streams.dataflow_state import Accounting, BatchPlan, LaneState
 
-HISTORY = 1024  # batches whose data cost and staleness the state keeps
+HISTORY = 256  # batches whose data cost and staleness the state keeps (the state is written every turn: kept short)
 
 
 def plan_batch(batch_id: str, chosen: list[HeldGroup], taken: list[str], advantages: Callable[[Group], list[float]],
