@@ -22,7 +22,8 @@ each run needed to reach the baseline's mean final accuracy (read between evalua
 interpolation); a plot of the mean curves and of the paired differences to the baseline, with interval bands. Each run's curve is kept in
 ``--workdir`` (default: a temporary folder), and a run whose curve is there is not run again (``--first-seed``
 splits a campaign across processes, each with its own workdir; copy their ``curves/`` into one to report).
-Run: ``python benchmarks/bench_data_algorithms.py [--seeds 3] [--steps 40] [--workdir DIR]``. Last stdout line: JSON.
+Run: ``python benchmarks/bench_data_algorithms.py [--seeds 3] [--steps 40] [--workdir DIR] [--set KEY=VALUE ...]`` (``--set``:
+a recipe override for every run, as ``astraflow up --set``). Last stdout line: JSON.
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ def run_label(name: str, seed: int, repeat: int) -> str:
     return f"{name.replace('_', '-')}-s{seed}" + (f"-r{repeat}" if repeat else "")
 
 
-def run_variant(url: str, recipe: Path, name: str, seed: int, repeat: int, steps: int, every: int, workdir: Path) -> Path:
+def run_variant(url: str, recipe: Path, name: str, seed: int, repeat: int, steps: int, every: int, workdir: Path,
+                overrides: tuple[str, ...] = ()) -> Path:
     run_dir = workdir / f"algo-{run_label(name, seed, repeat)}"
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(recipe), "--nats", url, "--run-dir", str(run_dir),
            "--set", f"trainer.steps={steps}", "--set", f"eval.every={every}", "--set", f"dataflow.algorithms={VARIANTS[name]}",
-           "--set", f"model.seed={seed}", "--set", f"trainer.seed={seed}", "--timeout", "3600"]
+           "--set", f"model.seed={seed}", "--set", f"trainer.seed={seed}", *(x for o in overrides for x in ("--set", o)),
+           "--timeout", "3600"]
     with open(workdir / f"{run_label(name, seed, repeat)}.out", "w") as out:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT)
     return run_dir
@@ -161,7 +164,7 @@ def plot(curves: dict[str, list[Curve]], metric: str, s: dict[str, Any], title: 
 
 
 async def collect(recipe: Path, steps: int, every: int, seeds: range, repeats: range, variants: list[str],
-                  workdir: Path) -> dict[str, list[Curve]]:
+                  workdir: Path, overrides: tuple[str, ...] = ()) -> dict[str, list[Curve]]:
     group_size = load_recipe(recipe).dataflow.group_size
     curves: dict[str, list[Curve]] = {name: [] for name in variants}
     with EmbeddedServer(workdir / "nats") as server:
@@ -169,7 +172,7 @@ async def collect(recipe: Path, steps: int, every: int, seeds: range, repeats: r
             for name in variants:
                 kept = workdir / "curves" / f"{run_label(name, seed, repeat)}.json"
                 if not kept.exists():
-                    run_dir = run_variant(server.url, recipe, name, seed, repeat, steps, every, workdir)
+                    run_dir = run_variant(server.url, recipe, name, seed, repeat, steps, every, workdir, overrides)
                     kept.parent.mkdir(parents=True, exist_ok=True)
                     kept.write_text(json.dumps(await curve(server.url, run_dir, group_size)))
                 curves[name].append(json.loads(kept.read_text()))
@@ -218,6 +221,8 @@ def main() -> dict[str, Any]:
     ap.add_argument("--workdir", type=Path, default=None, help="keep runs here; runs whose curve is kept are not rerun")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "figures" / "data_algorithms.png")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; the first is the reference")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override for every run, as `astraflow up --set` (repeatable)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if unknown := [v for v in variants if v not in VARIANTS]:
@@ -226,7 +231,8 @@ def main() -> dict[str, Any]:
         workdir = args.workdir or Path(d)
         workdir.mkdir(parents=True, exist_ok=True)
         curves = asyncio.run(collect(args.recipe, args.steps, args.every, range(args.first_seed, args.first_seed + args.seeds),
-                                     range(args.first_repeat, args.first_repeat + args.repeats), variants, workdir))
+                                     range(args.first_repeat, args.first_repeat + args.repeats), variants, workdir,
+                                     tuple(args.overrides)))
     return report(curves, args.recipe, args.steps, args.out)
 
 
