@@ -21,7 +21,7 @@ MAX_DECOMPRESSED = 256 * 1024 * 1024
 
 M = TypeVar("M", bound=Message)
 N = TypeVar("N", bound=Message)
-_zc = zstandard.ZstdCompressor(level=3)
+_zc = zstandard.ZstdCompressor(level=1)  # token arrays compress as well at level 1 as at 3 (a group of 8: 30.6 -> 11.9 KB), 22 % faster
 _zd = zstandard.ZstdDecompressor()
 
 
