@@ -165,7 +165,7 @@ def plot(curves: dict[str, list[Curve]], metric: str, s: dict[str, Any], title: 
 
 async def collect(recipe: Path, steps: int, every: int, seeds: range, repeats: range, variants: list[str],
                   workdir: Path, overrides: tuple[str, ...] = ()) -> dict[str, list[Curve]]:
-    group_size = load_recipe(recipe).dataflow.group_size
+    group_size = load_recipe(recipe, list(overrides)).dataflow.group_size
     curves: dict[str, list[Curve]] = {name: [] for name in variants}
     with EmbeddedServer(workdir / "nats") as server:
         for seed, repeat in ((s, r) for s in seeds for r in repeats):  # seed-major: a cut-short campaign has whole seeds
@@ -179,8 +179,8 @@ async def collect(recipe: Path, steps: int, every: int, seeds: range, repeats: r
     return curves
 
 
-def report(curves: dict[str, list[Curve]], recipe: Path, steps: int, out: Path) -> dict[str, Any]:
-    r = load_recipe(recipe)
+def report(curves: dict[str, list[Curve]], recipe: Path, steps: int, out: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    r = load_recipe(recipe, list(overrides))  # the recipe as the runs had it (eval.k decides the metric)
     metric = "avg@k" if r.eval.k > 1 else "reward"
     s = summarise(curves, metric)
     label = f"avg@{r.eval.k}" if r.eval.k > 1 else "greedy"
@@ -233,7 +233,7 @@ def main() -> dict[str, Any]:
         curves = asyncio.run(collect(args.recipe, args.steps, args.every, range(args.first_seed, args.first_seed + args.seeds),
                                      range(args.first_repeat, args.first_repeat + args.repeats), variants, workdir,
                                      tuple(args.overrides)))
-    return report(curves, args.recipe, args.steps, args.out)
+    return report(curves, args.recipe, args.steps, args.out, tuple(args.overrides))
 
 
 if __name__ == "__main__":
