@@ -359,8 +359,8 @@ class Plane:
         """The messages at ``seqs`` of ``stream``, decoded, in the order asked: batched direct gets, a few requests
         for the lot (``streams/direct.py``). Raises ``MissingMessages`` naming every sequence that is gone, and
         ``DecodeError`` for one that does not decode. Decoding runs on a thread: the event loop keeps beating."""
-        got = await read_seqs(self._nc, self.api_prefix, stream, seqs, timeout=timeout)
-        return await asyncio.to_thread(lambda: [decode(got[s].data, model) for s in seqs])
+        got = await self.read_many(stream, seqs, timeout)
+        return await asyncio.to_thread(lambda: [decode(got[s], model) for s in seqs])
 
     async def read_many(self, stream: str, seqs: list[int], timeout: float = 10.0) -> dict[int, bytes]:
         """The bytes of the messages at ``seqs`` of ``stream``, by sequence (each distinct one read once), as

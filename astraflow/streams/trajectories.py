@@ -139,30 +139,32 @@ async def publish_trajectories(plane: Plane, trajs: list[Trajectory]) -> list[in
         return await offload(store, msg)
 
     items: list[tuple[str, Message | bytes, str | None]] = []
-    owners: list[int] = []  # per trajectory: the item that carries it
+    carrier: dict[int, int] = {}  # id of each trajectory -> the item that carries it
     for group in grouped(trajs):
         subject = plane.names.traj(group[0].policy)
-        if 1 < len(group) <= MAX_GROUP and not any(t.offloaded for t in group):
-            msg = _group_of(group)
-            data = encode(msg) if msg is not None else b""
-            if msg is not None and len(data) <= plane.max_payload:
-                owners += [len(items)] * len(group)
-                items.append((subject, data, msg.msg_id))
-                continue
-        for t in group:  # alone: a single sample, or a group too large for one message
-            owners.append(len(items))
+        one = _one_message(group, plane.max_payload)
+        if one is not None:
+            carrier.update((id(t), len(items)) for t in group)
+            items.append((subject, *one))
+            continue
+        for t in group:  # alone: a single sample, or a group too large (or unfit) for one message
+            carrier[id(t)] = len(items)
             items.append((subject, t, t.traj_id))
     seqs = await plane.publish_many(items, oversize=by_reference)
-    by_id = {id(t): seqs[owners[i]] for i, t in enumerate(t for g in grouped(trajs) for t in g)}
-    return [by_id[id(t)] for t in trajs]
+    return [seqs[carrier[id(t)]] for t in trajs]
 
 
-def _group_of(trajs: list[Trajectory]) -> TrajectoryGroup | None:
-    """``trajs`` as one message, or None when they cannot be one (a traj_id twice): then each goes alone."""
+def _one_message(group: list[Trajectory], max_payload: int) -> tuple[bytes, str] | None:
+    """``group`` encoded as one :class:`TrajectoryGroup` and its ``Nats-Msg-Id``; None when it should go as single
+    messages: one sample, more than ``MAX_GROUP``, a traj_id twice, one by reference, or too large for a message."""
+    if not 1 < len(group) <= MAX_GROUP:
+        return None
     try:
-        return TrajectoryGroup(task_id=trajs[0].task_id, policy=trajs[0].policy, trajectories=trajs)
+        msg = TrajectoryGroup(task_id=group[0].task_id, policy=group[0].policy, trajectories=group)
     except ValueError:
         return None
+    data = encode(msg)
+    return (data, msg.msg_id) if len(data) <= max_payload else None
 
 
 def carried(msg: Trajectory | TrajectoryGroup) -> list[Trajectory]:
