@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_dataflow import Harness, recipe
 
-from astraflow.streams.codec import decode, encode
+from astraflow.streams.codec import decode, decode_either, encode
 from astraflow.streams.messages import Batch, Rejected, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.state import BatchPlanRecord, FateRecord
 from astraflow.streams.trajectories import offload, publish_trajectories
@@ -198,6 +198,24 @@ async def test_an_undecodable_group_settles_its_task_invalid(harness: Harness):
     await h.until(lambda: h.acc().fates.get("invalid:schema") == 1)
     (rej,) = await dead_letters(h)
     assert "invalid trajectory_group" in rej.reason and h.acc().adds_up
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_a_group_larger_than_a_task_is_dead_lettered_whole_once(harness: Harness):
+    h = harness
+    await h.turn(2)
+    (d,) = await h.task_sub.pull(batch=1, timeout=2.0)
+    t = d.msg
+    n = 3 * t.group_size  # well-formed, distinct ids: only the count says it is no task's group
+    group = TrajectoryGroup(task_id=t.task_id, policy="solver", trajectories=[good(t, "solver", i, 0) for i in range(n)])
+    await publish_trajectories(h.node, list(group.trajectories))
+    await d.ack()
+    await h.until(lambda: h.acc().fates.get("invalid:group_size") == 1)
+    await h.turn(2)
+    (rej,) = await dead_letters(h)  # one entry for the whole message, not one per trajectory
+    assert decode_either(rej.payload, Trajectory, TrajectoryGroup) == group and rej.reason.startswith("invalid group_size: ")
+    assert h.df.stats["invalid.group_size"] == 1 and h.df.lanes["solver"].ledger.samples == 0 and h.acc().adds_up
+    assert await traj_unacked(h) == 0
 
 
 @with_recipe(max_staleness=1, max_tasks_in_flight=4)

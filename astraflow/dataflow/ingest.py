@@ -32,7 +32,9 @@ Each delivery of the TRAJ stream goes through, in order:
    counted as ``invalid.{code}`` in heartbeats. A trajectory that does not even decode (a value
    outside the wire's range) is dead-lettered by the consumer before ingest sees it; the dataflow
    reads the ids it claims back from ``dlq.traj`` and settles its task the same way, as
-   ``invalid:schema`` (:meth:`TrajectoryIngest.undecodable`).
+   ``invalid:schema`` (:meth:`TrajectoryIngest.undecodable`). A group message carrying more
+   trajectories than a task has samples is dead-lettered whole, one entry rather than one per
+   trajectory, and settles its task ``invalid:group_size`` (:meth:`TrajectoryIngest.refuse_group`).
 2. assembly per ``(task, policy)`` (``groups.Assembler``); the delivery stays held, unacked,
    until its group's fate is decided.
 3. ``land`` (pure) for a group that completes: curator feedback on every completed group, then
@@ -53,7 +55,7 @@ from typing import Literal, Protocol
 
 from astraflow.algorithms import Context, Group, Pipeline
 from astraflow.config import DataflowConfig
-from astraflow.dataflow.durability import Ackable, Journal
+from astraflow.dataflow.durability import Ackable, Journal, Rejectable
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane, context
@@ -147,7 +149,12 @@ class TrajectoryIngest:
     async def pull(self, trajectories: Consumer[Trajectory | TrajectoryGroup], timeout: float = 0.1) -> int:
         """One pull of the TRAJ stream taken in; returns the number of trajectories it carried (a group's each)."""
         deliveries = await trajectories.pull(batch=256, timeout=timeout)
-        incoming: list[Incoming] = [x for d in deliveries for x in taken(d)]  # a group's trajectory by trajectory (``parts.py``)
+        incoming: list[Incoming] = []
+        for delivery in deliveries:
+            if isinstance(delivery.msg, TrajectoryGroup) and len(delivery.msg.trajectories) > self.limits.group_size:
+                self.refuse_group(delivery, delivery.msg)
+            else:
+                incoming.extend(taken(delivery))  # a group's trajectory by trajectory (``parts.py``)
         items = await self.whole(incoming)
         for (d, t, unreadable), s in zip(items, measure([t for _, t, _ in items]), strict=True):  # a whole pull's arrays at once
             await self.take(d, s, t, unreadable)
@@ -244,6 +251,16 @@ class TrajectoryIngest:
             return
         self.stats["invalid.schema"] += 1
         self.invalidate(lane, task_id, "schema", reason)
+
+    def refuse_group(self, d: Rejectable, g: TrajectoryGroup) -> None:
+        """A group with more trajectories than a task has samples cannot be a task's: dead-lettered whole, one entry
+        (not one per trajectory), its task settled ``invalid:group_size`` as a bad sample's would be."""
+        reason = f"invalid group_size: {len(g.trajectories)} trajectories in one message, the run's tasks have {self.limits.group_size}"
+        self.stats["invalid.group_size"] += 1
+        lane = self.lanes.get(g.policy)
+        if lane is not None and not lane.is_closed(g.task_id) and not lane.is_buffered(g.task_id) and self.waits_on(lane, g.task_id):
+            self.invalidate(lane, g.task_id, "group_size", reason)
+        self.journal.reject_later(d, reason)
 
     def invalidate(self, lane: PolicyLane, task_id: str, code: str, reason: str) -> None:
         """Settle ``task_id`` in ``lane`` as ``invalid:{code}``: out of flight (primary), its partial group released."""
