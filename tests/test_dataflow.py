@@ -17,7 +17,7 @@ import pytest
 
 from astraflow.config import parse_recipe
 from astraflow.dataflow.autoscale import Meter
-from astraflow.dataflow.service import Dataflow
+from astraflow.dataflow.service import BUSY_PULL_WAIT_S, PULL_WAIT_S, Dataflow
 from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.messages import (
     Batch,
@@ -169,6 +169,32 @@ async def test_tasks_in_flight_bounded_by_the_staleness_budget(harness: Harness)
     await harness.rollout(limit=1)  # one comes back and waits in the buffer: still counts against the budget
     await harness.turn(5)
     assert await harness.pending_tasks() == 3 and harness.acc().buffered == 1
+
+
+class PullWaits:
+    """The dataflow's TRAJ consumer, noting how long each of its pulls may wait."""
+
+    def __init__(self, consumer: Any) -> None:
+        self.consumer, self.waits = consumer, []
+
+    async def pull(self, batch: int = 1, timeout: float = 1.0) -> list[Any]:
+        self.waits.append(timeout)
+        return await self.consumer.pull(batch, timeout)
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_a_turn_waits_for_trajectories_only_after_a_turn_with_nothing_to_issue(harness: Harness):
+    h = harness
+    sub = PullWaits(h.sub)
+    await h.df.step(sub)  # the first turn: tasks to issue at once
+    assert h.df.ledger.issued == 4
+    await h.df.step(sub)  # after a busy turn: takes what is there; the budget is spent
+    await h.df.step(sub)  # after an idle turn: waits for trajectories
+    assert sub.waits == [BUSY_PULL_WAIT_S, BUSY_PULL_WAIT_S, PULL_WAIT_S]
+    await h.rollout(limit=2)  # two groups back: a batch to plan and tasks to issue
+    await h.until(lambda: h.df.ledger.issued > 4)
+    await h.df.step(sub)
+    assert sub.waits[-1] == BUSY_PULL_WAIT_S
 
 
 @with_recipe(max_staleness=50, max_tasks_in_flight=6)

@@ -63,6 +63,8 @@ from astraflow.tasks import load_split
 from astraflow.weights.checks import announcement_problem
 
 log = logging.getLogger(__name__)
+PULL_WAIT_S = 0.1  # how long an idle turn waits for trajectories before it measures, plans and issues again
+BUSY_PULL_WAIT_S = 0.005  # after a busy turn: long enough for the server's answer on a loaded machine, short against a turn
 
 
 @dataclass(frozen=True)
@@ -106,18 +108,23 @@ class Dataflow:
         self.kept_missing: dict[str, dict[str, tuple[float, int]]] = {}  # per lane: kept groups not back after a restart
         self._audited = 0.0
         self._waits: tuple[float, float] | None = None
+        self._busy = True  # the last turn issued tasks or planned batches: the next one does not wait for trajectories
 
     # ------------------------------------------------------------ the loop
     async def step(self, trajectories: Consumer[Trajectory | TrajectoryGroup]) -> None:
+        """One turn. Its pull waits up to ``PULL_WAIT_S`` for trajectories only after a turn that had nothing to
+        issue or plan; after one that had (the first, or one after groups landed) it may have more to do at once, so
+        its pull takes what is there (``BUSY_PULL_WAIT_S``)."""
         self.apply_events()
-        await self.ingest.pull(trajectories)
+        await self.ingest.pull(trajectories, timeout=BUSY_PULL_WAIT_S if self._busy else PULL_WAIT_S)
         await self.audit()
         await self.measure()
         await asyncio.gather(self.server.read_backlogs(), self.issuer.read_pending())  # the server's counts, read together
         planned = self.server.plan()
         tasks = self.issuer.issue(self.context(), drained=self.drained())
         await self.journal.flush()  # write-ahead: the plans and tasks are durable before they exist on the plane
-        if planned or tasks:
+        self._busy = bool(planned or tasks)
+        if self._busy:
             await self.publish(planned, tasks)
 
     async def publish(self, planned: list[Planned], tasks: list[Task]) -> None:
