@@ -20,20 +20,21 @@ from astraflow.streams.plane import NatsOptions, Plane
 def test_cpu_recipe_learns_with_roles_as_processes(nats_server, repo_root, tmp_path):
     run_dir = tmp_path / "e2e-run"
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "arithmetic"), "--nats", nats_server.url,
-           "--run-dir", str(run_dir), "--set", "trainer.steps=40", "--set", "sft.steps=200", "--timeout", "400"]
+           "--run-dir", str(run_dir), "--set", "trainer.steps=60", "--set", "sft.steps=200", "--timeout", "400"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    # held-out prompts are disjoint from training prompts; greedy decoding, real verifier. 40 steps, not 20: on a
-    # loaded machine the nodes run 3-6 versions behind and 20 steps rose +0.03..+0.17 (mean of evals after v0, 35
-    # runs), so a 0.05 margin failed one run in five; 40 steps rose +0.11..+0.18 over 6 loaded runs
+    # held-out prompts are disjoint from training prompts; greedy decoding, real verifier. 60 steps, not 20: on a
+    # loaded machine (two CPU burners beside it) the nodes run 3-6 versions behind, and the mean of the evaluations
+    # after v0 rose +0.03..+0.17 in 20 steps (35 runs, one in five under the 0.05 bar), +0.075..+0.185 in 40 (10 runs)
+    # and +0.13..+0.17 in 60 (5 runs)
     assert held_out_rose(summary, by=0.05), summary
     assert (run_dir / "reward.png").stat().st_size > 10_000
     roles = {"trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1", "launcher"}
     assert set(summary["cpu_s"]) == roles and all(summary["cpu_s"][r] > 0 for r in roles), summary["cpu_s"]  # external server
-    assert summary["samples"] >= 40 * 64 and set(summary["cpu_s_per_64_samples"]) == roles
+    assert summary["samples"] >= 60 * 64 and set(summary["cpu_s_per_64_samples"]) == roles
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["version"] for r in rows] == list(range(41))  # every version announced once, in order
+    assert [r["version"] for r in rows] == list(range(61))  # every version announced once, in order
     assert {r["encoding"] for r in rows} == {"keyframe", "delta"}
     for role in ("trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1"):
         assert (run_dir / "logs" / f"{role}.s1.log").exists()  # one log per process and session
