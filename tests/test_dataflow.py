@@ -17,7 +17,8 @@ import pytest
 
 from astraflow.config import parse_recipe
 from astraflow.dataflow.autoscale import Meter
-from astraflow.dataflow.service import BUSY_PULL_WAIT_S, PULL_WAIT_S, Dataflow
+from astraflow.dataflow.ingest import BUSY_PULL_WAIT_S, PULL_WAIT_S
+from astraflow.dataflow.service import Dataflow
 from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.messages import (
     Batch,

@@ -15,6 +15,7 @@ from test_dataflow import Harness, recipe
 
 from astraflow.streams.codec import decode, decode_either, encode
 from astraflow.streams.messages import Batch, Rejected, Task, Trajectory, TrajectoryGroup
+from astraflow.streams.plane import Delivery
 from astraflow.streams.state import BatchPlanRecord, FateRecord
 from astraflow.streams.trajectories import offload, publish_trajectories
 
@@ -183,13 +184,20 @@ async def test_a_group_redelivered_after_a_restart_is_judged_once(harness: Harne
     assert h.df.lanes["solver"].ledger.samples == 2  # the good group's samples, counted once (the first count died unwritten)
 
 
-@with_recipe(max_staleness=1, max_tasks_in_flight=4)
-async def test_an_undecodable_group_settles_its_task_invalid(harness: Harness):
-    h = harness
+async def a_task_and_its_group(h: Harness, times: int = 1) -> tuple[Delivery[Task], TrajectoryGroup]:
+    """One task issued to the pool (its delivery, not acked yet) and a group of ``times`` x its group size valid
+    samples for it, as one message."""
     await h.turn(2)
     (d,) = await h.task_sub.pull(batch=1, timeout=2.0)
     t = d.msg
-    group = TrajectoryGroup(task_id=t.task_id, policy="solver", trajectories=[good(t, "solver", i, 0) for i in range(t.group_size)])
+    samples = [good(t, "solver", i, 0) for i in range(times * t.group_size)]
+    return d, TrajectoryGroup(task_id=t.task_id, policy="solver", trajectories=samples)
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_an_undecodable_group_settles_its_task_invalid(harness: Harness):
+    h = harness
+    d, group = await a_task_and_its_group(h)
     fields = msgpack.unpackb(encode(group)[1:], raw=False)["d"]
     fields["trajectories"][1]["logprobs"] = fields["trajectories"][1]["logprobs"][:4]  # arrays that do not align
     wire = b"\x01" + msgpack.packb({"k": "trajectory_group", "d": fields}, use_bin_type=True)
@@ -203,11 +211,7 @@ async def test_an_undecodable_group_settles_its_task_invalid(harness: Harness):
 @with_recipe(max_staleness=1, max_tasks_in_flight=4)
 async def test_a_group_larger_than_a_task_is_dead_lettered_whole_once(harness: Harness):
     h = harness
-    await h.turn(2)
-    (d,) = await h.task_sub.pull(batch=1, timeout=2.0)
-    t = d.msg
-    n = 3 * t.group_size  # well-formed, distinct ids: only the count says it is no task's group
-    group = TrajectoryGroup(task_id=t.task_id, policy="solver", trajectories=[good(t, "solver", i, 0) for i in range(n)])
+    d, group = await a_task_and_its_group(h, times=3)  # well-formed, distinct ids: only the count says it is no task's group
     await publish_trajectories(h.node, list(group.trajectories))
     await d.ack()
     await h.until(lambda: h.acc().fates.get("invalid:group_size") == 1)

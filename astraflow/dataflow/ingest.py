@@ -66,6 +66,8 @@ from astraflow.streams.plane import Consumer
 from astraflow.streams.trajectories import PayloadUnavailable
 
 log = logging.getLogger(__name__)
+PULL_WAIT_S = 0.1  # how long a pull waits for the first trajectory (an idle turn: nothing else to do meanwhile)
+BUSY_PULL_WAIT_S = 0.005  # after a busy turn: long enough for the server's answer on a loaded machine, short against a turn
 FILTERED_BATCHES = 4  # a warning once a policy's filters dropped this many batches' worth of groups in a row, then at each doubling
 
 
@@ -146,7 +148,7 @@ class TrajectoryIngest:
     def assembling(self) -> bool:
         return self.assembler.assembling
 
-    async def pull(self, trajectories: Consumer[Trajectory | TrajectoryGroup], timeout: float = 0.1) -> int:
+    async def pull(self, trajectories: Consumer[Trajectory | TrajectoryGroup], timeout: float = PULL_WAIT_S) -> int:
         """One pull of the TRAJ stream taken in; returns the number of trajectories it carried (a group's each)."""
         deliveries = await trajectories.pull(batch=256, timeout=timeout)
         incoming: list[Incoming] = []

@@ -43,7 +43,7 @@ from astraflow.config import Recipe
 from astraflow.dataflow.audit import AUDIT_S, due, lost_groups, lost_tasks
 from astraflow.dataflow.durability import Journal, crash_point
 from astraflow.dataflow.inflight import InFlight
-from astraflow.dataflow.ingest import TrajectoryIngest
+from astraflow.dataflow.ingest import BUSY_PULL_WAIT_S, PULL_WAIT_S, TrajectoryIngest
 from astraflow.dataflow.issuing import TaskIssuer
 from astraflow.dataflow.lane import PolicyLane, context
 from astraflow.dataflow.ledger import Ledger
@@ -63,8 +63,6 @@ from astraflow.tasks import load_split
 from astraflow.weights.checks import announcement_problem
 
 log = logging.getLogger(__name__)
-PULL_WAIT_S = 0.1  # how long an idle turn waits for trajectories before it measures, plans and issues again
-BUSY_PULL_WAIT_S = 0.005  # after a busy turn: long enough for the server's answer on a loaded machine, short against a turn
 
 
 @dataclass(frozen=True)
