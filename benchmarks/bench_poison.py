@@ -43,6 +43,7 @@ from poison_run import (  # noqa: E402
     secured_server,
     stale_rejection,
     start_up,
+    steal_a_batch,
     until,
     verdict,
     versions,
@@ -80,6 +81,7 @@ def live_run(base: Path, steps: int, per_field: int | None, at: int) -> dict[str
 
                 await until(training, "training to start", 600)
                 recipe = load_recipe(run_dir / "recipe.yaml")
+                await steal_a_batch(cred_dir, run, recipe, camp)
                 await asyncio.gather(rollout_attack(cred_dir, run, recipe, per_field, at, camp),
                                      admin_attack(cred_dir, run, recipe, run_dir, per_field, at + 1, camp, 10))
 

@@ -239,21 +239,25 @@ async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: in
 
 
 # ------------------------------------------------------------------------------------------- the admin attacker
+async def steal_a_batch(cred_dir: Path, run: str, recipe: Recipe, camp: Campaign) -> None:
+    """The stale redelivery: take a batch as a trainer would and die holding it; it comes back after the batch
+    ack_wait, long after the trainer moved on. Done before the attacks start, so their poison generation (CPU work
+    on this event loop) cannot hold the theft back until the run is nearly over and the batch comes back too late."""
+    thief = await Plane.connect(NatsOptions.from_credential(str(cred_dir / "admin.json")), run, "attacker-dead-trainer")
+    batches = thief.consumer(thief.names.batch_stream, thief.names.trainer_consumer(recipe.primary), Batch)
+    got = []
+    while not got:
+        got = await batches.pull(batch=1, timeout=2.0)
+    camp.stolen_batch = got[0].msg.batch_id
+    await thief._nc.close()  # gone without a word: nothing acked
+
+
 async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, per_field: int, at: int, camp: Campaign,
                        ack_wait: float) -> None:
     plane = await connect(cred_dir, "admin", run)
     n, policy = plane.names, recipe.primary
     rogue: asyncio.subprocess.Process | None = None
     try:
-        # the stale redelivery: take a batch as a trainer would, die holding it; it comes back after ack_wait
-        trainer_sub = await Plane.connect(NatsOptions.from_credential(str(cred_dir / "admin.json")), run, "attacker-dead-trainer")
-        batches = trainer_sub.consumer(n.batch_stream, n.trainer_consumer(policy), Batch)
-        got = []
-        while not got:
-            got = await batches.pull(batch=1, timeout=2.0)
-        camp.stolen_batch = got[0].msg.batch_id
-        await trainer_sub._nc.close()  # gone without a word: nothing acked
-
         # a second trainer without its checkpoints, on the live run: it must refuse
         rogue = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "astraflow.cli", "worker", "trainer", "--recipe", str(run_dir / "recipe.yaml"), "--credential",
