@@ -120,6 +120,10 @@ class SFTConfig(Strict):
     ``astraflow demos`` records it: the prompt, then segments of text the model wrote (trained on) and text the
     workflow inserted (tool output, observations: masked out). Only episodes of training prompts are used.
     None: train on ``prompt + answer``."""
+    threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    """torch threads of the warm start; ``auto``: under ``astraflow up`` the machine's usable cores shared by the
+    trainers that warm-start (every other role idles until version 0 is announced: train/threads.py), alone as
+    ``trainer.threads: auto``. A warm start redone after a crash needs the same count: ``up`` writes it down."""
 
     @model_validator(mode="after")
     def _warmup_within_steps(self) -> SFTConfig:

@@ -7,6 +7,8 @@ each (the dataflow waits on the plane and is not counted), and the trainers shar
     threads(policy) = max(1, (cores − rollout.threads · (nodes + evaluator)) // trainers on auto)
 
 with ``cores`` = ``len(os.sched_getaffinity(0))`` (a container's or ``taskset``'s limit, not the machine's count).
+The warm start (``sft.threads: auto``) runs before version 0, while every other role waits for it, so the trainers
+that warm-start share all the cores: ``max(1, cores // trainers warm-starting)``.
 ``up`` writes the numbers into the run's ``recipe.yaml``, so a restarted trainer runs with the same count (its
 floating-point sums, and so its resumed weights, depend on it). A trainer started alone (``astraflow worker
 trainer``) takes every core it may run on.
@@ -38,13 +40,26 @@ def trainer_threads(recipe: Recipe, cores: int) -> dict[str, int]:
     return {p: free for p in auto}
 
 
+def sft_threads(recipe: Recipe, cores: int) -> dict[str, int]:
+    """Threads of each warm start on ``auto`` when every role of ``recipe`` shares ``cores``: all of them, split
+    between the trainers that warm-start (nothing else runs before version 0)."""
+    warm = [p for p, cfg in recipe.policies.items() if cfg.sft.steps]
+    return {p: max(1, cores // len(warm)) for p in warm if recipe.policies[p].sft.threads == "auto"}
+
+
 def with_trainer_threads(recipe: Recipe, cores: int) -> Recipe:
-    """``recipe`` with every ``trainer.threads: auto`` replaced by its share of ``cores`` (what ``up`` runs)."""
-    shares = trainer_threads(recipe, cores)
-    if not shares:
+    """``recipe`` with every ``trainer.threads`` and ``sft.threads`` on ``auto`` replaced by its share of ``cores``
+    (what ``up`` runs)."""
+    train, warm = trainer_threads(recipe, cores), sft_threads(recipe, cores)
+    if not train and not warm:
         return recipe
-    policies = {p: cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"threads": shares[p]})}) if p in shares else cfg
-                for p, cfg in recipe.policies.items()}
+    policies = {}
+    for p, cfg in recipe.policies.items():
+        if p in train:
+            cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"threads": train[p]})})
+        if p in warm:
+            cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"threads": warm[p]})})
+        policies[p] = cfg
     return recipe.model_copy(update={"policies": policies})
 
 

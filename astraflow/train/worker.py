@@ -82,15 +82,18 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
         raise ValueError(f"policy {policy!r} is not in the recipe ({list(recipe.policies)})")
     pcfg = recipe.policies[policy]
     cfg = pcfg.trainer
-    torch.set_num_threads(threads_for(cfg.threads))
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(pcfg.model.tokenizer)
     model = build_model(pcfg.model, tokenizer)
     resuming = not fresh_lineage and checkpoint_dir is not None and any(Path(checkpoint_dir).glob("v*/meta.json"))
     if pcfg.sft.steps and not resuming:
         train, _ = load_split(recipe.data)
+        torch.set_num_threads(threads_for(pcfg.sft.threads))
+        t0 = time.perf_counter()
         loss = await asyncio.to_thread(sft, model, tokenizer, train, pcfg.sft, cfg.seed)
-        log.info("SFT warm start: %d steps, last loss %.3f", pcfg.sft.steps, loss)
+        log.info("SFT warm start: %d steps in %.0f s on %d threads, last loss %.3f", pcfg.sft.steps, time.perf_counter() - t0,
+                 torch.get_num_threads(), loss)
+    torch.set_num_threads(threads_for(cfg.threads))
     backend = build_backend(cfg.backend, model, tokenizer, cfg, temperature=recipe.rollout.temperature)
     ckpt = None
     if checkpoint_dir is not None:
