@@ -83,7 +83,7 @@ def live_run(base: Path, steps: int, per_field: int | None, at: int) -> dict[str
                 recipe = load_recipe(run_dir / "recipe.yaml")
                 await steal_a_batch(cred_dir, run, recipe, camp)
                 await asyncio.gather(rollout_attack(cred_dir, run, recipe, per_field, at, camp),
-                                     admin_attack(cred_dir, run, recipe, run_dir, per_field, at + 1, camp, 10))
+                                     admin_attack(cred_dir, run, recipe, run_dir, per_field, at + 1, camp))
 
             try:
                 asyncio.run(attack())

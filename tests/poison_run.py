@@ -252,8 +252,7 @@ async def steal_a_batch(cred_dir: Path, run: str, recipe: Recipe, camp: Campaign
     await thief._nc.close()  # gone without a word: nothing acked
 
 
-async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, per_field: int, at: int, camp: Campaign,
-                       ack_wait: float) -> None:
+async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, per_field: int, at: int, camp: Campaign) -> None:
     plane = await connect(cred_dir, "admin", run)
     n, policy = plane.names, recipe.primary
     rogue: asyncio.subprocess.Process | None = None

@@ -62,7 +62,7 @@ def test_a_live_run_under_poison_finishes_learns_and_dead_letters_every_poison(t
             recipe = load_recipe(run_dir / "recipe.yaml")
             await steal_a_batch(cred_dir, run, recipe, camp)
             await asyncio.gather(rollout_attack(cred_dir, run, recipe, PER_FIELD, 1, camp),
-                                 admin_attack(cred_dir, run, recipe, run_dir, PER_FIELD, 2, camp, SETS["plane.batch_ack_wait"]))
+                                 admin_attack(cred_dir, run, recipe, run_dir, PER_FIELD, 2, camp))
 
         asyncio.run(attack())
         assert up.wait(timeout=600) == 0, log.read_text()[-4000:]
