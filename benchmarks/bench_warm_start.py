@@ -22,16 +22,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from astraflow.config import load_recipe
+from astraflow.config import Recipe, load_recipe
 from astraflow.models import build_model, load_tokenizer
 from astraflow.tasks import load_split
 from astraflow.train.sft import sft
 from astraflow.train.threads import usable_cores
 
 
-def timed_warm_start(recipe_path: str, steps: int, threads: int) -> tuple[float, float]:
+def timed_warm_start(recipe: Recipe, steps: int, threads: int) -> tuple[float, float]:
     """(seconds, last loss) of the recipe's warm start cut to ``steps``, on ``threads`` torch threads."""
-    recipe = load_recipe(recipe_path)
     policy = recipe.policies[recipe.primary]
     torch.set_num_threads(threads)
     torch.manual_seed(policy.trainer.seed)
@@ -52,9 +51,10 @@ def main() -> dict[str, object]:
     counts = sorted({1, usable_cores()})
     seconds: dict[int, list[float]] = {n: [] for n in counts}
     losses: dict[int, float] = {}
+    recipe = load_recipe(args.recipe)
     for _ in range(args.repeats):
         for n in counts:
-            s, losses[n] = timed_warm_start(args.recipe, args.steps, n)
+            s, losses[n] = timed_warm_start(recipe, args.steps, n)
             seconds[n].append(s)
     table = Table(title=f"warm start of {args.recipe}, {args.steps} steps, {args.repeats} rounds")
     for col in ("torch threads", "s per 100 steps (each round)", "speed-up", "last loss"):

@@ -38,6 +38,10 @@ def test_cpu_recipe_learns_with_roles_as_processes(nats_server, repo_root, tmp_p
     assert {r["encoding"] for r in rows} == {"keyframe", "delta"}
     for role in ("trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1"):
         assert (run_dir / "logs" / f"{role}.s1.log").exists()  # one log per process and session
+    threads = load_recipe(run_dir / "recipe.yaml").policies["solver"]  # the counts up chose and wrote down
+    trainer_log = (run_dir / "logs" / "trainer-solver.s1.log").read_text()
+    assert f"on {threads.sft.threads} threads" in trainer_log, trainer_log[:2000]  # the warm start took its own count
+    assert f"training on {threads.trainer.threads} torch threads" in trainer_log  # then the trainer's
 
 
 def test_bad_recipe_names_the_field(repo_root, tmp_path):

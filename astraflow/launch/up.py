@@ -35,7 +35,7 @@ from astraflow.streams.messages import HEARTBEAT_PERIOD_S
 from astraflow.streams.permissions import Scope, render_accounts
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
-from astraflow.train.threads import usable_cores, with_trainer_threads
+from astraflow.train.threads import usable_cores, with_thread_counts
 
 console = Console()
 
@@ -133,7 +133,7 @@ def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None) ->
 def prepare(recipe: Recipe, rundir: RunDir, resume: bool) -> Recipe:
     """Write the resolved recipe (``trainer.threads: auto`` made the trainer's share of this machine's free cores);
     on resume show what changed against the stored one (and apply it)."""
-    recipe = with_trainer_threads(recipe, usable_cores())
+    recipe = with_thread_counts(recipe, usable_cores())
     rundir.prepare()
     if resume:
         if not rundir.exists():

@@ -47,12 +47,10 @@ def sft_threads(recipe: Recipe, cores: int) -> dict[str, int]:
     return {p: max(1, cores // len(warm)) for p in warm if recipe.policies[p].sft.threads == "auto"}
 
 
-def with_trainer_threads(recipe: Recipe, cores: int) -> Recipe:
+def with_thread_counts(recipe: Recipe, cores: int) -> Recipe:
     """``recipe`` with every ``trainer.threads`` and ``sft.threads`` on ``auto`` replaced by its share of ``cores``
     (what ``up`` runs)."""
     train, warm = trainer_threads(recipe, cores), sft_threads(recipe, cores)
-    if not train and not warm:
-        return recipe
     policies = {}
     for p, cfg in recipe.policies.items():
         if p in train:

@@ -94,6 +94,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
         log.info("SFT warm start: %d steps in %.0f s on %d threads, last loss %.3f", pcfg.sft.steps, time.perf_counter() - t0,
                  torch.get_num_threads(), loss)
     torch.set_num_threads(threads_for(cfg.threads))
+    log.info("training on %d torch threads", torch.get_num_threads())
     backend = build_backend(cfg.backend, model, tokenizer, cfg, temperature=recipe.rollout.temperature)
     ckpt = None
     if checkpoint_dir is not None:
