@@ -9,11 +9,11 @@ Writes, next to this file:
 - ``demos.jsonl``: the warm start's episodes, two of each of the first 500 training episodes only (RL draws
   from all 3,000, so most of its episodes are new to the policy), played through the recipe's own workflow
   against the real game (every command runs in the sandbox) by a noisy demonstrator. Both look first
-  (``grep -l WORD *.txt``). A careful one (35 %) acts on the file the output names, then exits; a careless
-  one does not read the output and forces an act on the first file listed (``cp -f``, ``mv -f``, ``rm -f``;
-  right one time in three), then exits. The careless habit has its own form so that the two habits part at
-  the character after the verb: when they parted only at the file name's first letter, the byte-level model
-  blended the two names into a file that does not exist (BENCHMARKS.md, session 25).
+  (``grep -l WORD *.txt``). A careful one (half of them) acts on the file the output names, then exits; a
+  careless one does not read the output and forces an act on the first file listed (``cp -f``, ``mv -f``,
+  ``rm -f``; right one time in three), then exits. The careless habit has a form of its own, so the two
+  habits part at the character after the verb: when they parted only at the file name's first letter, the
+  byte-level model blended the two names into a file that does not exist (BENCHMARKS.md, session 25).
 
 Run: ``python recipes/terminal/make_data.py`` (deterministic).
 """
@@ -31,7 +31,7 @@ from astraflow.streams.messages import Task
 HERE = Path(__file__).resolve().parent
 EPISODES = 3100  # held-out 100, training 3,000: RL draws from all of them
 DEMONSTRATED = 500  # the warm start sees only the first 500 training episodes
-CAREFUL = 0.35  # share of demonstrations that act on what they saw; the others force an act on the first file listed
+CAREFUL = 0.5  # share of demonstrations that act on what they saw; the others force an act on the first file listed
 
 
 def act(verb: str, name: str, force: bool = False) -> str:
