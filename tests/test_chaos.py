@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -111,3 +112,36 @@ def test_up_survives_kill_9_of_every_role_and_of_itself(repo_root: Path, tmp_pat
     acc = summary["accounting"]["solver"]
     assert acc["adds_up"] and acc["total"] == acc["in_flight"] + acc["buffered"] + acc["awaiting"] + sum(acc["fates"].values())
     assert held_out_rose(summary, by=0.05), summary  # it still learns
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_up_restarts_a_trainer_killed_during_its_warm_start(repo_root: Path, tmp_path: Path):
+    """kill -9 of the trainer before version 0 exists: ``up`` restarts it, the new trainer warm-starts from the
+    beginning on the thread count ``up`` wrote into the run's recipe, and the run ends with every version once."""
+    from astraflow.config import load_recipe
+
+    run_dir, steps = tmp_path / "warm-kill", 6
+    sets = ["--set", f"trainer.steps={steps}", "--set", "sft.steps=3000", "--set", "eval.every=3", "--timeout", "420"]
+    log = open(tmp_path / "up.log", "w")
+    launcher = subprocess.Popen([sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "arithmetic"),
+                                 "--run-dir", str(run_dir), *sets], stdout=log, stderr=subprocess.STDOUT)
+    trainer_log = run_dir / "logs" / "trainer-solver.s1.log"
+    try:
+        wait(lambda: trainer_log.exists() and "SFT warm start begins" in trainer_log.read_text(), "the trainer's warm start", 120)
+        time.sleep(1)
+        assert not versions(run_dir) and "training on" not in trainer_log.read_text(), "the warm start ended before the kill"
+        pid = next(p for p, n in children(launcher.pid).items() if n == "trainer-solver")
+        os.kill(pid, signal.SIGKILL)
+        assert launcher.wait(timeout=500) == 0, (tmp_path / "up.log").read_text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        log.close()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["restarts"].get("trainer-solver", 0) >= 1, summary["restarts"]
+    assert versions(run_dir) == list(range(steps + 1))
+    threads = load_recipe(run_dir / "recipe.yaml").policies["solver"].sft.threads  # the count up chose and wrote down
+    text = trainer_log.read_text()  # one log per role and session: the restarted trainer appends to it
+    assert re.findall(r"SFT warm start begins: 3000 steps on (\d+) threads", text) == [str(threads)] * 2
+    assert re.findall(r"SFT warm start: 3000 steps in \d+ s on (\d+) threads", text) == [str(threads)]  # one finished

@@ -89,6 +89,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
     if pcfg.sft.steps and not resuming:
         train, _ = load_split(recipe.data)
         torch.set_num_threads(threads_for(pcfg.sft.threads))
+        log.info("SFT warm start begins: %d steps on %d threads", pcfg.sft.steps, torch.get_num_threads())
         t0 = time.perf_counter()
         loss = await asyncio.to_thread(sft, model, tokenizer, train, pcfg.sft, cfg.seed)
         log.info("SFT warm start: %d steps in %.0f s on %d threads, last loss %.3f", pcfg.sft.steps, time.perf_counter() - t0,
