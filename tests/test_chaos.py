@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from learning import held_out_rose
 
+from astraflow.config import load_recipe
+
 ROLES = ("trainer-solver", "dataflow", "evaluator", "rollout-0", "rollout-1")
 STEPS = 100
 
@@ -119,8 +121,6 @@ def test_up_survives_kill_9_of_every_role_and_of_itself(repo_root: Path, tmp_pat
 def test_up_restarts_a_trainer_killed_during_its_warm_start(repo_root: Path, tmp_path: Path):
     """kill -9 of the trainer before version 0 exists: ``up`` restarts it, the new trainer warm-starts from the
     beginning on the thread count ``up`` wrote into the run's recipe, and the run ends with every version once."""
-    from astraflow.config import load_recipe
-
     run_dir, steps = tmp_path / "warm-kill", 6
     sets = ["--set", f"trainer.steps={steps}", "--set", "sft.steps=3000", "--set", "eval.every=3", "--timeout", "420"]
     log = open(tmp_path / "up.log", "w")
