@@ -131,8 +131,8 @@ def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None) ->
 
 
 def prepare(recipe: Recipe, rundir: RunDir, resume: bool) -> Recipe:
-    """Write the resolved recipe (``trainer.threads: auto`` made the trainer's share of this machine's free cores);
-    on resume show what changed against the stored one (and apply it)."""
+    """Write the resolved recipe (``trainer.threads`` and ``sft.threads`` on ``auto`` made their shares of this machine's
+    free cores); on resume show what changed against the stored one (and apply it)."""
     recipe = with_thread_counts(recipe, usable_cores())
     rundir.prepare()
     if resume:
