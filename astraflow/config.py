@@ -137,6 +137,10 @@ class RolloutConfig(Strict):
 
     nodes: int = Field(1, ge=0)
     """Rollout workers `astraflow up` starts in the default pool."""
+    nice: int = Field(10, ge=0, le=19)
+    """CPU priority (``nice``) `astraflow up` starts its rollout nodes and evaluator at, trainers staying at 0: where
+    the roles share a machine's cores, generation yields them to the trainers' steps, the bottleneck of a run on one
+    machine (a node that preempts a step slows the whole loop, itself included). 0: no yielding."""
     pool: str = "raas"
     tasks_per_generate: int = Field(4, gt=0)
     """A node's generation slots: the tasks it works on at once. It admits a task whenever one finishes (each
@@ -271,6 +275,12 @@ class TrainerConfig(Strict):
     announcements back)."""
     checkpoint_keep: int = Field(2, ge=1)
     """Checkpoints kept on disk (the newest ones)."""
+    publish: Literal["auto", "behind", "inline"] = "auto"
+    """When a version is published (the bf16 delta encoded, the state digest and the chunk hashes taken: CPU work; then
+    stored and announced): ``behind`` the next step, which pays where the step leaves the CPU free (a step on a GPU);
+    ``inline``, before the next batch is pulled: on a CPU trainer the step and the publish share the same cores, and
+    running them together slows the step by more than it hides (BENCHMARKS.md, "Against the in-process loop").
+    ``auto``: behind when the trainer trains on an accelerator, inline on CPU."""
     threads: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
     """torch threads of the trainer; ``auto``: the cores its process may run on (``os.sched_getaffinity``) less those
     the other roles ``astraflow up`` starts on the machine take (train/threads.py). Resuming exactly needs the same

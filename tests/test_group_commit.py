@@ -27,9 +27,10 @@ from astraflow.weights.sync import WeightSync
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # real trainer processes
 
 
-async def test_kills_at_the_group_commit_points_resume_exactly(nats_server, run_id, tmp_path):
+@pytest.mark.parametrize("publish", ["inline", "behind"])  # inline: the default on CPU; behind: on an accelerator
+async def test_kills_at_the_group_commit_points_resume_exactly(nats_server, run_id, tmp_path, publish):
     steps, every = 14, 3
-    recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=steps, checkpoint_every=every)
+    recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=steps, checkpoint_every=every, publish=publish)
     plane, anns, batches = await planned_run(nats_server.url, run_id, recipe, steps, seed=2)
     ckpt, log = tmp_path / "ckpt", tmp_path / "trainer.log"
 
@@ -70,8 +71,8 @@ async def test_kills_at_the_group_commit_points_resume_exactly(nats_server, run_
         last = max(a.version for a in await plane.history(plane.names.weights("solver"), WeightVersion))
         assert 9 <= last <= 11, last
 
-        # killed while the next publish is in flight (its payload stored, not announced; the loop gone on to the next
-        # batch): nothing of it is announced, its batch is still in the stream, and the next life trains it again
+        # killed while the next publish is in flight (its payload stored, not announced; behind: the loop gone on to
+        # the next batch): nothing of it is announced, its batch is still in the stream, and the next life trains it again
         proc = spawn_trainer(recipe_file, nats_server.url, run_id, "solver", log, ckpt, crash=f"before_announce@{last + 1}")
         assert await wait_exit(proc) == -signal.SIGKILL, log.read_text()[-3000:]
         on_plane = await plane.history(plane.names.weights("solver"), WeightVersion)

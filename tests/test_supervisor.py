@@ -60,6 +60,31 @@ def test_a_killed_role_is_restarted_and_counted(sup: Supervisor, tmp_path: Path)
     assert "restart 1 of dataflow after killed by SIGKILL" in log.read_text()
 
 
+def test_a_role_starts_and_restarts_at_its_cpu_priority(sup: Supervisor, tmp_path: Path):
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    node = sup.start(RoleSpec("rollout-0", "rollout", ("sleep",), nice=7))
+    trainer = sup.start(RoleSpec("trainer-solver", "trainer", ("sleep",), finishes=True))
+    poll_until(sup, lambda: "up\n" in (tmp_path / "rollout-0.log").read_text())
+    assert os.getpriority(os.PRIO_PROCESS, node.proc.pid) == min(base + 7, 19)
+    assert os.getpriority(os.PRIO_PROCESS, trainer.proc.pid) == base
+    first = node.proc.pid
+    os.kill(first, signal.SIGKILL)
+    poll_until(sup, lambda: node.restarts == 1 and node.alive())
+    assert node.proc.pid != first and os.getpriority(os.PRIO_PROCESS, node.proc.pid) == min(base + 7, 19)
+
+
+def test_up_yields_the_cores_of_generation_to_the_trainers(tmp_path: Path):
+    from astraflow.config import parse_recipe
+    from astraflow.launch.rundir import RunDir
+    from astraflow.launch.up import role_specs
+
+    recipe = parse_recipe({"name": "t", "policies": ["solver", "verifier"], "rollout": {"nodes": 2, "nice": 12}})
+    nice = {s.name: s.nice for s in role_specs(recipe, RunDir(tmp_path / "run"), None)}
+    assert nice == {"trainer-solver": 0, "trainer-verifier": 0, "dataflow": 0, "evaluator": 12, "rollout-0": 12, "rollout-1": 12}
+    default = parse_recipe({"name": "t"})
+    assert {s.name: s.nice for s in role_specs(default, RunDir(tmp_path / "run"), None)}["rollout-0"] == default.rollout.nice > 0
+
+
 def test_a_crash_loop_stops_with_the_log_tail(sup: Supervisor):
     sup.start(RoleSpec("trainer-solver", "trainer", ("exit", "1"), finishes=True))
     with pytest.raises(CrashLoop, match="trainer-solver crashed 4 times") as e:

@@ -31,6 +31,17 @@ State = Literal["running", "backoff", "done", "retired", "failed"]
 _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
 
 
+def _child_setup(nice: int) -> Callable[[], None]:
+    """The preexec hook of a role started at CPU priority ``nice``."""
+
+    def setup() -> None:
+        _hangup_with_parent()
+        if nice:
+            os.nice(nice)  # a system call of the already loaded interpreter, like those below
+
+    return setup
+
+
 def _hangup_with_parent() -> None:
     """preexec hook: the kernel sends SIGHUP to this child when the launcher dies (Linux), and SIGHUP is not ignored
     (an ignored disposition survives exec: a launcher started under ``nohup`` would pass it on, and a role still
@@ -47,6 +58,7 @@ class RoleSpec:
     role: str  # the worker role it runs
     args: tuple[str, ...] = ()
     finishes: bool = False  # exit 0 means done (trainer, evaluator): not restarted
+    nice: int = 0  # CPU priority it starts at (its threads inherit it): > 0 yields the cores to the roles at 0
 
 
 @dataclass
@@ -123,7 +135,7 @@ class Supervisor:
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {note} ===\n".encode())
             f.flush()
             return subprocess.Popen(self.command(spec), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_hangup_with_parent, env={**self.env, "PYTHONUNBUFFERED": "1"})
+                                    preexec_fn=_child_setup(spec.nice), env={**self.env, "PYTHONUNBUFFERED": "1"})
 
     def start(self, spec: RoleSpec) -> Child:
         log = self.log_for(spec.name)

@@ -125,8 +125,8 @@ def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None) ->
                       finishes=True) for i, p in enumerate(recipe.policy_names)]
     specs.append(RoleSpec("dataflow", "dataflow", metrics(20)))
     if recipe.eval.enabled:
-        specs.append(RoleSpec("evaluator", "evaluator", metrics(10), finishes=True))
-    specs += [RoleSpec(f"rollout-{i}", "rollout", metrics(30 + i)) for i in range(recipe.rollout.nodes)]
+        specs.append(RoleSpec("evaluator", "evaluator", metrics(10), finishes=True, nice=recipe.rollout.nice))
+    specs += [RoleSpec(f"rollout-{i}", "rollout", metrics(30 + i), nice=recipe.rollout.nice) for i in range(recipe.rollout.nodes)]
     return specs
 
 
@@ -159,8 +159,9 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
         sup.start(spec)
     pool = None
     if autoscale:
-        rollout_spec = next((s for s in specs if s.role == "rollout"), RoleSpec("rollout-0", "rollout"))
-        pool = LocalPool(sup, lambda name: RoleSpec(name, "rollout", rollout_spec.args), max_nodes=recipe.dataflow.autoscale.max_nodes)
+        rollout_spec = next((s for s in specs if s.role == "rollout"), RoleSpec("rollout-0", "rollout", nice=recipe.rollout.nice))
+        pool = LocalPool(sup, lambda name: RoleSpec(name, "rollout", rollout_spec.args, nice=rollout_spec.nice),
+                         max_nodes=recipe.dataflow.autoscale.max_nodes)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,8 +16,9 @@ subject, and none waits for another. Per batch, in this order:
    checkpointed or announced otherwise: the trainer stops, and its restart resumes from the last checkpoint);
 4. every ``checkpoint_every`` versions, once the announcement of v has landed, an in-memory snapshot, written in the
    background (``train/group_commit.py``);
-5. publish version v+1 in the background, once v's has landed (the announcement is the version's commit point): it is
-   stored and announced while the loop goes on with the next batch (the next step overlaps it);
+5. publish version v+1 once v's has landed (the announcement is the version's commit point): behind the next step, stored
+   and announced while the loop goes on with the next batch, or in line on a CPU trainer, where the two would share its
+   cores (``trainer.publish``);
 6. once v+1's announcement has landed, hold the batch unacked (kept alive) until a durable checkpoint covers v+1, then
    ack it. A publish that failed stops the trainer at the next turn of the loop, its batch unacked.
 
@@ -61,6 +62,7 @@ from astraflow.train.group_commit import GroupCommit
 from astraflow.train.resume import start
 from astraflow.train.sft import sft
 from astraflow.train.threads import threads_for
+from astraflow.train.torch_backend import device_for
 from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan
 from astraflow.weights.finite import non_finite
 from astraflow.weights.publish import WeightPublisher
@@ -129,7 +131,8 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
         log.warning("%s: trainer.%s is %g in the recipe, %g in the checkpoint: %g from the next step on", policy, key, now, was, now)
     version, trained = at.version, list(at.trained)
     seen = set(trained)
-    commits = GroupCommit(run_op, ckpt, publisher, durable=at.version)  # start() leaves a checkpoint of its version on disk
+    behind = cfg.publish == "behind" or (cfg.publish == "auto" and device_for(cfg).type != "cpu")
+    commits = GroupCommit(run_op, ckpt, publisher, durable=at.version, behind=behind)  # start() left a checkpoint of at.version
     waited, started = 0.0, time.monotonic()
     last: dict[str, float] = {}
     last_ids: list[str] = []
@@ -149,8 +152,9 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     watchdog = asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))
     batches = plane.consumer(plane.names.batch_stream, plane.names.trainer_consumer(policy), Batch)
     keepalive_s = max((await batches.settings()).ack_wait / 3, 0.2)
-    log.info("trainer %s at v%d of lineage %s, training to v%d (%s backend, %s loss, checkpoint every %d versions)", policy,
-             version, at.lineage or "-", at.base + cfg.steps, cfg.backend, cfg.loss.type, cfg.checkpoint_every)
+    log.info("trainer %s at v%d of lineage %s, training to v%d (%s backend, %s loss, checkpoint every %d versions, publish %s)",
+             policy, version, at.lineage or "-", at.base + cfg.steps, cfg.backend, cfg.loss.type, cfg.checkpoint_every,
+             "behind the next step" if behind else "inline")
     settled = False
     asked_at = time.monotonic()
     try:
