@@ -283,7 +283,7 @@ def main(seconds: float, nodes: list[int], threads: int, quick: bool, keep: Path
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=600.0, help="RL wall time of each side, from version 0")
-    ap.add_argument("--nodes", default="2,1", help="rollout nodes of each astraflow up run (the recipe ships 2)")
+    ap.add_argument("--nodes", default="1,2", help="rollout nodes of each astraflow up run (the recipe ships 1)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the SFT and the in-process loop (up's trainer takes "
                                                            "trainer.threads: auto, 1 on 2 cores); see the module docstring")
     ap.add_argument("--quick", action="store_true", help="smoke run: 40 SFT steps, 30 s each side, evaluations every 5 steps")
