@@ -9,8 +9,8 @@ Its SFT warm start is taken once and saved; both sides start from that checkpoin
   with ``--threads`` torch threads (default 1: on the shared 2-core development machine two threads in one
   process thrash, 20 SFT steps took 81.9 s with 2 against 11.6 s with 1 at load ~11); its clock stops while it
   evaluates;
-- ``astraflow up`` as a subprocess with the recipe's defaults (``rollout.nodes``, ``trainer.threads: auto``),
-  then again with one rollout node (``--nodes``), each stopped (SIGINT) ``--seconds`` after version 0 appeared;
+- ``astraflow up`` as a subprocess with the recipe's defaults (one rollout node, ``trainer.threads: auto``), then
+  again with each other node count of ``--nodes``, each stopped (SIGINT) ``--seconds`` after version 0 appeared;
   held-out accuracy and rollouts come from its run directory (``metrics.jsonl``, ``evals.jsonl``, ``pool.jsonl``),
   where its time went from the roles' heartbeats and their CPU seconds (``/proc``) over the same window.
 
@@ -18,7 +18,7 @@ Time is RL time: from version 0 (the checkpoint, evaluated) on. Held-out "at T" 
 evaluations of weights that existed by T (one evaluation of 200 prompts has a standard error of at most 0.035);
 "at equal samples" the same at the fewest samples any side trained on. Output: a rich table, the plot
 ``benchmarks/figures/inprocess.png`` (held-out against RL time and against samples trained) and, as the last
-stdout line, JSON. Run: ``python benchmarks/bench_inprocess.py [--seconds 600] [--nodes 2,1] [--quick]``.
+stdout line, JSON. Run: ``python benchmarks/bench_inprocess.py [--seconds 600] [--nodes 1,2] [--quick]``.
 """
 
 from __future__ import annotations
