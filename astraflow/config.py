@@ -276,8 +276,8 @@ class TrainerConfig(Strict):
     checkpoint_keep: int = Field(2, ge=1)
     """Checkpoints kept on disk (the newest ones)."""
     publish: Literal["auto", "behind", "inline"] = "auto"
-    """When a version is published (the bf16 delta encoded, the state digest and the chunk hashes taken: CPU work; then
-    stored and announced): ``behind`` the next step, which pays where the step leaves the CPU free (a step on a GPU);
+    """When a version is published (the bf16 delta encoded and the state digest taken: CPU work; then stored and
+    announced): ``behind`` the next step, which pays where the step leaves the CPU free (a step on a GPU);
     ``inline``, before the next batch is pulled: on a CPU trainer the step and the publish share the same cores, and
     running them together slows the step by more than it hides (BENCHMARKS.md, "Against the in-process loop").
     ``auto``: behind when the trainer trains on an accelerator, inline on CPU."""

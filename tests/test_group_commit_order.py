@@ -97,8 +97,8 @@ async def test_a_version_is_published_behind_the_next_step_in_order(run_plane: P
 
 
 async def test_inline_publish_returns_once_encoded_and_announces_behind(run_plane: Plane, tmp_path):
-    """``trainer.publish: inline`` (a CPU trainer): publish() returns only once the version's CPU work is done (digest,
-    encoding, chunk hashes), and not later than that: its announcement, which waits on the server, still lands behind."""
+    """``trainer.publish: inline`` (a CPU trainer): publish() returns only once the version's CPU work is done (the digest,
+    the encoding), and not later than that: its announcement, which waits on the server, still lands behind."""
     t = await Trainer(run_plane, tmp_path).start()
     c = t.commits
     c.behind = False

@@ -78,7 +78,7 @@ class GroupCommit:
                       delivery: Delivery[Batch], keep_alive: asyncio.Task[None]) -> None:
         """Announce ``image`` (a copy nothing changes any more) as ``version`` in the background, once the publish in flight
         has landed; its batch (``delivery``, kept alive by ``keep_alive``) is held once this one has landed too. Not
-        ``behind``: return once its CPU work is done (digest, encoding, chunk hashes), so that it does not share the
+        ``behind``: return once its CPU work is done (the digest, the encoding), so that it does not share the
         cores with the next step; its writes and its announcement, which wait on the server, still go on behind."""
         await self.landed()
         encoded = asyncio.Event()

@@ -203,7 +203,7 @@ class WeightPublisher:
         and written. Nothing is announced: :meth:`announce` it next, before anything else is stored (its delta's base is
         the image of the last announcement). ``copy=False``: ``state`` is already a bf16 image that nothing changes any
         more (the trainer's image of a version), taken as it is; it is still checked finite. ``encoded`` is set once the
-        CPU work is done (the digest taken, the payload encoded and hashed) and only the writes are left."""
+        CPU work is done (the digest taken, the payload encoded) and only the writes are left."""
         if not self._seeded:
             await self._seed_history()
         request_rev = await self._keyframe_request_rev()
