@@ -7,9 +7,8 @@ the publisher need not copy it again (it still checks it finite). The image is s
 and announced (``WeightPublisher.store``, ``announce``) in a task while the loop pulls, fetches and steps the next batch;
 the digest, the encoding and the chunk hashing run in threads, which release the GIL, so the publish of v runs beside the
 step of v+1 (it saves time where the step leaves a core idle). ``behind=False`` (``trainer.publish: inline``, the
-default on CPU) waits for that CPU work before the loop goes on, since there the two share the cores and overlapping
-them slows the step by more than it hides; only the writes and the announcement, which wait on the server, go on
-behind. Once v's announcement (the version's commit point)
+default on CPU) waits for the publish before the loop goes on, since there the two share the cores and overlapping
+them slows the step by more than it hides. Once v's announcement (the version's commit point)
 has landed, v's batch is *held*: unacked, kept alive with ``in_progress()`` so the server does not redeliver it.
 Every ``trainer.checkpoint_every`` versions the trainer takes an in-memory snapshot (weights, optimizer, RNG, meta:
 ``Checkpointer.snapshot``) on the loop and writes it from a background thread (temp directory, fsync, atomic rename)
@@ -64,7 +63,7 @@ class GroupCommit:
     def __init__(self, run_op: Collective, ckpt: Checkpointer | None, publisher: WeightPublisher, durable: int,
                  behind: bool = True) -> None:
         self.run_op, self.ckpt, self.publisher = run_op, ckpt, publisher
-        self.behind = behind  # False: publish() returns once the version is encoded (``trainer.publish: inline``)
+        self.behind = behind  # False: publish() returns once the version has landed (``trainer.publish: inline``)
         self.durable = durable  # the newest version a durable checkpoint holds
         self._held: list[Held] = []  # announced, not yet covered by a durable checkpoint; oldest first
         self._publishing: tuple[Held, asyncio.Task[WeightVersion]] | None = None  # the version in flight, with its batch
@@ -78,18 +77,12 @@ class GroupCommit:
                       delivery: Delivery[Batch], keep_alive: asyncio.Task[None]) -> None:
         """Announce ``image`` (a copy nothing changes any more) as ``version`` in the background, once the publish in flight
         has landed; its batch (``delivery``, kept alive by ``keep_alive``) is held once this one has landed too. Not
-        ``behind``: return once its CPU work is done (the digest, the encoding), so that it does not share the
-        cores with the next step; its writes and its announcement, which wait on the server, still go on behind."""
+        ``behind``: return once it has landed (its batch held), so that its work does not share the cores with the
+        next step."""
         await self.landed()
-        encoded = asyncio.Event()
-        task = asyncio.create_task(self._publish(image, version, batch_ids, metrics, encoded))
-        self._publishing = Held(version, delivery, keep_alive), task
+        self._publishing = Held(version, delivery, keep_alive), asyncio.create_task(self._publish(image, version, batch_ids, metrics))
         if not self.behind:
-            waiting = asyncio.create_task(encoded.wait())
-            try:
-                await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)  # a failure: raised by landed()
-            finally:
-                waiting.cancel()
+            await self.landed()
 
     async def landed(self) -> WeightVersion | None:
         """Wait for the publish in flight and hold its batch; its announcement (None: none in flight). A failed publish
@@ -106,8 +99,8 @@ class GroupCommit:
         return ann
 
     async def _publish(self, image: dict[str, torch.Tensor], version: int, batch_ids: list[str],
-                       metrics: dict[str, float], encoded: asyncio.Event) -> WeightVersion:
-        stored = await self.publisher.store(image, version, batch_ids, metrics, copy=False, encoded=encoded)
+                       metrics: dict[str, float]) -> WeightVersion:
+        stored = await self.publisher.store(image, version, batch_ids, metrics, copy=False)
         crash_point("before_announce", version)
         ann = await self.publisher.announce(stored)
         crash_point("after_publish", version)

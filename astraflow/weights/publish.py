@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,12 +84,6 @@ class Stored:
 
 class DeltaTooLarge(RuntimeError):
     """A delta grew past its limit while it was encoded: a keyframe goes out instead."""
-
-
-def then(pieces: Iterable[bytes], done: Callable[[], object]) -> Generator[bytes, None, None]:
-    """``pieces`` passed on, then ``done()`` once they are all out (not when the consumer stops early or one raises)."""
-    yield from pieces
-    done()
 
 
 def capped(pieces: Iterator[bytes], limit: int) -> Generator[bytes, None, None]:
@@ -162,11 +156,10 @@ class WeightPublisher:
         return None
 
     async def _put(self, new: dict[str, torch.Tensor], version: int, force_keyframe: bool,
-                   digest: asyncio.Future[str], encoded: Callable[[], object]) -> tuple[Encoding, ObjectRef, str]:
+                   digest: asyncio.Future[str]) -> tuple[Encoding, ObjectRef, str]:
         """Encode ``new`` while writing it to the object store; (encoding, ref, why). A delta that grows past
         ``max_delta_fraction`` of the full bf16 bytes is dropped as soon as it does (its chunks purged) and
-        a keyframe goes out instead. ``encoded()`` is called (on the encoding thread) once the payload that is
-        kept has been encoded whole: what is left is writing it."""
+        a keyframe goes out instead."""
         objects = self.plane.objects()
 
         async def name(encoding: Encoding) -> str:
@@ -178,13 +171,13 @@ class WeightPublisher:
             full_bytes = sum(t.numel() * t.element_size() for t in new.values())
             encoder = iter_encode_delta(self.image, new)
             try:
-                capped_delta = then(capped(encoder, int(self.max_delta_fraction * full_bytes)), encoded)
+                capped_delta = capped(encoder, int(self.max_delta_fraction * full_bytes))
                 return "delta", await objects.put(name("delta"), capped_delta, self.policy), "delta"
             except DeltaTooLarge:
                 why = f"delta over {self.max_delta_fraction:g} x {full_bytes} B"
             finally:
                 await asyncio.to_thread(encoder.close)  # a dropped encoder's threads stop here
-        return "keyframe", await objects.put(name("keyframe"), then(iter_encode_keyframe(new), encoded), self.policy), why
+        return "keyframe", await objects.put(name("keyframe"), iter_encode_keyframe(new), self.policy), why
 
     # ------------------------------------------------------------------ publish
     async def publish(
@@ -197,13 +190,11 @@ class WeightPublisher:
     async def store(
         self, state: Mapping[str, torch.Tensor], version: int, batch_ids: list[str] | None = None,
         metrics: dict[str, float] | None = None, force_keyframe: bool = False, copy: bool = True,
-        encoded: asyncio.Event | None = None,
     ) -> Stored:
         """Everything before the commit point: a bf16 copy of ``state``, checked finite, its digest, the payload encoded
         and written. Nothing is announced: :meth:`announce` it next, before anything else is stored (its delta's base is
         the image of the last announcement). ``copy=False``: ``state`` is already a bf16 image that nothing changes any
-        more (the trainer's image of a version), taken as it is; it is still checked finite. ``encoded`` is set once the
-        CPU work is done (the digest taken, the payload encoded) and only the writes are left."""
+        more (the trainer's image of a version), taken as it is; it is still checked finite."""
         if not self._seeded:
             await self._seed_history()
         request_rev = await self._keyframe_request_rev()
@@ -214,21 +205,10 @@ class WeightPublisher:
             raise NonFiniteWeights(f"weights {self.policy} v{version}: {len(bad)} tensors hold NaN or inf ({', '.join(bad[:3])}); "
                                    "not published")
         digesting = asyncio.ensure_future(asyncio.to_thread(state_digest, new))  # releases the GIL: overlaps the encoding
-        loop, payload_encoded = asyncio.get_running_loop(), asyncio.Event()
-
-        async def signal_encoded() -> None:
-            await payload_encoded.wait()
-            await asyncio.gather(digesting, return_exceptions=True)
-            if encoded is not None:
-                encoded.set()
-
-        signalling = asyncio.create_task(signal_encoded())
         try:
-            encoding, ref, why = await self._put(new, version, force_keyframe or requested, digesting,
-                                                 lambda: loop.call_soon_threadsafe(payload_encoded.set))
+            encoding, ref, why = await self._put(new, version, force_keyframe or requested, digesting)
         finally:
             await asyncio.gather(digesting, return_exceptions=True)
-            signalling.cancel()
         digest = digesting.result()
         if requested and why == "forced" and not force_keyframe:
             why = "requested"
