@@ -76,13 +76,17 @@ def test_a_role_starts_and_restarts_at_its_cpu_priority(sup: Supervisor, tmp_pat
 def test_up_yields_the_cores_of_generation_to_the_trainers(tmp_path: Path):
     from astraflow.config import parse_recipe
     from astraflow.launch.rundir import RunDir
-    from astraflow.launch.up import role_specs
+    from astraflow.launch.up import added_node, role_specs
 
     recipe = parse_recipe({"name": "t", "policies": ["solver", "verifier"], "rollout": {"nodes": 2, "nice": 12}})
     nice = {s.name: s.nice for s in role_specs(recipe, RunDir(tmp_path / "run"), None)}
     assert nice == {"trainer-solver": 0, "trainer-verifier": 0, "dataflow": 0, "evaluator": 12, "rollout-0": 12, "rollout-1": 12}
     default = parse_recipe({"name": "t"})
     assert {s.name: s.nice for s in role_specs(default, RunDir(tmp_path / "run"), None)}["rollout-0"] == default.rollout.nice > 0
+    specs = role_specs(recipe, RunDir(tmp_path / "run"), 9000)
+    added = added_node(recipe, specs)("rollout-7")  # what --autoscale starts: the first node's spec, renamed
+    assert (added.name, added.role, added.nice, added.args) == ("rollout-7", "rollout", 12, specs[-2].args)
+    assert added_node(parse_recipe({"name": "t", "rollout": {"nodes": 0, "nice": 5}}), [])("rollout-0").nice == 5
 
 
 def test_a_crash_loop_stops_with_the_log_tail(sup: Supervisor):

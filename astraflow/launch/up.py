@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import resource
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +132,13 @@ def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None) ->
     return specs
 
 
+def added_node(recipe: Recipe, specs: list[RoleSpec]) -> Callable[[str], RoleSpec]:
+    """The spec of a rollout node ``--autoscale`` adds under a name: the first node's, renamed (its arguments, its
+    CPU priority)."""
+    first = next((s for s in specs if s.role == "rollout"), RoleSpec("rollout-0", "rollout", nice=recipe.rollout.nice))
+    return lambda name: dataclasses.replace(first, name=name)
+
+
 def prepare(recipe: Recipe, rundir: RunDir, resume: bool) -> Recipe:
     """Write the resolved recipe (``trainer.threads`` and ``sft.threads`` on ``auto`` made their shares of this machine's
     free cores); on resume show what changed against the stored one (and apply it)."""
@@ -159,9 +168,7 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
         sup.start(spec)
     pool = None
     if autoscale:
-        rollout_spec = next((s for s in specs if s.role == "rollout"), RoleSpec("rollout-0", "rollout", nice=recipe.rollout.nice))
-        pool = LocalPool(sup, lambda name: RoleSpec(name, "rollout", rollout_spec.args, nice=rollout_spec.nice),
-                         max_nodes=recipe.dataflow.autoscale.max_nodes)
+        pool = LocalPool(sup, added_node(recipe, specs), max_nodes=recipe.dataflow.autoscale.max_nodes)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 class TrainerBackend(Protocol):
     rank: int  # this process's rank (0 talks to the plane)
     world_size: int  # processes training together (data parallel)
+    device: torch.device  # where it trains
 
     def step(self, batch: TrainingBatch) -> dict[str, float]:
         """One optimizer step on the whole batch (micro-batches accumulate); returns its metrics."""

@@ -62,7 +62,6 @@ from astraflow.train.group_commit import GroupCommit
 from astraflow.train.resume import start
 from astraflow.train.sft import sft
 from astraflow.train.threads import threads_for
-from astraflow.train.torch_backend import device_for
 from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan
 from astraflow.weights.finite import non_finite
 from astraflow.weights.publish import WeightPublisher
@@ -131,7 +130,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
         log.warning("%s: trainer.%s is %g in the recipe, %g in the checkpoint: %g from the next step on", policy, key, now, was, now)
     version, trained = at.version, list(at.trained)
     seen = set(trained)
-    behind = cfg.publish == "behind" or (cfg.publish == "auto" and device_for(cfg).type != "cpu")
+    behind = cfg.publish == "behind" or (cfg.publish == "auto" and run_op.backend.device.type != "cpu")
     commits = GroupCommit(run_op, ckpt, publisher, durable=at.version, behind=behind)  # start() left a checkpoint of at.version
     waited, started = 0.0, time.monotonic()
     last: dict[str, float] = {}
