@@ -285,6 +285,14 @@ class TrainerConfig(Strict):
     """torch threads of the trainer; ``auto``: the cores its process may run on (``os.sched_getaffinity``) less those
     the other roles ``astraflow up`` starts on the machine take (train/threads.py). Resuming exactly needs the same
     count: ``up`` writes the number it chose into the run's recipe.yaml."""
+    cores: list[Annotated[int, Field(ge=0)]] | Literal["auto", "shared"] = "auto"
+    """CPUs the trainer runs on once its warm start is done (the warm start takes every usable core). ``auto``: under
+    ``astraflow up`` on a CPU-only machine, ``threads`` cores of its own, which up keeps every other role (nodes,
+    evaluator, dataflow, nats-server) off, when the cores left hold every node's ``rollout.threads``; else ``shared``
+    (train/threads.py). A step preempted by generation slows the whole loop; a trainer alone on its core runs its step
+    as fast as the in-process loop does (BENCHMARKS.md, "Against the in-process loop"). ``shared``: no pinning (a
+    rollout-bound run on few cores, where generation should have the trainer's idle time). A list: those CPUs, kept
+    from the other roles too. ``up`` writes what it chose into the run's recipe.yaml."""
     seed: int = 0
 
     @field_validator("plugins")
@@ -292,6 +300,13 @@ class TrainerConfig(Strict):
     def _import_plugins(cls, paths: list[str]) -> list[str]:
         load_plugins(paths)
         return paths
+
+    @field_validator("cores")
+    @classmethod
+    def _cores_listed_once(cls, cores: list[int] | str) -> list[int] | str:
+        if isinstance(cores, list) and (not cores or len(set(cores)) != len(cores)):
+            raise ValueError(f"cores must name at least one CPU, each once: {cores}")
+        return cores
 
 
 class EvalConfig(Strict):

@@ -89,6 +89,48 @@ def test_up_yields_the_cores_of_generation_to_the_trainers(tmp_path: Path):
     assert added_node(parse_recipe({"name": "t", "rollout": {"nodes": 0, "nice": 5}}), [])("rollout-0").nice == 5
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_a_role_starts_and_restarts_on_its_cores(sup: Supervisor, tmp_path: Path):
+    last = max(os.sched_getaffinity(0))
+    node = sup.start(RoleSpec("rollout-0", "rollout", ("sleep",), cores=(last,)))
+    anywhere = sup.start(RoleSpec("dataflow", "dataflow", ("sleep",)))
+    poll_until(sup, lambda: "up\n" in (tmp_path / "rollout-0.log").read_text())
+    assert os.sched_getaffinity(node.proc.pid) == {last}
+    assert os.sched_getaffinity(anywhere.proc.pid) == os.sched_getaffinity(0)
+    os.kill(node.proc.pid, signal.SIGKILL)
+    poll_until(sup, lambda: node.restarts == 1 and node.alive())
+    assert os.sched_getaffinity(node.proc.pid) == {last}
+
+
+def test_up_keeps_every_role_but_the_trainer_off_its_cores(tmp_path: Path):
+    from astraflow.config import parse_recipe
+    from astraflow.launch.rundir import RunDir
+    from astraflow.launch.up import added_node, role_specs
+    from astraflow.train.threads import with_core_plan, with_thread_counts
+
+    recipe = with_core_plan(with_thread_counts(parse_recipe({"name": "t", "rollout": {"nodes": 1}}), 4), [0, 1, 2, 3], False)
+    assert recipe.policies["solver"].trainer.cores == [2, 3]  # 4 cores - 1 node - the evaluator
+    specs = role_specs(recipe, RunDir(tmp_path / "run"), None, cores=[0, 1, 2, 3])
+    assert {s.name: s.cores for s in specs} == {"trainer-solver": (0, 1, 2, 3), "dataflow": (0, 1), "evaluator": (0, 1),
+                                                 "rollout-0": (0, 1)}  # the trainer warm-starts on all, then pins itself
+    assert added_node(recipe, specs)("rollout-5").cores == (0, 1)
+    shared = parse_recipe({"name": "t", "trainer": {"cores": "shared"}})
+    assert {s.cores for s in role_specs(shared, RunDir(tmp_path / "run"), None, cores=[0, 1, 2, 3])} == {None}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_the_embedded_server_runs_on_the_cores_it_is_given(tmp_path: Path):
+    from astraflow.streams.server import EmbeddedServer
+
+    last = max(os.sched_getaffinity(0))
+    server = EmbeddedServer(tmp_path, cores=(last,)).start()
+    try:
+        assert server.proc is not None
+        assert all(os.sched_getaffinity(int(t)) == {last} for t in os.listdir(f"/proc/{server.proc.pid}/task"))
+    finally:
+        server.stop()
+
+
 def test_a_crash_loop_stops_with_the_log_tail(sup: Supervisor):
     sup.start(RoleSpec("trainer-solver", "trainer", ("exit", "1"), finishes=True))
     with pytest.raises(CrashLoop, match="trainer-solver crashed 4 times") as e:

@@ -1,11 +1,25 @@
-"""trainer.threads: auto takes the cores the other roles of ``astraflow up`` leave free; sft.threads: auto takes them all."""
+"""trainer.threads: auto takes the cores the other roles of ``astraflow up`` leave free; sft.threads: auto takes them all;
+trainer.cores: auto gives a CPU trainer those cores as its own, and the other roles run on the rest."""
 
 from __future__ import annotations
+
+import os
+import threading
 
 import pytest
 
 from astraflow.config import parse_recipe
-from astraflow.train.threads import sft_threads, threads_for, trainer_threads, usable_cores, with_thread_counts
+from astraflow.train.threads import (
+    pin,
+    sft_threads,
+    shared_cores,
+    threads_for,
+    trainer_threads,
+    usable_core_ids,
+    usable_cores,
+    with_core_plan,
+    with_thread_counts,
+)
 
 
 def test_auto_shares_what_the_nodes_and_the_evaluator_leave():
@@ -48,3 +62,64 @@ def test_a_bad_count_fails_at_load_with_the_field_named():
         parse_recipe({"name": "t", "trainer": {"threads": 0}})
     with pytest.raises(ValueError, match="threads"):
         parse_recipe({"name": "t", "sft": {"threads": 0}})
+
+
+def plan(spec: dict, cores: list[int], accelerator: bool = False) -> dict[str, object]:
+    recipe = with_core_plan(with_thread_counts(parse_recipe({"name": "t", **spec}), len(cores)), cores, accelerator)
+    return {p: cfg.trainer.cores for p, cfg in recipe.policies.items()} | {"shared": shared_cores(recipe, cores)}
+
+
+def test_a_cpu_trainer_gets_cores_of_its_own_and_the_other_roles_the_rest():
+    assert plan({"rollout": {"nodes": 1}}, [0, 1]) == {"solver": [1], "shared": [0]}  # 1 thread: the node and the rest on CPU 0
+    assert plan({"rollout": {"nodes": 2}, "eval": {"enabled": False}}, list(range(8))) == {"solver": [2, 3, 4, 5, 6, 7], "shared": [0, 1]}
+    two = plan({"policies": ["solver", "verifier"], "rollout": {"nodes": 1}, "eval": {"enabled": False}}, [4, 5, 6, 7, 8, 9, 10])
+    assert two == {"solver": [8, 9, 10], "verifier": [5, 6, 7], "shared": [4]}  # (7 - 1 node) // 2 threads each
+
+
+def test_no_core_of_its_own_where_the_nodes_would_not_fit_or_the_step_runs_on_an_accelerator():
+    assert plan({"rollout": {"nodes": 2}}, [0, 1]) == {"solver": "shared", "shared": None}  # two nodes on one core: no
+    assert plan({"rollout": {"nodes": 1}}, [0]) == {"solver": "shared", "shared": None}
+    assert plan({"rollout": {"nodes": 1}}, list(range(16)), accelerator=True) == {"solver": "shared", "shared": None}
+    assert plan({"rollout": {"nodes": 1}, "trainer": {"cores": "shared"}}, [0, 1]) == {"solver": "shared", "shared": None}
+
+
+def test_cores_listed_by_hand_are_kept_and_kept_from_the_other_roles():
+    listed = plan({"policies": {"solver": {"trainer": {"cores": [0]}}, "verifier": {}}, "rollout": {"nodes": 1},
+                   "eval": {"enabled": False}}, [0, 1, 2, 3])
+    assert listed["solver"] == [0] and listed["verifier"] == [3] and listed["shared"] == [1, 2]
+
+
+def test_bad_cores_fail_at_load_or_at_the_pin_with_the_field_named():
+    for bad in ([], [1, 1], [-1], "all"):
+        with pytest.raises(ValueError, match="cores"):
+            parse_recipe({"name": "t", "trainer": {"cores": bad}})
+    with pytest.raises(ValueError, match="cannot run on CPUs"):
+        pin([4096])  # no such CPU: nothing changes
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_pin_moves_every_thread_and_the_threads_started_later():
+    before = usable_core_ids()
+    ready, done = threading.Event(), threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def early() -> None:
+        ready.set()
+        done.wait(10)
+        seen["early"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=early)
+    t.start()
+    ready.wait(10)
+    try:
+        assert pin([before[-1]])
+        late = threading.Thread(target=lambda: seen.setdefault("late", os.sched_getaffinity(0)))
+        late.start()
+        late.join(10)
+        done.set()
+        t.join(10)
+        assert seen == {"early": {before[-1]}, "late": {before[-1]}} and os.sched_getaffinity(0) == {before[-1]}
+    finally:
+        done.set()
+        pin(before)
+    assert usable_core_ids() == before

@@ -31,13 +31,15 @@ State = Literal["running", "backoff", "done", "retired", "failed"]
 _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
 
 
-def _child_setup(nice: int) -> Callable[[], None]:
-    """The preexec hook of a role started at CPU priority ``nice``."""
+def _child_setup(nice: int, cores: tuple[int, ...] | None = None) -> Callable[[], None]:
+    """The preexec hook of a role started at CPU priority ``nice``, on ``cores`` (None: wherever it may run)."""
 
     def setup() -> None:
         _hangup_with_parent()
         if nice:
             os.nice(nice)  # a system call of the already loaded interpreter, like those below
+        if cores is not None:
+            os.sched_setaffinity(0, cores)  # the child is one thread here: every thread it starts inherits it
 
     return setup
 
@@ -59,6 +61,7 @@ class RoleSpec:
     args: tuple[str, ...] = ()
     finishes: bool = False  # exit 0 means done (trainer, evaluator): not restarted
     nice: int = 0  # CPU priority it starts at (its threads inherit it): > 0 yields the cores to the roles at 0
+    cores: tuple[int, ...] | None = None  # the CPUs it runs on (None: any it may)
 
 
 @dataclass
@@ -135,7 +138,7 @@ class Supervisor:
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {note} ===\n".encode())
             f.flush()
             return subprocess.Popen(self.command(spec), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_child_setup(spec.nice), env={**self.env, "PYTHONUNBUFFERED": "1"})
+                                    preexec_fn=_child_setup(spec.nice, spec.cores), env={**self.env, "PYTHONUNBUFFERED": "1"})
 
     def start(self, spec: RoleSpec) -> Child:
         log = self.log_for(spec.name)

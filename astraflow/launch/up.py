@@ -37,7 +37,7 @@ from astraflow.streams.messages import HEARTBEAT_PERIOD_S
 from astraflow.streams.permissions import Scope, render_accounts
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
-from astraflow.train.threads import usable_cores, with_thread_counts
+from astraflow.train.threads import pin, shared_cores, usable_core_ids, usable_cores, with_core_plan, with_thread_counts
 
 console = Console()
 
@@ -71,7 +71,8 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
-def start_server(rundir: RunDir, recipe: Recipe, listen: str | None) -> tuple[EmbeddedServer, dict[str, Credential]]:
+def start_server(rundir: RunDir, recipe: Recipe, listen: str | None,
+                 cores: tuple[int, ...] | None = None) -> tuple[EmbeddedServer, dict[str, Credential]]:
     """The run's embedded server with authentication, on the address it had before when it can."""
     address_file = rundir.nats / "address"
     host, _, port = (listen or "127.0.0.1:-1").rpartition(":")
@@ -92,7 +93,7 @@ def start_server(rundir: RunDir, recipe: Recipe, listen: str | None) -> tuple[Em
     extra = render_accounts(server_users(creds, policies), Scope(rundir.run, policies, (recipe.rollout.pool,)))
     if tls:
         extra += f'tls {{ cert_file: "{tls.cert_file}", key_file: "{tls.key_file}" }}\n'
-    server = EmbeddedServer(rundir.path, extra, listen=f"{host}:{port}", scheme="tls" if tls else "nats").start()
+    server = EmbeddedServer(rundir.path, extra, listen=f"{host}:{port}", scheme="tls" if tls else "nats", cores=cores).start()
     address_file.write_text(f"{host}:{server.port}")
     url = server.url
     creds = issue(rundir.credentials, rundir.run, policies, url=url, tls_ca_pem=tls.ca_pem if tls else None)
@@ -115,21 +116,42 @@ def join_command(rundir: RunDir, url: str, secured: bool) -> str:
     return f"astraflow worker rollout --recipe {rundir.recipe} --nats {redact(url)} --run {rundir.run}"
 
 
-def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None) -> list[RoleSpec]:
-    """``metrics_port_base``: fixed ports BASE+offset; 0: every role on a free port (listed in ``prometheus_targets.json``)."""
+def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None, cores: list[int] | None = None) -> list[RoleSpec]:
+    """``metrics_port_base``: fixed ports BASE+offset; 0: every role on a free port (listed in ``prometheus_targets.json``).
+    ``cores``: the machine's usable CPUs (default: this process's)."""
 
     def metrics(offset: int) -> tuple[str, ...]:
         if metrics_port_base is None:
             return ()
         return ("--metrics-port", str(metrics_port_base + offset if metrics_port_base else 0))
 
+    cores = usable_core_ids() if cores is None else cores
+    shared = role_cores(recipe, cores)
+    every = tuple(cores) if shared is not None else None  # the launcher runs on the shared cores, its trainers may not
     specs = [RoleSpec(f"trainer-{p}", "trainer", ("--policy", p, "--checkpoint-dir", str(rundir.checkpoints(p)), *metrics(i)),
-                      finishes=True) for i, p in enumerate(recipe.policy_names)]
-    specs.append(RoleSpec("dataflow", "dataflow", metrics(20)))
+                      finishes=True, cores=every) for i, p in enumerate(recipe.policy_names)]  # pinned after the warm start
+    specs.append(RoleSpec("dataflow", "dataflow", metrics(20), cores=shared))
     if recipe.eval.enabled:
-        specs.append(RoleSpec("evaluator", "evaluator", metrics(10), finishes=True, nice=recipe.rollout.nice))
-    specs += [RoleSpec(f"rollout-{i}", "rollout", metrics(30 + i), nice=recipe.rollout.nice) for i in range(recipe.rollout.nodes)]
+        specs.append(RoleSpec("evaluator", "evaluator", metrics(10), finishes=True, nice=recipe.rollout.nice, cores=shared))
+    specs += [RoleSpec(f"rollout-{i}", "rollout", metrics(30 + i), nice=recipe.rollout.nice, cores=shared)
+              for i in range(recipe.rollout.nodes)]
     return specs
+
+
+def role_cores(recipe: Recipe, cores: list[int]) -> tuple[int, ...] | None:
+    """The CPUs every role but the trainers runs on (None: any): the usable ``cores`` less those the resolved
+    ``recipe`` gives its trainers (``trainer.cores``)."""
+    shared = shared_cores(recipe, cores)
+    return tuple(shared) if shared is not None else None
+
+
+def trains_on_accelerator(recipe: Recipe) -> bool:
+    """Whether a trainer of ``recipe`` would train on an accelerator on this machine (then no core is its own: its step
+    runs there, and the roles beside it, an SGLang server among them, keep every core)."""
+    import torch  # lazy: the launcher imports the model stack only once it runs
+
+    return torch.cuda.is_available() and any(cfg.trainer.backend == "deepspeed" or cfg.trainer.device != "cpu"
+                                             for cfg in recipe.policies.values())
 
 
 def added_node(recipe: Recipe, specs: list[RoleSpec]) -> Callable[[str], RoleSpec]:
@@ -141,8 +163,10 @@ def added_node(recipe: Recipe, specs: list[RoleSpec]) -> Callable[[str], RoleSpe
 
 def prepare(recipe: Recipe, rundir: RunDir, resume: bool) -> Recipe:
     """Write the resolved recipe (``trainer.threads`` and ``sft.threads`` on ``auto`` made their shares of this machine's
-    free cores); on resume show what changed against the stored one (and apply it)."""
+    free cores, ``trainer.cores`` on ``auto`` the trainers' own cores or ``shared``); on resume show what changed
+    against the stored one (and apply it)."""
     recipe = with_thread_counts(recipe, usable_cores())
+    recipe = with_core_plan(recipe, usable_core_ids(), trains_on_accelerator(recipe))
     rundir.prepare()
     if resume:
         if not rundir.exists():
@@ -244,10 +268,14 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     rundir = RunDir(Path(run_dir))
     recipe = prepare(recipe, rundir, resume)
     session = rundir.begin_session()
+    cores = usable_core_ids()
+    shared = role_cores(recipe, cores)
+    if shared is not None:  # the launcher too (this process: ``up`` is a command), and what it starts unless told otherwise
+        pin(list(shared))
     server = None
     creds: dict[str, Credential] | None = None
     if nats_url is None:
-        server, creds = start_server(rundir, recipe, listen)
+        server, creds = start_server(rundir, recipe, listen, shared)
         url = server.url
         opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"))
     else:
@@ -260,13 +288,17 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"), url=url) if creds else NatsOptions(url=url)
     where = "embedded, authenticated" if server else "external"
     console.print(f"[bold]AstraFlow[/] run [cyan]{rundir.run}[/] (session {session}) on {redact(url)} ({where} nats-server)")
+    if shared is not None:
+        own = ", ".join(f"trainer {p} on CPUs {cfg.trainer.cores}" for p, cfg in recipe.policies.items()
+                        if isinstance(cfg.trainer.cores, list))
+        console.print(f"cores: {own}; every other role on CPUs {list(shared)} (trainer.cores)")
 
     def record_restart(child: Child) -> None:
         rundir.append("restarts.jsonl", {"session": session, "role": child.name, "after": exit_text(child.last_exit), "ts": time.time()})
 
     sup = Supervisor(lambda spec: worker_command(rundir, url, creds, spec), lambda name: rundir.log(name, session),
                      env={k: v for k, v in os.environ.items() if k != "NATS_PASSWORD"}, on_restart=record_restart)
-    specs = role_specs(recipe, rundir, metrics_port_base)
+    specs = role_specs(recipe, rundir, metrics_port_base, cores)
     outcome, summary = "failed", {}
     try:
         outcome = asyncio.run(supervise(recipe, rundir, opts, sup, specs, timeout, autoscale,

@@ -34,7 +34,7 @@ from typing import Any
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.models import encode_prompt, load_tokenizer, model_limits
-from astraflow.rollout.engines.base import SamplingParams, StaleWeights, close_engine
+from astraflow.rollout.engines.base import SamplingParams, StaleWeights, close_engine, expect_callers
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.outbox import Outbox
 from astraflow.rollout.rewards import get_reward
@@ -278,6 +278,8 @@ class RolloutNode:
             log.info("rollout node %s joined pool %s (region %r, %s) at %s", self.worker_id, self.pool, self.region,
                      self.hardware, {p: s.version for p, s in self.syncs.items()})
             self.slots = Slots(self.recipe.rollout.tasks_per_generate, ack_wait / 3)
+            for handle in self.handles.values():  # every slot may call every policy
+                expect_callers(handle.engine, self.slots.size)
             async with self.slots.kept_alive():
                 await self._admit_while_running(tasks, self.slots, stop, max_deliver)
         finally:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MAX_PAYLOAD = 8 * 1024 * 1024
@@ -41,6 +42,17 @@ def _die_with_parent() -> None:
     into the already loaded libc runs between fork and exec: safe in a threaded parent."""
     if _LIBC is not None:
         _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def _server_setup(cores: tuple[int, ...] | None) -> Callable[[], None]:
+    """preexec hook of the server: it dies with its parent, and runs on ``cores`` (None: wherever it may)."""
+
+    def setup() -> None:
+        _die_with_parent()
+        if cores is not None:
+            os.sched_setaffinity(0, cores)  # one thread before exec: the server's threads inherit it
+
+    return setup
 
 
 def render_config(store_dir: Path, ports_dir: Path, extra: str = "", listen: str = "127.0.0.1:-1") -> str:
@@ -87,8 +99,9 @@ class EmbeddedServer:
     """
 
     def __init__(self, run_dir: Path | str, extra_config: str = "", *, config_text: str | None = None, listen: str = "127.0.0.1:-1",
-                 scheme: str = "nats") -> None:
+                 scheme: str = "nats", cores: tuple[int, ...] | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.cores = cores  # the CPUs the server runs on (None: any it may)
         self.extra_config = extra_config
         self.config_text = config_text
         self.listen = listen
@@ -126,7 +139,7 @@ class EmbeddedServer:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_server_setup(self.cores),
         )
         log.close()
         self.port = self._wait_ready(ports, timeout)

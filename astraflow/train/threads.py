@@ -12,6 +12,10 @@ that warm-start share all the cores: ``max(1, cores // trainers warm-starting)``
 ``up`` writes the numbers into the run's ``recipe.yaml``, so a restarted trainer runs with the same count (its
 floating-point sums, and so its resumed weights, depend on it). A trainer started alone (``astraflow worker
 trainer``) takes every core it may run on.
+
+Where the cores go (``trainer.cores``): on a CPU-only machine ``up`` gives each trainer on ``auto`` its ``threads``
+cores of its own (the last ones), when the cores left over still hold every node's ``rollout.threads``; every other
+role runs on those left over (``shared_cores``). A trainer pins itself once its warm start is done (``pin``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # no affinity on this platform
         return max(1, os.cpu_count() or 1)
+
+
+def usable_core_ids() -> list[int]:
+    """The CPUs this process may run on, in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return list(range(os.cpu_count() or 1))
 
 
 def trainer_threads(recipe: Recipe, cores: int) -> dict[str, int]:
@@ -59,6 +71,53 @@ def with_thread_counts(recipe: Recipe, cores: int) -> Recipe:
             cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"threads": warm[p]})})
         policies[p] = cfg
     return recipe.model_copy(update={"policies": policies})
+
+
+def with_core_plan(recipe: Recipe, cores: list[int], accelerator: bool) -> Recipe:
+    """``recipe`` with every ``trainer.cores: auto`` resolved for ``up`` on ``cores`` (after ``with_thread_counts``):
+    its ``threads`` cores of its own, taken from the end of ``cores`` past those listed by hand, when none trains on
+    an accelerator and the cores left hold every node's threads; else ``shared``."""
+    auto = [p for p, cfg in recipe.policies.items() if cfg.trainer.cores == "auto"]
+    if not auto:
+        return recipe
+    taken = {c for cfg in recipe.policies.values() if isinstance(cfg.trainer.cores, list) for c in cfg.trainer.cores}
+    free = [c for c in cores if c not in taken]
+    wanted = sum(int(recipe.policies[p].trainer.threads) for p in auto)  # ints after with_thread_counts
+    nodes = recipe.rollout.threads * recipe.rollout.nodes
+    room = not accelerator and len(free) - wanted >= max(1, nodes)
+    policies = {}
+    for p, cfg in recipe.policies.items():
+        if p in auto:
+            mine: list[int] | str = "shared"
+            if room:
+                n = int(cfg.trainer.threads)
+                mine, free = free[len(free) - n:], free[:len(free) - n]
+            cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"cores": mine})})
+        policies[p] = cfg
+    return recipe.model_copy(update={"policies": policies})
+
+
+def shared_cores(recipe: Recipe, cores: list[int]) -> list[int] | None:
+    """The cores every role but the trainers runs on under ``up``: ``cores`` less those trainers hold as their own
+    (None: no trainer holds any, or none would be left; nothing is pinned)."""
+    held = {c for cfg in recipe.policies.values() if isinstance(cfg.trainer.cores, list) for c in cfg.trainer.cores}
+    rest = [c for c in cores if c not in held]
+    return rest if held and rest else None
+
+
+def pin(cores: list[int]) -> bool:
+    """Run every thread of this process, and those it starts later (they inherit it), on ``cores``. False where
+    the platform has no CPU affinity."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+        except OSError as e:  # none of them is a CPU this machine (or its cpuset) lets it run on
+            raise ValueError(f"cannot run on CPUs {cores}: {e}") from None
+    return True
 
 
 def threads_for(threads: int | str) -> int:

@@ -61,7 +61,7 @@ from astraflow.train.distributed import Collective, barrier_for
 from astraflow.train.group_commit import GroupCommit
 from astraflow.train.resume import start
 from astraflow.train.sft import sft
-from astraflow.train.threads import threads_for
+from astraflow.train.threads import pin, threads_for
 from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan
 from astraflow.weights.finite import non_finite
 from astraflow.weights.publish import WeightPublisher
@@ -96,7 +96,10 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
         log.info("SFT warm start: %d steps in %.0f s on %d threads, last loss %.3f", pcfg.sft.steps, time.perf_counter() - t0,
                  torch.get_num_threads(), loss)
     torch.set_num_threads(threads_for(cfg.threads))
-    log.info("training on %d torch threads", torch.get_num_threads())
+    if isinstance(cfg.cores, list) and pin(cfg.cores):  # after the warm start, which takes every core
+        log.info("training on %d torch threads, on CPUs %s", torch.get_num_threads(), cfg.cores)
+    else:
+        log.info("training on %d torch threads", torch.get_num_threads())
     backend = build_backend(cfg.backend, model, tokenizer, cfg, temperature=recipe.rollout.temperature)
     ckpt = None
     if checkpoint_dir is not None:

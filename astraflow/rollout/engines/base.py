@@ -62,6 +62,13 @@ class Engine(Protocol):
         """The engine's current weights by name (what the node last applied, for remote engines)."""
 
 
+def expect_callers(engine: Any, n: int) -> None:
+    """Tell an engine that batches concurrent calls itself (``hf``) that ``n`` threads call it at once, if it asks."""
+    expect = getattr(engine, "expect_callers", None)
+    if callable(expect):
+        expect(n)
+
+
 def close_engine(engine: Any) -> None:
     """Release what an engine holds (a launched server, a staging directory), if it has anything."""
     close = getattr(engine, "close", None)

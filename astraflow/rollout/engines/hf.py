@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,18 +41,22 @@ class HFEngine:
 
     The behaviour logprob is ``log_softmax(logits / T)`` of the sampled token: the distribution
     the token was actually drawn from (top-p aside), which the trainer recomputes the same way.
-    A lock keeps ``generate`` and ``load_state`` apart, so a token's version is always the
-    version of the weights that produced it.
+    The engine runs one batch or one weight load at a time (``_busy``, under a monitor), so a
+    token's version is always the version of the weights that produced it.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, device: str = "cpu") -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, device: str = "cpu", gather: float = 0.5) -> None:
         self.model: Any = model.to(device).eval()  # a transformers causal LM (generate)
         self.tokenizer = tokenizer
         self.device = device
+        self.gather = gather
         self._version = -1
-        self._lock = threading.Lock()  # one batch or one weight load at a time
+        self._engine = threading.Condition()  # guards the state below; the model itself runs outside it
+        self._busy = False  # a batch or a weight load runs: one at a time
         self._waiting: list[_Call] = []  # calls queued for the next batch
-        self._waiting_lock = threading.Lock()
+        self._free_since = 0.0  # monotonic time the last batch or load ended
+        self._batch_s = 0.0  # wall time of the last batch
+        self._callers = 1  # threads that call at once (a node's slots: ``expect_callers``)
 
     @property
     def version(self) -> int:
@@ -65,10 +71,24 @@ class HFEngine:
         missing = set(own) - set(state)
         if missing:
             raise ValueError(f"weight version {version} lacks {sorted(missing)[:3]}…")
-        with self._lock:
+        with self._held():
             for name, tensor in own.items():
                 tensor.copy_(state[name])
             self._version = version
+
+    @contextmanager
+    def _held(self) -> Iterator[None]:
+        """Hold the engine (no batch, no other load) for the block: a load waits for the batch in flight."""
+        with self._engine:
+            self._engine.wait_for(lambda: not self._busy)
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._engine:
+                self._busy = False
+                self._free_since = time.monotonic()
+                self._engine.notify_all()
 
     def set_version(self, version: int) -> None:
         self._version = version
@@ -79,21 +99,53 @@ class HFEngine:
         A node runs one workflow call per generation slot, so calls arrive concurrently. The thread
         that gets the engine next generates every call waiting at that moment (one batched
         ``generate`` per distinct sampling params), so concurrent slots share batches on CPU as one
-        pulled batch did; a call that arrives while a batch runs joins the next one.
+        pulled batch did; a call that arrives while a batch runs joins the next one, and a batch
+        short of the last ones' callers waits a little for them (``_gather_wait``).
         """
         if not requests:
             return []
         call = _Call(requests)
-        with self._waiting_lock:
+        with self._engine:
             self._waiting.append(call)
-        with self._lock:
-            if not call.done:
-                with self._waiting_lock:
-                    batch, self._waiting = self._waiting, []
-                self._run(batch)
+            self._engine.notify_all()
+            while not call.done:
+                wait = self._gather_wait()
+                if wait > 0:
+                    self._engine.wait(wait)
+                    continue
+                batch, self._waiting, self._busy = self._waiting, [], True
+                self._engine.release()  # generate outside the monitor: new calls queue meanwhile
+                t0 = time.monotonic()
+                try:
+                    self._run(batch)
+                finally:
+                    self._engine.acquire()
+                    self._busy = False
+                    self._free_since = time.monotonic()
+                    self._batch_s = self._free_since - t0
+                    self._engine.notify_all()
         if call.error is not None:
             raise call.error
         return [call.out[i] for i in range(len(requests))]
+
+    def expect_callers(self, n: int) -> None:
+        """``n`` threads call ``generate`` at once (a node's generation slots): a batch waits a little for all of them."""
+        with self._engine:
+            self._callers = max(1, n)
+
+    def _gather_wait(self) -> float:
+        """Seconds to wait before the next batch starts (0: start it now; called holding the monitor).
+
+        A batch waits while the engine is busy. Once the engine is free, a batch short of the expected callers waits
+        for the rest up to ``gather`` x the last batch's time. A node's slots re-admit their next task some ms after
+        their batch ends (publish, pull, weight load); starting whoever came first alone splits one batch into two for
+        good, each half ending while the other runs. On CPU, 8 + 56 sequences cost 1.3x the CPU of 64 in one batch.
+        """
+        if self._busy:
+            return 1.0  # woken when it ends
+        if not self._waiting or len(self._waiting) >= self._callers:
+            return 0.0
+        return max(0.0, self._free_since + self.gather * self._batch_s - time.monotonic())
 
     def _run(self, calls: list[_Call]) -> None:
         """Generate every call of ``calls`` (under the engine lock); each gets its completions or the error."""
@@ -156,4 +208,4 @@ def build_hf(options: HfOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: An
     from astraflow.models import build_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return HFEngine(build_model(model_cfg, tokenizer), tokenizer, device=device)
+    return HFEngine(build_model(model_cfg, tokenizer), tokenizer, device=device, gather=options.gather)
