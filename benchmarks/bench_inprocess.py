@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "arithmetic" / "inprocess.yaml"
 FIGURE = ROOT / "benchmarks" / "figures" / "inprocess.png"
 LAST_EVALS = 3  # held-out "at T": the mean of this many evaluations up to T
+SMOOTH = 9  # the plot's lines: the mean of this many evaluations up to each (the dots: each evaluation)
 console = Console(width=160)
 
 
@@ -189,6 +190,13 @@ def held_at(points: list[Point], x: float, key: str) -> float | None:
     return sum(upto[-LAST_EVALS:]) / len(upto[-LAST_EVALS:]) if upto else None
 
 
+def held_over(points: list[Point], start: float, end: float) -> float | None:
+    """Mean held-out of every evaluation taken after ``start`` seconds and up to ``end``: less noisy than a few at a
+    point (each side evaluates every 20 versions, so a faster side averages more of them)."""
+    inside = [p.held_out for p in points if start < p.seconds <= end]
+    return sum(inside) / len(inside) if inside else None
+
+
 def figures(curves: list[Curve], seconds: float) -> list[dict[str, Any]]:
     fewest = min(c.trained for c in curves)
     out = []
@@ -197,7 +205,8 @@ def figures(curves: list[Curve], seconds: float) -> list[dict[str, Any]]:
         out.append({"side": c.name, "rl_s": round(c.seconds, 1), "generated": c.generated, "trained": c.trained,
                     "generated_per_s": round(c.generated / c.seconds, 1), "trained_per_s": round(c.trained / c.seconds, 1),
                     "held_out_v0": c.points[0].held_out, "held_out_at_half": held_at(c.points, seconds / 2, "seconds"),
-                    "held_out_at_end": held_at(c.points, seconds, "seconds"), "equal_samples": fewest,
+                    "held_out_at_end": held_at(c.points, seconds, "seconds"),
+                    "held_out_second_half": held_over(c.points, seconds / 2, seconds), "equal_samples": fewest,
                     "held_out_at_equal_samples": held_at(c.points, fewest, "samples"),
                     "points": [[p.version, round(p.seconds, 1), p.samples, p.held_out] for p in c.points], **fmt})
     return out
@@ -208,12 +217,13 @@ def table(results: list[dict[str, Any]], seconds: float, n_eval: int) -> Table:
     t = Table(title=f"in-process loop vs astraflow up · {seconds:.0f} s of RL each, same checkpoint · held-out: mean of the last "
                     f"{LAST_EVALS} evaluations of {n_eval} prompts (s.e. of one at {v0:.2f}: {binomial_se(v0, n_eval):.3f})")
     for c in ("side", "samples/s generated", "samples/s trained", "s/step", "held-out v0", f"at {seconds / 2:.0f} s",
-              f"at {seconds:.0f} s", f"at {results[0]['equal_samples']} samples"):
+              f"at {seconds:.0f} s", f"mean, {seconds / 2:.0f}-{seconds:.0f} s", f"at {results[0]['equal_samples']} samples"):
         t.add_column(c)
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in results:
         t.add_row(r["side"], f"{r['generated_per_s']:.0f}", f"{r['trained_per_s']:.0f}", f"{r['s_per_step']:.3f}",
-                  f(r["held_out_v0"]), f(r["held_out_at_half"]), f(r["held_out_at_end"]), f(r["held_out_at_equal_samples"]))
+                  f(r["held_out_v0"]), f(r["held_out_at_half"]), f(r["held_out_at_end"]), f(r["held_out_second_half"]),
+                  f(r["held_out_at_equal_samples"]))
     return t
 
 
@@ -225,8 +235,11 @@ def plot(curves: list[Curve], path: Path, title: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for c in curves:
-        a.plot([p.seconds for p in c.points], [p.held_out for p in c.points], "o-", ms=3, label=c.name)
-        b.plot([p.samples for p in c.points], [p.held_out for p in c.points], "o-", ms=3, label=c.name)
+        held = [p.held_out for p in c.points]
+        smooth = [sum(held[max(0, i - SMOOTH + 1):i + 1]) / len(held[max(0, i - SMOOTH + 1):i + 1]) for i in range(len(held))]
+        for ax, xs in ((a, [p.seconds for p in c.points]), (b, [p.samples for p in c.points])):
+            line, = ax.plot(xs, smooth, "-", lw=2, label=f"{c.name} (mean of the last {SMOOTH})")
+            ax.plot(xs, held, "o", ms=2, alpha=0.35, color=line.get_color())
     a.set(xlabel="RL wall time (s, from version 0)", ylabel="held-out accuracy (greedy, 200 prompts)", title="against wall time")
     b.set(xlabel="samples trained on", ylabel="held-out accuracy (greedy, 200 prompts)", title="against samples")
     for ax in (a, b):

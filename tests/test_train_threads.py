@@ -93,8 +93,11 @@ def test_bad_cores_fail_at_load_or_at_the_pin_with_the_field_named():
     for bad in ([], [1, 1], [-1], "all"):
         with pytest.raises(ValueError, match="cores"):
             parse_recipe({"name": "t", "trainer": {"cores": bad}})
-    with pytest.raises(ValueError, match="cannot run on CPUs"):
-        pin([4096])  # no such CPU: nothing changes
+    before = usable_core_ids()
+    for bad in ([4096], [before[0], 4096]):  # no such CPU: nothing changes
+        with pytest.raises(ValueError, match="cannot run on CPUs"):
+            pin(bad)
+        assert usable_core_ids() == before
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")

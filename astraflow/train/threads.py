@@ -110,13 +110,19 @@ def pin(cores: list[int]) -> bool:
     the platform has no CPU affinity."""
     if not hasattr(os, "sched_setaffinity"):
         return False
+    before = os.sched_getaffinity(0)
+    try:  # this thread first: the kernel drops CPUs it does not offer (and refuses a set of none)
+        os.sched_setaffinity(0, cores)
+    except OSError as e:
+        raise ValueError(f"cannot run on CPUs {cores}: {e}") from None
+    if (got := os.sched_getaffinity(0)) != set(cores):
+        os.sched_setaffinity(0, before)
+        raise ValueError(f"cannot run on CPUs {sorted(set(cores) - got)} of {cores}: this machine does not offer them")
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cores)
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
-        except OSError as e:  # none of them is a CPU this machine (or its cpuset) lets it run on
-            raise ValueError(f"cannot run on CPUs {cores}: {e}") from None
     return True
 
 
