@@ -83,6 +83,13 @@ def test_no_core_of_its_own_where_the_nodes_would_not_fit_or_the_step_runs_on_an
     assert plan({"rollout": {"nodes": 1}, "trainer": {"cores": "shared"}}, [0, 1]) == {"solver": "shared", "shared": None}
 
 
+def test_nothing_is_pinned_where_the_platform_cannot_pin(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delattr(os, "sched_setaffinity", raising=False)  # macOS
+    assert plan({"rollout": {"nodes": 1}}, [0, 1, 2, 3]) == {"solver": "shared", "shared": None}
+    assert plan({"rollout": {"nodes": 1}, "trainer": {"cores": [3]}}, [0, 1, 2, 3]) == {"solver": [3], "shared": None}
+    assert pin([0]) is False
+
+
 def test_cores_listed_by_hand_are_kept_and_kept_from_the_other_roles():
     listed = plan({"policies": {"solver": {"trainer": {"cores": [0]}}, "verifier": {}}, "rollout": {"nodes": 1},
                    "eval": {"enabled": False}}, [0, 1, 2, 3])

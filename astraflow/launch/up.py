@@ -270,7 +270,7 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     session = rundir.begin_session()
     cores = usable_core_ids()
     shared = role_cores(recipe, cores)
-    if shared is not None:  # the launcher too (this process: ``up`` is a command), and what it starts unless told otherwise
+    if shared is not None:  # the launcher too, and what it starts unless told otherwise (until up returns)
         pin(list(shared))
     server = None
     creds: dict[str, Credential] | None = None
@@ -316,6 +316,8 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         rundir.end_session(session, outcome, sup.restarts, session_cpu(sup, cpu_at_start, embedded=server is not None))
         with contextlib.suppress(Exception):  # the summary is best effort on the way out of a failure
             summary = summarize(recipe, rundir, console, outcome)
+        if shared is not None:  # a caller of up() from Python gets its cores back
+            pin(cores)
     return summary
 
 

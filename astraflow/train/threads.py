@@ -76,7 +76,7 @@ def with_thread_counts(recipe: Recipe, cores: int) -> Recipe:
 def with_core_plan(recipe: Recipe, cores: list[int], accelerator: bool) -> Recipe:
     """``recipe`` with every ``trainer.cores: auto`` resolved for ``up`` on ``cores`` (after ``with_thread_counts``):
     its ``threads`` cores of its own, taken from the end of ``cores`` past those listed by hand, when none trains on
-    an accelerator and the cores left hold every node's threads; else ``shared``."""
+    an accelerator, the cores left hold every node's threads and the platform pins threads (Linux); else ``shared``."""
     auto = [p for p, cfg in recipe.policies.items() if cfg.trainer.cores == "auto"]
     if not auto:
         return recipe
@@ -84,7 +84,7 @@ def with_core_plan(recipe: Recipe, cores: list[int], accelerator: bool) -> Recip
     free = [c for c in cores if c not in taken]
     wanted = sum(int(recipe.policies[p].trainer.threads) for p in auto)  # ints after with_thread_counts
     nodes = recipe.rollout.threads * recipe.rollout.nodes
-    room = not accelerator and len(free) - wanted >= max(1, nodes)
+    room = hasattr(os, "sched_setaffinity") and not accelerator and len(free) - wanted >= max(1, nodes)
     policies = {}
     for p, cfg in recipe.policies.items():
         if p in auto:
@@ -99,10 +99,10 @@ def with_core_plan(recipe: Recipe, cores: list[int], accelerator: bool) -> Recip
 
 def shared_cores(recipe: Recipe, cores: list[int]) -> list[int] | None:
     """The cores every role but the trainers runs on under ``up``: ``cores`` less those trainers hold as their own
-    (None: no trainer holds any, or none would be left; nothing is pinned)."""
+    (None: no trainer holds any, none would be left, or the platform cannot pin; nothing is pinned)."""
     held = {c for cfg in recipe.policies.values() if isinstance(cfg.trainer.cores, list) for c in cfg.trainer.cores}
     rest = [c for c in cores if c not in held]
-    return rest if held and rest else None
+    return rest if held and rest and hasattr(os, "sched_setaffinity") else None
 
 
 def pin(cores: list[int]) -> bool:

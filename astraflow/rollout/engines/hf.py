@@ -100,7 +100,7 @@ class HFEngine:
         that gets the engine next generates every call waiting at that moment (one batched
         ``generate`` per distinct sampling params), so concurrent slots share batches on CPU as one
         pulled batch did; a call that arrives while a batch runs joins the next one, and a batch
-        short of the last ones' callers waits a little for them (``_gather_wait``).
+        short of the expected callers (a node's slots) waits a little for them (``_gather_wait``).
         """
         if not requests:
             return []
@@ -119,6 +119,9 @@ class HFEngine:
                 try:
                     self._run(batch)
                 finally:
+                    for other in batch:  # interrupted (``_run`` hands an Exception to every call itself)
+                        if not other.done:
+                            other.error, other.done = RuntimeError("the batch was interrupted"), True
                     self._engine.acquire()
                     self._busy = False
                     self._free_since = time.monotonic()
@@ -148,7 +151,7 @@ class HFEngine:
         return max(0.0, self._free_since + self.gather * self._batch_s - time.monotonic())
 
     def _run(self, calls: list[_Call]) -> None:
-        """Generate every call of ``calls`` (under the engine lock); each gets its completions or the error."""
+        """Generate every call of ``calls`` (the engine held); each gets its completions or the error."""
         groups: dict[Any, list[tuple[_Call, int]]] = {}
         for k, call in enumerate(calls):  # seeded params stay per call: a seed reproduces a call, not a mixed batch
             for i, r in enumerate(call.requests):

@@ -31,8 +31,8 @@ class HfOptions(Options):
 
     type: Literal["hf"] = "hf"
     gather: float = Field(0.5, ge=0)
-    """Once the engine is free, how long a batch smaller than the last ones waits for the rest of its callers,
-    as a fraction of the last batch's time (0: start with whoever is waiting)."""
+    """Once the engine is free, how long a batch short of the node's generation slots waits for the rest of their
+    calls, as a fraction of the last batch's time (0: start with whoever is waiting)."""
 
 
 @ENGINE_OPTIONS.register
