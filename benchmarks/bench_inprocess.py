@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -236,7 +237,7 @@ def plot(curves: list[Curve], path: Path, title: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for c in curves:
         held = [p.held_out for p in c.points]
-        smooth = [sum(held[max(0, i - SMOOTH + 1):i + 1]) / len(held[max(0, i - SMOOTH + 1):i + 1]) for i in range(len(held))]
+        smooth = [statistics.fmean(held[max(0, i - SMOOTH + 1):i + 1]) for i in range(len(held))]
         for ax, xs in ((a, [p.seconds for p in c.points]), (b, [p.samples for p in c.points])):
             line, = ax.plot(xs, smooth, "-", lw=2, label=f"{c.name} (mean of the last {SMOOTH})")
             ax.plot(xs, held, "o", ms=2, alpha=0.35, color=line.get_color())

@@ -202,17 +202,18 @@ def test_hf_engine_waits_a_little_for_the_callers_of_its_slots():
     """A node's slots come back some ms apart after a batch: the engine, told how many there are, waits for the late
     one instead of starting the first alone (which would split every later batch in two); a caller that never comes
     costs one bounded wait."""
-    engine = HFEngine(build_model(TINY, TOK), TOK, gather=100.0)  # up to 100 x the last batch's time
+    engine = HFEngine(build_model(TINY, TOK), TOK)
     engine.load_state(tiny_state(), 1)
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
     engine.generate([GenerationRequest([10, 11], greedy)])  # a first batch: its time sets the wait
+    engine.gather = 2.0 / engine._batch_s  # a wait of up to 2 s, whatever this machine's speed
     batches: list[int] = []
     inner = engine._generate
     engine._generate = lambda reqs: batches.append(len(reqs)) or inner(reqs)  # type: ignore[method-assign]
     engine.expect_callers(2)
     first = threading.Thread(target=engine.generate, args=([GenerationRequest([12], greedy)],))
     first.start()
-    time.sleep(0.05 * 3)  # the second slot comes back later, as a re-admitted task does
+    time.sleep(0.15)  # the second slot comes back later, as a re-admitted task does
     engine.generate([GenerationRequest([13, 14], greedy), GenerationRequest([15], greedy)])
     first.join(30)
     assert batches == [3]  # one batch: the first caller waited for the second
@@ -220,7 +221,7 @@ def test_hf_engine_waits_a_little_for_the_callers_of_its_slots():
     engine.generate([GenerationRequest([16], greedy)])  # the other slot never comes: bounded by the wait
     assert batches == [3, 1] and time.monotonic() - t0 < 30
     engine.expect_callers(1)  # one caller (the evaluator): never a wait
-    cap, t0 = 100 * engine._batch_s, time.monotonic()
+    cap, t0 = engine.gather * engine._batch_s, time.monotonic()
     engine.generate([GenerationRequest([17], greedy)])
     assert batches == [3, 1, 1] and time.monotonic() - t0 < cap / 4
 

@@ -66,7 +66,8 @@ def test_a_bad_count_fails_at_load_with_the_field_named():
 
 def plan(spec: dict, cores: list[int], accelerator: bool = False) -> dict[str, object]:
     recipe = with_core_plan(with_thread_counts(parse_recipe({"name": "t", **spec}), len(cores)), cores, accelerator)
-    return {p: cfg.trainer.cores for p, cfg in recipe.policies.items()} | {"shared": shared_cores(recipe, cores)}
+    shared = shared_cores(recipe, cores)
+    return {p: cfg.trainer.cores for p, cfg in recipe.policies.items()} | {"shared": None if shared is None else list(shared)}
 
 
 def test_a_cpu_trainer_gets_cores_of_its_own_and_the_other_roles_the_rest():

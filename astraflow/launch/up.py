@@ -126,7 +126,7 @@ def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None, co
         return ("--metrics-port", str(metrics_port_base + offset if metrics_port_base else 0))
 
     cores = usable_core_ids() if cores is None else cores
-    shared = role_cores(recipe, cores)
+    shared = shared_cores(recipe, cores)
     every = tuple(cores) if shared is not None else None  # the launcher runs on the shared cores, its trainers may not
     specs = [RoleSpec(f"trainer-{p}", "trainer", ("--policy", p, "--checkpoint-dir", str(rundir.checkpoints(p)), *metrics(i)),
                       finishes=True, cores=every) for i, p in enumerate(recipe.policy_names)]  # pinned after the warm start
@@ -136,13 +136,6 @@ def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None, co
     specs += [RoleSpec(f"rollout-{i}", "rollout", metrics(30 + i), nice=recipe.rollout.nice, cores=shared)
               for i in range(recipe.rollout.nodes)]
     return specs
-
-
-def role_cores(recipe: Recipe, cores: list[int]) -> tuple[int, ...] | None:
-    """The CPUs every role but the trainers runs on (None: any): the usable ``cores`` less those the resolved
-    ``recipe`` gives its trainers (``trainer.cores``)."""
-    shared = shared_cores(recipe, cores)
-    return tuple(shared) if shared is not None else None
 
 
 def trains_on_accelerator(recipe: Recipe) -> bool:
@@ -269,9 +262,9 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     recipe = prepare(recipe, rundir, resume)
     session = rundir.begin_session()
     cores = usable_core_ids()
-    shared = role_cores(recipe, cores)
+    shared = shared_cores(recipe, cores)
     if shared is not None:  # the launcher too, and what it starts unless told otherwise (until up returns)
-        pin(list(shared))
+        pin(shared)
     server = None
     creds: dict[str, Credential] | None = None
     if nats_url is None:

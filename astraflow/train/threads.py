@@ -21,6 +21,7 @@ role runs on those left over (``shared_cores``). A trainer pins itself once its 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from astraflow.config import Recipe
 
@@ -97,15 +98,15 @@ def with_core_plan(recipe: Recipe, cores: list[int], accelerator: bool) -> Recip
     return recipe.model_copy(update={"policies": policies})
 
 
-def shared_cores(recipe: Recipe, cores: list[int]) -> list[int] | None:
+def shared_cores(recipe: Recipe, cores: list[int]) -> tuple[int, ...] | None:
     """The cores every role but the trainers runs on under ``up``: ``cores`` less those trainers hold as their own
     (None: no trainer holds any, none would be left, or the platform cannot pin; nothing is pinned)."""
     held = {c for cfg in recipe.policies.values() if isinstance(cfg.trainer.cores, list) for c in cfg.trainer.cores}
     rest = [c for c in cores if c not in held]
-    return rest if held and rest and hasattr(os, "sched_setaffinity") else None
+    return tuple(rest) if held and rest and hasattr(os, "sched_setaffinity") else None
 
 
-def pin(cores: list[int]) -> bool:
+def pin(cores: Sequence[int]) -> bool:
     """Run every thread of this process, and those it starts later (they inherit it), on ``cores``. False where
     the platform has no CPU affinity."""
     if not hasattr(os, "sched_setaffinity"):

@@ -86,9 +86,13 @@ class HFEngine:
             yield
         finally:
             with self._engine:
-                self._busy = False
-                self._free_since = time.monotonic()
-                self._engine.notify_all()
+                self._free()
+
+    def _free(self) -> None:
+        """The batch or load that held the engine ended (called holding the monitor): wake whoever waits."""
+        self._busy = False
+        self._free_since = time.monotonic()
+        self._engine.notify_all()
 
     def set_version(self, version: int) -> None:
         self._version = version
@@ -123,10 +127,8 @@ class HFEngine:
                         if not other.done:
                             other.error, other.done = RuntimeError("the batch was interrupted"), True
                     self._engine.acquire()
-                    self._busy = False
-                    self._free_since = time.monotonic()
+                    self._free()
                     self._batch_s = self._free_since - t0
-                    self._engine.notify_all()
         if call.error is not None:
             raise call.error
         return [call.out[i] for i in range(len(requests))]
