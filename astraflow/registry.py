@@ -27,7 +27,7 @@ import importlib.util
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, SerializeAsAny, ValidationError, create_model
 from pydantic_core import PydanticCustomError
@@ -71,7 +71,8 @@ class OptionRegistry:
         importlib.import_module(self.home)
         if name not in self._models:
             title = "".join(part.title() for part in name.split("_"))
-            self.register(create_model(f"{title}Options", __base__=Options, type=(Literal[name], name)))
+            literal = cast(Any, Literal)[name]  # a Literal of a name known only at run time
+            self.register(create_model(f"{title}Options", __base__=Options, type=(literal, name)))
         return self._models[name]
 
     def get(self, name: str) -> type[Options]:

@@ -8,9 +8,9 @@ side. Counts are from the source (ast), not from imports.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
-import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -60,7 +60,11 @@ def survey(pkg: Path) -> dict[str, object]:
 
 
 def main() -> None:
-    pkgs = [Path(p) for p in sys.argv[1:]] or [Path(__file__).resolve().parent.parent / "astraflow"]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("packages", nargs="*", type=Path, help="package directories to compare (default: this checkout's astraflow/)")
+    pkgs = ap.parse_args().packages or [Path(__file__).resolve().parent.parent / "astraflow"]
+    if missing := [str(p) for p in pkgs if not p.is_dir()]:
+        ap.error(f"not a directory: {', '.join(missing)}")
     rows = [survey(p) for p in pkgs]
     t = Table(title="the house")
     t.add_column("figure")

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from astraflow.config import Recipe
 from astraflow.launch.rundir import RunDir
+from astraflow.launch.summary_tables import summary_tables
 
 
 def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "finished") -> dict[str, Any]:
@@ -61,12 +61,8 @@ def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "
     plot(versions, list(evals.values()), pool, rundir.file("reward.png"), recipe.name, others)
     write_csv(versions, rundir.file("metrics.csv"))
     write_csv(pool, rundir.file("pool.csv"))
-    t = Table(title=f"{recipe.name}: summary")
-    t.add_column("metric")
-    t.add_column("value")
-    for k, v in summary.items():
-        t.add_row(k, json.dumps(v) if not isinstance(v, float) else f"{v:.3f}")
-    console.print(t)
+    for table in summary_tables(summary):
+        console.print(table)
     console.print(f"run directory: {rundir.path}")
     return summary
 

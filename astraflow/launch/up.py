@@ -214,7 +214,7 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
                     did = pool.act(advice.target, time.monotonic())
                     if did:
                         view.note(f"[bold]autoscale[/]: {did} — {advice.reason}")
-                view.update(watcher.live, sup.restarts, watcher.run_time())
+                view.update(watcher.live, sup.restarts, watcher.run_time(), local_nodes=len(sup.live("rollout")))
                 if finished:
                     await asyncio.sleep(2 * HEARTBEAT_PERIOD_S)  # the dataflow accounts the last announcements
                     await watcher.record_accounting()

@@ -27,7 +27,8 @@ class View:
         self.bars = {p: self.progress.add_task(f"{p} versions", total=n) for p, n in self.steps.items()}
         self.rich = RichLive(console=console, refresh_per_second=2, transient=False) if console.is_terminal else None
         self._printed = 0.0
-        self._nodes_seen = time.monotonic()
+        self._started = self._nodes_seen = time.monotonic()
+        self.warm_start_steps = max(c.sft.steps for c in recipe.policies.values())
 
     def __enter__(self) -> View:
         if self.rich:
@@ -42,26 +43,39 @@ class View:
         """Something that happened (a restart, an autoscale action): printed above the dashboard."""
         self.console.print(text)
 
-    def no_nodes(self, live: Live) -> bool:
+    def waiting_for(self, live: Live, local_nodes: int) -> str | None:
+        """What the run waits for, if anything: the trainers' first version (and their warm start), the run's own nodes
+        starting, or a node to join from elsewhere. ``local_nodes``: rollout processes of this ``up`` alive now."""
+        now = time.monotonic()
         if live.nodes() > 0:
-            self._nodes_seen = time.monotonic()
-        return time.monotonic() - self._nodes_seen > NO_NODE_HINT_S
+            self._nodes_seen = now
+        starting = f"; {local_nodes} rollout node{'s' if local_nodes != 1 else ''} of this run start and wait for it" if local_nodes else ""
+        if not live.versions:
+            if self.warm_start_steps:
+                warm = f"the trainer's warm start ({self.warm_start_steps} SFT steps) for {now - self._started:.0f} s"
+                return f"waiting for v0: {warm}{starting}"
+            return f"waiting for v0 from the trainer{starting}"
+        if now - self._nodes_seen <= NO_NODE_HINT_S:
+            return None
+        if local_nodes:
+            return f"waiting for {local_nodes} rollout node{'s' if local_nodes != 1 else ''} of this run to join (no heartbeat yet)"
+        return f"no rollout node connected: nothing is generated. Join one with: {self.join_command}"
 
-    def update(self, live: Live, restarts: dict[str, int], run_s: float) -> None:
+    def update(self, live: Live, restarts: dict[str, int], run_s: float, local_nodes: int = 0) -> None:
         for p, v in live.versions.items():
             if p in self.bars:
                 self.progress.update(self.bars[p], completed=v)
-        waiting = self.no_nodes(live)
+        waiting = self.waiting_for(live, local_nodes)
         if self.rich:
             parts: list[Table | Progress | str] = [self.progress, self.table(live, restarts)]
             if waiting:
-                parts.append(f"[yellow]no rollout node connected: nothing is generated. Join one with:[/]\n  {self.join_command}")
+                parts.append(f"[yellow]{waiting}[/]")
             self.rich.update(Group(*parts))
         elif time.monotonic() - self._printed >= PLAIN_EVERY_S:
             self._printed = time.monotonic()
             self.console.print(self.line(live, restarts, run_s, waiting), soft_wrap=True)
 
-    def line(self, live: Live, restarts: dict[str, int], run_s: float, waiting: bool) -> str:
+    def line(self, live: Live, restarts: dict[str, int], run_s: float, waiting: str | None) -> str:
         """One short line (no growing dictionaries): versions, reward, nodes, rate, the last held-out, restarts."""
         vs = " ".join(f"{p} v{live.versions.get(p, 0)}/{n} r={live.rewards.get(p, float('nan')):.2f}" for p, n in self.steps.items())
         last_eval = max(live.evals) if live.evals else None
@@ -71,7 +85,7 @@ class View:
         if restarted:
             text += f" | restarts {restarted}"
         if waiting:
-            text += f" | no rollout node: join with `{self.join_command}`"
+            text += f" | {waiting}"
         return text
 
     def table(self, live: Live, restarts: dict[str, int]) -> Table:

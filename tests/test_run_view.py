@@ -1,0 +1,80 @@
+"""What ``astraflow up`` shows: the live view says what the run waits for, and the summary reads as figures with units,
+not as JSON (``astraflow/launch/view.py``, ``astraflow/launch/summary_tables.py``)."""
+
+from __future__ import annotations
+
+import io
+import time
+
+from rich.console import Console
+
+from astraflow.config import load_recipe
+from astraflow.launch.summary_tables import duration, held_out, size, summary_tables
+from astraflow.launch.view import NO_NODE_HINT_S, View
+from astraflow.launch.watcher import Live
+from astraflow.streams.messages import Heartbeat, RolloutStats
+
+SUMMARY = {
+    "recipe": "arithmetic", "outcome": "finished", "wall_s": 37.1, "sessions": 2, "restarts": {"rollout-0": 1},
+    "eval_policy": "solver", "samples": 5464,
+    "cpu_s": {"trainer-solver": 23.32, "dataflow": 3.4, "launcher": 1.83},
+    "cpu_s_per_64_samples": {"trainer-solver": 0.273, "dataflow": 0.04, "launcher": 0.021},
+    "held_out_reward": {"0": 0.51, "10": 0.6, "70": 0.73, "80": 0.6},
+    "held_out_others": {"team": {"0": {"reward": 0.2, "avg@k": 0.1, "pass@k": 0.3}, "80": {"reward": 0.4, "avg@k": 0.2, "pass@k": 0.5}}},
+    "policies": {"solver": {"steps": 80, "versions": 81, "train_reward_last5": 0.478125, "keyframe_bytes": 230166,
+                            "delta_bytes_mean": 52805.180555555555}},
+    "accounting": {"solver": {"basis": "issued", "total": 684, "in_flight": 0, "buffered": 16, "awaiting": 16,
+                              "fates": {"dropped:stale": 12, "trained": 640}, "adds_up": True}},
+}
+
+
+def rendered(summary: dict) -> str:
+    console = Console(record=True, width=200)
+    for table in summary_tables(summary):
+        console.print(table)
+    return console.export_text()
+
+
+def test_the_summary_shows_formatted_figures_not_json():
+    text = rendered(SUMMARY)
+    assert "{" not in text and '"' not in text, text
+    assert "0.510 (v0) → 0.600 (v80), best 0.730 (v70)" in text
+    assert "0.200 (v0) → 0.400 (v80)" in text  # a team's other subject
+    assert "5,464 (147.3 per second" in text
+    assert "2 · rollout-0 ×1" in text
+    assert "keyframe 224.8 KiB · delta 51.6 KiB (mean)" in text
+    assert "684 issued: 640 trained, 12 dropped:stale, 16 buffered, 16 awaiting training; adds up" in text
+    cpu_rows = [line for line in text.splitlines() if "trainer-solver" in line or "launcher" in line]
+    assert "23.3" in cpu_rows[0] and "82 %" in cpu_rows[0] and "0.273 s" in cpu_rows[0]
+    assert "launcher" in cpu_rows[1]  # largest first
+
+
+def test_a_killed_session_without_cpu_figures_still_renders():
+    text = rendered({**SUMMARY, "cpu_s": {}, "cpu_s_per_64_samples": {}, "held_out_reward": {}, "accounting": {}})
+    assert "not evaluated" in text and "CPU per process" not in text
+
+
+def test_units():
+    assert [duration(s) for s in (37.14, 245, 3720)] == ["37.1 s", "4 min 05 s", "1 h 02 min"]
+    assert [size(n) for n in (512, 230166, 3 * 2**30)] == ["512 B", "224.8 KiB", "3.0 GiB"]
+    assert held_out({"0": 0.5}) == "0.500 (v0)"
+    assert held_out({"0": 0.5, "10": 0.7}) == "0.500 (v0) → 0.700 (v10)"  # the best is the last: not repeated
+
+
+def test_the_live_view_says_what_the_run_waits_for(repo_root):
+    recipe = load_recipe(repo_root / "recipes" / "arithmetic")
+    assert recipe.policies["solver"].sft.steps > 0
+    view = View(recipe, Console(file=io.StringIO()), "astraflow worker rollout --credential C --recipe R")
+    live = Live()
+    waiting = view.waiting_for(live, local_nodes=2)  # the warm start: its own nodes are up and wait for v0, no join hint
+    assert waiting is not None and waiting.startswith("waiting for v0: the trainer's warm start")
+    assert "2 rollout nodes of this run start and wait for it" in waiting and "join" not in waiting.lower()
+    live.versions["solver"] = 0
+    assert view.waiting_for(live, local_nodes=2) is None  # v0 is out: the nodes get a moment to beat
+    view._nodes_seen = time.monotonic() - NO_NODE_HINT_S - 1
+    assert view.waiting_for(live, local_nodes=2) == "waiting for 2 rollout nodes of this run to join (no heartbeat yet)"
+    assert "Join one with: astraflow worker rollout" in view.waiting_for(live, local_nodes=0)  # none of its own: how to join
+    live.beats["rollout-0"] = (Heartbeat(worker_id="rollout-0", stats=RolloutStats()), time.monotonic())
+    assert view.waiting_for(live, local_nodes=0) is None
+    line = view.line(live, {}, 12.0, view.waiting_for(live, local_nodes=0))
+    assert "nodes 1" in line and "|  " not in line
