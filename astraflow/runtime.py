@@ -1,4 +1,4 @@
-"""What every role process shares: stop signals, a heartbeat loop, periodic tasks."""
+"""What every role process shares: stop signals, a heartbeat loop, periodic tasks, the crash points of the kill tests."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,30 @@ if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
 
 log = logging.getLogger(__name__)
+CRASH_ENV = "ASTRAFLOW_CRASH"
+_crossed: Counter[str] = Counter()
+
+
+def crash_point(where: str, at: int | None = None) -> None:
+    """Fault injection for the kill tests: ``ASTRAFLOW_CRASH=where@n`` SIGKILLs this process (from any thread) at
+    ``where`` when ``n`` is ``at`` (what the caller counts: the trainer passes its version) or, where the caller
+    passes none, the n-th time this process passes ``where``.
+
+    Trainer points (n = version): ``after_step``, ``after_snapshot`` (the checkpoint copied in memory, not written),
+    ``during_checkpoint_write`` (its files written, not yet renamed into place), ``after_checkpoint`` (durable),
+    ``before_announce`` (the version's payload stored, not announced), ``after_publish`` (announced, its batch not
+    yet held), ``after_ack`` (that version's batch acked), ``between_acks`` (after the first of a group of held acks).
+    Dataflow points (n = crossing): ``batch_planned``, ``batch_published``."""
+    point, _, n = os.environ.get(CRASH_ENV, "").partition("@")
+    if point != where:
+        return
+    if at is None:
+        _crossed[where] += 1
+        at = _crossed[where]
+    if at == int(n or 1):
+        log.warning("crash point %s@%d: SIGKILL", where, at)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Stop(asyncio.Event):

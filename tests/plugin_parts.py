@@ -49,6 +49,11 @@ class EchoEngine:
         return {}
 
 
+    def expect_callers(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 @register_engine("echo", EchoOptions)
 def build_echo(options: EchoOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> EchoEngine:
     return EchoEngine(options)

@@ -10,7 +10,7 @@ import yaml
 from astraflow.config import RecipeError, dump_recipe, load_recipe, parse_recipe
 from astraflow.models import build_model, load_tokenizer
 from astraflow.registry import ENGINE_OPTIONS
-from astraflow.rollout.engines.base import GenerationRequest
+from astraflow.rollout.engines.base import GenerationRequest, checked_engine
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.workflows.registry import check_policies, evaluation_of
 from astraflow.tasks import load_split
@@ -113,6 +113,10 @@ def test_a_plugin_engine_and_loss_are_selected_from_yaml(tmp_path):
     engine = build_engine(recipe.policies["solver"].model, recipe.rollout, tok)
     (c,) = engine.generate([GenerationRequest([5, 6, 7, 8])])
     assert (c.token_ids, c.logprobs) == ([6, 7, 8], [-0.5] * 3)
+    half = type("HalfEngine", (), {"version": -1, "generate": engine.generate, "load_state": engine.load_state,
+                                   "state_view": engine.state_view})()
+    with pytest.raises(TypeError, match=r"engine 'echo' built a HalfEngine that lacks \['expect_callers', 'close'\]"):
+        checked_engine(half, "echo")  # a plug-in that leaves part of the contract out fails when it is built, not mid-run
 
     model = build_model(recipe.policies["solver"].model, tok)
     before = {k: v.clone() for k, v in model.state_dict().items()}

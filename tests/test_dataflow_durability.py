@@ -106,7 +106,7 @@ async def test_dataflow_survives_sigkill_without_losing_or_rebatching(nats_serve
     try:
         roles.start("trainer", "trainer-solver")
         roles.start("rollout", "rollout-0")
-        first = roles.start("dataflow", "dataflow-1", {"ASTRAFLOW_DATAFLOW_CRASH": "batch_published:2"})
+        first = roles.start("dataflow", "dataflow-1", {"ASTRAFLOW_CRASH": "batch_published@2"})
 
         async def first_died() -> bool:
             return first.poll() is not None

@@ -24,6 +24,7 @@ from astraflow.dataflow.issuing import PromptOrder, buffered_for_budget, lag_bud
 from astraflow.dataflow.lane import PolicyLane, plan_batch
 from astraflow.dataflow.validate import Limits, PolicyLimits
 from astraflow.streams.dataflow_state import DataflowState
+from astraflow.streams.fates import DROPPED_EXPIRED, Fate
 from astraflow.streams.messages import PER_TOKEN, ObjectRef, Trajectory
 from astraflow.streams.state import FateRecord, Record
 from astraflow.streams.trajectories import PayloadUnavailable
@@ -120,14 +121,14 @@ def test_landing_runs_curator_feedback_then_the_late_policy_then_the_filters():
     varied, solved = group_of("t1", [0.0, 1.0]).group, group_of("t2", [1.0, 1.0]).group
     assert land(varied, p, ctx, deadline=None, cfg=CFG) == Landing()
     assert land(varied, p, ctx, deadline=60.0, cfg=CFG) == Landing()  # before its deadline
-    assert land(solved, p, ctx, deadline=None, cfg=CFG) == Landing(fate="filtered:zero_variance")
+    assert land(solved, p, ctx, deadline=None, cfg=CFG) == Landing(fate=Fate.parse("filtered:zero_variance"))
     late = {"keep": Landing(late="kept"), "downweight": Landing(weight=0.25, late="downweighted"),
-            "drop": Landing(fate="dropped:expired", late="dropped")}
+            "drop": Landing(fate=DROPPED_EXPIRED, late="dropped")}
     for policy, expected in late.items():
         cfg = CFG.model_copy(update={"late_policy": policy, "late_weight": 0.25})
         assert land(varied, p, ctx, deadline=40.0, cfg=cfg) == expected
         dropped_first = "dropped:expired" if policy == "drop" else "filtered:zero_variance"
-        assert land(solved, p, ctx, deadline=40.0, cfg=cfg).fate == dropped_first  # a late drop precedes the filters
+        assert str(land(solved, p, ctx, deadline=40.0, cfg=cfg).fate) == dropped_first  # a late drop precedes the filters
     assert p.state()["curators"][0]["state"]["window"]["solver"]["n"] == 9  # every completed group was observed, dropped or not
 
 
@@ -158,7 +159,7 @@ class MemoryDelivery:
     async def in_progress(self) -> None:
         self.log.append(("in_progress", self.seq))
 
-    async def reject(self, reason: str) -> None:
+    async def reject(self, reason: str, code: str = "") -> None:
         self.log.append(("reject", self.seq, reason))
 
     async def nak(self, delay: float | None = None) -> None:
@@ -182,11 +183,11 @@ async def test_the_journal_writes_fates_then_the_state_then_acks():
     a, b, c = (MemoryDelivery(traj("t1", i, 0.0), 10 + i, log) for i in range(3))
     assert not journal.hold("a", a) and not journal.hold("b", b)
     journal.ack_later(c)
-    journal.record("solver", "t1", "filtered:zero_variance")
+    journal.record("solver", "t1", Fate.filtered("zero_variance"))
     journal.release(["a", "unknown"])
     await journal.commit()  # write-ahead: durable, nothing acked
     assert log == [("fates", [("t1", "filtered:zero_variance")]), ("state", 0)]
-    journal.record("solver", "t2", "batched", batch="solver-b000001")
+    journal.record_batched("solver", "t2", "solver-b000001")
     await journal.flush()
     assert log[2:] == [("fates", [("t2", "batched")]), ("state", 1), ("ack", 12), ("ack", 10)]
     await journal.flush()  # nothing changed, nothing to ack: nothing written
@@ -253,7 +254,7 @@ async def test_ingest_admits_assembles_and_acks_copies_only_after_a_durable_writ
     assert lane.accounting(len(in_flight)).buffered == 1 and lane.ledger.received == 1
     await ingest.take(MemoryDelivery(traj("t1", 1, 1.0, traj_id="copy"), 5, log))  # another sample for a complete group
     assert ingest.stats["invalid.traj_id"] == 1 and lane.is_buffered("t1")  # dead-lettered; the complete group stands
-    lane.settle("t0", "failed:rollout")
+    lane.settle("t0", Fate.parse("failed:rollout"))
     await ingest.take(MemoryDelivery(traj("t0", 0, 1.0), 6, log))  # a task settled before a restart
     assert ingest.stats["redelivered_settled"] == 1
     assert log == []  # nothing acked or dead-lettered before the state is written
@@ -352,7 +353,7 @@ def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
         lane.receive(1)
     lane.keep(groups[0])
     lane.keep(groups[1])
-    lane.settle("t2", "filtered:zero_variance")
+    lane.settle("t2", Fate.filtered("zero_variance"))
     assert lane.accounting(in_flight=0).adds_up and lane.ready(2) and not lane.ready(3)
     lane.advance(3)
     plan = lane.plan(groups[:2], ["t0", "t1"], created_at=1.0)

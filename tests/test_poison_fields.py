@@ -45,7 +45,7 @@ from astraflow.rollout.workflows.base import PolicyHandle
 from astraflow.rollout.workflows.single_turn import SingleTurn
 from astraflow.streams.codec import DecodeError, decode, encode
 from astraflow.streams.direct import MissingMessages
-from astraflow.streams.messages import BATCH_MISSING, Batch, Rejected, Task, Trajectory
+from astraflow.streams.messages import Batch, BatchRefusal, Rejected, Task, Trajectory
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import AutoscaleRecord, EvalRecord, FateRecord
 from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, carried, fetch_trajectories, publish_trajectories
@@ -165,12 +165,13 @@ async def vetted(plane: Plane, payload: bytes, vocab: int, version: int, max_lag
         return str(e), None
     refused = await check_plan(plane, "solver", manifest) or check_manifest(manifest, "solver")
     if refused is not None:
-        return refused, None
+        return refused.reason, None
     try:
         batch = TrainingBatch(manifest, await fetch_trajectories(plane, manifest))
     except (MissingMessages, PayloadUnavailable) as e:
-        return f"{BATCH_MISSING}: {e}", None
-    return check_batch(batch, vocab, version, max_lag), batch
+        return f"{BatchRefusal.MISSING.value}: {e}", None
+    refused = check_batch(batch, vocab, version, max_lag)
+    return (refused.reason if refused else None), batch
 
 
 async def test_every_poisoned_batch_is_turned_away_by_the_trainers_checks(plane: Plane):

@@ -81,9 +81,9 @@ def spawn_trainer(recipe_file: Path, url: str, run: str, policy: str, log: Path,
         cmd += ["--fresh-lineage"]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
-    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_TRAINER_CRASH"}
+    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_CRASH"}
     if crash:
-        env["ASTRAFLOW_TRAINER_CRASH"] = crash
+        env["ASTRAFLOW_CRASH"] = crash
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 

@@ -12,7 +12,7 @@ import pytest
 from test_train_support import Announcements, VersionHolder, on_stream, plan_of, publish_batches, spawn_trainer, wait_exit, write_recipe
 
 from astraflow.models import build_model, load_tokenizer
-from astraflow.streams.messages import Rejected, reason_code
+from astraflow.streams.messages import Rejected
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import VersionRecord
 from astraflow.streams.trajectories import TrainingBatch
@@ -79,7 +79,7 @@ async def test_only_planned_sound_fresh_batches_are_trained_and_versions_are_nev
         lineage = record[0].lineage
         assert lineage and all(a.lineage == lineage for a in record)
         rejected = await plane.history(plane.names.dlq("batch"), Rejected)
-        assert [reason_code(r.reason) for r in rejected] == ["unplanned", "forged", "invalid", "invalid", "missing", "mismatch",
+        assert [r.code for r in rejected] == ["unplanned", "forged", "invalid", "invalid", "missing", "mismatch",
                                                              "non_finite", "stale"], [r.reason for r in rejected]
         assert "non-finite advantages" in rejected[2].reason and "token ids in [" in rejected[3].reason
         assert f"sequence(s) of {plane.names.traj_stream} are gone: {gone.manifest.refs[1].seq}" in rejected[4].reason

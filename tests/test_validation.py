@@ -20,6 +20,7 @@ from astraflow.dataflow.ledger import Ledger, account
 from astraflow.dataflow.validate import LOGPROB_SLACK, Limits, PolicyLimits, check_trajectory, check_versions
 from astraflow.models import build_model, load_tokenizer, model_limits
 from astraflow.streams.codec import decode, encode
+from astraflow.streams.fates import DROPPED_STALE, TRAINED, Fate, Outcome
 from astraflow.streams.messages import Batch, ObjectRef, Trajectory, TrajRef, WeightVersion
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.vetting import check_batch, check_manifest
@@ -174,14 +175,25 @@ def test_floors_and_recent_tasks_survive_a_restart():
     assert len(big.points) <= RECENT + 1 and big.at(3 * RECENT - 1) == {"solver": 3 * RECENT - 1}
 
 
+def test_a_fate_is_a_typed_value_written_kind_colon_reason():
+    assert [str(f) for f in (TRAINED, DROPPED_STALE, Fate.invalid("logprob"))] == ["trained", "dropped:stale", "invalid:logprob"]
+    for text in ("trained", "dropped:stale", "filtered:greso_3", "failed:max_deliver"):
+        assert str(Fate.parse(text)) == text
+    assert Fate.parse("invalid:token").outcome is Outcome.INVALID and not Outcome.INVALID.completes_a_group
+    assert Outcome.FILTERED.completes_a_group and not Outcome.FAILED.completes_a_group
+    for bad in ("batched", "lost:x", "trained:x", "failed", "failed:", ""):
+        with pytest.raises(ValueError, match="not a fate"):
+            Fate.parse(bad)
+
+
 def test_secondary_lanes_count_invalid_groups_like_failed_ones():
     led = Ledger(received=3)
-    led.record("trained", 2)
-    led.record("invalid:reward")
-    led.record("failed:rollout")
+    led.record(Fate.parse("trained"), 2)
+    led.record(Fate.parse("invalid:reward"))
+    led.record(Fate.parse("failed:rollout"))
     assert account(led, primary=False, in_flight=0, buffered=1, awaiting=0).adds_up
     primary = Ledger(issued=5)
-    primary.record("invalid:token", 2)
+    primary.record(Fate.parse("invalid:token"), 2)
     assert account(primary, primary=True, in_flight=1, buffered=1, awaiting=1).adds_up
 
 
@@ -230,12 +242,12 @@ def test_a_manifest_stays_small_however_long_its_trajectories():
 def test_the_trainer_turns_away_what_it_cannot_train():
     b = batch()
     assert check_manifest(b.manifest, "solver") is None and check_batch(b, VOCAB, version=5, max_lag=2) is None
-    assert check_manifest(b.manifest, "verifier").startswith("invalid: a batch of 'solver'")
-    assert check_manifest(batch(adv=math.nan).manifest, "solver").startswith("invalid: 4 non-finite advantages")
+    assert check_manifest(b.manifest, "verifier").reason.startswith("invalid: a batch of 'solver'")
+    assert check_manifest(batch(adv=math.nan).manifest, "solver").reason.startswith("invalid: 4 non-finite advantages")
     short = b.manifest.model_copy(update={"advantages": np.zeros(3, np.float32).tobytes()})
-    assert check_manifest(short, "solver").startswith("invalid: 3 advantages for 4")
-    assert check_batch(b, vocab=12, version=5, max_lag=2).startswith("invalid: t00000001.solver.0 has token ids")
-    assert check_batch(batch(version=2), VOCAB, version=5, max_lag=2).startswith("stale: oldest token v2, trainer at v5")
+    assert check_manifest(short, "solver").reason.startswith("invalid: 3 advantages for 4")
+    assert check_batch(b, vocab=12, version=5, max_lag=2).reason.startswith("invalid: t00000001.solver.0 has token ids")
+    assert check_batch(batch(version=2), VOCAB, version=5, max_lag=2).reason.startswith("stale: oldest token v2, trainer at v5")
 
 
 @pytest.mark.parametrize("other", [{"traj_id": "t00000001.solver.3", "index": 3}, {"task_id": "t00000009", "traj_id": "t00000009.solver.0"},
@@ -243,7 +255,7 @@ def test_the_trainer_turns_away_what_it_cannot_train():
 def test_a_fetched_trajectory_must_be_the_one_its_reference_names(other: dict[str, object]):
     b = batch()
     swapped = TrainingBatch(b.manifest, [b.trajectories[0].model_copy(update=other), *b.trajectories[1:]])
-    assert check_batch(swapped, VOCAB, version=5, max_lag=2).startswith("mismatch: sequence 100 holds")
+    assert check_batch(swapped, VOCAB, version=5, max_lag=2).reason.startswith("mismatch: sequence 100 holds")
 
 
 def test_non_finite_weights_are_named():

@@ -20,26 +20,12 @@ Nothing else in the dataflow writes the state or acks a trajectory.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from astraflow.streams.dataflow_state import DataflowState
+from astraflow.streams.fates import BATCHED, Fate
 from astraflow.streams.state import BatchPlanRecord, FateRecord, Record
-
-_crossed: Counter[str] = Counter()
-
-
-def crash_point(name: str) -> None:
-    """Fault injection for durability tests: ``ASTRAFLOW_DATAFLOW_CRASH=name:n`` SIGKILLs this
-    process the n-th time it passes ``name`` (``batch_planned``, ``batch_published``)."""
-    point, _, nth = os.environ.get("ASTRAFLOW_DATAFLOW_CRASH", "").partition(":")
-    if point == name:
-        _crossed[name] += 1
-        if _crossed[name] == int(nth or 1):
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class StateWriter(Protocol):
@@ -63,7 +49,7 @@ class Ackable(Protocol):
 class Rejectable(Protocol):
     """A delivery that can be dead-lettered with a reason (``Delivery[Trajectory]``)."""
 
-    async def reject(self, reason: str) -> None: ...
+    async def reject(self, reason: str, code: str = "") -> None: ...
 
 
 class Journal:
@@ -75,13 +61,18 @@ class Journal:
         self.records: list[Record] = []  # per-task fates and batch plan records, written before the state
         self.held: dict[str, Ackable] = {}  # traj_id -> its latest delivery, unacked while the fate is open
         self.to_ack: list[Ackable] = []  # settled; acked after the next durable write
-        self.to_reject: list[tuple[Rejectable, str]] = []  # invalid; dead-lettered after the next durable write
+        self.to_reject: list[tuple[Rejectable, str, str]] = []  # invalid; dead-lettered after the next durable write
         self.plans_done: list[tuple[str, str]] = []  # (policy, batch id) whose plan record goes after the next durable write
         self.dirty = False  # the state changed since it was last written
 
     # ------------------------------------------------------------ queueing
-    def record(self, policy: str, task_id: str, fate: str, **extra: Any) -> None:
-        self.records.append(FateRecord(policy=policy, task_id=task_id, fate=fate, **extra))
+    def record(self, policy: str, task_id: str, fate: Fate, **extra: Any) -> None:
+        self.records.append(FateRecord(policy=policy, task_id=task_id, fate=str(fate), **extra))
+        self.dirty = True
+
+    def record_batched(self, policy: str, task_id: str, batch_id: str) -> None:
+        """Not a fate yet: the task's group is in batch ``batch_id`` (its record is overwritten by the fate to come)."""
+        self.records.append(FateRecord(policy=policy, task_id=task_id, fate=BATCHED, batch=batch_id))
         self.dirty = True
 
     def write_ahead(self, record: BatchPlanRecord) -> None:
@@ -110,9 +101,10 @@ class Journal:
         """A copy of something settled or complete already: nothing to hold; ack it after the next durable write."""
         self.to_ack.append(delivery)
 
-    def reject_later(self, delivery: Rejectable, reason: str) -> None:
-        """An invalid trajectory: dead-letter it (with ``reason``) after the next durable write of the fate it caused."""
-        self.to_reject.append((delivery, reason))
+    def reject_later(self, delivery: Rejectable, reason: str, code: str = "") -> None:
+        """An invalid trajectory: dead-letter it (with ``reason`` and the ``code`` of the check it failed) after the next
+        durable write of the fate it caused."""
+        self.to_reject.append((delivery, reason, code))
 
     def forget_plan(self, policy: str, batch_id: str) -> None:
         """The batch's fate is known: delete its plan record (``BatchPlanRecord``) after the next durable write."""
@@ -138,7 +130,7 @@ class Journal:
                 await d.ack()
         if self.to_reject:
             rejects, self.to_reject = self.to_reject, []
-            await asyncio.gather(*(d.reject(reason) for d, reason in rejects))
+            await asyncio.gather(*(d.reject(reason, code) for d, reason, code in rejects))
         if self.plans_done:
             done, self.plans_done = self.plans_done, []
             await asyncio.gather(*(self.store.delete(BatchPlanRecord, p, b) for p, b in done))

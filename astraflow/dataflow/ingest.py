@@ -61,6 +61,7 @@ from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane, context
 from astraflow.dataflow.parts import taken
 from astraflow.dataflow.validate import Invalid, Limits, Stats, check_trajectory, check_versions, measure
+from astraflow.streams.fates import DROPPED_EXPIRED, FILTERED_SAMPLE_ERROR, Fate, Outcome
 from astraflow.streams.messages import Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Consumer
 from astraflow.streams.trajectories import PayloadUnavailable
@@ -79,7 +80,7 @@ class Incoming(Ackable, Protocol):
     @property
     def stream_seq(self) -> int: ...
 
-    async def reject(self, reason: str) -> None: ...
+    async def reject(self, reason: str, code: str = "") -> None: ...
 
     async def nak(self, delay: float | None = None) -> None: ...
 
@@ -100,7 +101,7 @@ CONFIRM = Admission("confirm")  # a token version newer than the lane knows: ask
 class Landing:
     """What becomes of a group that completed."""
 
-    fate: str | None = None  # a terminal fate (``filtered:R``, ``dropped:expired``); None: kept
+    fate: Fate | None = None  # a terminal fate (``filtered:R``, ``dropped:expired``); None: kept
     weight: float = 1.0  # factor on its advantages when kept
     late: str | None = None  # what the late policy did with it (kept / downweighted / dropped); None: on time
 
@@ -112,13 +113,13 @@ def land(group: Group, pipeline: Pipeline, ctx: Context, deadline: float | None,
     down-weighted by ``late_weight``."""
     pipeline.observe(group, ctx)
     if any(s.reward is None for s in group.samples):  # an explicit failure (validated: only with finish_reason "error")
-        return Landing(fate="filtered:sample_error")
+        return Landing(fate=FILTERED_SAMPLE_ERROR)
     late = deadline is not None and ctx.now > deadline
     if late and cfg.late_policy == "drop":
-        return Landing(fate="dropped:expired", late="dropped")
+        return Landing(fate=DROPPED_EXPIRED, late="dropped")
     decision = pipeline.keep(group, ctx)
     if not decision.keep:
-        return Landing(fate=f"filtered:{decision.reason}")
+        return Landing(fate=Fate.filtered(decision.reason))
     if not late:
         return Landing()
     if cfg.late_policy == "downweight":
@@ -226,7 +227,7 @@ class TrajectoryIngest:
             self.stats[f"invalid.{admission.code}"] += 1
             if admission.settles:
                 self.invalidate(self.lanes[t.policy], t.task_id, admission.code, admission.reason)
-            self.journal.reject_later(d, admission.reason)
+            self.journal.reject_later(d, admission.reason, admission.code)
             return
         if admission.action != "assemble":
             if admission.action == "refresh":
@@ -262,15 +263,15 @@ class TrajectoryIngest:
         lane = self.lanes.get(g.policy)
         if lane is not None and not lane.is_closed(g.task_id) and not lane.is_buffered(g.task_id) and self.waits_on(lane, g.task_id):
             self.invalidate(lane, g.task_id, "group_size", reason)
-        self.journal.reject_later(d, reason)
+        self.journal.reject_later(d, reason, "group_size")
 
     def invalidate(self, lane: PolicyLane, task_id: str, code: str, reason: str) -> None:
         """Settle ``task_id`` in ``lane`` as ``invalid:{code}``: out of flight (primary), its partial group released."""
         if lane.primary:
             self.in_flight.land(task_id)
         self.journal.release(self.assembler.drop(task_id, lane.name))
-        lane.settle(task_id, f"invalid:{code}")
-        self.journal.record(lane.name, task_id, f"invalid:{code}", error=reason[:300])
+        lane.settle(task_id, Fate.invalid(code))
+        self.journal.record(lane.name, task_id, Fate.invalid(code), error=reason[:300])
 
     def complete(self, lane: PolicyLane, held: HeldGroup) -> None:
         self.journal.changed()
@@ -292,17 +293,17 @@ class TrajectoryIngest:
         lane.settle(held.task_id, landing.fate)
         self.journal.release(held.traj_ids)
         self.journal.record(lane.name, held.task_id, landing.fate)
-        if landing.fate.startswith("filtered:"):
+        if landing.fate.outcome is Outcome.FILTERED:
             self.note_filtered(lane.name, landing.fate)
 
-    def note_filtered(self, policy: str, fate: str) -> None:
+    def note_filtered(self, policy: str, fate: Fate) -> None:
         """Warn when ``policy``'s filters drop every group for a while: no batch forms, so no version comes (a policy
         whose samples all score the same under ``dynamic_sampling``; a filter too strict). Said at FILTERED_BATCHES
         batches' worth of groups in a row, then at each doubling; the run goes on (a policy may come out of it)."""
         n = self.filtered_in_a_row[policy] = self.filtered_in_a_row[policy] + 1
         first = FILTERED_BATCHES * self.cfg.groups_per_batch
         if n % first == 0 and (n // first) & (n // first - 1) == 0:
-            why = ": every sample of each group scored the same" if fate == "filtered:zero_variance" else ""
+            why = ": every sample of each group scored the same" if fate.reason == "zero_variance" else ""
             log.warning("%s: its filters dropped the last %d groups in a row (the last %s%s); no batch forms while every group "
                         "is dropped", policy, n, fate, why)
 

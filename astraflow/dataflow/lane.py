@@ -30,6 +30,7 @@ from astraflow.algorithms import Context, Group, Pipeline, PromptItem, ServeResu
 from astraflow.dataflow.groups import HeldGroup, Recent
 from astraflow.dataflow.ledger import IdSet, Ledger, account
 from astraflow.streams.dataflow_state import Accounting, BatchPlan, LaneState
+from astraflow.streams.fates import FAILED_TRAIN, TRAINED, Fate
 
 HISTORY = 256  # batches whose data cost and staleness the state keeps (the state is written every turn: kept short)
 
@@ -134,7 +135,7 @@ class PolicyLane:
     def remember(self, held: HeldGroup) -> None:
         self.recent.remember(held)
 
-    def settle(self, task_id: str, fate: str) -> HeldGroup | None:
+    def settle(self, task_id: str, fate: Fate) -> HeldGroup | None:
         """A terminal fate for a group that is not in a batch (filtered, dropped, failed); returns it if it was buffered."""
         held = self.buffer.pop(task_id, None)
         self.kept.pop(task_id, None)
@@ -174,10 +175,10 @@ class PolicyLane:
         """The trainer announced ``batch_id``: its tasks are trained (empty if not ours or already counted)."""
         tasks = self.awaiting.pop(batch_id, [])
         if tasks:
-            self.ledger.record("trained", len(tasks))
+            self.ledger.record(TRAINED, len(tasks))
         return tasks
 
-    def failed(self, batch_id: str, fate: str = "failed:train") -> list[str]:
+    def failed(self, batch_id: str, fate: Fate = FAILED_TRAIN) -> list[str]:
         """The trainer turned ``batch_id`` away: its tasks get ``fate`` (empty if not ours or already counted)."""
         tasks = self.awaiting.pop(batch_id, [])
         if tasks:

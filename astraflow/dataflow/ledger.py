@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from astraflow.streams.dataflow_state import Accounting, IdSetState, LedgerState
+from astraflow.streams.fates import Fate
 
 _SEQ = re.compile(r"^t(\d{1,12})$")
 
@@ -98,8 +99,8 @@ class Ledger:
     late: Counter[str] = field(default_factory=Counter)  # late groups by what the late policy did
     replayed: int = 0  # replayed groups served again (not fates: the group was trained once already)
 
-    def record(self, fate: str, n: int = 1) -> None:
-        self.fates[fate] += n
+    def record(self, fate: Fate, n: int = 1) -> None:
+        self.fates[str(fate)] += n
 
     def state(self) -> LedgerState:
         return LedgerState(issued=self.issued, received=self.received, samples=self.samples, skipped=dict(self.skipped),
@@ -119,7 +120,7 @@ def account(ledger: Ledger, primary: bool, in_flight: int, buffered: int, awaiti
     fates = dict(sorted(ledger.fates.items()))
     counted = (in_flight if primary else 0) + buffered + awaiting + sum(fates.values())
     if not primary:  # a failed or invalid task never completes a group in a secondary lane
-        counted -= sum(n for f, n in fates.items() if f.startswith(("failed:", "invalid:")))
+        counted -= sum(n for f, n in fates.items() if not Fate.parse(f).outcome.completes_a_group)
     return Accounting(basis="issued" if primary else "received", total=total, in_flight=in_flight if primary else 0,
                       buffered=buffered, awaiting=awaiting, fates=fates, late=dict(ledger.late), skipped=dict(ledger.skipped),
                       replayed=ledger.replayed, adds_up=counted == total)

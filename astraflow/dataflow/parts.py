@@ -52,8 +52,8 @@ class Part:
         if self._settle():
             await self._shared.delivery.ack()
 
-    async def reject(self, reason: str) -> None:
-        await self._shared.delivery.dead_letter(encode(self.msg), reason)
+    async def reject(self, reason: str, code: str = "") -> None:
+        await self._shared.delivery.dead_letter(encode(self.msg), reason, code)
         if self._settle():
             await self._shared.delivery.ack()
 

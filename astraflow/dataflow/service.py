@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from astraflow.algorithms import Context, build_pipeline
 from astraflow.config import Recipe
 from astraflow.dataflow.audit import AUDIT_S, due, lost_groups, lost_tasks
-from astraflow.dataflow.durability import Journal, crash_point
+from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.ingest import BUSY_PULL_WAIT_S, PULL_WAIT_S, TrajectoryIngest
 from astraflow.dataflow.issuing import TaskIssuer
@@ -52,10 +52,11 @@ from astraflow.dataflow.serving import BatchServer, Planned
 from astraflow.dataflow.validate import Limits
 from astraflow.dataflow.watch import BatchFailed, SampleUndecodable, TaskFailed, Trained, Watch
 from astraflow.metrics import Metrics, serving, start_metrics_server
-from astraflow.runtime import every, stop_event, watch_server
+from astraflow.runtime import crash_point, every, stop_event, watch_server
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.dataflow_state import Accounting, DataflowState
-from astraflow.streams.messages import BATCH_FORGED, BATCH_STALE, DataflowStats, Heartbeat, Task, Trajectory, TrajectoryGroup, WeightVersion
+from astraflow.streams.fates import DROPPED_STALE, FAILED_LOST, FAILED_TRAIN, TRAINED, Fate, Outcome
+from astraflow.streams.messages import BatchRefusal, DataflowStats, Heartbeat, Task, Trajectory, TrajectoryGroup, WeightVersion
 from astraflow.streams.plane import Consumer, NatsOptions, Plane
 from astraflow.streams.state import VersionRecord
 from astraflow.streams.trajectories import resolve_all
@@ -151,7 +152,7 @@ class Dataflow:
                     if lane.awaits(batch_id):
                         self.journal.forget_plan(lane.name, batch_id)
                     for task_id in lane.trained(batch_id):
-                        self.journal.record(lane.name, task_id, "trained", batch=batch_id, version=e.version)
+                        self.journal.record(lane.name, task_id, TRAINED, batch=batch_id, version=e.version)
                         if lane.primary:
                             self.stats["groups_trained"] += 1
             elif isinstance(e, TaskFailed):
@@ -161,10 +162,10 @@ class Dataflow:
             elif isinstance(e, SampleUndecodable):
                 self.ingest.undecodable(lane, e.task_id, e.traj_id, e.detail)
             elif isinstance(e, BatchFailed):
-                if e.code == BATCH_FORGED:  # another content under a planned id: the planned batch is still to come
+                if e.code is BatchRefusal.FORGED:  # another content under a planned id: the planned batch is still to come
                     self.stats["forged_batches"] += 1
                     continue
-                fate = "dropped:stale" if e.code == BATCH_STALE else "failed:train"
+                fate = DROPPED_STALE if e.code is BatchRefusal.STALE else FAILED_TRAIN
                 if lane.awaits(e.batch_id):
                     self.journal.forget_plan(lane.name, e.batch_id)
                 for task_id in lane.failed(e.batch_id, fate):
@@ -179,8 +180,9 @@ class Dataflow:
         """The task ended on the plane without its group (``failed:{reason}``); nothing if it was not out."""
         if self.in_flight.fail(task_id):
             self.ingest.abandon(task_id)
-            lane.settle(task_id, f"failed:{reason}")
-            self.journal.record(lane.name, task_id, f"failed:{reason}", error=detail)
+            fate = Fate(Outcome.FAILED, reason)
+            lane.settle(task_id, fate)
+            self.journal.record(lane.name, task_id, fate, error=detail)
 
     async def audit(self) -> None:
         """Every ``AUDIT_S``: the tasks out, and the kept groups of a restored state, that will never come back settled
@@ -209,8 +211,8 @@ class Dataflow:
             for task in lost_groups(self.kept_missing.setdefault(lane.name, {}), back, now, 2 * traj_wait):
                 self.stats["lost_groups"] += 1
                 log.warning("lane %s: kept group %s is lost: its trajectories did not come back after the restart", lane.name, task)
-                lane.settle(task, "failed:lost")
-                self.journal.record(lane.name, task, "failed:lost", error="kept before a restart, its trajectories never came back")
+                lane.settle(task, FAILED_LOST)
+                self.journal.record(lane.name, task, FAILED_LOST, error="kept before a restart, its trajectories never came back")
 
     def context(self) -> Context:
         return context(self.lanes, self.recipe.dataflow.max_staleness)

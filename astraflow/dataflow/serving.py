@@ -40,6 +40,7 @@ from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.groups import HeldGroup
 from astraflow.dataflow.lane import PolicyLane, context
 from astraflow.streams.dataflow_state import BatchPlan
+from astraflow.streams.fates import Fate, Outcome
 from astraflow.streams.messages import Batch, Message
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import BatchPlanRecord
@@ -92,7 +93,7 @@ class BatchServer:
                 break
             result = lane.choose(n, context(self.lanes, self.cfg.max_staleness), self.rng)
             for task_id, reason in result.dropped:
-                self.settle(lane, task_id, f"dropped:{reason}")
+                self.settle(lane, task_id, Fate(Outcome.DROPPED, reason))
             if not result.batch:
                 if result.dropped:
                     continue
@@ -102,7 +103,7 @@ class BatchServer:
             batch = plan.to_batch(lane.name)
             self.journal.write_ahead(plan_record(batch))
             for task_id in plan.tasks:
-                self.journal.record(lane.name, task_id, "batched", batch=plan.batch_id)
+                self.journal.record_batched(lane.name, task_id, plan.batch_id)
             fresh = set(plan.tasks)
             out.append(Planned(lane, batch, [t for h in chosen if h.task_id in fresh for t in h.traj_ids]))
         return out
@@ -115,7 +116,7 @@ class BatchServer:
         if planned:
             self.journal.changed()
 
-    def settle(self, lane: PolicyLane, task_id: str, fate: str) -> None:
+    def settle(self, lane: PolicyLane, task_id: str, fate: Fate) -> None:
         held = lane.settle(task_id, fate)
         if held is not None:
             self.journal.release(held.traj_ids)

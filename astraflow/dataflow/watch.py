@@ -5,7 +5,7 @@
   follow (``weights/checks.py``: possible on their face and newer than the last), so a foreign
   writer can neither move a version nor mark a batch trained with an impossible or past one;
 - the dead-letter stream for tasks and batches: a task a rollout node gave up on (``failed:…``),
-  a batch a trainer turned away, with the code its reason starts with (``messages.reason_code``);
+  a batch a trainer turned away, with its typed refusal (``Rejected.code``, ``messages.BatchRefusal``);
   and for trajectories: one the dataflow's consumer could not decode (a value outside the wire's
   range, e.g. ``index < 0``), with the ids it claims when they can be read (strings), so ingest
   can settle its task as it settles any invalid sample's (only the dataflow writes ``dlq.traj``);
@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from astraflow.streams.codec import DecodeError, decode, decode_either, fields_of
-from astraflow.streams.messages import Batch, Heartbeat, Rejected, Task, Trajectory, TrajectoryGroup, WeightVersion, reason_code
+from astraflow.streams.messages import Batch, BatchRefusal, Heartbeat, Rejected, Task, Trajectory, TrajectoryGroup, WeightVersion
 from astraflow.streams.plane import Plane, Subscription
 from astraflow.weights.checks import announcement_problem, order_problem
 
@@ -52,7 +52,7 @@ class BatchFailed:
     batch_id: str
     policy: str
     detail: str = ""
-    code: str = ""  # why the trainer turned it away (``messages.BATCH_*``)
+    code: BatchRefusal | None = None  # why the trainer turned it away (None: a code that is not a refusal: failed)
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class Watch:
                 self.events.append(TaskFailed(task.task_id, task.policy, "rollout", rej.reason[:300]))
             elif family == "batch":
                 batch = decode(rej.payload, Batch)
-                self.events.append(BatchFailed(batch.batch_id, batch.policy, rej.reason[:300], reason_code(rej.reason)))
+                self.events.append(BatchFailed(batch.batch_id, batch.policy, rej.reason[:300], BatchRefusal.of(rej.code)))
             elif family == "traj":  # it decodes: ingest's own checks turned it away, and settled its task then
                 decode_either(rej.payload, Trajectory, TrajectoryGroup)
         except DecodeError:

@@ -32,7 +32,7 @@ import torch
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.models import encode_prompt, load_tokenizer
-from astraflow.rollout.engines.base import GenerationRequest, SamplingParams, close_engine
+from astraflow.rollout.engines.base import GenerationRequest, SamplingParams
 from astraflow.rollout.node import make_handle
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.scores import sample_metrics
@@ -229,5 +229,5 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
         stop.set()
         await asyncio.gather(*side, return_exceptions=True)
         for h in handles.values():
-            close_engine(h.engine)
+            h.engine.close()
         await plane.close()

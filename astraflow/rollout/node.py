@@ -34,7 +34,7 @@ from typing import Any
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.models import encode_prompt, load_tokenizer, model_limits
-from astraflow.rollout.engines.base import SamplingParams, StaleWeights, close_engine, expect_callers
+from astraflow.rollout.engines.base import SamplingParams, StaleWeights
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.outbox import Outbox
 from astraflow.rollout.rewards import get_reward
@@ -279,7 +279,7 @@ class RolloutNode:
                      self.hardware, {p: s.version for p, s in self.syncs.items()})
             self.slots = Slots(self.recipe.rollout.tasks_per_generate, ack_wait / 3)
             for handle in self.handles.values():  # every slot may call every policy
-                expect_callers(handle.engine, self.slots.size)
+                handle.engine.expect_callers(self.slots.size)
             async with self.slots.kept_alive():
                 await self._admit_while_running(tasks, self.slots, stop, max_deliver)
         finally:
@@ -473,7 +473,8 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, poo
         await node.run(stop_event())
     finally:
         if node is not None:
-            close_engine(node.workflow)  # a workflow may hold servers (the OpenAI facade)
+            if callable(close := getattr(node.workflow, "close", None)):  # a workflow that holds servers (the OpenAI facade)
+                close()
             for h in node.handles.values():
-                close_engine(h.engine)
+                h.engine.close()
         await plane.close()

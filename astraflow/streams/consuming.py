@@ -23,7 +23,7 @@ from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from astraflow.streams.codec import DecodeError, decode
-from astraflow.streams.messages import Message
+from astraflow.streams.messages import Message, Refusal
 from astraflow.streams.pull import PullRequests
 
 if TYPE_CHECKING:
@@ -109,15 +109,20 @@ class Delivery(Generic[M]):
     async def term(self) -> None:
         await self._raw.term()
 
-    async def dead_letter(self, payload: bytes, reason: str) -> None:
+    async def dead_letter(self, payload: bytes, reason: str, code: str = "") -> None:
         """Dead-letter ``payload``, a part of this message (one trajectory of a group), with ``reason``, as if it had
         come alone on this subject; this delivery is not settled."""
-        await self._plane.reject(self._raw.subject, payload, reason, self._raw.headers)
+        await self._plane.reject(self._raw.subject, payload, reason, self._raw.headers, code)
 
-    async def reject(self, reason: str) -> None:
-        """Dead-letter it with ``reason`` (the original bytes kept), then terminate it: never redelivered."""
-        await self._plane.reject(self._raw.subject, self._raw.data, reason, self._raw.headers)
+    async def reject(self, reason: str, code: str = "") -> None:
+        """Dead-letter it with ``reason`` and the typed ``code`` of what failed (the original bytes kept), then terminate
+        it: never redelivered."""
+        await self._plane.reject(self._raw.subject, self._raw.data, reason, self._raw.headers, code)
         await self._raw.term()
+
+    async def refuse(self, refusal: Refusal) -> None:
+        """Turn a batch away: dead-lettered with its typed refusal, never redelivered."""
+        await self.reject(refusal.reason, refusal.code.value)
 
 
 class Consumer(Generic[M]):

@@ -17,6 +17,7 @@ import hashlib
 import struct
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Annotated, Any, ClassVar, Final, Literal
 
 import numpy as np
@@ -380,29 +381,47 @@ class Rejected(Message):
 
     kind: ClassVar[str] = "rejected"
     subject: str
-    reason: str
+    reason: str  # for people: what was wrong, with the values
     worker_id: str
     headers: dict[str, str] = {}
     payload: bytes  # the original bytes, untouched
+    code: str = ""  # for programs: a batch's ``BatchRefusal``, a trajectory's check that failed; "" when it did not decode
     ts: float = Field(default_factory=time.time)
 
 
-# Why a trainer turned a batch away: ``Rejected.reason`` starts with one of these and ": ". The dataflow
-# reads them: ``stale`` -> its tasks are ``dropped:stale``; ``forged`` (another content under a planned
-# id: the planned batch may still come) -> no fate; anything else -> ``failed:train``.
-BATCH_STALE = "stale"
-BATCH_FORGED = "forged"
-BATCH_MISSING = "missing"  # a referenced trajectory (or its arrays in the object store) is gone from the plane
-BATCH_MISMATCH = "mismatch"  # a referenced sequence holds another trajectory, task or policy than the manifest names
-BATCH_UNPLANNED = "unplanned"  # no plan record: not a batch the dataflow planned (or its plan is gone)
-BATCH_INVALID = "invalid"  # values a trainer cannot train (policy, advantages, token ids)
-BATCH_NON_FINITE = "non_finite"  # the step's loss or gradient norm was not finite: no update was made
-BATCH_STEP_FAILED = "step_failed"
+class BatchRefusal(str, Enum):
+    """Why a trainer turned a batch away, in ``Rejected.code``. The dataflow acts on it: ``STALE`` -> its tasks are
+    ``dropped:stale``; ``FORGED`` (another content under a planned id: the planned batch may still come) -> no fate;
+    anything else -> ``failed:train``."""
+
+    STALE = "stale"
+    FORGED = "forged"
+    MISSING = "missing"  # a referenced trajectory (or its arrays in the object store) is gone from the plane
+    MISMATCH = "mismatch"  # a referenced sequence holds another trajectory, task or policy than the manifest names
+    UNPLANNED = "unplanned"  # no plan record: not a batch the dataflow planned (or its plan is gone)
+    INVALID = "invalid"  # values a trainer cannot train (policy, advantages, token ids)
+    NON_FINITE = "non_finite"  # the step's loss or gradient norm was not finite: no update was made
+    STEP_FAILED = "step_failed"
+
+    @classmethod
+    def of(cls, code: str) -> BatchRefusal | None:
+        """The refusal ``code`` names; None for a code that is not one."""
+        try:
+            return cls(code)
+        except ValueError:
+            return None
 
 
-def reason_code(reason: str) -> str:
-    """The code a rejection reason starts with (``"stale: oldest token v3, ..."`` -> ``"stale"``)."""
-    return reason.split(":", 1)[0].strip()
+@dataclass(frozen=True)
+class Refusal:
+    """A batch turned away: the typed why and the words for people (dead-lettered as ``Rejected.code`` / ``reason``)."""
+
+    code: BatchRefusal
+    detail: str
+
+    @property
+    def reason(self) -> str:
+        return f"{self.code.value}: {self.detail}"
 
 
 KINDS: dict[str, type[Message]] = {m.kind: m for m in (Task, Trajectory, TrajectoryGroup, Batch, WeightVersion, Heartbeat, Rejected)}

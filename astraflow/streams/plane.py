@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
+from nats.errors import AuthorizationError, NoRespondersError
 from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from pydantic import BaseModel, ConfigDict
@@ -52,6 +52,14 @@ from astraflow.streams.subjects import Names
 from astraflow.streams.topology import Topology, TopologyMaker
 
 log = logging.getLogger(__name__)
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a publish whose expected last subject sequence is not the last
+
+
+def refused_credential(e: BaseException) -> bool:
+    """Whether a connection attempt failed because the server refused the credential. nats-py types the refusal
+    (``AuthorizationError``) once connected; during the handshake it raises the server's ``-ERR`` line, which in
+    the NATS protocol carries no code: its fixed text is the only signal there."""
+    return isinstance(e, AuthorizationError) or "'authorization violation'" in str(e).lower()
 M = TypeVar("M", bound=Message)
 Oversize = Callable[[Message], Awaitable[Message]]  # a message too large to publish -> the one to publish instead
 __all__ = ["Consumer", "ConsumerSettings", "Delivery", "Follower", "Lag", "NatsOptions", "Plane", "PublishConflict", "PublishRefused",
@@ -170,7 +178,7 @@ class Plane:
                                         disconnected_cb=gone.down, reconnected_cb=gone.up, error_cb=gone.error)
                 break
             except Exception as e:  # nats-py raises OSError, TimeoutError or its own errors, by cause
-                if "authorization violation" in str(e).lower():
+                if refused_credential(e):
                     raise PermissionError(f"nats-server at {opts.redacted()} refused {opts.user or 'this client'}: authorization "
                                           "violation (wrong or stale credential?)") from None
                 waited = loop.time() - start
@@ -254,7 +262,7 @@ class Plane:
         try:
             ack = await self._js.publish(subject, data, headers=headers or None)
         except APIError as e:
-            if after is not None and "wrong last sequence" in str(e.description).lower():
+            if after is not None and e.err_code == WRONG_LAST_SEQUENCE:
                 raise PublishConflict(f"{subject}: another message was published after sequence {after}: {e.description}") from None
             raise PublishRefused(f"{subject}: {e.description or e}") from e
         except (NoRespondersError, NoStreamResponseError):
@@ -282,10 +290,12 @@ class Plane:
                 for subject, data, msg_id in encoded]
         return [int(ack.seq) for ack in await asyncio.gather(*futs)]
 
-    async def reject(self, subject: str, payload: bytes, reason: str, headers: dict[str, str] | None = None) -> None:
-        """Dead-letter ``payload`` (first published on ``subject``) with ``reason`` on ``dlq.{family of subject}``."""
+    async def reject(self, subject: str, payload: bytes, reason: str, headers: dict[str, str] | None = None, code: str = "") -> None:
+        """Dead-letter ``payload`` (first published on ``subject``) with ``reason`` (and the typed ``code`` of the check
+        that failed) on ``dlq.{family of subject}``."""
         kind = subject.split(".")[2] if subject.count(".") >= 2 else "unknown"
-        rej = Rejected(subject=subject, reason=reason[:2000], worker_id=self.worker_id, headers=dict(headers or {}), payload=payload)
+        rej = Rejected(subject=subject, reason=reason[:2000], worker_id=self.worker_id, headers=dict(headers or {}), payload=payload,
+                       code=code)
         await self._js.publish(self.names.dlq(kind), encode(rej))
         log.warning("rejected message on %s: %s", subject, reason[:300])
 

@@ -158,7 +158,7 @@ class FateRecord(Record):
     fates: ClassVar[bool] = True
     policy: str
     task_id: str
-    fate: str  # batched / trained / filtered:R / dropped:R / failed:R / invalid:R
+    fate: str  # ``batched`` while in a batch, then its ``fates.Fate`` as text: trained / filtered:R / dropped:R / failed:R / invalid:R
     batch: str | None = None
     version: int | None = None
     error: str | None = None

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from astraflow.runtime import crash_point
 from astraflow.train.backend import TrainerBackend
-from astraflow.train.crash_points import crash_point
 
 _NAME = re.compile(r"^v(\d{8})$")
 

@@ -42,10 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
+from astraflow.runtime import crash_point
 from astraflow.streams.messages import Batch, WeightVersion
 from astraflow.streams.plane import Delivery, PublishConflict
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta, Snapshot
-from astraflow.train.crash_points import crash_point
 from astraflow.train.distributed import Collective
 from astraflow.weights.publish import NonFiniteWeights, WeightPublisher
 

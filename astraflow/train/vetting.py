@@ -3,8 +3,8 @@
 A batch arrives as a manifest (``Batch``: trajectory references, task ids, advantages); the
 trainer checks the manifest (:func:`check_plan`, :func:`check_manifest`), fetches the
 trajectories it names from the TRAJ stream, and checks them (:func:`check_batch`). A batch is
-trained only when all of these hold; otherwise it is dead-lettered with a reason that starts with
-its code (``streams/messages.py``, ``BATCH_*``), which the dataflow reads:
+trained only when all of these hold; otherwise it is dead-lettered with its typed refusal
+(``Rejected.code``, a ``streams.messages.BatchRefusal``), which the dataflow reads:
 
 | code | the batch is turned away when |
 |---|---|
@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from astraflow.config import Recipe
-from astraflow.streams.messages import BATCH_FORGED, BATCH_INVALID, BATCH_MISMATCH, BATCH_STALE, BATCH_UNPLANNED, Batch
+from astraflow.streams.messages import Batch, BatchRefusal, Refusal
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import BatchPlanRecord, StateSchemaError
 from astraflow.streams.trajectories import TrainingBatch
@@ -42,47 +42,49 @@ def allowed_lag(recipe: Recipe) -> int:
     return recipe.dataflow.max_staleness + recipe.dataflow.max_batch_backlog
 
 
-def check_manifest(batch: Batch, policy: str) -> str | None:
+def check_manifest(batch: Batch, policy: str) -> Refusal | None:
     """What the manifest alone says is wrong (before anything is fetched); a rejection reason, or None."""
     if batch.policy != policy:
-        return f"{BATCH_INVALID}: a batch of {batch.policy!r} for the trainer of {policy!r}"
+        return Refusal(BatchRefusal.INVALID, f"a batch of {batch.policy!r} for the trainer of {policy!r}")
     adv = batch.advantage_array()
     if not batch.refs or len(adv) != len(batch.refs):
-        return f"{BATCH_INVALID}: {len(adv)} advantages for {len(batch.refs)} trajectories"
+        return Refusal(BatchRefusal.INVALID, f"{len(adv)} advantages for {len(batch.refs)} trajectories")
     if not np.isfinite(adv).all():
-        return f"{BATCH_INVALID}: {int((~np.isfinite(adv)).sum())} non-finite advantages"
+        return Refusal(BatchRefusal.INVALID, f"{int((~np.isfinite(adv)).sum())} non-finite advantages")
     return None
 
 
-def check_batch(batch: TrainingBatch, vocab: int, version: int, max_lag: int) -> str | None:
+def check_batch(batch: TrainingBatch, vocab: int, version: int, max_lag: int) -> Refusal | None:
     """The fetched trajectories: each is the one its reference names (id, task, policy), its token ids fit the
     model, then staleness; a rejection reason, or None."""
     policy = batch.policy
     for ref, t in zip(batch.manifest.refs, batch.trajectories, strict=True):
         if (t.traj_id, t.task_id, t.policy) != (ref.traj_id, ref.task_id, policy):
-            return (f"{BATCH_MISMATCH}: sequence {ref.seq} holds {t.traj_id} (task {t.task_id}, policy {t.policy}), "
+            return Refusal(BatchRefusal.MISMATCH, f"sequence {ref.seq} holds {t.traj_id} (task {t.task_id}, policy {t.policy}), "
                     f"the manifest names {ref.traj_id} (task {ref.task_id}, policy {policy})")
     for t in batch.trajectories:
         ids = np.concatenate([np.frombuffer(t.prompt_ids, "<i4"), np.frombuffer(t.completion_ids, "<i4")])
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            return f"{BATCH_INVALID}: {t.traj_id} has token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is [0, {vocab})"
+            return Refusal(BatchRefusal.INVALID,
+                           f"{t.traj_id} has token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is [0, {vocab})")
     oldest = min(t.min_version for t in batch.trajectories)
     if version - oldest > max_lag:
-        return f"{BATCH_STALE}: oldest token v{oldest}, trainer at v{version}: {version - oldest} versions behind, {max_lag} allowed"
+        return Refusal(BatchRefusal.STALE,
+                       f"oldest token v{oldest}, trainer at v{version}: {version - oldest} versions behind, {max_lag} allowed")
     return None
 
 
-async def check_plan(plane: Plane, policy: str, batch: Batch) -> str | None:
+async def check_plan(plane: Plane, policy: str, batch: Batch) -> Refusal | None:
     """The batch is the one the dataflow planned under its id for ``policy``; a rejection reason, or None.
     A failed read raises (``StateReadError``): the batch is neither trained nor turned away."""
     try:
         plan = await plane.state.get(BatchPlanRecord, policy, batch.batch_id)
     except (ValueError, StateSchemaError) as e:  # an id that cannot be a key, or a record that is not one
-        return f"{BATCH_UNPLANNED}: no valid plan record for {batch.batch_id!r}: {e}"
+        return Refusal(BatchRefusal.UNPLANNED, f"no valid plan record for {batch.batch_id!r}: {e}")
     if plan is None:
-        return f"{BATCH_UNPLANNED}: the dataflow planned no batch {batch.batch_id!r} (or its fate is known already)"
+        return Refusal(BatchRefusal.UNPLANNED, f"the dataflow planned no batch {batch.batch_id!r} (or its fate is known already)")
     digest = batch.digest()
     if digest != plan.digest:
-        return (f"{BATCH_FORGED}: {batch.batch_id} names {len(batch.refs)} trajectories hashing to {digest[:16]}, "
+        return Refusal(BatchRefusal.FORGED, f"{batch.batch_id} names {len(batch.refs)} trajectories hashing to {digest[:16]}, "
                 f"the plan {plan.trajectories} hashing to {plan.digest[:16]}")
     return None

@@ -46,17 +46,16 @@ import torch
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving, start_metrics_server
 from astraflow.models import build_model, load_tokenizer
-from astraflow.runtime import every, stop_event, watch_server
+from astraflow.runtime import crash_point, every, stop_event, watch_server
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.direct import MissingMessages
-from astraflow.streams.messages import BATCH_INVALID, BATCH_MISSING, BATCH_NON_FINITE, BATCH_STEP_FAILED, Batch, Heartbeat, TrainerStats
+from astraflow.streams.messages import Batch, BatchRefusal, Heartbeat, Refusal, TrainerStats
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.streams.state import DoneRecord, StateReadError
 from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, fetch_trajectories
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
-from astraflow.train.crash_points import crash_point
 from astraflow.train.distributed import Collective, barrier_for
 from astraflow.train.group_commit import GroupCommit
 from astraflow.train.resume import start
@@ -189,7 +188,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 continue
             if refused is not None:
                 metrics.inc({"rejected_batches": 1})
-                await d.reject(refused)
+                await d.refuse(refused)
                 continue
             keep = asyncio.create_task(_keep_alive(d, keepalive_s))
             handed = False  # to the group commit, which acks it or stops its keep-alive
@@ -203,17 +202,18 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 refused = check_batch(batch, vocab, version, max_lag)
                 if refused is not None:
                     metrics.inc({"rejected_batches": 1})
-                    await d.reject(refused)
+                    await d.refuse(refused)
                     continue
                 try:
                     step = await asyncio.to_thread(run_op, "step", batch)
                 except Exception as e:
                     log.exception("step on %s failed", batch.batch_id)
-                    await d.reject(f"{BATCH_STEP_FAILED}: {e}")
+                    await d.refuse(Refusal(BatchRefusal.STEP_FAILED, str(e)))
                     continue
                 if step.get("skipped"):  # the loss or the gradient norm was not finite: the backend made no update
                     metrics.inc({"skipped_steps": 1})
-                    await d.reject(f"{BATCH_NON_FINITE}: loss {step['loss']}, gradient norm {step['grad_norm']}: no update made")
+                    why = f"loss {step['loss']}, gradient norm {step['grad_norm']}: no update made"
+                    await d.refuse(Refusal(BatchRefusal.NON_FINITE, why))
                     continue
                 crash_point("after_step", version + 1)
                 version += 1
@@ -224,7 +224,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                 last_ids = [batch.batch_id]
                 state, bad = await asyncio.to_thread(_checked_image, run_op)  # the bf16 image of v: a copy, what gets announced
                 if bad:  # not the data's doing (the step was finite and clipped): stop before anything is written
-                    await d.reject(f"{BATCH_NON_FINITE}: the weights after the step hold NaN or inf ({', '.join(bad[:3])})")
+                    await d.refuse(Refusal(BatchRefusal.NON_FINITE, f"the weights after the step hold NaN or inf ({', '.join(bad[:3])})"))
                     raise RuntimeError(f"{policy} weights turned non-finite after {batch.batch_id}; nothing was checkpointed or "
                                        "announced: a restart resumes from the last checkpoint")
                 if ckpt is not None and version % cfg.checkpoint_every == 0:
@@ -257,8 +257,7 @@ async def _fetch(plane: Plane, d: Delivery[Batch], metrics: Metrics) -> Training
         return TrainingBatch(d.msg, await fetch_trajectories(plane, d.msg))
     except (MissingMessages, PayloadUnavailable, DecodeError) as e:
         metrics.inc({"rejected_batches": 1})
-        code = BATCH_INVALID if isinstance(e, DecodeError) else BATCH_MISSING
-        await d.reject(f"{code}: {e}")
+        await d.refuse(Refusal(BatchRefusal.INVALID if isinstance(e, DecodeError) else BatchRefusal.MISSING, str(e)))
     except Exception as e:  # a timeout, a lost connection
         log.warning("fetching the trajectories of %s failed (%s: %s); trying again", d.msg.batch_id, type(e).__name__, e)
         await d.nak(delay=1.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -61,16 +61,22 @@ class Engine(Protocol):
     def state_view(self) -> Mapping[str, torch.Tensor]:
         """The engine's current weights by name (what the node last applied, for remote engines)."""
 
+    def expect_callers(self, n: int) -> None:
+        """``n`` threads will call ``generate`` at once (a node's generation slots). An engine that batches concurrent
+        calls itself (``hf``) waits a little for all of them; one whose server batches ignores it."""
 
-def expect_callers(engine: Any, n: int) -> None:
-    """Tell an engine that batches concurrent calls itself (``hf``) that ``n`` threads call it at once, if it asks."""
-    expect = getattr(engine, "expect_callers", None)
-    if callable(expect):
-        expect(n)
+    def close(self) -> None:
+        """Release what the engine holds (a launched server, a staging directory); nothing when it holds nothing."""
 
 
-def close_engine(engine: Any) -> None:
-    """Release what an engine holds (a launched server, a staging directory), if it has anything."""
-    close = getattr(engine, "close", None)
-    if callable(close):
-        close()
+ENGINE_METHODS = ("generate", "load_state", "state_view", "expect_callers", "close")
+
+
+def checked_engine(engine: object, name: str) -> Engine:
+    """``engine`` as the factory registered under ``name`` built it, if it speaks the whole contract; a plug-in
+    that leaves a method out fails here, when it is built, with the methods named."""
+    missing = [m for m in ENGINE_METHODS if not callable(getattr(engine, m, None))]
+    if missing or not hasattr(engine, "version"):
+        raise TypeError(f"engine {name!r} built a {type(engine).__name__} that lacks {missing or ['version']}: an engine "
+                        f"implements version, {', '.join(ENGINE_METHODS)} (astraflow/rollout/engines/base.py, Engine)")
+    return engine  # type: ignore[return-value]

@@ -65,6 +65,8 @@ class HFEngine:
     def state_view(self) -> Mapping[str, torch.Tensor]:
         return dict(self.model.state_dict())
 
+    def close(self) -> None:
+        """Nothing to release: the model is an in-process module, freed with the engine."""
     @torch.no_grad()
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         own = self.model.state_dict()

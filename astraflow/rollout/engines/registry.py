@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from astraflow.registry import ENGINE_OPTIONS, Options, type_name
-from astraflow.rollout.engines.base import Engine
+from astraflow.rollout.engines.base import Engine, checked_engine
 
 if TYPE_CHECKING:
     from astraflow.config import ModelConfig, RolloutConfig
@@ -59,4 +59,4 @@ def build_engine(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, tokenizer: 
     except KeyError:
         raise ValueError(f"rollout.engine {options.type!r} has options but no engine registered; "
                          f"engines: {sorted(ENGINES)}") from None
-    return factory(options, model_cfg, rollout_cfg, tokenizer)
+    return checked_engine(factory(options, model_cfg, rollout_cfg, tokenizer), options.type)

@@ -83,6 +83,8 @@ class ScriptedEngine:
     def state_view(self) -> Mapping[str, Any]:
         return self.inner.state_view()
 
+    def expect_callers(self, n: int) -> None:
+        """Nothing to do: each call sleeps its own scripted latency."""
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         if not requests:
             return []

@@ -33,6 +33,11 @@ class ScriptEngine:
     def state_view(self) -> Mapping[str, Any]:
         return {}
 
+    def expect_callers(self, n: int) -> None:
+        """Nothing to do: replies are scripted, one call at a time."""
+
+    def close(self) -> None:
+        """Nothing to release."""
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         with self._lock:
             self._version = version

@@ -135,6 +135,8 @@ class VLLMInProcessEngine:
     def state_view(self) -> Mapping[str, Any]:
         return self._state
 
+    def expect_callers(self, n: int) -> None:
+        """Nothing to do: vLLM's scheduler batches the prompts of each call."""
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         from vllm import SamplingParams as VSP
 
