@@ -49,8 +49,8 @@ def child(batch_file: Path, out_dir: Path, backend_name: str, steps: int, thread
     if backend.rank != 0:
         run_op.follow()
     else:
-        metrics = [run_op("step", b) for b in batches[: steps + 1]]  # the first: warm-up
-        run_op("stop")
+        metrics = [run_op.step(b) for b in batches[: steps + 1]]  # the first: warm-up
+        run_op.stop()
         timed = metrics[1:]
         (out_dir / "result.json").write_text(json.dumps({
             "step_s": round(statistics.median(m["step_s"] for m in timed), 3),

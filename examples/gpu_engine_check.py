@@ -18,7 +18,7 @@ import torch
 
 from astraflow.config import ModelConfig, RolloutConfig
 from astraflow.models import build_model, load_tokenizer
-from astraflow.rollout.engines.base import GenerationRequest, SamplingParams, close_engine
+from astraflow.rollout.engines.base import GenerationRequest, SamplingParams
 from astraflow.rollout.engines.registry import build_engine
 
 
@@ -65,7 +65,7 @@ def main() -> dict[str, object]:
             v1_max_logprob_diff=max(abs(a - b) for a, b in zip(comps1[0].logprobs, recompute(model, prompts[0], comps1[0].token_ids, 1.0))),
         )
     finally:
-        close_engine(engine)
+        engine.close()
     out["ok"] = out.get("v1_versions") == [1] and float(out.get("v1_max_logprob_diff", 9)) < 0.1  # type: ignore[arg-type]
     return out
 

@@ -20,17 +20,36 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from astraflow.train.backend import TrainerBackend
-from astraflow.train.checkpoint import Checkpointer
+from astraflow.train.checkpoint import Checkpointer, CheckpointMeta, Snapshot
 from astraflow.train.peers import PeerWatch, leave_group
 
+if TYPE_CHECKING:
+    from astraflow.streams.trajectories import TrainingBatch
+
 log = logging.getLogger(__name__)
+
+
+class Op(str, Enum):
+    """What rank 0 names to the followers (broadcast with its arguments)."""
+
+    STEP = "step"
+    STATE = "state"
+    RETUNE = "retune"
+    LOAD_WEIGHTS = "load_weights"
+    SAVE = "save"
+    SNAPSHOT = "snapshot"
+    LOAD = "load"
+    NOOP = "noop"
+    STOP = "stop"
 
 
 class Collective:
@@ -43,6 +62,11 @@ class Collective:
         self._lock = threading.Lock()  # one broadcast at a time: the op sequence is the same on every rank
         self._last = time.monotonic()
         self._done = threading.Event()
+        b = backend
+        self._handlers: dict[Op, Callable[..., Any]] = {
+            Op.STEP: b.step, Op.STATE: b.state_dict_bf16, Op.RETUNE: b.retune, Op.LOAD_WEIGHTS: b.load_weights,
+            Op.SAVE: lambda meta: self._checkpointer().save(b, meta), Op.SNAPSHOT: lambda meta: self._checkpointer().snapshot(b, meta),
+            Op.LOAD: lambda path: self._checkpointer().load(b, path), Op.NOOP: lambda: None, Op.STOP: self._stopped}
         self.watch: PeerWatch | None = None
         if self.distributed:
             self.watch = PeerWatch(backend.rank, backend.world_size, peer_timeout).start()
@@ -53,16 +77,47 @@ class Collective:
     def distributed(self) -> bool:
         return self.backend.world_size > 1
 
-    def __call__(self, op: str, *args: Any) -> Any:
+    # ------------------------------------------------------------ rank 0's typed surface: each runs on every rank
+    def step(self, batch: TrainingBatch) -> dict[str, float]:
+        result: dict[str, float] = self._call(Op.STEP, batch)
+        return result
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The bf16 image of the weights (``state_dict_bf16``)."""
+        result: dict[str, torch.Tensor] = self._call(Op.STATE)
+        return result
+
+    def retune(self) -> dict[str, tuple[float, float]]:
+        result: dict[str, tuple[float, float]] = self._call(Op.RETUNE)
+        return result
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._call(Op.LOAD_WEIGHTS, state)
+
+    def save(self, meta: CheckpointMeta) -> Path:
+        result: Path = self._call(Op.SAVE, meta)
+        return result
+
+    def snapshot(self, meta: CheckpointMeta) -> Snapshot | None:
+        result: Snapshot | None = self._call(Op.SNAPSHOT, meta)
+        return result
+
+    def load(self, path: Path) -> None:
+        self._call(Op.LOAD, path)
+
+    def stop(self) -> None:
+        self._call(Op.STOP)
+
+    def _call(self, op: Op, *args: Any) -> Any:
         """Run ``op`` on every rank (rank 0 only calls this); returns rank 0's result."""
         if not self.distributed:
             return self._run(op, args)
         with self._lock:
             if self._done.is_set():  # after ``stop`` no rank follows any more
-                raise RuntimeError(f"{op}: the group was stopped")
+                raise RuntimeError(f"{op.value}: the group was stopped")
             return self._broadcast(op, args)
 
-    def _broadcast(self, op: str, args: tuple[Any, ...]) -> Any:
+    def _broadcast(self, op: Op, args: tuple[Any, ...]) -> Any:
         """Name ``op`` to the followers and run it here (the caller holds the lock)."""
         self._last = time.monotonic()
         try:
@@ -70,8 +125,8 @@ class Collective:
             dist.broadcast_object_list([(op, args)], src=0)
             return self._run(op, args)
         except Exception as e:
-            log.exception("%s failed on rank 0", op)
-            self._on_failure(f"rank 0: {op} failed ({e})")
+            log.exception("%s failed on rank 0", op.value)
+            self._on_failure(f"rank 0: {op.value} failed ({e})")
             raise
 
     def follow(self) -> None:
@@ -87,38 +142,28 @@ class Collective:
                 log.exception("rank %d: following rank 0 failed", self.backend.rank)
                 self._on_failure(f"rank {self.backend.rank}: {e}")
                 raise
-            if op == "stop":
+            if op is Op.STOP:
                 return
 
-    def _run(self, op: str, args: tuple[Any, ...]) -> Any:
-        b, c = self.backend, self.checkpointer
-        if op == "step":
-            return b.step(*args)
-        if op == "state":
-            return b.state_dict_bf16()
-        if op == "retune":
-            return b.retune()
-        if op == "load_weights":
-            return b.load_weights(*args)
-        if op in ("save", "snapshot", "load"):
-            if c is None:
-                raise RuntimeError(f"{op}: the trainer has no checkpoint directory")
-            return c.save(b, *args) if op == "save" else c.snapshot(b, *args) if op == "snapshot" else c.load(b, *args)
-        if op == "noop":
-            return None
-        if op == "stop":
-            self._done.set()
-            if self.watch is not None:  # no collective follows: a peer leaving now is no failure
-                self.watch.stop()
-            return None
-        raise ValueError(f"unknown collective operation {op!r}")
+    def _run(self, op: Op, args: tuple[Any, ...]) -> Any:
+        return self._handlers[op](*args)
+
+    def _checkpointer(self) -> Checkpointer:
+        if self.checkpointer is None:
+            raise RuntimeError("the trainer has no checkpoint directory")
+        return self.checkpointer
+
+    def _stopped(self) -> None:
+        self._done.set()
+        if self.watch is not None:  # no collective follows: a peer leaving now is no failure
+            self.watch.stop()
 
     def _keep_alive(self) -> None:
         """Rank 0: a ``noop`` after ``keepalive_s`` without an operation (the followers' broadcast must not time out)."""
         while not self._done.wait(self.keepalive_s / 4):
             with self._lock:
                 if not self._done.is_set() and time.monotonic() - self._last >= self.keepalive_s:
-                    self._broadcast("noop", ())
+                    self._broadcast(Op.NOOP, ())
 
 
 def _bind_device(backend: TrainerBackend) -> None:

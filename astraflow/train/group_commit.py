@@ -137,7 +137,7 @@ class GroupCommit:
         await self.landed()  # a durable checkpoint of v+1 must not come before the announcement of v
         await self._wait_write()
         await self._release()  # what that write made durable is acked now, not after the next one
-        snap: Snapshot | None = await asyncio.to_thread(self.run_op, "snapshot", meta)
+        snap: Snapshot | None = await asyncio.to_thread(self.run_op.snapshot, meta)
         crash_point("after_snapshot", meta.version)
         if snap is None:  # the backend saved it synchronously (DeepSpeed)
             crash_point("after_checkpoint", meta.version)

@@ -56,10 +56,10 @@ async def replay(plane: Plane, run_op: Collective, policy: str, restored: int, a
             batch = TrainingBatch(manifest, await fetch_trajectories(plane, manifest))
         except (MissingMessages, PayloadUnavailable, DecodeError) as e:
             return Replayed(version, f"the trajectories of {batch_id} (v{ann.version}) cannot be read back: {e}")
-        step = await asyncio.to_thread(run_op, "step", batch)
+        step = await asyncio.to_thread(run_op.step, batch)
         if step.get("skipped"):
             return Replayed(version, f"the replayed step of v{ann.version} ({batch_id}) made no update")
-        digest = state_digest(await asyncio.to_thread(run_op, "state"))
+        digest = state_digest(await asyncio.to_thread(run_op.state))
         if digest != ann.state_digest:
             return Replayed(version, f"v{ann.version} replayed hashes to {digest[:16]}, announced {ann.state_digest[:16]}")
         version = ann.version

@@ -127,8 +127,8 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
         if last is not None:
             log.warning("%s: a fresh lineage %s at v%d, after v%d of lineage %s", policy, lineage, base, last.version, last.lineage or "-")
         if ckpt is not None:
-            run_op("save", CheckpointMeta(version=base, policy=policy, trained=[], lineage=lineage, lineage_base=base))
-        await publisher.publish(run_op("state"), base, force_keyframe=True)
+            run_op.save(CheckpointMeta(version=base, policy=policy, trained=[], lineage=lineage, lineage_base=base))
+        await publisher.publish(run_op.state(), base, force_keyframe=True)
         return Start(base, [], lineage, base)
 
     path, meta = found
@@ -137,7 +137,7 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
         raise LineageError(f"{policy}: the checkpoint is v{meta.version} of lineage {meta.lineage}, the plane's newest is "
                            f"v{last.version} of lineage {last.lineage}: resume with that lineage's checkpoints, or start a "
                            "--fresh-lineage")
-    run_op("load", path)
+    run_op.load(path)
     log.info("%s: restored checkpoint v%d of lineage %s (%d batches trained); last announced: %s", policy, meta.version,
              lineage or "-", len(meta.trained), "none" if last is None else f"v{last.version}")
     at = Start(meta.version, list(meta.trained), lineage, meta.lineage_base)
@@ -145,10 +145,10 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
         if last is not None and last.version < meta.version - 1:
             log.error("%s: the plane's last version is v%d, the checkpoint v%d: versions in between are missing",
                       policy, last.version, meta.version)
-        await publisher.publish(run_op("state"), meta.version, meta.last_batch_ids, meta.last_metrics, force_keyframe=True)
+        await publisher.publish(run_op.state(), meta.version, meta.last_batch_ids, meta.last_metrics, force_keyframe=True)
         return at
     if last.version == meta.version:
-        adopt(publisher, run_op("state"), last)
+        adopt(publisher, run_op.state(), last)
         return at
     # announced past the checkpoint: retrain those versions' batches, checking every digest
     announced = [a for a in history if a.version > meta.version and a.lineage == last.lineage]
@@ -162,10 +162,10 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
         image = _Image()
         await WeightSync(plane, policy, image).goto(last.version)
         assert image.state is not None
-        run_op("load_weights", dict(image.state))
-    adopt(publisher, run_op("state"), last)
+        run_op.load_weights(dict(image.state))
+    adopt(publisher, run_op.state(), last)
     known = set(meta.trained)
     trained = list(meta.trained) + [b for a in announced for b in a.batch_ids if b not in known]
-    run_op("save", CheckpointMeta(version=last.version, policy=policy, trained=trained, last_batch_ids=list(last.batch_ids),
+    run_op.save(CheckpointMeta(version=last.version, policy=policy, trained=trained, last_batch_ids=list(last.batch_ids),
                                   last_metrics=dict(last.metrics), lineage=lineage, lineage_base=meta.lineage_base))
     return Start(last.version, trained, lineage, meta.lineage_base)

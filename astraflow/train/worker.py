@@ -111,7 +111,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
         vocab = embedding_rows(model)
         await _lead(recipe, nats, run, worker_id, policy, run_op, ckpt, metrics_port, vocab, fresh_lineage)
     finally:
-        run_op("stop")
+        run_op.stop()
 
 
 async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, policy: str, run_op: Collective,
@@ -128,7 +128,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
     stop = stop_event()
     max_lag = allowed_lag(recipe)
     at = await start(plane, publisher, run_op, ckpt, policy, fresh_lineage, skip=max_lag)
-    for key, (was, now) in run_op("retune").items():  # after the replay, which needs the values it was trained with
+    for key, (was, now) in run_op.retune().items():  # after the replay, which needs the values it was trained with
         log.warning("%s: trainer.%s is %g in the recipe, %g in the checkpoint: %g from the next step on", policy, key, now, was, now)
     version, trained = at.version, list(at.trained)
     seen = set(trained)
@@ -205,7 +205,7 @@ async def _lead(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pol
                     await d.refuse(refused)
                     continue
                 try:
-                    step = await asyncio.to_thread(run_op, "step", batch)
+                    step = await asyncio.to_thread(run_op.step, batch)
                 except Exception as e:
                     log.exception("step on %s failed", batch.batch_id)
                     await d.refuse(Refusal(BatchRefusal.STEP_FAILED, str(e)))
@@ -266,7 +266,7 @@ async def _fetch(plane: Plane, d: Delivery[Batch], metrics: Metrics) -> Training
 
 def _checked_image(run_op: Collective) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The bf16 image of the current weights (a copy) and the names of its tensors holding a NaN or an infinity."""
-    state: dict[str, torch.Tensor] = run_op("state")
+    state = run_op.state()
     return state, non_finite(state)
 
 
