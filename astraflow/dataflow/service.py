@@ -51,12 +51,22 @@ from astraflow.dataflow.pool import PoolAdvisor
 from astraflow.dataflow.serving import BatchServer, Planned
 from astraflow.dataflow.validate import Limits
 from astraflow.dataflow.watch import BatchFailed, SampleUndecodable, TaskFailed, Trained, Watch
-from astraflow.metrics import Metrics, serving, start_metrics_server
-from astraflow.runtime import crash_point, every, stop_event, watch_server
+from astraflow.metrics import Metrics, serving
+from astraflow.role import Role
+from astraflow.runtime import crash_point
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.fates import DROPPED_STALE, FAILED_LOST, FAILED_TRAIN, TRAINED, Fate, Outcome
-from astraflow.streams.messages import BatchRefusal, DataflowStats, Heartbeat, Task, Trajectory, TrajectoryGroup, WeightVersion
+from astraflow.streams.messages import (
+    HEARTBEAT_PERIOD_S,
+    BatchRefusal,
+    DataflowStats,
+    Heartbeat,
+    Task,
+    Trajectory,
+    TrajectoryGroup,
+    WeightVersion,
+)
 from astraflow.streams.plane import Consumer, NatsOptions, Plane
 from astraflow.streams.state import VersionRecord
 from astraflow.streams.trajectories import resolve_all
@@ -304,28 +314,22 @@ class Dataflow:
 
 
 async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "dataflow", metrics_port: int | None = None) -> None:
-    plane = await Plane.connect(nats, run, worker_id)
-    await plane.ensure_topology(recipe.topology())
-    metrics = None
-    if metrics_port is not None:
-        metrics = Metrics("dataflow", worker=worker_id)
-        log.info("Prometheus metrics on :%d/metrics", start_metrics_server(metrics_port))
-    df = Dataflow(recipe, plane, metrics)
-    await df.start()
-    stop = stop_event()
-    watchdog = asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))
-    names = plane.names
-    trajectories = plane.trajectory_consumer(names.DATAFLOW_CONSUMER)
-    ack_wait = (await trajectories.settings()).ack_wait
-    side = [asyncio.create_task(every(2.0, df.beat, stop)), asyncio.create_task(every(ack_wait / 3, df.journal.keep_alive, stop))]
-    log.info("dataflow up for run %s (%s), policies %s", run, recipe.dataflow.mode, list(df.lanes))
-    try:
-        while not stop.is_set():
-            await df.step(trajectories)
-    finally:
-        stop.set()
-        await asyncio.gather(*side, watchdog, return_exceptions=True)
-        if not stop.urgent:  # without a server there is nothing to flush to; the next dataflow redoes it
-            await df.journal.flush()
-        await df.watch.stop()
-        await plane.close()  # held trajectories stay unacked: the next dataflow gets them again
+    async with Role("dataflow", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port) as role:
+        plane = role.plane
+        await plane.ensure_topology(recipe.topology())
+        df = Dataflow(recipe, plane, role.metrics)
+        await df.start()
+        role.on_exit(df.watch.stop)
+        trajectories = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
+        ack_wait = (await trajectories.settings()).ack_wait
+        role.every(HEARTBEAT_PERIOD_S, df.beat)
+        role.every(ack_wait / 3, df.journal.keep_alive)
+        log.info("dataflow up for run %s (%s), policies %s", run, recipe.dataflow.mode, list(df.lanes))
+        try:
+            while not role.stop.is_set():
+                await df.step(trajectories)
+        finally:
+            await role.leave()
+            if not role.stop.urgent:  # without a server there is nothing to flush to; the next dataflow redoes it
+                await df.journal.flush()
+        # held trajectories stay unacked when the plane closes: the next dataflow gets them again

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from astraflow.config import Recipe
-from astraflow.metrics import Metrics, serving, start_metrics_server
+from astraflow.metrics import Metrics, serving
 from astraflow.models import encode_prompt, load_tokenizer
+from astraflow.role import Role
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams
 from astraflow.rollout.node import make_handle
 from astraflow.rollout.rewards import get_reward
@@ -39,7 +40,6 @@ from astraflow.rollout.scores import sample_metrics
 from astraflow.rollout.task_checks import TaskRules, check_content, check_prompt
 from astraflow.rollout.workflows.base import TEAM
 from astraflow.rollout.workflows.registry import evaluation_of, get_workflow, workflow_class
-from astraflow.runtime import every, stop_event, watch_server
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, EvaluatorStats, Heartbeat
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import EvalRecord, StateSchemaError, VersionRecord
@@ -176,58 +176,51 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
     torch.set_num_threads(recipe.rollout.threads)
     policy = recipe.eval_policy
     team = evaluation_of(recipe.workflow) == "team"
-    metrics = None
-    if metrics_port is not None:
-        metrics = Metrics("evaluator", policy=policy, worker=worker_id)
-        port = start_metrics_server(metrics_port)
-        log.info("Prometheus metrics on :%d/metrics", port)
-    plane = await Plane.connect(nats, run, worker_id)
-    await plane.ensure_topology(recipe.topology(), create=False)
-    followed = recipe.policy_names if team else (policy,)  # a team is evaluated with every policy at the same version
-    handles = {p: make_handle(recipe, p) for p in followed}
-    syncs = {p: WeightSync(plane, p, handles[p].engine) for p in followed}
-    held_out = scorable(recipe, load_split(recipe.data)[1])
-    stop = stop_event()
-    ev, last_subject = recipe.eval, eval_subjects(recipe)[-1]
-    done: list[tuple[int, float]] = []
+    async with Role("evaluator", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port, policy=policy) as role:
+        plane = role.plane
+        await plane.ensure_topology(recipe.topology(), create=False)
+        followed = recipe.policy_names if team else (policy,)  # a team is evaluated with every policy at the same version
+        handles = {p: make_handle(recipe, p) for p in followed}
+        for h in handles.values():
+            role.on_exit(h.engine.close)
+        syncs = {p: WeightSync(plane, p, handles[p].engine) for p in followed}
+        held_out = scorable(recipe, load_split(recipe.data)[1])
+        done: list[tuple[int, float]] = []
 
-    async def beat() -> None:
-        last = done[-1] if done else (-1, 0.0)
-        stats = EvaluatorStats(evaluated=len(done), last_version=last[0], last_reward=last[1])
-        await plane.beat(Heartbeat(worker_id=worker_id, policy=policy, version=syncs[policy].version, stats=stats, metrics=serving()))
+        async def beat() -> None:
+            last = done[-1] if done else (-1, 0.0)
+            stats = EvaluatorStats(evaluated=len(done), last_version=last[0], last_reward=last[1])
+            await plane.beat(Heartbeat(worker_id=worker_id, policy=policy, version=syncs[policy].version, stats=stats, metrics=serving()))
 
-    side = [asyncio.create_task(every(HEARTBEAT_PERIOD_S, beat, stop)),
-            asyncio.create_task(watch_server(plane, stop, recipe.plane.server_gone_timeout))]
-    try:
+        role.every(HEARTBEAT_PERIOD_S, beat)
         for v in eval_versions(recipe):
             at = {p: min(v, recipe.policies[p].trainer.steps) for p in followed}
-            while not stop.is_set() and any([await _announced(plane, p) < at[p] for p in followed]):
+            while not role.stop.is_set() and any([await _announced(plane, p) < at[p] for p in followed]):
                 await asyncio.sleep(0.5)
-            if stop.is_set():
+            if role.stop.is_set():
                 break
-            if await evaluated(plane, last_subject, v):
+            if await evaluated(plane, eval_subjects(recipe)[-1], v):
                 continue  # already evaluated (a restarted evaluator)
             for p in followed:
                 await syncs[p].goto(at[p])
             t0 = time.perf_counter()
-            if team:
-                results = await asyncio.to_thread(evaluate_team, recipe, handles, held_out)
-            elif evaluation_of(recipe.workflow) == "workflow":
-                results = {policy: await asyncio.to_thread(evaluate_with_workflow, recipe, handles[policy], policy, held_out)}
-            else:
-                results = {policy: await asyncio.to_thread(evaluate, handles[policy], held_out, recipe.reward,
-                                                           recipe.rollout.max_new_tokens, ev.k, ev.temperature, recipe.rollout.top_p)}
+            results = await _evaluate(recipe, handles, held_out, team)
             elapsed = time.perf_counter() - t0
             for subject, result in results.items():  # the last subject last: its record says the version is done
                 await plane.state.put(EvalRecord(policy=subject, version=v, **result))
                 log.info("eval %s v%d: held-out reward %.3f, avg@%d %.3f, pass@%d %.3f", subject, v, result["reward"],
-                         ev.k, result["avg@k"], ev.k, result["pass@k"])
+                         recipe.eval.k, result["avg@k"], recipe.eval.k, result["pass@k"])
             done.append((v, results[policy]["reward"]))
-            if metrics is not None:
-                export_eval(metrics, results[policy], v, syncs[policy].version, elapsed)
-    finally:
-        stop.set()
-        await asyncio.gather(*side, return_exceptions=True)
-        for h in handles.values():
-            h.engine.close()
-        await plane.close()
+            if role.metrics is not None:
+                export_eval(role.metrics, results[policy], v, syncs[policy].version, elapsed)
+
+
+async def _evaluate(recipe: Recipe, handles: dict[str, Any], held_out: list[Any], team: bool) -> dict[str, dict[str, float]]:
+    """One evaluation of the versions ``handles`` hold: per subject (the policy, or a team's), its figures."""
+    policy, ev = recipe.eval_policy, recipe.eval
+    if team:
+        return await asyncio.to_thread(evaluate_team, recipe, handles, held_out)
+    if evaluation_of(recipe.workflow) == "workflow":
+        return {policy: await asyncio.to_thread(evaluate_with_workflow, recipe, handles[policy], policy, held_out)}
+    return {policy: await asyncio.to_thread(evaluate, handles[policy], held_out, recipe.reward, recipe.rollout.max_new_tokens, ev.k,
+                                            ev.temperature, recipe.rollout.top_p)}

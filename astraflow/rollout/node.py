@@ -32,8 +32,9 @@ from collections.abc import Callable
 from typing import Any
 
 from astraflow.config import Recipe
-from astraflow.metrics import Metrics, serving, start_metrics_server
+from astraflow.metrics import Metrics, serving
 from astraflow.models import encode_prompt, load_tokenizer, model_limits
+from astraflow.role import Role
 from astraflow.rollout.engines.base import SamplingParams, StaleWeights
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.outbox import Outbox
@@ -43,7 +44,7 @@ from astraflow.rollout.task_checks import TaskProblem, TaskRules, check_prompt, 
 from astraflow.rollout.workflows.agent_sessions import AgentHost, NodeServices
 from astraflow.rollout.workflows.base import PolicyHandle, Workflow
 from astraflow.rollout.workflows.registry import check_policies, get_workflow
-from astraflow.runtime import Stop, every, stop_event, watch_server
+from astraflow.runtime import Stop, every
 from astraflow.streams.codec import MessageTooLarge
 from astraflow.streams.messages import Heartbeat, RolloutStats, Task, Trajectory
 from astraflow.streams.plane import Consumer, Delivery, NatsOptions, Plane
@@ -254,7 +255,6 @@ class RolloutNode:
         topo = dataclasses.replace(self.recipe.topology(), pools=(self.pool,))
         await self.plane.ensure_topology(topo, create=False)
         beats = asyncio.create_task(every(2.0, self.beat, stop))
-        watchdog = asyncio.create_task(watch_server(self.plane, stop, self.recipe.plane.server_gone_timeout))
         try:
             for policy, sync in self.syncs.items():  # joining: the current weights first, however long a warm start takes
                 while sync.version < 0 and not stop.is_set():
@@ -285,7 +285,7 @@ class RolloutNode:
         finally:
             self.draining = True
             stop.set()
-            await asyncio.gather(beats, watchdog, return_exceptions=True)
+            await asyncio.gather(beats, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self.beat()
             log.info("rollout node %s left: %s", self.worker_id, {k: v for k, v in self.stats.items() if v})
@@ -460,21 +460,11 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, poo
     import torch
 
     torch.set_num_threads(recipe.rollout.threads)
-    metrics = None
-    if metrics_port is not None:
-        metrics = Metrics("rollout", worker=worker_id)
-        port = start_metrics_server(metrics_port)
-        log.info("Prometheus metrics on :%d/metrics", port)
-    plane = await Plane.connect(nats, run, worker_id)
-    node = None
-    try:
+    async with Role("rollout", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port) as role:
         key = (nats.password or os.environ.get("NATS_PASSWORD")) if nats.user else None  # agents present the same secret
-        node = RolloutNode(recipe, plane, worker_id, pool, region, hardware, metrics=metrics, agent_key=key)
-        await node.run(stop_event())
-    finally:
-        if node is not None:
-            if callable(close := getattr(node.workflow, "close", None)):  # a workflow that holds servers (the OpenAI facade)
-                close()
-            for h in node.handles.values():
-                h.engine.close()
-        await plane.close()
+        node = RolloutNode(recipe, role.plane, worker_id, pool, region, hardware, metrics=role.metrics, agent_key=key)
+        for h in node.handles.values():
+            role.on_exit(h.engine.close)
+        if callable(close := getattr(node.workflow, "close", None)):  # a workflow that holds servers (the OpenAI facade)
+            role.on_exit(close)
+        await node.run(role.stop)  # the node beats itself (tests drive it without a Role); the Role watches the server

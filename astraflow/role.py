@@ -1,0 +1,90 @@
+"""What every role process does around its own work, written once (``Role``).
+
+    async with Role("dataflow", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port) as role:
+        role.every(HEARTBEAT_PERIOD_S, beat)          # heartbeats and other chores, until the role stops
+        while not role.stop.is_set():
+            ...                                         # the role's own loop, on role.plane
+        await role.leave()                              # optional: chores stopped, the plane still open for a last flush
+
+On entry: the Prometheus endpoint (when ``metrics_port`` is given), the connection with the role's credential, the stop
+signals (``runtime.stop_event``: SIGTERM drains, SIGHUP from a dead launcher leaves now) and the server watchdog (leave
+once the server has been gone ``server_gone_timeout`` seconds). On exit, in this order: stop, wait for the chores and the
+watchdog, run the closers the role registered (``on_exit``: engines, servers it launched), close the plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+
+from astraflow.metrics import Metrics, start_metrics_server
+from astraflow.runtime import Stop, every, stop_event, watch_server
+from astraflow.streams.plane import NatsOptions, Plane
+
+log = logging.getLogger(__name__)
+
+
+class Role:
+    def __init__(self, kind: str, nats: NatsOptions, run: str, worker_id: str, server_gone_timeout: float,
+                 metrics_port: int | None = None, policy: str = "") -> None:
+        self.kind, self.nats, self.run, self.worker_id = kind, nats, run, worker_id
+        self.server_gone_timeout = server_gone_timeout
+        self.metrics_port = metrics_port
+        self.policy = policy
+        self.metrics: Metrics | None = None  # exported when a metrics port was given
+        self._plane: Plane | None = None
+        self._stop: Stop | None = None
+        self._chores: list[asyncio.Task[None]] = []
+        self._closers: list[Callable[[], object]] = []
+
+    @property
+    def plane(self) -> Plane:
+        if self._plane is None:
+            raise RuntimeError(f"{self.kind}: the role is not entered (use `async with Role(...)`)")
+        return self._plane
+
+    @property
+    def stop(self) -> Stop:
+        if self._stop is None:
+            raise RuntimeError(f"{self.kind}: the role is not entered (use `async with Role(...)`)")
+        return self._stop
+
+    async def __aenter__(self) -> Role:
+        if self.metrics_port is not None:
+            self.metrics = Metrics(self.kind, policy=self.policy, worker=self.worker_id)
+            log.info("Prometheus metrics on :%d/metrics", start_metrics_server(self.metrics_port))
+        self._plane = await Plane.connect(self.nats, self.run, self.worker_id)
+        self._stop = stop_event()
+        self._chores.append(asyncio.create_task(watch_server(self._plane, self._stop, self.server_gone_timeout)))
+        return self
+
+    def every(self, seconds: float, chore: Callable[[], Awaitable[None]]) -> None:
+        """Run ``chore`` every ``seconds`` until the role stops (an error is logged, never fatal)."""
+        self._chores.append(asyncio.create_task(every(seconds, chore, self.stop)))
+
+    def on_exit(self, closer: Callable[[], object]) -> None:
+        """Call ``closer`` when the role leaves, after its chores and before the plane closes (last registered, first)."""
+        self._closers.append(closer)
+
+    async def leave(self) -> None:
+        """Stop: the chores and the watchdog end; the plane stays open (for a last flush). Safe to call twice."""
+        self.stop.set()
+        chores, self._chores = self._chores, []
+        await asyncio.gather(*chores, return_exceptions=True)
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            if self._stop is not None:
+                await self.leave()
+            for closer in reversed(self._closers):
+                try:
+                    result = closer()
+                    if asyncio.iscoroutine(result):
+                        await result
+                except Exception:  # one closer failing must not keep the others (or the plane) open
+                    log.exception("%s: closing %s failed", self.kind, getattr(closer, "__qualname__", closer))
+        finally:
+            if self._plane is not None:
+                await self._plane.close()
