@@ -1,4 +1,6 @@
-"""The shape of the code base: modules, their sizes, the largest classes, and who touches NATS.
+"""The shape of the code base: modules, their sizes, the largest classes and functions, who touches NATS, who names
+the plane's streams, consumers and sequences outside ``streams/``, protocol values typed as strings, and plug-in
+mechanisms.
 
     python benchmarks/bench_house.py [PACKAGE_DIR ...]     # default: this checkout's astraflow/
 
@@ -11,12 +13,58 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 NATS_HANDLES = {"nc", "js", "jsm", "raw", "_nc", "_js", "_jsm", "_raw"}
+# what a role names when it reasons in JetStream terms: streams, consumers, sequences, server-side lag
+PLANE_TERMS = re.compile(r"(_stream|_consumer|CONSUMER|^stream_last|^holds|^stream_seq|^seqs?|^consumer_settings|^lag)$")
+FATE_TEXT = re.compile(r"^(filtered|dropped|failed|invalid):[a-z_]*$")  # a fate written as a string literal ("failed:lost")
+OP_NAMES = {"step", "state", "retune", "save", "snapshot", "load", "load_weights", "stop"}  # trainer operations by name
+
+
+def functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def string_protocol(tree: ast.AST) -> list[int]:
+    """Lines where a protocol value travels as a string: a fate literal, a reason split at ':', an operation by name."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and FATE_TEXT.match(n.value):
+            out.append(n.lineno)
+        elif isinstance(n, ast.JoinedStr) and n.values and isinstance(n.values[0], ast.Constant) \
+                and FATE_TEXT.match(str(n.values[0].value)):
+            out.append(n.lineno)  # f"failed:{reason}"
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("split", "startswith") \
+                and n.args and isinstance(n.args[0], (ast.Constant, ast.Tuple)) and ":" in ast.unparse(n.args[0]):
+            out.append(n.lineno)  # reason.split(":"), fate.startswith(("failed:", ...))
+        elif isinstance(n, ast.Call) and n.args and isinstance(n.args[0], ast.Constant) and n.args[0].value in OP_NAMES \
+                and isinstance(n.func, ast.Name) and n.func.id == "run_op":
+            out.append(n.lineno)  # run_op("step", batch)
+    return out
+
+
+def plugin_mechanisms(tree: ast.AST) -> set[str]:
+    """Ways a part is looked up by name: a ``register*`` function, an upper-case dict of names, a ``"module:attr"`` string."""
+    found = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("register") and n.col_offset == 0:
+            found.add(f"def {n.name}")
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, ast.Dict) and n.col_offset == 0:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper()]
+            values = [v for v in n.value.values if v is not None]
+            if names and values and all(isinstance(v, (ast.Name, ast.Attribute)) for v in values):
+                found.add(f"dict {names[0]}")
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("partition", "rsplit", "split") \
+                and n.args and isinstance(n.args[0], ast.Constant) and n.args[0].value == ":" \
+                and "module" in ast.unparse(n.func.value).lower():
+            found.add("'module:attr' strings")
+    return found
 
 
 def class_attributes(node: ast.ClassDef) -> int:
@@ -34,12 +82,19 @@ def class_attributes(node: ast.ClassDef) -> int:
 def survey(pkg: Path) -> dict[str, object]:
     modules = sorted(p for p in pkg.rglob("*.py") if "__pycache__" not in p.parts)
     lines, classes, nats_imports, nats_handles = {}, [], [], []
+    funcs: list[tuple[int, str]] = []
+    plane_terms: list[str] = []
+    strings: list[str] = []
+    mechanisms: dict[str, str] = {}
     for path in modules:
         rel = str(path.relative_to(pkg.parent))
         text = path.read_text()
         lines[rel] = len(text.splitlines())
         tree = ast.parse(text)
         in_streams = path.relative_to(pkg).parts[0] == "streams"
+        funcs += [(f.end_lineno - f.lineno + 1, f"{rel}:{f.name}") for f in functions(tree)]  # type: ignore[operator]
+        strings += [f"{rel}:{line}" for line in string_protocol(tree)]
+        mechanisms.update({m: rel for m in plugin_mechanisms(tree)})
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 classes.append((node.end_lineno - node.lineno + 1, class_attributes(node), f"{rel}:{node.name}"))
@@ -51,12 +106,32 @@ def survey(pkg: Path) -> dict[str, object]:
                 nats_imports.append(rel)
             elif isinstance(node, ast.Attribute) and node.attr in NATS_HANDLES:
                 nats_handles.append(f"{rel}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and PLANE_TERMS.search(node.attr):
+                plane_terms.append(f"{rel}:{node.lineno}")
     biggest = max(classes)
     return {"package": str(pkg), "modules": len(modules), "lines": sum(lines.values()),
             "largest_module": max(lines.items(), key=lambda kv: kv[1]), "modules_over_500_lines": sum(v > 500 for v in lines.values()),
             "largest_class": {"name": biggest[2], "lines": biggest[0], "attributes": biggest[1]},
             "most_attributes": max(((a, n) for _, a, n in classes)),
-            "nats_imports_outside_streams": len(nats_imports), "nats_handle_uses_outside_streams": len(nats_handles)}
+            "classes_over_200_lines": sum(n > 200 for n, _, _ in classes),
+            "largest_function": {"name": max(funcs)[1], "lines": max(funcs)[0]}, "functions_over_60_lines": sum(n > 60 for n, _ in funcs),
+            "nats_imports_outside_streams": len(nats_imports), "nats_handle_uses_outside_streams": len(nats_handles),
+            "stream_consumer_sequence_names_outside_streams": len(plane_terms), "string_typed_protocol_values": len(strings),
+            "plugin_mechanisms": sorted(mechanisms)}
+
+
+def cell(value: object) -> str:
+    """A figure as a short table cell (the JSON line after the table has it whole)."""
+    if isinstance(value, dict) and "name" in value:
+        extra = f", {value['attributes']} attributes" if "attributes" in value else ""
+        return f"{str(value['name']).removeprefix('astraflow/')} ({value['lines']} lines{extra})"
+    if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[1], (int, str)) and not isinstance(value[0], str):
+        return f"{value[0]} ({str(value[1]).removeprefix('astraflow/')})"
+    if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str):
+        return f"{value[0].removeprefix('astraflow/')} ({value[1]})"
+    if isinstance(value, list):
+        return f"{len(value)}: " + ", ".join(map(str, value))
+    return str(value)
 
 
 def main() -> None:
@@ -71,8 +146,10 @@ def main() -> None:
     for r in rows:
         t.add_column(str(r["package"]))
     for key in ("modules", "lines", "largest_module", "modules_over_500_lines", "largest_class", "most_attributes",
-                "nats_imports_outside_streams", "nats_handle_uses_outside_streams"):
-        t.add_row(key, *(json.dumps(r[key]) for r in rows))
+                "classes_over_200_lines", "largest_function", "functions_over_60_lines", "nats_imports_outside_streams",
+                "nats_handle_uses_outside_streams", "stream_consumer_sequence_names_outside_streams", "string_typed_protocol_values",
+                "plugin_mechanisms"):
+        t.add_row(key.replace("_", " "), *(cell(r[key]) for r in rows))
     Console().print(t)
     print(json.dumps(rows))
 
