@@ -18,6 +18,7 @@ import msgpack
 import openai
 import pytest
 import torch
+from factories import a_task
 
 from astraflow.config import parse_recipe
 from astraflow.models import encode_prompt, load_tokenizer
@@ -48,8 +49,7 @@ def http(method: str, url: str, body: Any = None, key: str | None = None) -> tup
 
 
 def task(i: int, group: int = 2, **kw: Any) -> Task:
-    return Task(task_id=f"t{i}", workflow="openai_agent", policy="solver", prompt_id=f"p{i}", prompt=f"{i}+1=", group_size=group,
-                meta={"answer": str(i + 1)}, **kw)
+    return a_task(f"t{i}", answer=str(i + 1), group_size=group, **{"workflow": "openai_agent", "prompt_id": f"p{i}", "prompt": f"{i}+1=", **kw})
 
 
 class Node:

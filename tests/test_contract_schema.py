@@ -12,6 +12,7 @@ import json
 import msgpack
 import numpy as np
 import pytest
+from factories import a_trajectory
 
 from astraflow import schema
 from astraflow.streams.codec import DecodeError, decode, encode
@@ -42,9 +43,8 @@ def validator(repo_root, kind: str):
 
 
 def traj(**kw) -> Trajectory:
-    base = dict(traj_id="t.solver.0", task_id="t", prompt_id="p", policy="solver", index=0, group_size=2, prompt_ids=[1, 2],
-                completion_ids=[3, 4, 1], logprobs=[-0.5, -0.1, -0.2], versions=[0, 0, 1], loss_mask=[1, 0, 1], reward=1.0)
-    return Trajectory(**{**base, **kw})
+    base = dict(prompt_ids=[1, 2], completion_ids=[3, 4, 1], logprobs=[-0.5, -0.1, -0.2], versions=[0, 0, 1], loss_mask=[1, 0, 1])
+    return a_trajectory(kw.pop("task_id", "t"), kw.pop("index", 0), **{"traj_id": "t.solver.0", **base, **kw})
 
 
 def samples() -> list:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from factories import a_trajectory
 
 from astraflow.algorithms import AlgorithmsConfig, Context, build_pipeline
 from astraflow.config import DataflowConfig
@@ -33,9 +34,9 @@ CFG = DataflowConfig(group_size=2, groups_per_batch=2, max_tasks_in_flight=10, m
 
 
 def traj(task: str, i: int, reward: float, policy: str = "solver", n: int = 2, traj_id: str | None = None, version: int = 4) -> Trajectory:
-    return Trajectory(traj_id=traj_id or f"{task}.{policy}.{i}", task_id=task, prompt_id=f"p-{task}", policy=policy, index=i, group_size=n,
-                      prompt_ids=np.arange(3), completion_ids=np.arange(2), logprobs=np.zeros(2, np.float32),
-                      versions=np.full(2, version, np.int32), loss_mask=np.ones(2, np.uint8), reward=reward)
+    named = {"traj_id": traj_id} if traj_id else {}
+    return a_trajectory(task, i, policy=policy, group_size=n, prompt_ids=np.arange(3), completion_ids=np.arange(2), logprob=0.0,
+                        version=version, reward=reward, prompt_id=f"p-{task}", **named)
 
 
 def group_of(task: str, rewards: list[float], seq0: int = 1, version: int = 4) -> HeldGroup:

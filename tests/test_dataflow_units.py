@@ -6,6 +6,7 @@ import statistics
 
 import numpy as np
 import pytest
+from factories import a_trajectory
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -43,9 +44,9 @@ def test_idset_is_compact_for_contiguous_ids():
 
 
 def traj(task: str, i: int, n: int = 3, traj_id: str | None = None) -> Trajectory:
-    return Trajectory(traj_id=traj_id or f"{task}.solver.{i}", task_id=task, prompt_id="p", policy="solver", index=i, group_size=n,
-                      prompt_ids=np.arange(3), completion_ids=np.arange(2), logprobs=np.zeros(2, np.float32),
-                      versions=np.array([4, 5], np.int32), loss_mask=np.ones(2, np.uint8), reward=float(i))
+    named = {"traj_id": traj_id} if traj_id else {}
+    return a_trajectory(task, i, group_size=n, prompt_ids=np.arange(3), completion_ids=np.arange(2), logprob=0.0,
+                        versions=np.array([4, 5], np.int32), reward=float(i), **named)
 
 
 def test_assembler_completes_groups_and_spots_duplicates():

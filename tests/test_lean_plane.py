@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import numpy as np
+from factories import a_task, a_trajectory
 
 from astraflow.dataflow.parts import taken
 from astraflow.rollout.outbox import Outbox
@@ -17,14 +18,12 @@ from astraflow.streams.trajectories import carried, publish_trajectories
 
 
 def task(i: int) -> Task:
-    return Task(task_id=f"t{i:04d}", workflow="math", policy="solver", prompt_id=f"p{i}", prompt="1+1", group_size=2)
+    return a_task(f"t{i:04d}", workflow="math", prompt_id=f"p{i}", prompt="1+1", answer=None)
 
 
 def trajectory(t: Task, i: int) -> Trajectory:
-    n = 6
-    return Trajectory(traj_id=f"{t.task_id}.{i}", task_id=t.task_id, prompt_id=t.prompt_id, policy="solver", index=i,
-                      group_size=t.group_size, prompt_ids=np.arange(3), completion_ids=np.arange(n), logprobs=np.full(n, -0.5),
-                      versions=np.zeros(n, np.int32), loss_mask=np.ones(n, np.uint8), reward=float(i))
+    return a_trajectory(t.task_id, i, traj_id=f"{t.task_id}.{i}", prompt_id=t.prompt_id, group_size=t.group_size, n=6,
+                        prompt_ids=np.arange(3), completion_ids=np.arange(6), reward=float(i))
 
 
 async def publish_tasks(plane: Plane, n: int, start: int = 0) -> None:

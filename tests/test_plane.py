@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from factories import a_trajectory
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js.errors import ServiceUnavailableError
@@ -18,11 +19,8 @@ from astraflow.streams.plane import NatsOptions, Plane, Topology
 
 
 def make_traj(i: int = 0, n: int = 5) -> Trajectory:
-    return Trajectory(
-        traj_id=f"tr{i}", task_id="t0", prompt_id="p0", policy="solver", index=i, group_size=4,
-        prompt_ids=np.arange(7), completion_ids=np.arange(n), logprobs=-np.linspace(0.1, 1, n),
-        versions=np.zeros(n, np.int32), loss_mask=np.ones(n, np.uint8), reward=1.0,
-    )
+    return a_trajectory("t0", i, traj_id=f"tr{i}", prompt_id="p0", group_size=4, n=n, prompt_ids=np.arange(7),
+                        completion_ids=np.arange(n), logprobs=-np.linspace(0.1, 1, n))
 
 
 def test_codec_round_trip_and_packed_arrays():

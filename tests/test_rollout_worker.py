@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from factories import a_task
 
 from astraflow.config import parse_recipe
 from astraflow.models import load_tokenizer
@@ -39,8 +40,7 @@ def recipe(workflow: Any = "single_turn", **rollout: Any):  # noqa: ANN201
 
 
 def task(i: int, **kw: Any) -> Task:
-    return Task(**{"task_id": f"t{i}", "workflow": "single_turn", "policy": "solver", "prompt_id": f"p{i}", "prompt": "2+2=",
-                   "group_size": 2, "meta": {"answer": "4"}, **kw})
+    return a_task(f"t{i}", answer="4", **{"prompt_id": f"p{i}", "prompt": "2+2=", **kw})
 
 
 async def trajectories(plane: Plane, n: int, timeout: float = 30.0) -> list[Trajectory]:

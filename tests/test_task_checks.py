@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from factories import a_task
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from poison import RunView, draw_each, poisoned_tasks
@@ -27,9 +28,7 @@ def count(policy: str, text: str) -> int:
 
 
 def task(**over: object) -> Task:
-    fields: dict[str, object] = {"task_id": "t00000001", "workflow": "single_turn", "policy": "solver", "prompt_id": "add-1-2",
-                                 "prompt": "1+2=", "group_size": 4, "meta": {"answer": "3"}, "min_versions": {"solver": 3}}
-    return Task(**{**fields, **over})  # type: ignore[arg-type]
+    return a_task(1, prompt_id="add-1-2", group_size=4, **{"min_versions": {"solver": 3}, **over})
 
 
 def problem(t: Task, newest: int = 5) -> str | None:

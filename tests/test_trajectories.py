@@ -10,6 +10,7 @@ import nats
 import numpy as np
 import pytest
 import zstandard
+from factories import a_trajectory
 
 from astraflow.streams.codec import encode
 from astraflow.streams.direct import MissingMessages, read_seqs, runs
@@ -29,10 +30,8 @@ from astraflow.streams.trajectories import (
 
 def traj(task: str, i: int, n: int = 8, policy: str = "solver", seed: int = 0) -> Trajectory:
     rng = np.random.default_rng(seed)
-    return Trajectory(traj_id=f"{task}.{policy}.{i}", task_id=task, prompt_id="p", policy=policy, index=i, group_size=8,
-                      prompt_ids=rng.integers(3, 259, 16), completion_ids=rng.integers(3, 259, n),
-                      logprobs=-rng.exponential(1.0, n).astype(np.float32), versions=np.zeros(n, np.int32),
-                      loss_mask=np.ones(n, np.uint8), reward=1.0)
+    return a_trajectory(task, i, policy=policy, group_size=8, n=n, prompt_ids=rng.integers(3, 259, 16),
+                        completion_ids=rng.integers(3, 259, n), logprobs=-rng.exponential(1.0, n).astype(np.float32))
 
 
 def test_runs_are_consecutive_sequences():

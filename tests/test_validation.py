@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from factories import a_trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,12 +35,8 @@ MULTI = PolicyLimits(vocab=VOCAB, max_completion=None, max_generated=12, max_row
 
 def traj(n: int = 6, *, task: str = "t00000001", policy: str = "solver", index: int = 0, reward: float | None = 1.0,
          finish: str = "stop", version: int = 3, **over: object) -> Trajectory:
-    fields: dict[str, object] = dict(
-        traj_id=f"{task}.{policy}.{index}", task_id=task, prompt_id="p", policy=policy, index=index, group_size=GROUP,
-        prompt_ids=np.arange(1, 5), completion_ids=np.arange(10, 10 + n), logprobs=np.full(n, -0.7, np.float32),
-        versions=np.full(n, version, np.int32), loss_mask=np.ones(n, np.uint8), reward=reward, finish_reason=finish)
-    fields.update(over)
-    return Trajectory(**fields)  # type: ignore[arg-type]
+    defaults = {"group_size": GROUP, "prompt_ids": np.arange(1, 5), "logprob": -0.7, "finish_reason": finish}
+    return a_trajectory(task, index, policy=policy, n=n, version=version, reward=reward, **{**defaults, **over})
 
 
 @st.composite

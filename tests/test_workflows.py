@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from factories import a_task
 
 from astraflow.models import load_tokenizer
 from astraflow.rollout.engines.base import SamplingParams, StaleWeights
@@ -28,8 +29,8 @@ def handle(reply, version: int = 0, max_new_tokens: int = 128, name: str = "solv
 
 
 def task(i: int = 0, prompt: str = "What is 12*7? ", answer: str = "84", group: int = 2, **kw) -> Task:
-    return Task(task_id=f"t{i}", workflow="w", policy="solver", prompt_id=f"p{i}", prompt=prompt, group_size=group,
-                meta={"answer": answer, **kw.pop("meta", {})}, **kw)
+    return a_task(f"t{i}", workflow="w", prompt_id=f"p{i}", prompt=prompt, group_size=group, meta={"answer": answer, **kw.pop("meta", {})},
+                  **kw)
 
 
 def text_of(ids: np.ndarray) -> str:

@@ -1,0 +1,44 @@
+"""Tasks and trajectories for tests, built in one place: valid by default, any field overridden by keyword.
+
+    a_task(3)                                   # t00000003, single_turn, "1+2=" answered "3", a group of 2
+    a_trajectory("t00000003", 1, reward=0.0)    # its second sample: 3 prompt tokens, 2 completion tokens at v0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from astraflow.streams.messages import Task, Trajectory
+
+
+def task_id(i: int | str) -> str:
+    return i if isinstance(i, str) else f"t{i:08d}"
+
+
+def a_task(i: int | str = 1, *, prompt: str = "1+2=", answer: str | None = "3", group_size: int = 2, policy: str = "solver",
+           workflow: str = "single_turn", prompt_id: str | None = None, **over: Any) -> Task:
+    """Task ``i`` (a number becomes ``t%08d``; a string is the id); ``meta`` is ``{"answer": answer}`` unless
+    ``answer`` is None or ``meta`` is given. Any other field in ``over`` replaces the default."""
+    tid = task_id(i)
+    fields: dict[str, Any] = dict(task_id=tid, workflow=workflow, policy=policy, prompt_id=prompt_id or f"p-{tid}", prompt=prompt,
+                                  group_size=group_size, meta={"answer": answer} if answer is not None else {})
+    fields.update(over)
+    return Task(**fields)
+
+
+def a_trajectory(task: int | str = 1, index: int = 0, *, policy: str = "solver", group_size: int = 2, n: int = 2,
+                 prompt_ids: Sequence[int] | np.ndarray = (1, 2, 3), version: int = 0, logprob: float = -0.5,
+                 reward: float | None = 1.0, prompt_id: str = "p", **over: Any) -> Trajectory:
+    """Sample ``index`` of ``task`` for ``policy``: ``n`` completion tokens, each at ``version`` with ``logprob``, all
+    trained on; ``traj_id`` follows the wire's ``{task_id}.{policy}.{index}``. Arrays given in ``over`` replace these."""
+    tid = task_id(task)
+    fields: dict[str, Any] = dict(
+        traj_id=f"{tid}.{policy}.{index}", task_id=tid, prompt_id=prompt_id, policy=policy, index=index, group_size=group_size,
+        prompt_ids=np.asarray(prompt_ids, np.int32), completion_ids=np.arange(10, 10 + n, dtype=np.int32),
+        logprobs=np.full(n, logprob, np.float32), versions=np.full(n, version, np.int32), loss_mask=np.ones(n, np.uint8),
+        reward=reward)
+    fields.update(over)
+    return Trajectory(**fields)
