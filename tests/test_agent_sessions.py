@@ -49,7 +49,8 @@ def http(method: str, url: str, body: Any = None, key: str | None = None) -> tup
 
 
 def task(i: int, group: int = 2, **kw: Any) -> Task:
-    return a_task(f"t{i}", answer=str(i + 1), group_size=group, **{"workflow": "openai_agent", "prompt_id": f"p{i}", "prompt": f"{i}+1=", **kw})
+    fields = {"workflow": "openai_agent", "prompt_id": f"p{i}", "prompt": f"{i}+1=", **kw}
+    return a_task(f"t{i}", answer=str(i + 1), group_size=group, **fields)
 
 
 class Node:

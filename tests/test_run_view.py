@@ -12,7 +12,7 @@ from astraflow.config import load_recipe
 from astraflow.launch.summary_tables import duration, held_out, size, summary_tables
 from astraflow.launch.view import NO_NODE_HINT_S, View
 from astraflow.launch.watcher import Live
-from astraflow.streams.messages import Heartbeat, RolloutStats
+from astraflow.streams.messages import Heartbeat, RolloutStats, TrainerStats
 
 SUMMARY = {
     "recipe": "arithmetic", "outcome": "finished", "wall_s": 37.1, "sessions": 2, "restarts": {"rollout-0": 1},
@@ -69,6 +69,11 @@ def test_the_live_view_says_what_the_run_waits_for(repo_root):
     waiting = view.waiting_for(live, local_nodes=2)  # the warm start: its own nodes are up and wait for v0, no join hint
     assert waiting is not None and waiting.startswith("waiting for v0: the trainer's warm start")
     assert "2 rollout nodes of this run start and wait for it" in waiting and "join" not in waiting.lower()
+    warm = TrainerStats(warm_start_steps=200, warm_start_done=120)
+    live.beats["trainer-solver"] = (Heartbeat(worker_id="trainer-solver", policy="solver", stats=warm, state="starting"), time.monotonic())
+    assert view.waiting_for(live, local_nodes=2) == ("waiting for v0: the warm start, SFT steps solver 120/200; "
+                                                     "2 rollout nodes of this run start and wait for it")
+    del live.beats["trainer-solver"]
     live.versions["solver"] = 0
     assert view.waiting_for(live, local_nodes=2) is None  # v0 is out: the nodes get a moment to beat
     view._nodes_seen = time.monotonic() - NO_NODE_HINT_S - 1

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from astraflow.config import Recipe
 from astraflow.launch.watcher import STALE_BEATS, Live
-from astraflow.streams.messages import HEARTBEAT_PERIOD_S
+from astraflow.streams.messages import HEARTBEAT_PERIOD_S, TrainerStats
 
 KEYS = ("tasks", "trajectories", "issued", "in_flight", "buffered", "batches", "reward_mean", "tokens_per_s", "wait_frac", "loss")
 NO_NODE_HINT_S = 10.0
@@ -51,6 +51,11 @@ class View:
             self._nodes_seen = now
         starting = f"; {local_nodes} rollout node{'s' if local_nodes != 1 else ''} of this run start and wait for it" if local_nodes else ""
         if not live.versions:
+            warming = {hb.policy: (hb.stats.warm_start_done, hb.stats.warm_start_steps) for hb in live.alive().values()
+                       if isinstance(hb.stats, TrainerStats) and hb.stats.warm_start_steps}
+            if warming:
+                done = ", ".join(f"{p} {d}/{n}" for p, (d, n) in sorted(warming.items()))
+                return f"waiting for v0: the warm start, SFT steps {done}{starting}"
             if self.warm_start_steps:
                 warm = f"the trainer's warm start ({self.warm_start_steps} SFT steps) for {now - self._started:.0f} s"
                 return f"waiting for v0: {warm}{starting}"

@@ -321,6 +321,8 @@ class TrainerStats(_Stats):
     wait_frac: float = 0.0  # wait_s over the trainer's wall time
     bytes_sent: int = 0  # weight payload bytes published
     step: dict[str, float] = {}  # the last step's metrics (loss, reward_mean, tokens_per_s, grad_norm, …)
+    warm_start_steps: int = Field(0, ge=0)  # during the SFT warm start before v0: its steps (0: none running)
+    warm_start_done: int = Field(0, ge=0)  # and how many are done
 
     def summary(self) -> dict[str, float]:
         return {**self.step, "wait_frac": self.wait_frac, "wait_s": self.wait_s}

@@ -9,6 +9,7 @@ masked out, as ``loss_mask`` masks them in RL. Only episodes of training prompts
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -45,8 +46,10 @@ def demonstration_examples(tokenizer: Any, problems: list[Problem], path: str, m
     return out
 
 
-def sft(model: torch.nn.Module, tokenizer: Any, problems: list[Problem], cfg: SFTConfig, seed: int = 0) -> float:
-    """Train ``model`` in place on ``cfg.steps`` batches of examples; returns the last loss.
+def sft(model: torch.nn.Module, tokenizer: Any, problems: list[Problem], cfg: SFTConfig, seed: int = 0,
+        progress: Callable[[int], None] | None = None) -> float:
+    """Train ``model`` in place on ``cfg.steps`` batches of examples; returns the last loss. ``progress`` is told the
+    number of steps done after each.
 
     Runs on the plain module, before any backend wraps it, with its own AdamW (the RL
     optimizer starts fresh at version 0), its learning rate warmed up linearly over ``cfg.warmup_steps``.
@@ -61,7 +64,7 @@ def sft(model: torch.nn.Module, tokenizer: Any, problems: list[Problem], cfg: SF
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     pad, loss = tokenizer.pad_token_id, torch.tensor(0.0)
     model.train()
-    for _ in range(cfg.steps):
+    for done in range(1, cfg.steps + 1):
         chosen = [rng.choice(examples) for _ in range(cfg.batch_size)]
         width = max(len(ids) for ids, _ in chosen)
         ids = torch.tensor([s + [pad] * (width - len(s)) for s, _ in chosen], device=device)  # (B, T)
@@ -72,4 +75,6 @@ def sft(model: torch.nn.Module, tokenizer: Any, problems: list[Problem], cfg: SF
         loss.backward()
         opt.step()
         warmup.step()
+        if progress is not None:
+            progress(done)
     return float(loss.item())

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from astraflow.config import Recipe
 from astraflow.models import build_model, load_tokenizer
 from astraflow.role import Role
+from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat, TrainerStats
 from astraflow.streams.plane import NatsOptions
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
@@ -32,6 +35,36 @@ def embedding_rows(model: torch.nn.Module) -> int:
     return int(embeddings.num_embeddings)
 
 
+async def warm_start(recipe: Recipe, policy: str, model: torch.nn.Module, tokenizer: Any, nats: NatsOptions, run: str,
+                     worker_id: str) -> bool:
+    """The SFT warm start before v0 (``train/sft.py``); whether the trainer goes on (False: it was told to stop meanwhile).
+    Rank 0 says how far it is in heartbeats (``TrainerStats.warm_start_done``), which the launcher's live view shows."""
+    pcfg = recipe.policies[policy]
+    train, _ = load_split(recipe.data)
+    torch.set_num_threads(threads_for(pcfg.sft.threads))
+    log.info("SFT warm start begins: %d steps on %d threads", pcfg.sft.steps, torch.get_num_threads())
+    t0, done, go_on = time.perf_counter(), 0, True
+
+    def progress(steps: int) -> None:  # from the SFT thread; read by the heartbeat
+        nonlocal done
+        done = steps
+
+    if os.environ.get("RANK", "0") == "0":  # the rank that will be on the plane (a data-parallel group's other ranks are silent)
+        async with Role("trainer", nats, run, worker_id, recipe.plane.server_gone_timeout) as role:
+            async def beat() -> None:
+                stats = TrainerStats(warm_start_steps=pcfg.sft.steps, warm_start_done=done)
+                await role.plane.beat(Heartbeat(worker_id=worker_id, policy=policy, stats=stats, state="starting"))
+
+            role.every(HEARTBEAT_PERIOD_S, beat)
+            loss = await asyncio.to_thread(sft, model, tokenizer, train, pcfg.sft, pcfg.trainer.seed, progress)
+            go_on = not role.stop.is_set()
+    else:
+        loss = await asyncio.to_thread(sft, model, tokenizer, train, pcfg.sft, pcfg.trainer.seed)
+    log.info("SFT warm start: %d steps in %.0f s on %d threads, last loss %.3f", pcfg.sft.steps, time.perf_counter() - t0,
+             torch.get_num_threads(), loss)
+    return go_on
+
+
 async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "trainer", policy: str | None = None,
                 checkpoint_dir: str | Path | None = None, metrics_port: int | None = None, fresh_lineage: bool = False) -> None:
     policy = policy or recipe.primary
@@ -43,14 +76,8 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
     tokenizer = load_tokenizer(pcfg.model.tokenizer)
     model = build_model(pcfg.model, tokenizer)
     resuming = not fresh_lineage and checkpoint_dir is not None and any(Path(checkpoint_dir).glob("v*/meta.json"))
-    if pcfg.sft.steps and not resuming:
-        train, _ = load_split(recipe.data)
-        torch.set_num_threads(threads_for(pcfg.sft.threads))
-        log.info("SFT warm start begins: %d steps on %d threads", pcfg.sft.steps, torch.get_num_threads())
-        t0 = time.perf_counter()
-        loss = await asyncio.to_thread(sft, model, tokenizer, train, pcfg.sft, cfg.seed)
-        log.info("SFT warm start: %d steps in %.0f s on %d threads, last loss %.3f", pcfg.sft.steps, time.perf_counter() - t0,
-                 torch.get_num_threads(), loss)
+    if pcfg.sft.steps and not resuming and not await warm_start(recipe, policy, model, tokenizer, nats, run, worker_id):
+        return  # told to stop during the warm start
     torch.set_num_threads(threads_for(cfg.threads))
     if isinstance(cfg.cores, list) and pin(cfg.cores):  # after the warm start, which takes every core
         log.info("training on %d torch threads, on CPUs %s", torch.get_num_threads(), cfg.cores)
