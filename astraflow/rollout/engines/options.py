@@ -89,6 +89,9 @@ class VllmOptions(ServerOptions):
     type: Literal["vllm"] = "vllm"
     mode: Literal["server", "inprocess"] = "server"
     """Talk to its server, or run ``vllm.LLM`` inside the node."""
+    cpu_kv_cache_gib: float = Field(1.0, gt=0)
+    """Without a GPU (vLLM's CPU build): GiB of memory for the KV cache (vLLM's ``VLLM_CPU_KVCACHE_SPACE``, unless that
+    is set). vLLM's own default reserves most of the machine's memory and refuses to start beside other roles."""
 
     @model_validator(mode="after")
     def _server_only(self) -> VllmOptions:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +40,6 @@ from astraflow.rollout.engines.registry import register_engine
 from astraflow.rollout.engines.remote import (
     EngineHTTPError,
     RemoteEngine,
-    RWLock,
     ServerProcess,
     WeightStager,
     free_port,
@@ -60,7 +60,11 @@ class WeightLoaderExtension:
         from safetensors.torch import load_file
 
         state = load_file(os.path.join(path, "model.safetensors"), device="cpu")
-        self.model_runner.model.load_weights(weights=list(state.items()))
+        reload = getattr(self, "reload_weights", None)
+        if callable(reload):  # the worker's in-place reload: it redoes the post-load processing (the CPU backend's repacking)
+            reload(weights_iterator=iter(state.items()), is_checkpoint_format=True)
+        else:  # older vLLM: straight into the parameters
+            self.model_runner.model.load_weights(weights=list(state.items()))
         return len(state)
 
 
@@ -95,6 +99,7 @@ class VLLMServerEngine(RemoteEngine):
     def __init__(self, url: str, server: ServerProcess | None, stager: WeightStager, tokenizer: Any, model: str = SERVED_NAME) -> None:
         super().__init__(url, server, stager, tokenizer)
         self.model = model
+        self.paused_updates = 0  # weight updates made between /pause and /resume (a server without them: none)
 
     def generate_group(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Completion]:
         reply = self.post("/v1/completions", completion_body(self.model, prompts, params))
@@ -107,6 +112,7 @@ class VLLMServerEngine(RemoteEngine):
         path = self.stager.stage(state, version)
         with self.lock.write():
             paused = self.post_optional("/pause?mode=wait")
+            self.paused_updates += paused
             try:
                 self.post("/collective_rpc", {"method": "astraflow_load_weights", "args": [str(path)]})
                 self.post_optional("/reset_prefix_cache")
@@ -126,7 +132,7 @@ class VLLMInProcessEngine:
         self.stager = stager
         self._version = -1
         self._state: Mapping[str, Any] = {}
-        self.lock = RWLock()
+        self.lock = threading.Lock()  # ``vllm.LLM`` is not thread-safe: a node's slots call it one at a time
 
     @property
     def version(self) -> int:
@@ -142,7 +148,7 @@ class VLLMInProcessEngine:
 
         if not requests:
             return []
-        with self.lock.read():
+        with self.lock:
             version = self._version
             sps = [VSP(max_tokens=r.params.max_new_tokens, temperature=r.params.temperature, top_p=r.params.top_p,
                        stop=list(r.params.stop) or None, seed=r.params.seed, logprobs=0, include_stop_str_in_output=True,
@@ -158,7 +164,7 @@ class VLLMInProcessEngine:
 
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)
-        with self.lock.write():
+        with self.lock:
             self.llm.collective_rpc("astraflow_load_weights", args=(str(path),))
             self.llm.reset_prefix_cache()
             self._version = version
@@ -178,16 +184,18 @@ def launch_command(model_path: str, port: int, extra: list[str]) -> list[str]:
 @register_engine("vllm", VllmOptions)
 def build_vllm(options: VllmOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> Any:
     path, stager = prepare("vllm", model_cfg, options, tokenizer)
+    cpu_env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", f"{options.cpu_kv_cache_gib:g}")}  # read on a CPU only
     if options.mode == "inprocess":
         from vllm import LLM
 
+        os.environ.update(cpu_env)  # vLLM reads it in the engine processes it starts, which inherit it
         return VLLMInProcessEngine(LLM(model=path, worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs"), stager)
     server = None
     url = options.url
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = ServerProcess(launch_command(path, port, list(options.args)), {"VLLM_SERVER_DEV_MODE": "1"},
+        server = ServerProcess(launch_command(path, port, list(options.args)), {"VLLM_SERVER_DEV_MODE": "1", **cpu_env},
                                stager.root / "vllm-server.log")
         try:
             server.wait_healthy(url + VLLMServerEngine.health_path, options.startup_timeout)

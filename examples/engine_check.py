@@ -1,18 +1,23 @@
-"""Check the sglang / vllm engines against the real servers (needs a GPU and the engine installed).
+"""Check the sglang / vllm engines against the real engines, on a GPU or on a CPU (vLLM's CPU build).
 
-    python examples/gpu_engine_check.py --engine sglang   # or vllm; add --mode inprocess for vllm.LLM
+    python examples/engine_check.py --engine vllm --mode inprocess   # vllm.LLM inside this process
+    python examples/engine_check.py --engine vllm                    # a launched vLLM server (pause, reload, resume)
+    python examples/engine_check.py --engine sglang                  # an SGLang server (a GPU)
 
-No download: the server loads the recipe's tiny Qwen2 (saved locally by the engine), so it runs on
-a machine without internet. It applies weight version 0, generates, recomputes the behaviour
-logprobs of the same tokens with transformers (teacher forcing, same temperature) and reports
-the largest difference; then applies version 1 (perturbed weights) and checks that tokens carry
-version 1 and that the logprobs moved. Last stdout line: JSON.
+Run it with the Python that has the engine installed (for vLLM on CPU: ``bash examples/vllm_cpu_env.sh``, then
+``.venv-vllm/bin/python examples/engine_check.py …``). No download: the engine loads a tiny Qwen2 built from a
+config (head size 32, which the CPU attention kernels support) and saved locally, so it runs on a machine without
+internet. It applies weight version 0, generates, recomputes the behaviour logprobs of the same tokens with
+transformers (teacher forcing, same temperature) and reports the largest difference; then applies version 1
+(perturbed weights) and checks that tokens carry version 1 and that their logprobs are those of the new weights.
+Last stdout line: JSON, with ``ok``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -36,18 +41,21 @@ def main() -> dict[str, object]:
     ap.add_argument("--url", default=None, help="attach to a running server instead of launching one")
     args = ap.parse_args()
     tok = load_tokenizer("byt5")
-    mcfg = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=256)
+    mcfg = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=256)
     options: dict[str, object] = {"type": args.engine, "url": args.url}
     if args.engine == "vllm":
         options["mode"] = args.mode
+    t0 = time.perf_counter()
     engine = build_engine(mcfg, RolloutConfig(engine=options), tok)
     model = build_model(mcfg, tok).eval()
-    out: dict[str, object] = {"engine": args.engine, "mode": args.mode}
+    out: dict[str, object] = {"engine": args.engine, "mode": args.mode, "build_s": round(time.perf_counter() - t0, 1)}
     try:
         engine.load_state(model.state_dict(), 0)
         params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1)
         prompts = [list(tok("12+7=", add_special_tokens=False)["input_ids"]), list(tok("3+4=", add_special_tokens=False)["input_ids"])]
+        t0 = time.perf_counter()
         comps = engine.generate([GenerationRequest(p, params) for p in prompts])
+        out["tokens_per_s"] = round(sum(len(c.token_ids) for c in comps) / (time.perf_counter() - t0), 1)
         diffs = [
             max(abs(a - b) for a, b in zip(c.logprobs, recompute(model, p, c.token_ids, 1.0)))
             for p, c in zip(prompts, comps)
@@ -58,7 +66,10 @@ def main() -> dict[str, object]:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
+        t0 = time.perf_counter()
         engine.load_state(model.state_dict(), 1)
+        out["apply_s"] = round(time.perf_counter() - t0, 3)
+        out["paused_updates"] = getattr(engine, "paused_updates", None)  # a server: each update between /pause and /resume
         comps1 = engine.generate([GenerationRequest(prompts[0], params)])
         out.update(
             v1_versions=sorted(set(comps1[0].versions)),
@@ -66,7 +77,8 @@ def main() -> dict[str, object]:
         )
     finally:
         engine.close()
-    out["ok"] = out.get("v1_versions") == [1] and float(out.get("v1_max_logprob_diff", 9)) < 0.1  # type: ignore[arg-type]
+    out["ok"] = (out.get("v0_versions") == [0] and out.get("v1_versions") == [1] and float(out["v0_max_logprob_diff"]) < 0.1  # type: ignore[arg-type]
+                 and float(out.get("v1_max_logprob_diff", 9)) < 0.1)  # type: ignore[arg-type]
     return out
 
 

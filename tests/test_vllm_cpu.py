@@ -1,0 +1,37 @@
+"""The vllm engine against a real vLLM (its CPU build), in-process and as a launched server: tokens carry the version
+that produced them, the behaviour logprobs are the policy's (recomputed with transformers), and a new version is
+applied in place (the server paused, reloaded, resumed).
+
+vLLM pins its own torch and transformers, so it lives in an environment of its own, built by
+``examples/vllm_cpu_env.sh`` (``.venv-vllm``; or point ``ASTRAFLOW_VLLM_PYTHON`` at another one's Python). Without
+that environment this test is skipped; ``.ci/run`` builds it when it can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = Path(os.environ.get("ASTRAFLOW_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["inprocess", "server"])
+def test_vllm_generates_the_policys_tokens_and_applies_versions_in_place(mode: str, tmp_path: Path):
+    if not PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {PYTHON} (bash examples/vllm_cpu_env.sh builds one)")
+    proc = subprocess.run([str(PYTHON), str(ROOT / "examples" / "engine_check.py"), "--engine", "vllm", "--mode", mode],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["v0_versions"] == [0] and out["v1_versions"] == [1], out
+    assert out["v0_max_logprob_diff"] < 0.05 and out["v1_max_logprob_diff"] < 0.05, out  # the sampled distribution's
+    assert out["v0_tokens"] == [16, 16], out
+    if mode == "server":
+        assert out["paused_updates"] == 2, out  # each version applied between /pause and /resume
+    assert out["ok"], out
