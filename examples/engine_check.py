@@ -10,7 +10,7 @@ config (head size 32, which the CPU attention kernels support) and saved locally
 internet. It applies weight version 0, generates, recomputes the behaviour logprobs of the same tokens with
 transformers (teacher forcing, same temperature) and reports the largest difference; then applies version 1
 (perturbed weights) and checks that tokens carry version 1 and that their logprobs are those of the new weights.
-Last stdout line: JSON, with ``ok``.
+Its report is one stdout line of JSON, starting ``{"engine"`` (vLLM may log after it), with ``ok``.
 """
 
 from __future__ import annotations
@@ -83,4 +83,4 @@ def main() -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps(main()), flush=True)
