@@ -14,7 +14,7 @@ import pytest
 from test_dataflow import Harness, recipe
 
 from astraflow.streams.codec import decode, decode_either, encode
-from astraflow.streams.messages import Batch, Rejected, Task, Trajectory, TrajectoryGroup
+from astraflow.streams.messages import Batch, BatchRefusal, Refusal, Rejected, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Delivery
 from astraflow.streams.state import BatchPlanRecord, FateRecord
 from astraflow.streams.trajectories import offload, publish_trajectories
@@ -284,20 +284,22 @@ async def test_every_batch_has_a_plan_record_until_its_fate_is_known(harness: Ha
     assert await h.plane.state.get(BatchPlanRecord, "solver", d.msg.batch_id) is None  # the bucket stays bounded
 
 
-@pytest.mark.parametrize("verdict,fate", [("stale: oldest token v0, trainer at v9", "dropped:stale"),
-                                          ("non_finite: loss nan, gradient norm nan", "failed:train"),
-                                          ("missing: 1 sequence(s) of AF_x_TRAJ are gone: 7", "failed:train"),
-                                          ("mismatch: sequence 7 holds t1.solver.1", "failed:train"),
-                                          ("forged: another content", None)])
+@pytest.mark.parametrize("verdict,fate", [(Refusal(BatchRefusal.STALE, "oldest token v0, trainer at v9"), "dropped:stale"),
+                                          (Refusal(BatchRefusal.NON_FINITE, "loss nan, gradient norm nan"), "failed:train"),
+                                          (Refusal(BatchRefusal.MISSING, "1 sequence(s) of AF_x_TRAJ are gone: 7"), "failed:train"),
+                                          (Refusal(BatchRefusal.MISMATCH, "sequence 7 holds t1.solver.1"), "failed:train"),
+                                          (Refusal(BatchRefusal.FORGED, "another content"), None),
+                                          ("stale: in words only, no code", "failed:train")],  # the code decides, not the text
+                         ids=lambda v: v.code.value if isinstance(v, Refusal) else str(v)[:16])
 @with_recipe(max_staleness=1, max_tasks_in_flight=4)
-async def test_a_trainer_verdict_on_a_batch_becomes_its_tasks_fate(harness: Harness, verdict: str, fate: str | None):
+async def test_a_trainer_verdict_on_a_batch_becomes_its_tasks_fate(harness: Harness, verdict: Refusal | str, fate: str | None):
     h = harness
     await h.turn(2)
     await serve(h, limit=2)  # two groups: one batch
     await h.until(lambda: h.df.lanes["solver"].batch_seq == 1)
     (d,) = await h.batch_subs["solver"].pull(batch=1, timeout=1)
     batch: Batch = d.msg
-    await d.reject(verdict)  # as the trainer does
+    await (d.refuse(verdict) if isinstance(verdict, Refusal) else d.reject(verdict))  # as the trainer does
     if fate is None:  # a forged copy under a planned id: the planned batch is still to come
         await h.until(lambda: h.df.stats["forged_batches"] == 1)
         assert h.acc().awaiting == 2 and h.acc().adds_up
@@ -307,7 +309,8 @@ async def test_a_trainer_verdict_on_a_batch_becomes_its_tasks_fate(harness: Harn
     await h.turn()
     assert h.acc().adds_up and await h.plane.state.get(BatchPlanRecord, "solver", batch.batch_id) is None
     record = await h.plane.state.get(FateRecord, "solver", batch.task_ids[0])
-    assert record.fate == fate and record.batch == batch.batch_id and record.error.startswith(verdict.split(":")[0])
+    said = verdict.reason if isinstance(verdict, Refusal) else verdict
+    assert record.fate == fate and record.batch == batch.batch_id and record.error == said
 
 
 @with_recipe(max_staleness=1, max_tasks_in_flight=4)
