@@ -52,6 +52,7 @@ from astraflow.streams.subjects import Names
 from astraflow.streams.topology import Topology, TopologyMaker
 
 log = logging.getLogger(__name__)
+PUBLISH_ACK_TIMEOUT_S = 10.0  # how long a pipelined publication waits for the server's acks
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a publish whose expected last subject sequence is not the last
 
 
@@ -288,7 +289,14 @@ class Plane:
             encoded.append((subject, data, msg_id))
         futs = [await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None)
                 for subject, data, msg_id in encoded]
-        return [int(ack.seq) for ack in await asyncio.gather(*futs)]
+        if not futs:
+            return []
+        # an ack lost with a server (a cluster member killed mid-publish) never arrives: nats-py's futures wait forever
+        _, pending = await asyncio.wait(futs, timeout=PUBLISH_ACK_TIMEOUT_S)
+        if pending:
+            raise TimeoutError(f"{len(pending)} of {len(futs)} publications unacknowledged after {PUBLISH_ACK_TIMEOUT_S:.0f}s "
+                               "(publish again: Nats-Msg-Id deduplicates)")
+        return [int(f.result().seq) for f in futs]
 
     async def reject(self, subject: str, payload: bytes, reason: str, headers: dict[str, str] | None = None, code: str = "") -> None:
         """Dead-letter ``payload`` (first published on ``subject``) with ``reason`` (and the typed ``code`` of the check
