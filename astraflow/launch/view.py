@@ -49,7 +49,8 @@ class View:
         now = time.monotonic()
         if live.nodes() > 0:
             self._nodes_seen = now
-        starting = f"; {local_nodes} rollout node{'s' if local_nodes != 1 else ''} of this run start and wait for it" if local_nodes else ""
+        ours = f"{local_nodes} rollout node{'s' if local_nodes != 1 else ''} of this run"
+        starting = f"; {ours} start and wait for it" if local_nodes else ""
         if not live.versions:
             warming = {hb.policy: (hb.stats.warm_start_done, hb.stats.warm_start_steps) for hb in live.alive().values()
                        if isinstance(hb.stats, TrainerStats) and hb.stats.warm_start_steps}
@@ -63,7 +64,7 @@ class View:
         if now - self._nodes_seen <= NO_NODE_HINT_S:
             return None
         if local_nodes:
-            return f"waiting for {local_nodes} rollout node{'s' if local_nodes != 1 else ''} of this run to join (no heartbeat yet)"
+            return f"waiting for {ours} to join (no heartbeat yet)"
         return f"no rollout node connected: nothing is generated. Join one with: {self.join_command}"
 
     def update(self, live: Live, restarts: dict[str, int], run_s: float, local_nodes: int = 0) -> None:
