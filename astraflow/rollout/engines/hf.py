@@ -67,6 +67,7 @@ class HFEngine:
 
     def close(self) -> None:
         """Nothing to release: the model is an in-process module, freed with the engine."""
+
     @torch.no_grad()
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         own = self.model.state_dict()

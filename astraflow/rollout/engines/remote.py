@@ -243,6 +243,7 @@ class RemoteEngine:
 
     def expect_callers(self, n: int) -> None:
         """Nothing to do: the server batches concurrent requests itself."""
+
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         """One server call per distinct sampling params, under the read lock (a weight update waits)."""
         groups: dict[SamplingParams, list[int]] = {}

@@ -85,6 +85,7 @@ class ScriptedEngine:
 
     def expect_callers(self, n: int) -> None:
         """Nothing to do: each call sleeps its own scripted latency."""
+
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         if not requests:
             return []

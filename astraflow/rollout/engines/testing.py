@@ -38,6 +38,7 @@ class ScriptEngine:
 
     def close(self) -> None:
         """Nothing to release."""
+
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         with self._lock:
             self._version = version

@@ -143,6 +143,7 @@ class VLLMInProcessEngine:
 
     def expect_callers(self, n: int) -> None:
         """Nothing to do: vLLM's scheduler batches the prompts of each call."""
+
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         from vllm import SamplingParams as VSP
 
