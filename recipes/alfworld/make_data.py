@@ -27,7 +27,8 @@ from astraflow.streams.messages import Task
 HERE = Path(__file__).resolve().parent
 EPISODES = 600
 CAREFUL = 0.4  # share of demonstrations that take the object the task names; the others take the first one they see.
-# At 0.3 RL did not move held-out (BENCHMARKS.md); at 0.4 greedy v0 is still careless but samples try the careful path.
+# At 0.3 RL did not move held-out (an earlier run, in the git history of BENCHMARKS.md); at 0.4 greedy v0 is still
+# careless but samples try the careful path.
 ROOM_OF = {rec: room for room, rec in Rooms.RECEPTACLES.items()}
 
 

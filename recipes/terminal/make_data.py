@@ -13,7 +13,8 @@ Writes, next to this file:
   careless one does not read the output and forces an act on the first file listed (``cp -f``, ``mv -f``,
   ``rm -f``; right one time in three), then exits. The careless habit has a form of its own, so the two
   habits part at the character after the verb: when they parted only at the file name's first letter, the
-  byte-level model blended the two names into a file that does not exist (BENCHMARKS.md, "why terminal's seed 4 stalls").
+  byte-level model blended the two names into a file that does not exist (BENCHMARKS.md, "terminal: why the careless
+  habit has a form of its own").
 
 Run: ``python recipes/terminal/make_data.py`` (deterministic).
 """
