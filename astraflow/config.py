@@ -160,6 +160,11 @@ class RolloutConfig(Strict):
     """Hardware label nodes carry in heartbeats (default: ``cuda`` or ``cpu``, as detected)."""
     drain_timeout: float = Field(30.0, ge=0)
     """A node told to stop waits this long for the tasks it holds to finish, then naks them back to the pool."""
+    partial_rollouts: bool = False
+    """Apply a new weight version inside a generation: the engine pauses between decoding steps, loads it, and the
+    generation goes on under it (its KV cache recomputed), so a long completion does not hold a version back. Each
+    token carries the version that sampled it, which the trainer's per-token correction uses. Engines that can:
+    ``hf``. Off: versions land between generations."""
     plugins: list[str] = []
     """Modules (``pkg.mod``) or ``.py`` files that register the recipe's own workflows, rewards, tools or engines.
     They are imported when the recipe is loaded (before ``engine`` and ``workflow`` are resolved), in every role."""
@@ -173,6 +178,13 @@ class RolloutConfig(Strict):
     def _import_plugins(cls, paths: list[str]) -> list[str]:
         load_plugins(paths)
         return paths
+
+    @model_validator(mode="after")
+    def _engine_switches(self) -> RolloutConfig:
+        if self.partial_rollouts and not getattr(type(self.engine), "switches_inside_generation", False):
+            raise ValueError(f"partial_rollouts: engine {self.engine.type} cannot switch weights inside a generation "
+                             f"(hf can); drop partial_rollouts or use engine: hf")
+        return self
 
 
 class AutoscaleConfig(BaseModel):

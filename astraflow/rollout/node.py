@@ -13,10 +13,12 @@ admitting, finishes what it holds within ``rollout.drain_timeout`` and naks the 
 the pool. A node that dies is covered by the server's ``ack_wait`` redelivery; its
 trajectories, if it published any, are deduplicated by their ids.
 
-Weights are refreshed at safe points only: between generations, and between turns of a
-multi-turn episode (the workflow calls ``PolicyHandle.safe_point``, which runs the refresh on
-the node's event loop while the workflow thread waits). An engine never applies weights
-while it generates, so every token's version is true.
+Weights are refreshed at safe points: between generations, and between turns of a multi-turn
+episode (the workflow calls ``PolicyHandle.safe_point``, which runs the refresh on the node's
+event loop while the workflow thread waits). With ``rollout.partial_rollouts`` the node also
+looks for a new version every ``WATCH_S`` while it generates, and the engine applies it between
+two decoding steps of the generations in flight (``hf``). An engine never applies weights during
+a decoding step, so every token's version is true.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from astraflow.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 FULL_REFRESH_S = 5.0
+WATCH_S = 0.25  # ``rollout.partial_rollouts``: how often a node looks for a new version while it generates
 NODE_GAUGES = ("held", "joined")  # the other node stats are cumulative: exported as counters
 WEIGHT_SYNC_STATS = ("keyframes", "deltas", "bytes", "joins", "fallbacks", "failures", "refetches", "rejected",
                      "keyframe_requests")  # WeightSync.stats keys exported from the start (others when they appear)
@@ -181,6 +184,9 @@ class RolloutNode:
             self.stats["refreshes"] += 1
         return changed
 
+    async def _refresh_now(self) -> None:
+        await self.refresh()
+
     def _safe_point(self) -> bool:
         """Called from the workflow thread between turns; blocks it while the loop refreshes."""
         assert self._loop is not None
@@ -255,6 +261,9 @@ class RolloutNode:
         topo = dataclasses.replace(self.recipe.topology(), pools=(self.pool,))
         await self.plane.ensure_topology(topo, create=False)
         beats = asyncio.create_task(every(2.0, self.beat, stop))
+        if self.recipe.rollout.partial_rollouts:  # a version lands inside the generations in flight, not after them
+            watch = asyncio.create_task(every(WATCH_S, self._refresh_now, stop))
+            beats.add_done_callback(lambda _: watch.cancel())
         try:
             for policy, sync in self.syncs.items():  # joining: the current weights first, however long a warm start takes
                 while sync.version < 0 and not stop.is_set():

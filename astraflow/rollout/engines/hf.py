@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from astraflow.rollout.engines.base import Completion, GenerationRequest
+from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from astraflow.rollout.engines.options import HfOptions
 from astraflow.rollout.engines.registry import register_engine
 
@@ -42,14 +43,19 @@ class HFEngine:
     The behaviour logprob is ``log_softmax(logits / T)`` of the sampled token: the distribution
     the token was actually drawn from (top-p aside), which the trainer recomputes the same way.
     The engine runs one batch or one weight load at a time (``_busy``, under a monitor), so a
-    token's version is always the version of the weights that produced it.
+    token's version is always the version of the weights that produced it. A load waits for the
+    batch in flight, or with ``partial_rollouts`` for its current decoding step only: the batch
+    pauses, the load runs, and the batch goes on under the new version (``_generate``).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, device: str = "cpu", gather: float = 0.5) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, device: str = "cpu", gather: float = 0.5,
+                 partial_rollouts: bool = False) -> None:
         self.model: Any = model.to(device).eval()  # a transformers causal LM (generate)
         self.tokenizer = tokenizer
         self.device = device
         self.gather = gather
+        self.partial_rollouts = partial_rollouts  # a load waiting pauses a generation between decoding steps
+        self.switches = 0  # generations that went on under a newer version
         self._version = -1
         self._engine = threading.Condition()  # guards the state below; the model itself runs outside it
         self._busy = False  # a batch or a weight load runs: one at a time
@@ -57,6 +63,8 @@ class HFEngine:
         self._free_since = 0.0  # monotonic time the last batch or load ended
         self._batch_s = 0.0  # wall time of the last batch
         self._callers = 1  # threads that call at once (a node's slots: ``expect_callers``)
+        self._loads_waiting = 0  # loads waiting for the engine: they go before new batches (and paused ones)
+        self._paused = 0  # generations paused for a load (``partial_rollouts``): they go before new batches
 
     @property
     def version(self) -> int:
@@ -83,7 +91,11 @@ class HFEngine:
     def _held(self) -> Iterator[None]:
         """Hold the engine (no batch, no other load) for the block: a load waits for the batch in flight."""
         with self._engine:
-            self._engine.wait_for(lambda: not self._busy)
+            self._loads_waiting += 1
+            try:
+                self._engine.wait_for(lambda: not self._busy)
+            finally:
+                self._loads_waiting -= 1
             self._busy = True
         try:
             yield
@@ -149,8 +161,8 @@ class HFEngine:
         their batch ends (publish, pull, weight load); starting whoever came first alone splits one batch into two for
         good, each half ending while the other runs. On CPU, 8 + 56 sequences cost 1.3x the CPU of 64 in one batch.
         """
-        if self._busy:
-            return 1.0  # woken when it ends
+        if self._busy or self._loads_waiting or self._paused:
+            return 1.0  # woken when it ends: a load waiting, then a paused generation, go first
         if not self._waiting or len(self._waiting) >= self._callers:
             return 0.0
         return max(0.0, self._free_since + self.gather * self._batch_s - time.monotonic())
@@ -171,44 +183,102 @@ class HFEngine:
         for call in calls:
             call.done = True
 
+    def _let_loads_in(self) -> None:
+        """A generation paused between decoding steps (the engine held): let the loads waiting run, then hold it again."""
+        with self._engine:
+            self._paused += 1
+            self._free()
+            self._engine.wait_for(lambda: not self._busy and not self._loads_waiting)
+            self._paused -= 1
+            self._busy = True
+            self.switches += 1
+
     @torch.no_grad()
     def _generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        """One batch of same-params requests; with ``partial_rollouts`` a weight load waiting pauses it between decoding
+        steps, and the rows still decoding go on under the new weights from their prompt and tokens so far (the KV
+        cache is recomputed by the new weights). Each token keeps the version that sampled it."""
         params = requests[0].params
-        pad = self.tokenizer.pad_token_id
-        eos = self.tokenizer.eos_token_id
-        width = max(len(r.prompt_ids) for r in requests)
-        ids = torch.full((len(requests), width), pad, dtype=torch.long)
-        att = torch.zeros_like(ids)
-        for i, r in enumerate(requests):  # left padding
-            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            att[i, width - len(r.prompt_ids) :] = 1
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        version = self._version
-        greedy = params.temperature == 0
+        rows = [_Row(list(r.prompt_ids)) for r in requests]
+        while True:
+            live = [row for row in rows if row.reason is None]
+            if not live:
+                break
+            if self._decode(live, params):
+                self._let_loads_in()
+        return [Completion(row.tokens, row.logprobs, row.versions, row.reason or "length") for row in rows]
+
+    def _decode(self, rows: list[_Row], params: SamplingParams) -> bool:
+        """Decode ``rows`` (prompt + tokens so far) until each finishes, or until a weight load is waiting (then True)."""
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        contexts = [row.prompt + row.tokens for row in rows]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        for i, c in enumerate(contexts):  # left padding
+            ids[i, width - len(c):] = torch.tensor(c)
+            att[i, width - len(c):] = 1
+        budget = params.max_new_tokens - min(len(row.tokens) for row in rows)
+        interrupt = _LoadWaiting(self) if self.partial_rollouts else None
+        version, greedy = self._version, params.temperature == 0
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=att.to(self.device),
-            max_new_tokens=params.max_new_tokens, do_sample=greedy is False, temperature=None if greedy else params.temperature,
+            max_new_tokens=budget, do_sample=greedy is False, temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p, top_k=None if greedy else 0, pad_token_id=pad, eos_token_id=eos,
             stop_strings=list(params.stop) or None, tokenizer=self.tokenizer if params.stop else None,
+            stopping_criteria=StoppingCriteriaList([interrupt]) if interrupt else None,
             output_logits=True, return_dict_in_generate=True,
         )
         new = out.sequences[:, width:].cpu()  # (B, T)
         logits = torch.stack(out.logits, dim=1).float().cpu() / (params.temperature or 1.0)  # (B, T, V)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        completions = []
-        for i in range(len(requests)):
-            toks = new[i].tolist()
-            n, reason = len(toks), "length"
-            if eos in toks:
-                n, reason = toks.index(eos) + 1, "stop"  # keep the EOS token: it is a decision too
-            elif pad in toks:
-                n = toks.index(pad)
-            k = stop_at(self.tokenizer, toks[:n], params.stop)
-            if k is not None:
-                n, reason = k, "stop"  # keep the stop string: the model chose it
-            completions.append(Completion(toks[:n], logp[i, :n].tolist(), [version] * n, reason))
-        return completions
+        for i, row in enumerate(rows):
+            row.extend(self.tokenizer, new[i].tolist(), logp[i].tolist(), version, params)
+        return interrupt is not None and interrupt.fired and any(row.reason is None for row in rows)
+
+
+class _LoadWaiting(StoppingCriteria):
+    """Stops a generation after the decoding step during which a weight load started waiting for the engine."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+        self.fired = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        self.fired = self.engine._loads_waiting > 0
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+
+
+@dataclass
+class _Row:
+    """One request's completion as it grows: a row of one or more decoding runs (one per weight version)."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reason: str | None = None  # None: still decoding
+
+    def extend(self, tokenizer: Any, toks: list[int], logps: list[float], version: int, params: SamplingParams) -> None:
+        """Append a decoding run's tokens (up to the row's end) and settle whether the row finished."""
+        pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+        n, reason = len(toks), None
+        if eos in toks:
+            n, reason = toks.index(eos) + 1, "stop"  # keep the EOS token: it is a decision too
+        elif pad in toks:
+            n, reason = toks.index(pad), "length"  # padded after a stop string (found below), or a pad sampled
+        n = min(n, params.max_new_tokens - len(self.tokens))
+        self.tokens += toks[:n]
+        self.logprobs += logps[:n]
+        self.versions += [version] * n
+        k = stop_at(tokenizer, self.tokens, params.stop)
+        if k is not None:  # keep the stop string: the model chose it
+            self.tokens, self.logprobs, self.versions, reason = self.tokens[:k], self.logprobs[:k], self.versions[:k], "stop"
+        if reason is None and len(self.tokens) >= params.max_new_tokens:
+            reason = "length"
+        self.reason = reason
 
 
 @register_engine("hf", HfOptions)
@@ -216,4 +286,5 @@ def build_hf(options: HfOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: An
     from astraflow.models import build_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return HFEngine(build_model(model_cfg, tokenizer), tokenizer, device=device, gather=options.gather)
+    return HFEngine(build_model(model_cfg, tokenizer), tokenizer, device=device, gather=options.gather,
+                    partial_rollouts=rollout_cfg.partial_rollouts)

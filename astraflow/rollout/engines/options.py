@@ -12,7 +12,7 @@ owns fails at load (``latency_sigma`` on ``hf``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -30,6 +30,7 @@ class HfOptions(Options):
     """transformers in-process, batched, on cuda when available (``hf.py``)."""
 
     type: Literal["hf"] = "hf"
+    switches_inside_generation: ClassVar[bool] = True  # ``rollout.partial_rollouts`` applies
     gather: float = Field(0.5, ge=0)
     """Once the engine is free, how long a batch short of the node's generation slots waits for the rest of their
     calls, as a fraction of the last batch's time (0: start with whoever is waiting)."""
