@@ -48,11 +48,10 @@ def child(batch_file: Path, over: dict[str, object], steps: int, threads: int, m
 
     from astraflow.config import parse_recipe
     from astraflow.models import build_model, load_tokenizer
-    from astraflow.train.backend import BACKENDS, build_backend
+    from astraflow.train.backend import build_backend
 
     torch.set_num_threads(threads)
-    module = BACKENDS[str(over["backend"])].partition(":")[0]
-    __import__(module)  # import the backend's packages before the baseline
+    __import__(f"astraflow.train.{over['backend']}_backend")  # import the backend's packages before the baseline
     batches = load_batches(batch_file)
     recipe = parse_recipe({"name": "bench", "model": MODEL, "trainer": {"micro_batch_tokens": micro_batch_tokens, **over}})
     pcfg = recipe.policies["solver"]

@@ -13,12 +13,11 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from astraflow.registry import Options
+from astraflow.registry import ENGINES, LOSSES, Options
 from astraflow.rollout.engines.base import Completion, GenerationRequest
-from astraflow.rollout.engines.registry import register_engine
 from astraflow.train.batching import Tensors
 from astraflow.train.losses.functional import AggMode, LossOutput, aggregate
-from astraflow.train.losses.registry import PolicyLoss, register_loss
+from astraflow.train.losses.registry import PolicyLoss
 
 
 class EchoOptions(Options):
@@ -54,7 +53,7 @@ class EchoEngine:
 
     def close(self) -> None:
         pass
-@register_engine("echo", EchoOptions)
+@ENGINES.register("echo", EchoOptions)
 def build_echo(options: EchoOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> EchoEngine:
     return EchoEngine(options)
 
@@ -64,7 +63,7 @@ class ReinforceOptions(Options):
     scale: float = Field(1.0, gt=0)
 
 
-@register_loss("reinforce", ReinforceOptions)
+@LOSSES.register("reinforce", ReinforceOptions)
 class Reinforce(PolicyLoss):
     options: ReinforceOptions
 

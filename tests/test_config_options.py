@@ -9,7 +9,7 @@ import yaml
 
 from astraflow.config import RecipeError, dump_recipe, load_recipe, parse_recipe
 from astraflow.models import build_model, load_tokenizer
-from astraflow.registry import ENGINE_OPTIONS
+from astraflow.registry import ENGINES
 from astraflow.rollout.engines.base import GenerationRequest, checked_engine
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.workflows.registry import check_policies, evaluation_of
@@ -105,7 +105,7 @@ def test_a_plugin_engine_and_loss_are_selected_from_yaml(tmp_path):
         "rollout": {"plugins": [str(PLUGIN)], "engine": {"type": "echo", "repeat": 3}},
         "trainer": {"plugins": [str(PLUGIN)], "loss": {"type": "reinforce", "scale": 0.5}, "lr": 1e-2}}))
     recipe = load_recipe(tmp_path)
-    assert "echo" in ENGINE_OPTIONS.names()
+    assert "echo" in ENGINES.names()
     assert recipe.rollout.engine.model_dump() == {"type": "echo", "repeat": 3, "logprob": -0.5}
     assert recipe.trainer.loss.model_dump() == {"type": "reinforce", "scale": 0.5}
 

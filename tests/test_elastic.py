@@ -32,11 +32,11 @@ from astraflow.weights.publish import WeightPublisher
 PLUGIN = '''
 """Test plugin: a node with a hold-{node} file holds its first tasks until release-{node} appears."""
 import json, os, pathlib, time
-from astraflow.rollout.workflows.registry import register_workflow
+from astraflow.registry import WORKFLOWS
 from astraflow.rollout.workflows.single_turn import SingleTurn
 
 
-@register_workflow("gated_single_turn")
+@WORKFLOWS.register("gated_single_turn")
 class GatedSingleTurn(SingleTurn):
     def run(self, tasks, policies, node_id):
         gate = pathlib.Path(os.environ["AF_TEST_GATE_DIR"])

@@ -72,8 +72,8 @@ def test_option_models_are_light(module: str):
     packages they sit in import nothing either."""
     from astraflow import registry
 
-    assert f"astraflow.{module[:-3].replace('/', '.')}" in {r.home for r in (registry.ENGINE_OPTIONS, registry.WORKFLOW_OPTIONS,
-                                                                              registry.LOSS_OPTIONS)}
+    assert f"astraflow.{module[:-3].replace('/', '.')}" in {r.options_home for r in (registry.ENGINES, registry.WORKFLOWS,
+                                                                                      registry.LOSSES)}
     heavy = sorted(imports(PKG / module) - LIGHT)
     assert not heavy, f"{module} imports {heavy}: loading a recipe would import them in every role"
     parts = module.split("/")[:-1]

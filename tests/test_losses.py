@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from astraflow.registry import LOSS_OPTIONS
+from astraflow.registry import LOSSES, type_name
 from astraflow.train.batching import Tensors
 from astraflow.train.losses.functional import (
     LossOutput,
@@ -20,7 +20,7 @@ from astraflow.train.losses.functional import (
     ppo_clip_loss,
     token_entropy,
 )
-from astraflow.train.losses.registry import POLICY_LOSSES, build_loss
+from astraflow.train.losses.registry import build_loss
 
 F64 = torch.float64
 
@@ -395,7 +395,8 @@ def test_gather_logprobs_matches_log_softmax_in_float32():
 
 
 def test_every_registered_loss_has_an_option_model():
-    assert {"ppo", "decoupled_ppo", "m2po"} <= set(POLICY_LOSSES) <= set(LOSS_OPTIONS.names())  # plug-ins may add more
+    assert {"ppo", "decoupled_ppo", "m2po"} <= set(LOSSES)  # plug-ins may add more
+    assert all(type_name(LOSSES.options(name)) == name for name in LOSSES)
 
 
 def _micro_batch(lp_behave: list[list[float]], adv: list[float], mask: list[list[int]]) -> Tensors:
@@ -415,7 +416,7 @@ def test_registry_dispatches_to_the_loss_with_its_options(options):
     """``trainer.loss`` picks the function and passes its options: the registered loss equals the direct call."""
     mb = _micro_batch([[-1.0, -0.5, -2.0], [-0.7, -0.1, -3.0]], [1.0, -1.0], [[1, 1, 1], [1, 1, 0]])
     logprobs = t([[-0.6, -0.9, -1.5], [-0.2, -0.4, -2.0]]).requires_grad_(True)
-    loss = build_loss(LOSS_OPTIONS.parse(options))
+    loss = build_loss(LOSSES.parse(options))
     keep = loss.keep_mask(mb, logprobs.detach()) if loss.needs_batch_logprobs else None
     got = loss(mb, logprobs, keep, agg="token-mean", n_tokens=5.0, n_seqs=2.0)
     args = (mb.behave_logprobs, mb.advantages, mb.mask)

@@ -24,7 +24,7 @@ from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.workflows.base import PolicyHandle
 from astraflow.rollout.workflows.registry import get_workflow
 from astraflow.rollout.workflows.single_turn import SingleTurn
-from astraflow.rollout.workflows.tools import TOOLS, register_tool
+from astraflow.rollout.workflows.tools import TOOLS
 from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.plane import Plane
 from astraflow.streams.trajectories import carried
@@ -100,7 +100,7 @@ async def test_refresh_lands_between_turns_and_versions_stay_true(plane: Plane):
     await pub.publish(STATE, 0, force_keyframe=True)
     loop = asyncio.get_running_loop()
 
-    @register_tool("train_step")
+    @TOOLS.register("train_step")
     def train_step(args: str, meta: dict) -> str:  # a trainer publishes v1 while the episode is at its tool call
         asyncio.run_coroutine_threadsafe(pub.publish({"w": STATE["w"] * 2}, 1), loop).result(30)
         return "published"
@@ -118,7 +118,7 @@ async def test_refresh_lands_between_turns_and_versions_stay_true(plane: Plane):
     finally:
         stop.set()
         await run
-        TOOLS.pop("train_step", None)
+        TOOLS.unregister("train_step")
     assert len(got) == 2 and node.stats["refreshes"] >= 1
     for t in got:
         v, m = t.token_versions(), t.mask()

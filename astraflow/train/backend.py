@@ -1,5 +1,9 @@
 """The trainer-backend contract and the registry that picks one by ``trainer.backend``.
 
+A backend registers a factory, ``factory(model, tokenizer, cfg, temperature) -> TrainerBackend``, that
+imports its packages only when called (deepspeed is an optional extra); a package outside the
+repository may add one through an entry point in the group ``astraflow.backend``.
+
 A backend owns the model being trained, its optimizer and how a step runs on the hardware.
 The worker only sees this Protocol: it feeds batches, publishes ``state_dict_bf16()`` and
 saves / loads checkpoints through it.
@@ -7,10 +11,11 @@ saves / loads checkpoints through it.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from astraflow.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -54,20 +59,28 @@ class TrainerBackend(Protocol):
         training goes on. None when the backend can only save synchronously (DeepSpeed: a collective save)."""
 
 
-BACKENDS: dict[str, str] = {
-    "torch": "astraflow.train.torch_backend:TorchBackend",
-    "deepspeed": "astraflow.train.deepspeed_backend:DeepSpeedBackend",
-}
+BackendFactory = Callable[..., TrainerBackend]
+"""``factory(model, tokenizer, cfg, temperature=...)``: a backend for the model being trained."""
+BACKENDS: Registry[BackendFactory] = Registry("backend", "astraflow.train.backend", plugins="trainer.plugins")
+
+
+@BACKENDS.register("torch")
+def torch_backend(model: torch.nn.Module, tokenizer: Any, cfg: TrainerConfig, temperature: float = 1.0) -> TrainerBackend:
+    from astraflow.train.torch_backend import TorchBackend
+
+    return TorchBackend(model, tokenizer, cfg, temperature=temperature)
+
+
+@BACKENDS.register("deepspeed")
+def deepspeed_backend(model: torch.nn.Module, tokenizer: Any, cfg: TrainerConfig, temperature: float = 1.0) -> TrainerBackend:
+    try:
+        from astraflow.train.deepspeed_backend import DeepSpeedBackend
+    except ImportError as e:
+        raise RuntimeError(f"trainer backend 'deepspeed' needs a missing package ({e.name}); "
+                           "install it with: pip install 'astraflow[deepspeed]'") from e
+    return DeepSpeedBackend(model, tokenizer, cfg, temperature=temperature)
 
 
 def build_backend(name: str, model: torch.nn.Module, tokenizer: Any, cfg: TrainerConfig, temperature: float = 1.0) -> TrainerBackend:
-    """Instantiate the registered backend ``name`` (imported lazily: deepspeed is an optional extra)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown trainer backend {name!r}; registered: {sorted(BACKENDS)}")
-    module, _, cls = BACKENDS[name].partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise RuntimeError(f"trainer backend {name!r} needs a missing package ({e.name}); "
-                           f"install it with: pip install 'astraflow[{name}]'") from e
-    return getattr(mod, cls)(model, tokenizer, cfg, temperature=temperature)
+    """Instantiate the registered backend ``name``."""
+    return BACKENDS.get(name)(model, tokenizer, cfg, temperature=temperature)

@@ -1,7 +1,7 @@
 """Options of the built-in engines: what ``rollout.engine`` may hold, one model per engine.
 
 Light on purpose (pydantic only): every role validates a recipe against these before any engine
-is built (``astraflow.registry.ENGINE_OPTIONS`` imports this module). A field another engine
+is built (``astraflow.registry.ENGINES`` imports this module). A field another engine
 owns fails at load (``latency_sigma`` on ``hf``).
 
     engine: hf
@@ -16,7 +16,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from astraflow.registry import ENGINE_OPTIONS, Options
+from astraflow.registry import ENGINES, Options
 
 
 def changed(options: Options, names: set[str]) -> list[str]:
@@ -25,7 +25,7 @@ def changed(options: Options, names: set[str]) -> list[str]:
     return sorted(n for n in names & options.model_fields_set if getattr(options, n) != fields[n].default)
 
 
-@ENGINE_OPTIONS.register
+@ENGINES.declare
 class HfOptions(Options):
     """transformers in-process, batched, on cuda when available (``hf.py``)."""
 
@@ -36,7 +36,7 @@ class HfOptions(Options):
     calls, as a fraction of the last batch's time (0: start with whoever is waiting)."""
 
 
-@ENGINE_OPTIONS.register
+@ENGINES.declare
 class ScriptedOptions(Options):
     """A BENCHMARK ENGINE: real tokens from the recipe's tiny model, latency drawn from a distribution (``scripted.py``)."""
 
@@ -76,14 +76,14 @@ class ServerOptions(Options):
     it exists). The server must see the same path (same host)."""
 
 
-@ENGINE_OPTIONS.register
+@ENGINES.declare
 class SglangOptions(ServerOptions):
     """An SGLang server, launched by the node or attached (``sglang.py``)."""
 
     type: Literal["sglang"] = "sglang"
 
 
-@ENGINE_OPTIONS.register
+@ENGINES.declare
 class VllmOptions(ServerOptions):
     """vLLM's OpenAI-compatible server (launched or attached) or ``vllm.LLM`` inside the node (``vllm.py``)."""
 

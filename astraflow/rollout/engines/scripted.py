@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from astraflow.registry import ENGINES
 from astraflow.rollout.engines.base import Completion, GenerationRequest
 from astraflow.rollout.engines.options import HfOptions, ScriptedOptions
-from astraflow.rollout.engines.registry import register_engine
 
 
 @dataclass
@@ -106,7 +106,7 @@ class ScriptedEngine:
         self.slots.shutdown(wait=False, cancel_futures=True)
 
 
-@register_engine("scripted", ScriptedOptions)
+@ENGINES.register("scripted", ScriptedOptions)
 def build_scripted(options: ScriptedOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> ScriptedEngine:
     from astraflow.rollout.engines.hf import build_hf
 

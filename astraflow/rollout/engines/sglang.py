@@ -26,9 +26,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from astraflow.registry import ENGINES
 from astraflow.rollout.engines.base import Completion, SamplingParams
 from astraflow.rollout.engines.options import SglangOptions
-from astraflow.rollout.engines.registry import register_engine
 from astraflow.rollout.engines.remote import EngineHTTPError, RemoteEngine, ServerProcess, free_port, prepare
 
 
@@ -94,7 +94,7 @@ def launch_command(model_path: str, port: int, extra: list[str]) -> list[str]:
             "--port", str(port), *extra]
 
 
-@register_engine("sglang", SglangOptions)
+@ENGINES.register("sglang", SglangOptions)
 def build_sglang(options: SglangOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> SGLangEngine:
     path, stager = prepare("sglang", model_cfg, options, tokenizer)
     server = None

@@ -34,9 +34,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from astraflow.registry import ENGINES
 from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from astraflow.rollout.engines.options import VllmOptions
-from astraflow.rollout.engines.registry import register_engine
 from astraflow.rollout.engines.remote import (
     EngineHTTPError,
     RemoteEngine,
@@ -182,7 +182,7 @@ def launch_command(model_path: str, port: int, extra: list[str]) -> list[str]:
             "--logprobs-mode", "processed_logprobs", *extra]
 
 
-@register_engine("vllm", VllmOptions)
+@ENGINES.register("vllm", VllmOptions)
 def build_vllm(options: VllmOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> Any:
     path, stager = prepare("vllm", model_cfg, options, tokenizer)
     cpu_env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", f"{options.cpu_kv_cache_gib:g}")}  # read on a CPU only

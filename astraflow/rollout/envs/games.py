@@ -7,6 +7,9 @@ ends the task unpaid); ``shop`` pays the fraction of
 wanted attributes the bought product has; ``terminal`` (``terminal.py``) pays 1 when the final
 state of its scratch directory passes the task's check. Unknown actions cost a step and say which
 actions exist.
+
+Games live in the environment registry (``ENVIRONMENTS``, ``game(seed) -> Game``); a plug-in module in
+``rollout.plugins`` or an entry point in the group ``astraflow.environment`` adds more.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Protocol
 
+from astraflow.registry import Registry
 from astraflow.rollout.envs.terminal import Terminal
 
 
@@ -28,6 +32,10 @@ class Game(Protocol):
         """Release what the episode holds (a scratch directory); the episode is over."""
 
 
+ENVIRONMENTS: Registry[Callable[[int], Game]] = Registry("environment", "astraflow.rollout.envs.games", plugins="rollout.plugins")
+
+
+@ENVIRONMENTS.register("rooms")
 class Rooms:
     """ALFWorld-like: find an object in some room and put it in a receptacle."""
 
@@ -86,6 +94,7 @@ class Rooms:
         pass
 
 
+@ENVIRONMENTS.register("shop")
 class Shop:
     """WebShop-like: search a catalogue, open an item, buy the one that fits the instruction."""
 
@@ -140,4 +149,4 @@ class Shop:
         pass
 
 
-GAMES: dict[str, Callable[[int], Game]] = {"rooms": Rooms, "shop": Shop, "terminal": Terminal}
+ENVIRONMENTS.register("terminal")(Terminal)

@@ -19,7 +19,8 @@ import threading
 import uuid
 from http.server import ThreadingHTTPServer
 
-from astraflow.rollout.envs.games import GAMES, Game
+from astraflow.registry import UnknownName
+from astraflow.rollout.envs.games import ENVIRONMENTS, Game
 from astraflow.rollout.http_json import JsonHandler
 
 
@@ -43,7 +44,7 @@ class _Handler(JsonHandler):
 
     def do_GET(self) -> None:
         if self.path == "/health":
-            return self._reply(200, {"ok": True, "envs": sorted(GAMES), "open": len(self.server.episodes)})
+            return self._reply(200, {"ok": True, "envs": ENVIRONMENTS.names(), "open": len(self.server.episodes)})
         self._reply(404, {"error": f"no route {self.path}"})
 
     def do_POST(self) -> None:
@@ -54,9 +55,11 @@ class _Handler(JsonHandler):
         s = self.server
         if self.path == "/start":
             env = body.get("env", "rooms")
-            if env not in GAMES:
-                return self._reply(400, {"error": f"unknown env {env!r}; have {sorted(GAMES)}"})
-            game = GAMES[env](int(body.get("seed", 0)))
+            try:
+                new_game = ENVIRONMENTS.get(env)
+            except UnknownName as e:
+                return self._reply(400, {"error": str(e)})
+            game = new_game(int(body.get("seed", 0)))
             eid = uuid.uuid4().hex
             with s.lock:
                 s.episodes[eid] = game
@@ -93,7 +96,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8765)
     args = ap.parse_args()
     server = EnvServer((args.host, args.port))
-    print(f"environment server on {server.url} ({', '.join(sorted(GAMES))})", flush=True)
+    print(f"environment server on {server.url} ({', '.join(ENVIRONMENTS.names())})", flush=True)
     server.serve_forever()
 
 

@@ -4,7 +4,10 @@ Each is a real verifier: exact integer match for generated arithmetic, math-veri
 answers, reasoning-gym's own scorer for its tasks, tests run in a sandbox for code
 (``code``), and exact match / token F1 for QA (``qa_em``, ``qa_f1``).
 
-A reward may also say what its ``meta`` must hold (``register(name, check=...)``): a check
+Rewards live in the reward registry (``REWARDS.register(name)``); a plug-in module in
+``rollout.plugins`` or an entry point in the group ``astraflow.reward`` adds more.
+
+A reward may also say what its ``meta`` must hold (``@checks_meta(check)``): a check
 returns why a task's meta cannot be scored (no reference answer, tests that do not parse,
 sandbox limits out of range), or None. Rollout nodes ask it before they play a task
 (:func:`meta_problem`, ``rollout/task_checks.py``), so a task the reward would crash on is
@@ -17,29 +20,34 @@ import math as _math
 import re
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
+
+from astraflow.registry import Registry, UnknownName
 
 Reward = Callable[[str, dict[str, Any]], float]
 MetaCheck = Callable[[dict[str, Any]], str | None]  # why ``meta`` cannot be scored, or None
-REWARDS: dict[str, Reward] = {}
-META_CHECKS: dict[str, MetaCheck] = {}
+R = TypeVar("R", bound=Reward)
+REWARDS: Registry[Reward] = Registry("reward", "astraflow.rollout.rewards", plugins="rollout.plugins")
 _INT = re.compile(r"^\s*(-?\d+)\s*$")
 MAX_ANSWER_CHARS = 2_000  # a reference answer longer than this is not one (int() refuses > 4300 digits; parsers slow down)
 
 
-def register(name: str, check: MetaCheck | None = None) -> Callable[[Reward], Reward]:
-    def deco(fn: Reward) -> Reward:
-        REWARDS[name] = fn
-        if check is not None:
-            META_CHECKS[name] = check
-        return fn
+def checks_meta(check: MetaCheck) -> Callable[[R], R]:
+    """Decorator: attach to a reward the check of the ``meta`` it can score (``meta_check``, asked by :func:`meta_problem`)."""
+
+    def deco(reward: R) -> R:
+        reward.meta_check = check  # type: ignore[attr-defined]
+        return reward
 
     return deco
 
 
 def meta_problem(name: str, meta: dict[str, Any]) -> str | None:
-    """Why the reward ``name`` cannot score a task with ``meta`` (its registered check), or None (no check: trusted)."""
-    check = META_CHECKS.get(name)
+    """Why the reward ``name`` cannot score a task with ``meta`` (its check), or None (no check, or no such reward: trusted)."""
+    try:
+        check: MetaCheck | None = getattr(REWARDS.get(name), "meta_check", None)
+    except UnknownName:
+        return None
     if check is None:
         return None
     try:
@@ -68,21 +76,20 @@ def _integer_answer(meta: dict[str, Any]) -> str | None:
 
 
 def get_reward(name: str) -> Reward:
-    try:
-        return REWARDS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward {name!r}; registered: {sorted(REWARDS)}") from None
+    return REWARDS.get(name)
 
 
 
-@register("arithmetic", check=_integer_answer)
+@REWARDS.register("arithmetic")
+@checks_meta(_integer_answer)
 def arithmetic(text: str, meta: dict[str, Any]) -> float:
     """1 if the completion is exactly the integer answer (whitespace aside), else 0."""
     m = _INT.match(text)
     return 1.0 if m and int(m.group(1)) == int(meta["answer"]) else 0.0
 
 
-@register("math", check=_answer)
+@REWARDS.register("math")
+@checks_meta(_answer)
 def math(text: str, meta: dict[str, Any]) -> float:
     """math-verify: parse the completion's final answer and check it against the reference.
 
@@ -123,7 +130,8 @@ def _rg_dataset(task: str, size: int, seed: int) -> Any:
     return reasoning_gym.create_dataset(task, size=size, seed=seed)
 
 
-@register("reasoning_gym", check=_rg_meta)
+@REWARDS.register("reasoning_gym")
+@checks_meta(_rg_meta)
 def reasoning_gym_score(text: str, meta: dict[str, Any]) -> float:
     """reasoning-gym's own scorer for the entry the prompt came from."""
     ds = _rg_dataset(meta["rg_task"], int(meta["rg_size"]), int(meta["rg_seed"]))
@@ -176,7 +184,8 @@ def _code_meta(meta: dict[str, Any]) -> str | None:
     return None
 
 
-@register("code", check=_code_meta)
+@REWARDS.register("code")
+@checks_meta(_code_meta)
 def code(text: str, meta: dict[str, Any]) -> float:
     """Fraction of ``meta["tests"]`` (Python statements, usually asserts) the completion's code passes.
 
@@ -221,14 +230,16 @@ def _qa_meta(meta: dict[str, Any]) -> str | None:
     return _answer(meta)
 
 
-@register("qa_em", check=_qa_meta)
+@REWARDS.register("qa_em")
+@checks_meta(_qa_meta)
 def qa_exact_match(text: str, meta: dict[str, Any]) -> float:
     """1 if the normalised completion equals a normalised reference (``meta["answers"]`` or ``meta["answer"]``)."""
     pred = _normalize(text)
     return 1.0 if any(pred == _normalize(g) for g in _golds(meta)) else 0.0
 
 
-@register("qa_f1", check=_qa_meta)
+@REWARDS.register("qa_f1")
+@checks_meta(_qa_meta)
 def qa_f1(text: str, meta: dict[str, Any]) -> float:
     """Best token-level F1 (SQuAD) between the normalised completion and a reference."""
     pred = _normalize(text).split()

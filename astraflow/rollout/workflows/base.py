@@ -143,7 +143,7 @@ TEAM = "team"
 
 
 class Workflow(Protocol):
-    """What a workflow class declares and does (registered with ``registry.register_workflow``)."""
+    """What a workflow class declares and does (registered with ``astraflow.registry.WORKFLOWS``)."""
 
     @property
     def policies(self) -> tuple[str, ...]:

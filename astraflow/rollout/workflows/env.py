@@ -20,10 +20,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from astraflow.registry import WORKFLOWS
 from astraflow.rollout.rewards import Reward
 from astraflow.rollout.workflows.base import Episode, Evaluation, PolicyHandle, by_policy, min_version
 from astraflow.rollout.workflows.options import EnvHttpOptions
-from astraflow.rollout.workflows.registry import register_workflow
 from astraflow.streams.messages import Task, Trajectory
 
 
@@ -53,7 +53,7 @@ def task_seed(task: Task) -> int:
     return int(task.meta["seed"]) if "seed" in task.meta else zlib.crc32(task.prompt_id.encode())
 
 
-@register_workflow("env_http", EnvHttpOptions)
+@WORKFLOWS.register("env_http", EnvHttpOptions)
 class EnvHttp:
     policies = ("solver",)
     evaluation: Evaluation = "workflow"  # played in the environment

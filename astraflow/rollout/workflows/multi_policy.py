@@ -28,13 +28,13 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
+from astraflow.registry import WORKFLOWS
 from astraflow.rollout.engines.base import Completion, GenerationRequest
 from astraflow.rollout.rewards import Reward, extract_code
 from astraflow.rollout.rewards.sandbox import Sandbox
 from astraflow.rollout.scores import sample_metrics
 from astraflow.rollout.workflows.base import TEAM, Evaluation, PolicyHandle, by_policy, make_trajectory, min_version
 from astraflow.rollout.workflows.options import SolverSelectorOptions, SolverTestgenOptions, SolverVerifierOptions
-from astraflow.rollout.workflows.registry import register_workflow
 from astraflow.streams.messages import Task, Trajectory
 from astraflow.tasks import Problem
 
@@ -106,7 +106,7 @@ class _TwoPolicy:
                 for k, t in enumerate(tasks) for i, c in enumerate(comps[k])]
 
 
-@register_workflow("solver_verifier", SolverVerifierOptions)
+@WORKFLOWS.register("solver_verifier", SolverVerifierOptions)
 class SolverVerifier(_TwoPolicy):
     policies = ("solver", "verifier")
     evaluation: Evaluation = "team"  # the verifier's accuracy and the team's pick need both policies
@@ -158,7 +158,7 @@ class SolverVerifier(_TwoPolicy):
         return team_scores(solver, greedy, rewards, verifier, sum(right) / max(1, len(right)), picked, k)
 
 
-@register_workflow("solver_selector", SolverSelectorOptions)
+@WORKFLOWS.register("solver_selector", SolverSelectorOptions)
 class SolverSelector(_TwoPolicy):
     policies = ("solver", "selector")
 
@@ -186,7 +186,7 @@ class SolverSelector(_TwoPolicy):
         return out
 
 
-@register_workflow("solver_testgen", SolverTestgenOptions)
+@WORKFLOWS.register("solver_testgen", SolverTestgenOptions)
 class SolverTestgen(_TwoPolicy):
     policies = ("solver", "testgen")
     evaluation: Evaluation = "team"  # the generated tests are scored on the solver's samples

@@ -27,12 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import import_module
 from typing import Any
 
+from astraflow.registry import WORKFLOWS
 from astraflow.rollout.rewards import Reward
 from astraflow.rollout.workflows.agent_sessions import NodeServices, Outcome, TaskSessions, sample_trajectory
 from astraflow.rollout.workflows.base import Evaluation, PolicyHandle, by_policy, min_version
 from astraflow.rollout.workflows.openai_facade import ChatFacade
 from astraflow.rollout.workflows.options import OpenAIAgentOptions
-from astraflow.rollout.workflows.registry import register_workflow
 from astraflow.streams.messages import Task, Trajectory
 
 Agent = Callable[[str, str, dict[str, Any]], str]
@@ -46,7 +46,7 @@ def load_agent(spec: str) -> Agent:
     return agent
 
 
-@register_workflow("openai_agent", OpenAIAgentOptions)
+@WORKFLOWS.register("openai_agent", OpenAIAgentOptions)
 class OpenAIAgent:
     """Agents against the node's facade, one sample per base URL; in-process (``module:function``) or ``external``."""
 

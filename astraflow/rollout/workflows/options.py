@@ -1,7 +1,7 @@
 """Options of the built-in workflows: what the recipe's ``workflow:`` may hold, one model per workflow.
 
 Light on purpose (pydantic only): every role validates a recipe against these
-(``astraflow.registry.WORKFLOW_OPTIONS`` imports this module). A field another workflow owns fails
+(``astraflow.registry.WORKFLOWS`` imports this module). A field another workflow owns fails
 at load (``max_turns`` on ``single_turn``).
 
     workflow: single_turn
@@ -17,17 +17,17 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from astraflow.registry import WORKFLOW_OPTIONS, Options
+from astraflow.registry import WORKFLOWS, Options
 
 
-@WORKFLOW_OPTIONS.register
+@WORKFLOWS.declare
 class SingleTurnOptions(Options):
     """RLVR: one generation per sample (``single_turn.py``)."""
 
     type: Literal["single_turn"] = "single_turn"
 
 
-@WORKFLOW_OPTIONS.register
+@WORKFLOWS.declare
 class MultiTurnToolsOptions(Options):
     """The model calls tools between turns (``tools.py``)."""
 
@@ -38,7 +38,7 @@ class MultiTurnToolsOptions(Options):
     """Tools the model may call, by registered name (``calculator``, ``search``, ``bm25``, a plug-in's)."""
 
 
-@WORKFLOW_OPTIONS.register
+@WORKFLOWS.declare
 class EnvHttpOptions(Options):
     """Episodes against an environment server with POST /start, /step, /close (``env.py``)."""
 
@@ -52,28 +52,28 @@ class EnvHttpOptions(Options):
     """Environment steps per episode."""
 
 
-@WORKFLOW_OPTIONS.register
+@WORKFLOWS.declare
 class SolverVerifierOptions(Options):
     """Two policies: a solver and a verifier that judges each answer (``multi_policy.py``)."""
 
     type: Literal["solver_verifier"] = "solver_verifier"
 
 
-@WORKFLOW_OPTIONS.register
+@WORKFLOWS.declare
 class SolverSelectorOptions(Options):
     """Two policies: a solver and a selector that picks the best of its answers (``multi_policy.py``)."""
 
     type: Literal["solver_selector"] = "solver_selector"
 
 
-@WORKFLOW_OPTIONS.register
+@WORKFLOWS.declare
 class SolverTestgenOptions(Options):
     """Two policies: a code solver and a test-case generator (``multi_policy.py``)."""
 
     type: Literal["solver_testgen"] = "solver_testgen"
 
 
-@WORKFLOW_OPTIONS.register
+@WORKFLOWS.declare
 class OpenAIAgentOptions(Options):
     """Agent code against the node's OpenAI-compatible endpoint (``openai_agent.py``)."""
 

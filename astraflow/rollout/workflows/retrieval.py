@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from astraflow.rollout.workflows.tools import register_tool
+from astraflow.rollout.workflows.tools import TOOLS
 
 _WORD = re.compile(r"\w+")
 
@@ -72,7 +72,7 @@ def corpus_file(meta: dict[str, Any]) -> str:
     return str(p)
 
 
-@register_tool("bm25")
+@TOOLS.register("bm25")
 def bm25_tool(args: str, meta: dict[str, Any]) -> str:
     """Top document for the query from the task's local BM25 index."""
     hits = load_index(corpus_file(meta)).search(args.strip().strip("\"'"), k=1)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from astraflow.registry import WORKFLOWS
 from astraflow.rollout.engines.base import GenerationRequest
 from astraflow.rollout.rewards import Reward
 from astraflow.rollout.workflows.base import Evaluation, PolicyHandle, by_policy, make_trajectory, min_version
 from astraflow.rollout.workflows.options import SingleTurnOptions
-from astraflow.rollout.workflows.registry import register_workflow
 from astraflow.streams.messages import Task, Trajectory
 
 
-@register_workflow("single_turn", SingleTurnOptions)
+@WORKFLOWS.register("single_turn", SingleTurnOptions)
 class SingleTurn:
     """All tasks of one policy in one batched generate call."""
 

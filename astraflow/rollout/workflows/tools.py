@@ -8,7 +8,8 @@ there: the next turn's tokens then carry the new version), and generates again. 
 ends when a turn makes no tool call, or after ``max_turns`` turns (``MultiTurnToolsOptions``). The reward scores
 the text of the last turn.
 
-Tools are registered by name (``register_tool``); built in: ``calculator`` (exact arithmetic
+Tools are registered by name (``TOOLS.register``; a plug-in module in ``rollout.plugins`` or an entry
+point in the group ``astraflow.tool`` adds more); built in: ``calculator`` (exact arithmetic
 on +, -, *, /, //, %, ** and parentheses) and ``search`` (keyword search over the task's
 ``meta["corpus"]``, or a small built-in corpus); ``bm25`` (``retrieval``: a BM25 index over a
 corpus file shipped with the recipe).
@@ -24,26 +25,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from astraflow.registry import WORKFLOWS, Registry
 from astraflow.rollout.rewards import Reward
 from astraflow.rollout.workflows.base import Episode, Evaluation, PolicyHandle, by_policy, min_version
 from astraflow.rollout.workflows.options import MultiTurnToolsOptions
-from astraflow.rollout.workflows.registry import register_workflow
 from astraflow.streams.messages import Task, Trajectory
 
 Tool = Callable[[str, dict[str, Any]], str]
 """``tool(arguments, task_meta) -> output text``; raising is fine (the error text becomes the output)."""
-TOOLS: dict[str, Tool] = {}
+TOOLS: Registry[Tool] = Registry("tool", "astraflow.rollout.workflows.tools", "astraflow.rollout.workflows.retrieval",
+                                 plugins="rollout.plugins")
 TOOL_OPEN, TOOL_CLOSE = "<tool>", "</tool>"
 _CALL = re.compile(r"<tool>\s*(.*?)\s*</tool>", re.S)
 _NAMED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*\((.*)\)$", re.S)
-
-
-def register_tool(name: str) -> Callable[[Tool], Tool]:
-    def deco(fn: Tool) -> Tool:
-        TOOLS[name] = fn
-        return fn
-
-    return deco
 
 
 def parse_tool_call(text: str) -> tuple[str, str] | None:
@@ -69,7 +63,7 @@ def run_tool(name: str, args: str, meta: dict[str, Any], allowed: list[str]) -> 
     if name not in allowed or name not in TOOLS:
         return f"error: unknown tool {name!r}; available: {', '.join(t for t in allowed if t in TOOLS)}"
     try:
-        return str(TOOLS[name](args, meta))[:2000]
+        return str(TOOLS.get(name)(args, meta))[:2000]
     except Exception as e:  # a tool error is an observation, not a crash
         return f"error: {type(e).__name__}: {e}"[:500]
 
@@ -95,7 +89,7 @@ def _eval(node: ast.AST) -> Any:
     raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
 
 
-@register_tool("calculator")
+@TOOLS.register("calculator")
 def calculator(args: str, meta: dict[str, Any]) -> str:
     value = _eval(ast.parse(args.strip().strip("\"'"), mode="eval"))
     if isinstance(value, float) and value.is_integer():
@@ -112,7 +106,7 @@ BUILTIN_CORPUS = [
 ]
 
 
-@register_tool("search")
+@TOOLS.register("search")
 def search(args: str, meta: dict[str, Any]) -> str:
     """The corpus document sharing the most words with the query (ties: the first)."""
     corpus = meta.get("corpus") or BUILTIN_CORPUS
@@ -122,7 +116,7 @@ def search(args: str, meta: dict[str, Any]) -> str:
     return best[2] if best[0] > 0 else "no results"
 
 
-@register_workflow("multi_turn_tools", MultiTurnToolsOptions)
+@WORKFLOWS.register("multi_turn_tools", MultiTurnToolsOptions)
 class MultiTurnTools:
     policies = ("solver",)
     evaluation: Evaluation = "workflow"  # scored with its tools

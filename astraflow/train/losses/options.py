@@ -1,7 +1,7 @@
 """Options of the built-in policy losses: what ``trainer.loss`` may hold, one model per loss.
 
 Light on purpose (pydantic only): every role validates a recipe against these
-(``astraflow.registry.LOSS_OPTIONS`` imports this module). A field another loss owns fails at
+(``astraflow.registry.LOSSES`` imports this module). A field another loss owns fails at
 load (``tau`` on ``ppo``). The maths is in ``functional.py``.
 
     loss: ppo
@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from astraflow.registry import LOSS_OPTIONS, Options
+from astraflow.registry import LOSSES, Options
 
 
 class ClipOptions(Options):
@@ -26,7 +26,7 @@ class ClipOptions(Options):
     """Above clip_low: clip-higher (DAPO), room for low-probability tokens to rise."""
 
 
-@LOSS_OPTIONS.register
+@LOSSES.declare
 class PpoOptions(ClipOptions):
     """PPO-clip against the behaviour logprobs, with clip-higher and dual-clip."""
 
@@ -35,7 +35,7 @@ class PpoOptions(ClipOptions):
     """Bound on the loss of A < 0 tokens with a huge ratio (Ye et al.); null disables it."""
 
 
-@LOSS_OPTIONS.register
+@LOSSES.declare
 class DecoupledPpoOptions(ClipOptions):
     """Decoupled PPO: trust region around π_prox, truncated importance sampling against π_behave."""
 
@@ -47,7 +47,7 @@ class DecoupledPpoOptions(ClipOptions):
     With one optimizer step per batch this costs no extra forward pass."""
 
 
-@LOSS_OPTIONS.register
+@LOSSES.declare
 class M2poOptions(Options):
     """M2PO: a second-moment mask over the whole batch is the trust region; no ratio clip."""
 

@@ -1,16 +1,17 @@
-"""Policy losses by name: ``register_loss`` records a loss class and its option model, ``build_loss``
-builds the one ``trainer.loss`` names. The trainer's objective calls it without knowing which.
+"""Policy losses by name, in the loss registry (``astraflow.registry.LOSSES``); ``build_loss`` builds the
+one ``trainer.loss`` names. The trainer's objective calls it without knowing which.
 
 A loss is a :class:`PolicyLoss`: ``keep_mask`` (optional) chooses the tokens of the whole batch a
 step trains on, before any micro-batch; ``__call__`` is the loss of one micro-batch, normalised by
 the whole batch's kept-token (or sequence) counts. A plug-in loss registers the same way from a
-module in ``trainer.plugins``, imported before the recipe is validated:
+module in ``trainer.plugins``, imported before the recipe is validated, or from a package's entry point
+in the group ``astraflow.loss``:
 
     class ScaledPgOptions(Options):
         type: Literal["scaled_pg"] = "scaled_pg"
         scale: float = 1.0
 
-    @register_loss("scaled_pg", ScaledPgOptions)
+    @LOSSES.register("scaled_pg", ScaledPgOptions)
     class ScaledPg(PolicyLoss):
         def __call__(self, mb, logprobs, keep, *, agg, n_tokens, n_seqs) -> LossOutput: ...
 """
@@ -18,12 +19,11 @@ module in ``trainer.plugins``, imported before the recipe is validated:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 
-from astraflow.registry import LOSS_OPTIONS, Options, type_name
+from astraflow.registry import LOSSES, Options
 from astraflow.train.batching import Tensors
 from astraflow.train.losses.functional import AggMode, LossOutput, decoupled_ppo_loss, m2po_loss, m2po_mask, ppo_clip_loss
 from astraflow.train.losses.options import DecoupledPpoOptions, M2poOptions, PpoOptions
@@ -49,37 +49,12 @@ class PolicyLoss(ABC):
         ``keep_mask``; ``n_tokens`` / ``n_seqs`` the whole batch's kept counts (the normaliser)."""
 
 
-L = TypeVar("L", bound=type[PolicyLoss])
-POLICY_LOSSES: dict[str, type[PolicyLoss]] = {}
-
-
-def register_loss(name: str, options: type[Options] | None = None) -> Callable[[L], L]:
-    """Register a loss class under ``name``, with its option model (none: the one registered for the name, else a
-    bare one that takes no options)."""
-    if options is not None and type_name(options) != name:
-        raise ValueError(f"loss {name!r} registered with options of type {type_name(options)!r}")
-
-    def deco(cls: L) -> L:
-        if options is None:
-            LOSS_OPTIONS.ensure(name)
-        else:
-            LOSS_OPTIONS.register(options)
-        POLICY_LOSSES[name] = cls
-        return cls
-
-    return deco
-
-
 def build_loss(options: Options) -> PolicyLoss:
-    try:
-        cls = POLICY_LOSSES[options.type]
-    except KeyError:
-        raise ValueError(f"trainer.loss {options.type!r} has options but no loss registered; "
-                         f"losses: {sorted(POLICY_LOSSES)}") from None
-    return cls(options)
+    loss: type[PolicyLoss] = LOSSES.get(options.type)
+    return loss(options)
 
 
-@register_loss("ppo", PpoOptions)
+@LOSSES.register("ppo", PpoOptions)
 class Ppo(PolicyLoss):
     options: PpoOptions
 
@@ -90,7 +65,7 @@ class Ppo(PolicyLoss):
                              dual_clip=o.dual_clip, agg=agg, n_tokens=n_tokens, n_seqs=n_seqs)
 
 
-@register_loss("decoupled_ppo", DecoupledPpoOptions)
+@LOSSES.register("decoupled_ppo", DecoupledPpoOptions)
 class DecoupledPpo(PolicyLoss):
     options: DecoupledPpoOptions
 
@@ -103,7 +78,7 @@ class DecoupledPpo(PolicyLoss):
                                   clip_high=o.clip_high, tis_cap=o.tis_cap, agg=agg, n_tokens=n_tokens, n_seqs=n_seqs)
 
 
-@register_loss("m2po", M2poOptions)
+@LOSSES.register("m2po", M2poOptions)
 class M2po(PolicyLoss):
     options: M2poOptions
     needs_batch_logprobs = True  # the mask is a statistic of the whole batch
