@@ -49,16 +49,21 @@ def string_protocol(tree: ast.AST) -> list[int]:
 
 
 def plugin_mechanisms(tree: ast.AST) -> set[str]:
-    """Ways a part is looked up by name: a ``register*`` function, an upper-case dict of names, a ``"module:attr"`` string."""
+    """Ways a part is looked up by name: a class with a ``register`` method (a registry, however many instances),
+    a ``register*`` function, an upper-case dict from name strings to parts, a ``"module:attr"`` string."""
     found = set()
     for n in ast.walk(tree):
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("register") and n.col_offset == 0:
+        if isinstance(n, ast.ClassDef) and n.col_offset == 0 and any(
+                isinstance(f, ast.FunctionDef) and f.name == "register" for f in n.body):
+            found.add(f"class {n.name}")
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("register") and n.col_offset == 0:
             found.add(f"def {n.name}")
         elif isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, ast.Dict) and n.col_offset == 0:
             targets = n.targets if isinstance(n, ast.Assign) else [n.target]
             names = [t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper()]
             values = [v for v in n.value.values if v is not None]
-            if names and values and all(isinstance(v, (ast.Name, ast.Attribute)) for v in values):
+            keys_are_names = all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in n.value.keys)
+            if names and values and keys_are_names and all(isinstance(v, (ast.Name, ast.Attribute)) for v in values):
                 found.add(f"dict {names[0]}")
         elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("partition", "rsplit", "split") \
                 and n.args and isinstance(n.args[0], ast.Constant) and n.args[0].value == ":" \

@@ -1,7 +1,7 @@
 """Data algorithms: pure, I/O-free plug-ins the dataflow service applies to RL data.
 
-One module per algorithm, a base class per hook (``base``), a registry dict per hook kind
-(below) and a discriminated config union per hook kind (``config``). The service builds a
+One module per algorithm, a base class and a registry per hook kind (``base``) and a config
+union per hook kind (``config``). The service builds a
 ``Pipeline`` from ``AlgorithmsConfig`` and, per policy:
 
     d = pipeline.select(PromptItem(...), ctx, rng)      # before publishing a task; skip if not d.keep
@@ -14,13 +14,25 @@ One module per algorithm, a base class per hook (``base``), a registry dict per 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TypeVar, cast
 
 from astraflow.algorithms.advantages.grpo import Grpo, GrpoConfig
 from astraflow.algorithms.advantages.none import NoneConfig, RawReward
 from astraflow.algorithms.advantages.rloo import Rloo, RlooConfig
-from astraflow.algorithms.base import Advantage, AlgoConfig, Curator, Filter, Plugin, Server, ServeResult
+from astraflow.algorithms.base import (
+    ADVANTAGES,
+    CURATORS,
+    FILTERS,
+    SERVERS,
+    Advantage,
+    AlgoConfig,
+    Curator,
+    Filter,
+    Plugin,
+    Server,
+    ServeResult,
+)
 from astraflow.algorithms.config import (
     AdvantageConfig,
     AlgorithmsConfig,
@@ -43,40 +55,16 @@ from astraflow.algorithms.servers.fifo import Fifo, FifoConfig
 from astraflow.algorithms.servers.mix import Mix, MixConfig
 from astraflow.algorithms.servers.replay import Replay, ReplayConfig
 from astraflow.algorithms.types import Context, Decision, Group, PromptItem, Sample
-
-CURATORS: dict[str, type[Curator]] = {
-    "accept_all": AcceptAll,
-    "greso": Greso,
-    "curriculum": Curriculum,
-    "filter_solved": FilterSolved,
-}
-FILTERS: dict[str, type[Filter]] = {
-    "dynamic_sampling": DynamicSampling,
-    "staleness": Staleness,
-    "length": Length,
-    "reward_guard": RewardGuard,
-}
-SERVERS: dict[str, type[Server]] = {
-    "fifo": Fifo,
-    "edf": Edf,
-    "replay": Replay,  # wraps cfg.base
-    "mix": Mix,  # wraps cfg.base
-}
-ADVANTAGES: dict[str, type[Advantage]] = {
-    "grpo": Grpo,
-    "rloo": Rloo,
-    "none": RawReward,
-}
-
+from astraflow.registry import Registry
 
 P = TypeVar("P", bound=Plugin)
 
 
-def build(cfg: AlgoConfig, registry: Mapping[str, type[P]]) -> P:
+def build(cfg: AlgoConfig, registry: Registry[type[P]]) -> P:
     """One plug-in from its config; a config with a ``base`` (replay, mix) gets it built first."""
     if isinstance(cfg, PluginConfig):
         return cast(P, cfg.build())  # the config checked the class against its hook kind
-    factory: Callable[..., P] = registry[getattr(cfg, "type")]  # noqa: B009 (every member of the union but PluginConfig has one)
+    factory: Callable[..., P] = registry.get(getattr(cfg, "type"))  # noqa: B009 (every member of the union but PluginConfig has one)
     base = getattr(cfg, "base", None)
     return factory(cfg) if base is None else factory(cfg, build(base, registry))
 

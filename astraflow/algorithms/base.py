@@ -12,6 +12,11 @@ Every plug-in carries ``state()`` (JSON-serialisable) and ``load_state()`` so th
 store it in the run's KV bucket and a restarted dataflow continues exactly where it stopped.
 Plug-ins are pure: no I/O, no clocks (time comes in ``Context.now``), no global randomness
 (the service passes a ``random.Random``).
+
+Each hook kind has a registry (``CURATORS``, ``FILTERS``, ``SERVERS``, ``ADVANTAGES``): a plug-in
+registers its class with its config, ``@CURATORS.register("greso", GresoConfig)``, and is built as
+``Class(config)``; a package outside the repository adds one through an entry point in the group
+``astraflow.curator`` (``filter``, ``server``, ``advantage``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from astraflow.algorithms.types import KEEP, Context, Decision, Group, PromptItem
+from astraflow.registry import Registry
 
 
 class AlgoConfig(BaseModel):
@@ -101,6 +107,12 @@ class Advantage(Plugin):
     def compute(self, group: Group) -> list[float]:
         return [0.0] * len(group.samples)
 
+
+
+CURATORS: Registry[type[Curator]] = Registry("curator", "astraflow.algorithms")
+FILTERS: Registry[type[Filter]] = Registry("filter", "astraflow.algorithms")
+SERVERS: Registry[type[Server]] = Registry("server", "astraflow.algorithms")
+ADVANTAGES: Registry[type[Advantage]] = Registry("advantage", "astraflow.algorithms")
 
 def take(ordered: Sequence[Group], n_groups: int, dropped: list[tuple[str, str]]) -> ServeResult:
     """The first ``n_groups`` of ``ordered`` as a batch, or an empty batch if there are fewer."""

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from astraflow.algorithms.base import Advantage, AlgoConfig, finite_rewards
+from astraflow.algorithms.base import ADVANTAGES, Advantage, AlgoConfig, finite_rewards
 from astraflow.algorithms.types import Group
 
 
@@ -32,6 +32,7 @@ class GrpoConfig(AlgoConfig):
     """Added to the std before dividing."""
 
 
+@ADVANTAGES.register("grpo", GrpoConfig)
 class Grpo(Advantage):
     name = "grpo"
 

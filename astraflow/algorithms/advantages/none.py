@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from astraflow.algorithms.base import Advantage, AlgoConfig, finite_rewards
+from astraflow.algorithms.base import ADVANTAGES, Advantage, AlgoConfig, finite_rewards
 from astraflow.algorithms.types import Group
 
 
@@ -12,6 +12,7 @@ class NoneConfig(AlgoConfig):
     type: Literal["none"] = "none"
 
 
+@ADVANTAGES.register("none", NoneConfig)
 class RawReward(Advantage):
     name = "none"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from astraflow.algorithms.base import Advantage, AlgoConfig, finite_rewards
+from astraflow.algorithms.base import ADVANTAGES, Advantage, AlgoConfig, finite_rewards
 from astraflow.algorithms.types import Group
 
 
@@ -19,6 +19,7 @@ class RlooConfig(AlgoConfig):
     type: Literal["rloo"] = "rloo"
 
 
+@ADVANTAGES.register("rloo", RlooConfig)
 class Rloo(Advantage):
     name = "rloo"
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from astraflow.algorithms.base import AlgoConfig, Curator
+from astraflow.algorithms.base import CURATORS, AlgoConfig, Curator
 
 
 class AcceptAllConfig(AlgoConfig):
     type: Literal["accept_all"] = "accept_all"
 
 
+@CURATORS.register("accept_all", AcceptAllConfig)
 class AcceptAll(Curator):
     """Keeps every prompt; the base class's hooks already do exactly that."""
 

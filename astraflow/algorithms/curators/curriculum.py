@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from astraflow.algorithms.base import AlgoConfig, Curator
+from astraflow.algorithms.base import CURATORS, AlgoConfig, Curator
 from astraflow.algorithms.types import KEEP, Context, Decision, Group, PromptItem, drop
 
 
@@ -58,6 +58,7 @@ class CurriculumConfig(AlgoConfig):
         return self
 
 
+@CURATORS.register("curriculum", CurriculumConfig)
 class Curriculum(Curator):
     name = "curriculum"
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from astraflow.algorithms.base import AlgoConfig, Curator
+from astraflow.algorithms.base import CURATORS, AlgoConfig, Curator
 from astraflow.algorithms.types import KEEP, Context, Decision, Group, PromptItem, drop
 
 
@@ -32,6 +32,7 @@ class FilterSolvedConfig(AlgoConfig):
     """Probability of rolling out a solved prompt anyway."""
 
 
+@CURATORS.register("filter_solved", FilterSolvedConfig)
 class FilterSolved(Curator):
     name = "filter_solved"
 

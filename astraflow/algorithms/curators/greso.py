@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from astraflow.algorithms.base import AlgoConfig, Curator
+from astraflow.algorithms.base import CURATORS, AlgoConfig, Curator
 from astraflow.algorithms.types import KEEP, Context, Decision, Group, PromptItem, drop
 
 
@@ -69,6 +69,7 @@ class GresoConfig(AlgoConfig):
         return self
 
 
+@CURATORS.register("greso", GresoConfig)
 class Greso(Curator):
     name = "greso"
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from astraflow.algorithms.base import AlgoConfig, Filter
+from astraflow.algorithms.base import FILTERS, AlgoConfig, Filter
 from astraflow.algorithms.types import KEEP, Context, Decision, Group, drop
 
 
@@ -28,6 +28,7 @@ class DynamicSamplingConfig(AlgoConfig):
     """Rewards closer than this count as equal."""
 
 
+@FILTERS.register("dynamic_sampling", DynamicSamplingConfig)
 class DynamicSampling(Filter):
     name = "dynamic_sampling"
 

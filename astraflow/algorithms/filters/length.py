@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from astraflow.algorithms.base import AlgoConfig, Filter
+from astraflow.algorithms.base import FILTERS, AlgoConfig, Filter
 from astraflow.algorithms.types import KEEP, Context, Decision, Group, drop
 
 
@@ -25,6 +25,7 @@ class LengthConfig(AlgoConfig):
     """Drop a group if any sample has more completion tokens than this; None: no limit."""
 
 
+@FILTERS.register("length", LengthConfig)
 class Length(Filter):
     name = "length"
 

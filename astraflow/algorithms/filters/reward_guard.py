@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from astraflow.algorithms.base import AlgoConfig, Filter
+from astraflow.algorithms.base import FILTERS, AlgoConfig, Filter
 from astraflow.algorithms.types import KEEP, Context, Decision, Group, drop
 
 
@@ -34,6 +34,7 @@ class RewardGuardConfig(AlgoConfig):
         return self
 
 
+@FILTERS.register("reward_guard", RewardGuardConfig)
 class RewardGuard(Filter):
     name = "reward_guard"
 

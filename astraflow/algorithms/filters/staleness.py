@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from astraflow.algorithms.base import AlgoConfig, Filter
+from astraflow.algorithms.base import FILTERS, AlgoConfig, Filter
 from astraflow.algorithms.types import KEEP, Context, Decision, Group, drop
 
 
@@ -27,6 +27,7 @@ class StalenessConfig(AlgoConfig):
     """Also drop groups past a sample's wall-clock deadline (reason "expired")."""
 
 
+@FILTERS.register("staleness", StalenessConfig)
 class Staleness(Filter):
     name = "staleness"
 

@@ -21,7 +21,7 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
-from astraflow.algorithms.base import AlgoConfig, Server
+from astraflow.algorithms.base import SERVERS, AlgoConfig, Server
 from astraflow.algorithms.types import Context, Group
 
 
@@ -29,6 +29,7 @@ class EdfConfig(AlgoConfig):
     type: Literal["edf"] = "edf"
 
 
+@SERVERS.register("edf", EdfConfig)
 class Edf(Server):
     name = "edf"
 

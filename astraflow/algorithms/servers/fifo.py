@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
-from astraflow.algorithms.base import AlgoConfig, Server
+from astraflow.algorithms.base import SERVERS, AlgoConfig, Server
 from astraflow.algorithms.types import Context, Group
 
 
@@ -22,6 +22,7 @@ class FifoConfig(AlgoConfig):
     """Drop stale or expired groups at serving time instead of training on them."""
 
 
+@SERVERS.register("fifo", FifoConfig)
 class Fifo(Server):
     name = "fifo"
 

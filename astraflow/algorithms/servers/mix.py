@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from astraflow.algorithms.base import AlgoConfig, Server, ServeResult
+from astraflow.algorithms.base import SERVERS, AlgoConfig, Server, ServeResult
 from astraflow.algorithms.plugin import ServerPlugin
 from astraflow.algorithms.servers.edf import EdfConfig
 from astraflow.algorithms.servers.fifo import FifoConfig
@@ -52,6 +52,7 @@ class MixConfig(AlgoConfig):
         return weights
 
 
+@SERVERS.register("mix", MixConfig)
 class Mix(Server):
     name = "mix"
 

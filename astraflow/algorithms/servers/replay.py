@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from astraflow.algorithms.base import AlgoConfig, Server, ServeResult
+from astraflow.algorithms.base import SERVERS, AlgoConfig, Server, ServeResult
 from astraflow.algorithms.plugin import ServerPlugin
 from astraflow.algorithms.servers.edf import EdfConfig
 from astraflow.algorithms.servers.fifo import FifoConfig
@@ -39,6 +39,7 @@ class ReplayConfig(AlgoConfig):
     """How many times one group may be replayed."""
 
 
+@SERVERS.register("replay", ReplayConfig)
 class Replay(Server):
     name = "replay"
 
