@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from astraflow.registry import ENGINES
 from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from astraflow.rollout.engines.options import HfOptions
-from astraflow.rollout.engines.registry import register_engine
 
 
 def stop_at(tokenizer: Any, toks: list[int], stops: tuple[str, ...]) -> int | None:
@@ -281,7 +281,7 @@ class _Row:
         self.reason = reason
 
 
-@register_engine("hf", HfOptions)
+@ENGINES.register("hf", HfOptions)
 def build_hf(options: HfOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> HFEngine:
     from astraflow.models import build_model
 

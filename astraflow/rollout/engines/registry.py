@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 EngineFactory = Callable[[Any, "ModelConfig", "RolloutConfig", Any], Engine]
 """Builds an engine from its options (``rollout.engine``), the policy's model config, the rollout config and the tokenizer."""
-register_engine = ENGINES.register  # the registry's decorator, by the name the hf engine still imports
 
 
 def build_engine(model_cfg: ModelConfig, rollout_cfg: RolloutConfig, tokenizer: Any) -> Engine:
