@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from astraflow.algorithms.config import AlgorithmsConfig
-from astraflow.registry import EngineOptions, LossOptions, Options, WorkflowOptions, load_plugins
+from astraflow.registry import BACKENDS, EngineOptions, LossOptions, Options, UnknownName, WorkflowOptions, load_plugins
 from astraflow.streams.subjects import check_token
 
 if TYPE_CHECKING:
@@ -239,9 +239,10 @@ class DataflowConfig(Strict):
 
 
 class TrainerConfig(Strict):
-    backend: Literal["torch", "deepspeed"] = "torch"
-    """``torch`` (one process, CPU or GPU) or ``deepspeed`` (ZeRO 1-3; one process on CPU with gloo, or
-    several GPUs under the ``deepspeed`` launcher). See docs/training.md."""
+    backend: str = "torch"
+    """``torch`` (one process, CPU or GPU), ``deepspeed`` (ZeRO 1-3; one process on CPU with gloo, or
+    several GPUs under the ``deepspeed`` launcher), or one a plug-in registers (``trainer.plugins``, or a
+    package's entry point in ``astraflow.backend``). See docs/training.md."""
     steps: int = Field(40, gt=0)
     """Optimizer steps (= weight versions after version 0) before the run ends."""
     lr: float = Field(3e-4, gt=0)
@@ -312,6 +313,14 @@ class TrainerConfig(Strict):
     def _import_plugins(cls, paths: list[str]) -> list[str]:
         load_plugins(paths)
         return paths
+
+    @model_validator(mode="after")
+    def _known_backend(self) -> TrainerConfig:  # after the plugins, which may register it
+        try:  # the factories import their packages only when called: naming one imports no torch
+            BACKENDS.get(self.backend)
+        except UnknownName as e:
+            raise ValueError(f"backend: {e}") from None
+        return self
 
     @field_validator("cores")
     @classmethod

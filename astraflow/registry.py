@@ -226,6 +226,8 @@ WORKFLOWS: Registry[Any] = Registry("workflow", *(f"astraflow.rollout.workflows.
 LOSSES: Registry[Any] = Registry("loss", "astraflow.train.losses.registry", options_home="astraflow.train.losses.options",
                                  plugins="trainer.plugins")
 """Policy loss classes: ``cls(options) -> PolicyLoss`` (``train/losses/registry.py``)."""
+BACKENDS: Registry[Any] = Registry("backend", "astraflow.train.backend", plugins="trainer.plugins")
+"""Trainer backend factories: ``factory(model, tokenizer, cfg, temperature) -> TrainerBackend`` (``train/backend.py``)."""
 
 EngineOptions = Annotated[SerializeAsAny[Options], BeforeValidator(ENGINES.parse)]
 WorkflowOptions = Annotated[SerializeAsAny[Options], BeforeValidator(WORKFLOWS.parse)]

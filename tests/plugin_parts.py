@@ -1,8 +1,10 @@
-"""A recipe's own engine and loss, registered from ``rollout.plugins`` / ``trainer.plugins`` (tests/test_config_options.py).
+"""A recipe's own engine, loss and trainer backend, registered from ``rollout.plugins`` / ``trainer.plugins``
+(tests/test_config_options.py).
 
 ``echo``: an engine that answers every prompt with its own last ``repeat`` tokens, each with
 logprob ``logprob``. ``reinforce``: plain REINFORCE, L = -scale · A · log π_θ, token-mean over
 the whole batch. Both have option models of their own, checked when the recipe loads.
+``torch_twin``: the torch backend under another name, as a package's own backend would register.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from astraflow.registry import ENGINES, LOSSES, Options
+from astraflow.registry import BACKENDS, ENGINES, LOSSES, Options
 from astraflow.rollout.engines.base import Completion, GenerationRequest
 from astraflow.train.batching import Tensors
 from astraflow.train.losses.functional import AggMode, LossOutput, aggregate
@@ -73,3 +75,12 @@ class Reinforce(PolicyLoss):
         pg_loss = -self.options.scale * adv * logprobs  # (B, T)
         loss = aggregate(pg_loss, mb.mask, agg, n_tokens=n_tokens, n_seqs=n_seqs)
         return LossOutput(loss=loss, metrics={"reinforce_scale": self.options.scale})
+
+
+@BACKENDS.register("torch_twin")
+def torch_twin(model: torch.nn.Module, tokenizer: Any, cfg: Any, temperature: float = 1.0) -> Any:
+    from astraflow.train.torch_backend import TorchBackend
+
+    backend = TorchBackend(model, tokenizer, cfg, temperature=temperature)
+    backend.registered_as = "torch_twin"  # type: ignore[attr-defined]
+    return backend

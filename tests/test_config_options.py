@@ -9,7 +9,7 @@ import yaml
 
 from astraflow.config import RecipeError, dump_recipe, load_recipe, parse_recipe
 from astraflow.models import build_model, load_tokenizer
-from astraflow.registry import ENGINES
+from astraflow.registry import BACKENDS, ENGINES
 from astraflow.rollout.engines.base import GenerationRequest, checked_engine
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.workflows.registry import check_policies, evaluation_of
@@ -55,6 +55,7 @@ def test_unknown_types_fail_at_load_naming_the_registered_ones():
     fails({"trainer": {"loss": "grpo"}}, "trainer.loss: Value error, unknown loss 'grpo'", "decoupled_ppo, m2po, ppo")
     fails({"rollout": {"engine": {"repeat": 2}}}, "rollout.engine: Value error, the engine must be a name or a mapping with a type")
     fails({"rollout": {"plugins": ["no_such_plugin_module"]}}, "rollout.plugins: Value error, cannot import 'no_such_plugin_module'")
+    fails({"trainer": {"backend": "jax"}}, "trainer: Value error, backend: unknown backend 'jax'; registered: deepspeed, torch")
 
 
 def test_bare_names_defaults_and_a_dumped_recipe_loads_back(tmp_path):
@@ -103,7 +104,7 @@ def test_a_plugin_engine_and_loss_are_selected_from_yaml(tmp_path):
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({
         "name": "plugins", "model": MODEL, "data": {"n_train": 8, "n_eval": 2},
         "rollout": {"plugins": [str(PLUGIN)], "engine": {"type": "echo", "repeat": 3}},
-        "trainer": {"plugins": [str(PLUGIN)], "loss": {"type": "reinforce", "scale": 0.5}, "lr": 1e-2}}))
+        "trainer": {"plugins": [str(PLUGIN)], "loss": {"type": "reinforce", "scale": 0.5}, "lr": 1e-2, "backend": "torch_twin"}}))
     recipe = load_recipe(tmp_path)
     assert "echo" in ENGINES.names()
     assert recipe.rollout.engine.model_dump() == {"type": "echo", "repeat": 3, "logprob": -0.5}
@@ -122,7 +123,9 @@ def test_a_plugin_engine_and_loss_are_selected_from_yaml(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     train, _ = load_split(recipe.data)
     (batch,) = sample_batches(model, tok, [p.prompt for p in train], groups_per_batch=2, group_size=2, seed=1)
-    metrics = TorchBackend(model, tok, recipe.policies["solver"].trainer).step(batch)
+    backend = BACKENDS.get(recipe.policies["solver"].trainer.backend)(model, tok, recipe.policies["solver"].trainer)
+    assert isinstance(backend, TorchBackend) and backend.registered_as == "torch_twin"  # the plug-in's, by its name
+    metrics = backend.step(batch)
     assert metrics["reinforce_scale"] == 0.5 and metrics["loss"] == metrics["pg_loss"]
     assert max(float((v - before[k]).abs().max()) for k, v in model.state_dict().items()) > 0  # the plug-in loss trained
 

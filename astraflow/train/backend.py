@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from astraflow.registry import Registry
+from astraflow.registry import BACKENDS
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,6 @@ class TrainerBackend(Protocol):
 
 BackendFactory = Callable[..., TrainerBackend]
 """``factory(model, tokenizer, cfg, temperature=...)``: a backend for the model being trained."""
-BACKENDS: Registry[BackendFactory] = Registry("backend", "astraflow.train.backend", plugins="trainer.plugins")
 
 
 @BACKENDS.register("torch")
