@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from astraflow.algorithms.config import AlgorithmsConfig
-from astraflow.registry import BACKENDS, EngineOptions, LossOptions, Options, UnknownName, WorkflowOptions, load_plugins
+from astraflow.registry import BACKENDS, SOURCES, EngineOptions, LossOptions, Options, UnknownName, WorkflowOptions, load_plugins
 from astraflow.streams.subjects import check_token
 
 if TYPE_CHECKING:
@@ -77,8 +77,9 @@ class ModelConfig(Strict):
 
 
 class DataConfig(Strict):
-    type: Literal["arithmetic", "reasoning_gym", "jsonl"] = "arithmetic"
-    """Prompt source: generated digit arithmetic, a reasoning-gym task (offline), or a local JSONL file."""
+    type: str = "arithmetic"
+    """Prompt source: generated digit arithmetic, a reasoning-gym task (offline), a local JSONL file, or a source a
+    plug-in registers (``rollout.plugins``, or a package's entry point in ``astraflow.source``; ``tasks.py``)."""
     min_operand: int = Field(0, ge=0)
     """arithmetic: the smallest operand (``10`` with ``max_operand: 99``: two-digit additions only)."""
     max_operand: int = Field(19, ge=1)
@@ -463,6 +464,14 @@ class Recipe(Strict):
     def _workflow_token(cls, v: Options) -> Options:
         check_token("workflow", v.type)  # tasks travel on task.{workflow}
         return v
+
+    @model_validator(mode="after")
+    def _known_source(self) -> Recipe:  # after rollout.plugins, which may register it
+        try:
+            SOURCES.get(self.data.type)
+        except UnknownName as e:
+            raise ValueError(f"data.type: {e}") from None
+        return self
 
     @model_validator(mode="after")
     def _fits(self) -> Recipe:

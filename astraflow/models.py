@@ -72,10 +72,10 @@ def build_model(cfg: ModelConfig, tokenizer: Any) -> PreTrainedModel:
     else:
         conf = Qwen2Config(**common)
     if cfg.attention_window is not None:  # linear in the row length (window_attention.py)
-        from astraflow.window_attention import register
+        from astraflow.window_attention import known_to_transformers
 
         conf.attention_window = cfg.attention_window
-        conf._attn_implementation = register()
+        conf._attn_implementation = known_to_transformers()
     model = Qwen3MoeForCausalLM(conf) if cfg.arch == "qwen3_moe" else Qwen2ForCausalLM(conf)
     return cast("PreTrainedModel", model.to(getattr(torch, cfg.dtype)))
 

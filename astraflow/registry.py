@@ -228,6 +228,8 @@ LOSSES: Registry[Any] = Registry("loss", "astraflow.train.losses.registry", opti
 """Policy loss classes: ``cls(options) -> PolicyLoss`` (``train/losses/registry.py``)."""
 BACKENDS: Registry[Any] = Registry("backend", "astraflow.train.backend", plugins="trainer.plugins")
 """Trainer backend factories: ``factory(model, tokenizer, cfg, temperature) -> TrainerBackend`` (``train/backend.py``)."""
+SOURCES: Registry[Any] = Registry("source", "astraflow.tasks", plugins="rollout.plugins")
+"""Prompt sources: ``source(data_cfg) -> list[Problem]`` (``tasks.py``), by ``data.type``."""
 
 EngineOptions = Annotated[SerializeAsAny[Options], BeforeValidator(ENGINES.parse)]
 WorkflowOptions = Annotated[SerializeAsAny[Options], BeforeValidator(WORKFLOWS.parse)]

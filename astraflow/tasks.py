@@ -3,6 +3,13 @@
 A problem is ``(prompt_id, prompt, meta)``; ``meta`` carries what the reward needs. Both the
 dataflow (training prompts) and evaluators (held-out prompts) read the same deterministic
 split from the recipe's :class:`~astraflow.config.DataConfig`.
+
+A source is a function ``DataConfig -> list[Problem]`` registered in ``SOURCES`` by the name
+``data.type`` gives; a module in ``rollout.plugins`` (imported in every role) or an entry point
+in the group ``astraflow.source`` adds one:
+
+    @SOURCES.register("mazes")
+    def mazes(cfg: DataConfig) -> list[Problem]: ...
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from astraflow.registry import SOURCES
 
 if TYPE_CHECKING:
     from astraflow.config import DataConfig
@@ -22,6 +31,7 @@ class Problem:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+@SOURCES.register("arithmetic")
 def _arithmetic(cfg: DataConfig) -> list[Problem]:
     operands = range(cfg.min_operand, cfg.max_operand + 1)
     pairs = [(a, b) for a in operands for b in operands]
@@ -29,6 +39,7 @@ def _arithmetic(cfg: DataConfig) -> list[Problem]:
     return [Problem(f"add-{a}-{b}", f"{a}+{b}=", {"answer": str(a + b)}) for a, b in pairs]
 
 
+@SOURCES.register("reasoning_gym")
 def _reasoning_gym(cfg: DataConfig) -> list[Problem]:
     import reasoning_gym
 
@@ -49,6 +60,7 @@ def _reasoning_gym(cfg: DataConfig) -> list[Problem]:
     ]
 
 
+@SOURCES.register("jsonl")
 def _jsonl(cfg: DataConfig) -> list[Problem]:
     import json
     from pathlib import Path
@@ -66,12 +78,9 @@ def _jsonl(cfg: DataConfig) -> list[Problem]:
     return out
 
 
-_SOURCES = {"arithmetic": _arithmetic, "reasoning_gym": _reasoning_gym, "jsonl": _jsonl}
-
-
 def load_split(cfg: DataConfig) -> tuple[list[Problem], list[Problem]]:
     """(train, held-out): disjoint, deterministic for a given config."""
-    problems = _SOURCES[cfg.type](cfg)
+    problems = SOURCES.get(cfg.type)(cfg)
     if len(problems) < cfg.n_eval + 1:
         raise ValueError(f"data: only {len(problems)} problems, need more than n_eval={cfg.n_eval}")
     held_out = problems[: cfg.n_eval]

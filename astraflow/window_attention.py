@@ -93,7 +93,7 @@ def key_padding(batch_size: int, q_length: int, kv_length: int, q_offset: int = 
     return None if bool(real.all()) else real
 
 
-def register() -> str:
+def known_to_transformers() -> str:
     """Make ``astraflow_window`` known to transformers (idempotent); returns its name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface

@@ -56,6 +56,7 @@ def test_unknown_types_fail_at_load_naming_the_registered_ones():
     fails({"rollout": {"engine": {"repeat": 2}}}, "rollout.engine: Value error, the engine must be a name or a mapping with a type")
     fails({"rollout": {"plugins": ["no_such_plugin_module"]}}, "rollout.plugins: Value error, cannot import 'no_such_plugin_module'")
     fails({"trainer": {"backend": "jax"}}, "trainer: Value error, backend: unknown backend 'jax'; registered: deepspeed, torch")
+    fails({"data": {"type": "mazes"}}, "data.type: unknown source 'mazes'; registered: arithmetic, jsonl, reasoning_gym")
 
 
 def test_bare_names_defaults_and_a_dumped_recipe_loads_back(tmp_path):
