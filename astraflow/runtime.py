@@ -108,7 +108,7 @@ async def watch_server(plane: Plane, stop: Stop, bound_s: float) -> None:
             await asyncio.wait_for(stop.wait(), 1.0)
 
 
-async def every(seconds: float, fn: Callable[[], Awaitable[None]], stop: asyncio.Event) -> None:
+async def every(seconds: float, fn: Callable[[], Awaitable[object]], stop: asyncio.Event) -> None:
     """Run ``fn`` every ``seconds`` until ``stop``; an error is logged, never fatal."""
     while not stop.is_set():
         try:

@@ -43,13 +43,13 @@ async def rollout_scrape(plane) -> tuple[str, int]:
     handles = {p: PolicyHandle(ScriptEngine(TOK, lambda _: "4", version=3), TOK, SamplingParams(4), name=p)
                for p in ("solver", "verifier")}
     node = RolloutNode(recipe, plane, "node-7", handles=handles, metrics=Metrics("rollout", worker="node-7", registry=registry))
-    node.export_metrics()
+    node.report.export(node.draining)
     node.stats.update(tasks=4, trajectories=16, gen_s=1.5, refreshes=2, held=3)
-    node.syncs["solver"].stats["deltas"] += 2
-    node.syncs["solver"].stats["bytes"] += 1000
-    node.export_metrics()
+    node.weights.syncs["solver"].stats["deltas"] += 2
+    node.weights.syncs["solver"].stats["bytes"] += 1000
+    node.report.export(node.draining)
     node.stats.update(tasks=5, trajectories=20)
-    node.export_metrics()  # counters advance by the difference, not the running total again
+    node.report.export(node.draining)  # counters advance by the difference, not the running total again
     return scrape(port), port
 
 

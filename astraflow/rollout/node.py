@@ -31,37 +31,32 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving
-from astraflow.models import encode_prompt, load_tokenizer, model_limits
+from astraflow.models import load_tokenizer, model_limits
 from astraflow.role import Role
 from astraflow.rollout.engines.base import SamplingParams, StaleWeights
 from astraflow.rollout.engines.registry import build_engine
+from astraflow.rollout.node_report import NODE_STATS, NodeReport
+from astraflow.rollout.node_weights import NodeWeights
 from astraflow.rollout.outbox import Outbox
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.slots import Slots
-from astraflow.rollout.task_checks import TaskProblem, TaskRules, check_prompt, check_task, check_versions
+from astraflow.rollout.task_checks import TaskRules
+from astraflow.rollout.task_gate import TaskGate
 from astraflow.rollout.workflows.agent_sessions import AgentHost, NodeServices
 from astraflow.rollout.workflows.base import PolicyHandle, Workflow
 from astraflow.rollout.workflows.registry import check_policies, get_workflow
 from astraflow.runtime import Stop, every
 from astraflow.streams.codec import MessageTooLarge
-from astraflow.streams.messages import Heartbeat, RolloutStats, Task, Trajectory
+from astraflow.streams.messages import Heartbeat, Task, Trajectory
 from astraflow.streams.plane import Consumer, Delivery, NatsOptions, Plane
-from astraflow.streams.state import StateReadError, VersionRecord
-from astraflow.streams.trajectories import publish_trajectories
-from astraflow.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
-FULL_REFRESH_S = 5.0
 WATCH_S = 0.25  # ``rollout.partial_rollouts``: how often a node looks for a new version while it generates
-NODE_GAUGES = ("held", "joined")  # the other node stats are cumulative: exported as counters
-WEIGHT_SYNC_STATS = ("keyframes", "deltas", "bytes", "joins", "fallbacks", "failures", "refetches", "rejected",
-                     "keyframe_requests")  # WeightSync.stats keys exported from the start (others when they appear)
-NODE_COUNTERS = {"gen_s": "gen_seconds", "pull_s": "pull_seconds", "publish_s": "publish_seconds",
-                 "refresh_s": "refresh_seconds"}  # renamed for Prometheus (others keep their stats key)
 
 
 def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = None) -> PolicyHandle:
@@ -89,171 +84,34 @@ class RolloutNode:
             check_policies(recipe.workflow, recipe.policy_names)
             workflow = get_workflow(recipe.workflow_options, get_reward(recipe.reward))
         self.workflow = workflow
-        self.task_rules = TaskRules.of(recipe, uses_reward=getattr(workflow, "uses_reward", True))
         self.handles = handles if handles is not None else {p: make_handle(recipe, p) for p in recipe.policy_names}
-        domain = recipe.rollout.weights_domain
-        self.syncs = {p: WeightSync(plane, p, h.engine, domain=domain) for p, h in self.handles.items()}
-        self.stats: dict[str, float] = {"tasks": 0.0, "trajectories": 0.0, "tokens": 0.0, "gen_s": 0.0, "pull_s": 0.0, "publish_s": 0.0,
-                                        "failed": 0.0, "stale_naks": 0.0, "drained_naks": 0.0, "held": 0.0, "refreshes": 0.0,
-                                        "refresh_s": 0.0, "refresh_errors": 0.0, "joined": 0.0, "rejected_tasks": 0.0}
-        self.announced = {p: -1 for p in self.handles}  # newest version seen announced, per policy
+        self.stats = dict.fromkeys(NODE_STATS, 0.0)
+        self.weights = NodeWeights(plane, self.handles, recipe.rollout.weights_domain, self.stats)
+        self.report = NodeReport(self.stats, self.weights, metrics)  # heartbeat stats, Prometheus (``--metrics-port``)
+        self.gate = TaskGate(TaskRules.of(recipe, uses_reward=getattr(workflow, "uses_reward", True)), self.weights,
+                             self.handles, self.stats)  # which pulled tasks it serves now
         self.draining = False
-        self._last_full_refresh = 0.0
-        self._refresh_lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.metrics = metrics  # Prometheus export (``--metrics-port``); None: none
         self.agent_key = agent_key  # bearer token of the OpenAI-compatible endpoint (the rollout credential's password)
         self.endpoint = ""  # that endpoint's address, when the workflow serves one (advertised in heartbeats)
-        self._exported: dict[tuple[str, str], float] = {}  # counters' values at the last export
         self.slots: Slots | None = None  # the generation slots, once joined
-        self.outbox = Outbox(plane, self._count_publish)  # finished tasks: published and acked together
+        self.outbox = Outbox(plane, partial(self.report.add, "publish_s"))  # finished tasks: published and acked together
         self._admission_closed = asyncio.Event()  # set once the node admits no more tasks (told to stop)
-
-    # ------------------------------------------------------------ metrics
-    def export_metrics(self) -> None:
-        """Push the node's stats to Prometheus: cumulative stats as counters (``..._total``), the rest as gauges.
-
-        Node-wide metrics carry ``policy=""``; per-policy ones (``version``, ``weight_sync_*``) the policy."""
-        if self.metrics is None:
-            return
-        counters = {NODE_COUNTERS.get(k, k): v for k, v in self.stats.items() if k not in NODE_GAUGES}
-        self.metrics.set({k: self.stats[k] for k in NODE_GAUGES})
-        self.metrics.set({"draining": float(self.draining)})
-        self._inc(self.metrics, "", counters)
-        for p, sync in self.syncs.items():
-            m = self.metrics.child(p)
-            m.set({"version": float(sync.version), "announced_version": float(self.announced[p])})
-            totals = {**dict.fromkeys(WEIGHT_SYNC_STATS, 0.0), **sync.stats}  # every series exists from the start
-            self._inc(m, p, {f"weight_sync_{k}": float(v) for k, v in totals.items()})
-
-    def _inc(self, m: Metrics, policy: str, totals: dict[str, float]) -> None:
-        deltas = {}
-        for key, total in totals.items():
-            delta = total - self._exported.get((policy, key), 0.0)
-            if delta > 0 or (policy, key) not in self._exported:
-                deltas[key] = delta
-                self._exported[(policy, key)] = total
-        m.inc(deltas)
-
-    # ------------------------------------------------------------ weights
-    async def _newer_announced(self) -> list[str]:
-        """Policies whose trainer has published a version newer than ours (the run-state KV's
-        ``version.{policy}``, written after each announcement: one cheap read, allowed to a
-        rollout node under the per-role permissions)."""
-        out = []
-        for p, sync in self.syncs.items():
-            try:
-                record = await self.plane.state.get(VersionRecord, p)
-            except StateReadError:  # unreadable: the periodic full refresh covers it
-                continue
-            latest = record.version if record is not None else -1
-            self.announced[p] = max(self.announced[p], latest)
-            if self.announced[p] > sync.version:
-                out.append(p)
-        return out
-
-    async def refresh(self) -> bool:
-        """A safe point: apply every announced version the node has not applied yet.
-
-        Reading the weights stream costs a fetch with a timeout, so it happens only when the KV
-        says a newer version exists, or every ``FULL_REFRESH_S`` in case the KV is not readable
-        here (a region that reads only its mirror)."""
-        async with self._refresh_lock:
-            t0 = time.perf_counter()
-            try:
-                return await self._refresh()
-            finally:
-                self.stats["refresh_s"] += time.perf_counter() - t0
-
-    async def _refresh(self) -> bool:
-        now = time.monotonic()
-        due = now - self._last_full_refresh > FULL_REFRESH_S
-        todo = list(self.syncs) if due else await self._newer_announced()
-        if not todo:
-            return False
-        if due:
-            self._last_full_refresh = now
-        changed = False
-        for p in todo:
-            try:
-                changed |= await self.syncs[p].refresh()
-            except Exception as e:  # keep serving what the weights allow; tasks that need newer ones go back
-                self.stats["refresh_errors"] += 1
-                log.warning("refreshing %s failed: %s", p, e)
-        if changed:
-            self.stats["refreshes"] += 1
-        return changed
-
-    async def _refresh_now(self) -> None:
-        await self.refresh()
 
     def _safe_point(self) -> bool:
         """Called from the workflow thread between turns; blocks it while the loop refreshes."""
         assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(self.refresh(), self._loop).result(timeout=600)
+        return asyncio.run_coroutine_threadsafe(self.weights.refresh(), self._loop).result(timeout=600)
 
-    def ready_for(self, task: Task) -> bool:
-        return all(self.syncs[p].version >= v for p, v in task.min_versions.items() if p in self.syncs)
-
-    # ------------------------------------------------------------ task checks
-    def newest_versions(self) -> dict[str, int]:
-        """The newest version of each policy this node knows was announced (KV, follower, or held)."""
-        out = {}
-        for p, sync in self.syncs.items():
-            followed = sync.newest.version if sync.newest is not None else -1
-            out[p] = max(self.announced[p], followed, sync.version)
-        return out
-
-    async def task_problem(self, task: Task) -> TaskProblem | None:
-        """Why this node can never serve ``task`` (``task_checks.py``), or None. A floor above the newest version
-        it knows is confirmed on the plane first (its view may lag a trainer that just announced)."""
-        rules = self.task_rules
-        problem = check_task(task, rules) or check_prompt(task.prompt, rules, self._count_tokens)
-        if problem is not None or check_versions(task, self.newest_versions(), rules.window) is None:
-            return problem
-        try:
-            for p in self.syncs:
-                record = await self.plane.state.get(VersionRecord, p)
-                if record is not None:
-                    self.announced[p] = max(self.announced[p], record.version)
-        except StateReadError as e:  # not confirmed: the task waits (nak) rather than being turned away on a guess
-            log.warning("cannot confirm the newest versions (%s); task %s waits", e, task.task_id)
-            return None
-        return check_versions(task, self.newest_versions(), rules.window)
-
-    def _count_tokens(self, policy: str, text: str) -> int:
-        return len(encode_prompt(self.handles[policy].tokenizer, text))
-
-    async def servable(self, got: list[Delivery[Task]]) -> list[Delivery[Task]]:
-        """The deliveries this node can serve; the others go to the DLQ (``dlq.task``) with their reason."""
-        out = []
-        for d in got:
-            problem = await self.task_problem(d.msg)
-            if problem is None:
-                out.append(d)
-                continue
-            self.stats["rejected_tasks"] += 1
-            await d.reject(problem.reason)
-        return out
-
-    # ------------------------------------------------------------ liveness
     async def beat(self) -> None:
         if self.slots is not None:
             self.stats["held"] = float(len(self.slots.held))
-        self.export_metrics()
+        self.report.export(self.draining)
         await self.plane.beat(Heartbeat(worker_id=self.worker_id, pool=self.pool, region=self.region, hardware=self.hardware,
-                                        policy=self.recipe.primary, version=self.syncs[self.recipe.primary].version,
-                                        stats=self.heartbeat_stats(), state="draining" if self.draining else "running",
-                                        metrics=serving()))
+                                        policy=self.recipe.primary, version=self.weights.version(self.recipe.primary),
+                                        stats=self.report.heartbeat_stats(self.endpoint),
+                                        state="draining" if self.draining else "running", metrics=serving()))
 
-    def heartbeat_stats(self) -> RolloutStats:
-        typed = set(RolloutStats.model_fields) - {"role", "counters", "weights", "joined", "endpoint"}
-        s = self.stats
-        return RolloutStats(**{k: s[k] for k in typed}, joined=bool(s["joined"]), endpoint=self.endpoint,
-                            counters={k: v for k, v in s.items() if k not in typed and k != "joined"},
-                            weights={p: {k: float(v) for k, v in sync.stats.items()} for p, sync in self.syncs.items()})
-
-    # ------------------------------------------------------------ main loop
     async def run(self, stop: Stop) -> None:
         self._loop = asyncio.get_running_loop()
         for h in self.handles.values():
@@ -262,16 +120,10 @@ class RolloutNode:
         await self.plane.ensure_topology(topo, create=False)
         beats = asyncio.create_task(every(2.0, self.beat, stop))
         if self.recipe.rollout.partial_rollouts:  # a version lands inside the generations in flight, not after them
-            watch = asyncio.create_task(every(WATCH_S, self._refresh_now, stop))
+            watch = asyncio.create_task(every(WATCH_S, self.weights.refresh, stop))
             beats.add_done_callback(lambda _: watch.cancel())
         try:
-            for policy, sync in self.syncs.items():  # joining: the current weights first, however long a warm start takes
-                while sync.version < 0 and not stop.is_set():
-                    try:
-                        await sync.wait_for(0, timeout=60)
-                    except TimeoutError as e:
-                        log.info("still waiting for the first weights of %s: %s", policy, e)
-            self._last_full_refresh = time.monotonic()
+            await self.weights.join(stop)  # joining: the current weights first, however long a warm start takes
             if isinstance(self.workflow, AgentHost):
                 self.endpoint = self.workflow.start(NodeServices(self.worker_id, self.handles, self._publish_from_thread,
                                                                  lambda: self.draining, self.agent_key))
@@ -285,7 +137,7 @@ class RolloutNode:
             ack_wait, max_deliver = settings.ack_wait, settings.max_deliver
             self.stats["joined"] = 1.0
             log.info("rollout node %s joined pool %s (region %r, %s) at %s", self.worker_id, self.pool, self.region,
-                     self.hardware, {p: s.version for p, s in self.syncs.items()})
+                     self.hardware, {p: s.version for p, s in self.weights.syncs.items()})
             self.slots = Slots(self.recipe.rollout.tasks_per_generate, ack_wait / 3)
             for handle in self.handles.values():  # every slot may call every policy
                 handle.engine.expect_callers(self.slots.size)
@@ -307,27 +159,17 @@ class RolloutNode:
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
-            await self.refresh()
+            await self.weights.refresh()
             self.stats.update(host.counters())
         self.draining = True
         if not await asyncio.to_thread(host.wait_idle, self.recipe.rollout.drain_timeout):
             log.info("left with agent sessions open: their agents' tasks are redelivered")
 
-    def _count_publish(self, seconds: float) -> None:
-        self.stats["publish_s"] += seconds
-
     def _publish_from_thread(self, trajs: list[Trajectory]) -> None:
         """Publish an agent session's trajectories (called from the endpoint's threads); returns once they are stored."""
         assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(self._publish_session(trajs), self._loop).result(timeout=60)
-
-    async def _publish_session(self, trajs: list[Trajectory]) -> None:
-        t0 = time.perf_counter()
-        await publish_trajectories(self.plane, trajs)  # a long session goes by reference, like any trajectory
-        self.stats["publish_s"] += time.perf_counter() - t0
-        self.stats["tasks"] += 1
-        self.stats["trajectories"] += len(trajs)
-        self.stats["tokens"] += sum(len(t.completion_ids) // 4 for t in trajs)
+        asyncio.run_coroutine_threadsafe(self.outbox.publish(trajs), self._loop).result(timeout=60)
+        self._loop.call_soon_threadsafe(self.report.done, trajs)
 
     async def _admit_while_running(self, tasks: Consumer[Task], slots: Slots, stop: asyncio.Event, max_deliver: int) -> None:
         """Per-slot admission: pull as many tasks as there are free slots, whenever a slot frees, until told to stop.
@@ -350,25 +192,15 @@ class RolloutNode:
             got = await tasks.pull(batch=slots.free, timeout=1.0)
             if got:
                 self.stats["pull_s"] += time.perf_counter() - t0
-            await self.refresh()  # a safe point: the engine's lock keeps it between generations
+            await self.weights.refresh()  # a safe point (hf: between batches, or between decoding steps with partial rollouts)
             if not got:
                 continue
             if stop.is_set():  # told to stop while the fetch was open: give these back untouched
                 await asyncio.gather(*(d.nak() for d in got))
                 self.stats["drained_naks"] += len(got)
                 break
-            for d in await self.admit(got):
+            for d in await self.gate.admit(got):
                 slots.start(d, self.serve_task(d, slots, stop, max_deliver))
-
-    async def admit(self, got: list[Delivery[Task]]) -> list[Delivery[Task]]:
-        """The deliveries to serve now: impossible ones are dead-lettered, ones newer than the weights nak'ed (1 s)."""
-        got = await self.servable(got)
-        ready = [d for d in got if self.ready_for(d.msg)]
-        stale = [d for d in got if d not in ready]
-        if stale:
-            await asyncio.gather(*(d.nak(delay=1.0) for d in stale))
-            self.stats["stale_naks"] += len(stale)
-        return ready
 
     async def serve_task(self, d: Delivery[Task], slots: Slots, stop: asyncio.Event, max_deliver: int) -> None:
         """One task in one slot: play it, publish its trajectories, and only then ack it (or nak/term it on purpose)."""
@@ -408,9 +240,7 @@ class RolloutNode:
                 await d.nak(delay=2.0)
             self.stats["failed"] += 1
             return
-        self.stats["tasks"] += 1
-        self.stats["trajectories"] += len(trajs)
-        self.stats["tokens"] += sum(len(t.completion_ids) // 4 for t in trajs)
+        self.report.done(trajs)
 
     async def _run_workflow(self, ready: list[Delivery[Task]], stop: asyncio.Event) -> list[Trajectory] | None:
         """The workflow's trajectories; None if the node was told to stop and the work outlived the drain timeout."""

@@ -47,6 +47,13 @@ class Outbox:
         self._waiting: list[_Finished] = []
         self._settling: asyncio.Task[None] | None = None
 
+    async def publish(self, trajectories: list[Trajectory]) -> None:
+        """Publish trajectories of no delivery (an agent session's), by reference when too large, like any; timed."""
+        t0 = time.perf_counter()
+        await publish_trajectories(self.plane, trajectories)
+        if self.timed is not None:
+            self.timed(time.perf_counter() - t0)
+
     async def settle(self, delivery: Delivery[Task], trajectories: list[Trajectory]) -> None:
         """Publish ``trajectories``, then ack ``delivery``; returns once both are done. Raises what publishing them
         raised (``MessageTooLarge``, a server error): then ``delivery`` is left unsettled, for the caller to decide."""

@@ -1,0 +1,115 @@
+"""A rollout node's weights: one ``WeightSync`` per policy, the newest version it knows was announced, and refresh.
+
+A refresh applies every announced version the node has not applied yet. Reading the weights
+stream costs a fetch with a timeout, so a refresh first reads ``version.{policy}`` from the
+run-state KV (one cheap request, allowed to a rollout node under the per-role permissions; the
+trainer writes it after each announcement) and reads the stream only when the KV shows a newer
+version, or every ``FULL_REFRESH_S`` in case the KV is not readable here (a region that reads
+only its mirror). Refreshes are serialised: the admission loop, a workflow's safe point and the
+partial-rollouts watcher may ask at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+
+from astraflow.rollout.workflows.base import PolicyHandle
+from astraflow.streams.messages import Task
+from astraflow.streams.plane import Plane
+from astraflow.streams.state import StateReadError, VersionRecord
+from astraflow.weights.sync import WeightSync
+
+log = logging.getLogger(__name__)
+FULL_REFRESH_S = 5.0
+
+
+class NodeWeights:
+    """The weight versions of a node's policies. ``stats``: the node's counters (``refreshes``, ``refresh_s``,
+    ``refresh_errors`` are added to)."""
+
+    def __init__(self, plane: Plane, handles: Mapping[str, PolicyHandle], domain: str | None, stats: dict[str, float]) -> None:
+        self.plane = plane
+        self.syncs = {p: WeightSync(plane, p, h.engine, domain=domain) for p, h in handles.items()}
+        self.announced = {p: -1 for p in handles}  # newest version seen announced, per policy
+        self.stats = stats
+        self._last_full_refresh = 0.0
+        self._lock = asyncio.Lock()
+
+    def version(self, policy: str) -> int:
+        return self.syncs[policy].version
+
+    async def join(self, stop: asyncio.Event) -> None:
+        """Wait for each policy's current weights, however long a warm start takes (or until ``stop``)."""
+        for policy, sync in self.syncs.items():
+            while sync.version < 0 and not stop.is_set():
+                try:
+                    await sync.wait_for(0, timeout=60)
+                except TimeoutError as e:
+                    log.info("still waiting for the first weights of %s: %s", policy, e)
+        self._last_full_refresh = time.monotonic()
+
+    async def refresh(self) -> bool:
+        """A safe point: apply every announced version not applied yet; True if any version changed."""
+        async with self._lock:
+            t0 = time.perf_counter()
+            try:
+                return await self._refresh()
+            finally:
+                self.stats["refresh_s"] += time.perf_counter() - t0
+
+    async def _refresh(self) -> bool:
+        now = time.monotonic()
+        due = now - self._last_full_refresh > FULL_REFRESH_S
+        todo = list(self.syncs) if due else await self._newer_announced()
+        if not todo:
+            return False
+        if due:
+            self._last_full_refresh = now
+        changed = False
+        for p in todo:
+            try:
+                changed |= await self.syncs[p].refresh()
+            except Exception as e:  # keep serving what the weights allow; tasks that need newer ones go back
+                self.stats["refresh_errors"] += 1
+                log.warning("refreshing %s failed: %s", p, e)
+        if changed:
+            self.stats["refreshes"] += 1
+        return changed
+
+    async def _newer_announced(self) -> list[str]:
+        """Policies whose trainer has published a version newer than ours, by the run-state KV (unreadable: the periodic
+        full refresh covers it)."""
+        out = []
+        for p, sync in self.syncs.items():
+            try:
+                record = await self.plane.state.get(VersionRecord, p)
+            except StateReadError:
+                continue
+            self._saw(p, record)
+            if self.announced[p] > sync.version:
+                out.append(p)
+        return out
+
+    async def confirm_newest(self) -> None:
+        """Read every policy's newest announced version from the run-state KV now (raises ``StateReadError``)."""
+        for p in self.syncs:
+            self._saw(p, await self.plane.state.get(VersionRecord, p))
+
+    def _saw(self, policy: str, record: VersionRecord | None) -> None:
+        if record is not None:
+            self.announced[policy] = max(self.announced[policy], record.version)
+
+    def newest(self) -> dict[str, int]:
+        """The newest version of each policy this node knows was announced (KV, follower, or held)."""
+        out = {}
+        for p, sync in self.syncs.items():
+            followed = sync.newest.version if sync.newest is not None else -1
+            out[p] = max(self.announced[p], followed, sync.version)
+        return out
+
+    def ready_for(self, task: Task) -> bool:
+        """The node holds weights at least as new as ``task`` allows for each of its policies."""
+        return all(self.syncs[p].version >= v for p, v in task.min_versions.items() if p in self.syncs)
