@@ -16,6 +16,7 @@ import json
 import re
 from pathlib import Path
 
+import result_files
 from rich.console import Console
 from rich.table import Table
 
@@ -125,6 +126,12 @@ def survey(pkg: Path) -> dict[str, object]:
             "plugin_mechanisms": sorted(mechanisms)}
 
 
+FIGURES = ("modules", "lines", "largest_module", "modules_over_500_lines", "largest_class", "most_attributes",
+           "classes_over_200_lines", "largest_function", "functions_over_60_lines", "nats_imports_outside_streams",
+           "nats_handle_uses_outside_streams", "stream_consumer_sequence_names_outside_streams", "string_typed_protocol_values",
+           "plugin_mechanisms")
+
+
 def cell(value: object) -> str:
     """A figure as a short table cell (the JSON line after the table has it whole)."""
     if isinstance(value, dict) and "name" in value:
@@ -142,7 +149,13 @@ def cell(value: object) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("packages", nargs="*", type=Path, help="package directories to compare (default: this checkout's astraflow/)")
-    pkgs = ap.parse_args().packages or [Path(__file__).resolve().parent.parent / "astraflow"]
+    ap.add_argument("--labels", nargs="*", help="a column name per package (a commit, 'before'); default: the paths")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/house.json")
+    args = ap.parse_args()
+    pkgs = args.packages or [Path(__file__).resolve().parent.parent / "astraflow"]
+    labels = args.labels or [str(p) for p in pkgs]
+    if len(labels) != len(pkgs):
+        ap.error(f"{len(labels)} labels for {len(pkgs)} packages")
     if missing := [str(p) for p in pkgs if not p.is_dir()]:
         ap.error(f"not a directory: {', '.join(missing)}")
     rows = [survey(p) for p in pkgs]
@@ -150,12 +163,12 @@ def main() -> None:
     t.add_column("figure")
     for r in rows:
         t.add_column(str(r["package"]))
-    for key in ("modules", "lines", "largest_module", "modules_over_500_lines", "largest_class", "most_attributes",
-                "classes_over_200_lines", "largest_function", "functions_over_60_lines", "nats_imports_outside_streams",
-                "nats_handle_uses_outside_streams", "stream_consumer_sequence_names_outside_streams", "string_typed_protocol_values",
-                "plugin_mechanisms"):
+    for key in FIGURES:
         t.add_row(key.replace("_", " "), *(cell(r[key]) for r in rows))
     Console().print(t)
+    for r, label in zip(rows, labels, strict=True):
+        r["package"] = label
+    result_files.write("house", {"trees": rows}, args.out)
     print(json.dumps(rows))
 
 

@@ -1,0 +1,96 @@
+"""Render BENCHMARKS.md's sections from the figures the benchmarks wrote (``benchmarks/results/*.json``).
+
+A rendered section sits between ``<!-- rendered: NAME -->`` and ``<!-- end rendered -->``; this
+script replaces what lies between them with the table made from ``results/NAME.json`` (its
+command, machine, date and commit first), so the page shows what was run. ``--check`` changes
+nothing and exits 1 if a section differs from its rendering (``tests/test_benchmarks_page.py``).
+
+    python benchmarks/render.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "BENCHMARKS.md"
+RESULTS = ROOT / "benchmarks" / "results"
+SECTION = re.compile(r"(<!-- rendered: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end rendered -->)", re.S)
+
+
+def provenance(r: dict[str, Any]) -> str:
+    return f"`{r['command']}` on {r['machine']}, {r['date']}, at {r['commit']}.\n\n"
+
+
+def partial_rollouts(r: dict[str, Any]) -> str:
+    rows = ["| seed | partial rollouts | RL wall s | samples/s | completion tokens (mean) | held-out v0 → last | "
+            "held-out at equal wall time |", "|---|---|---|---|---|---|---|"]
+    for run in sorted(r["runs"], key=lambda x: (x["seed"], x["partial_rollouts"])):
+        rows.append(f"| {run['seed']} | {'on' if run['partial_rollouts'] else 'off'} | {run['rl_wall_s']:.1f} | "
+                    f"{run['samples_per_s']:.1f} | {run['completion_tokens_mean']:.1f} | {run['held_out_v0']:.3f} → "
+                    f"{run['held_out_last']:.3f} | {run['held_out_at_equal_wall']:.3f} ({run['equal_wall_s']:.1f} s) |")
+    for mode in ("off", "on"):
+        m = r[mode]
+        rows.append(f"| mean | {mode} | {m['rl_wall_s']:.1f} | {m['samples_per_s']:.1f} | {m['completion_tokens_mean']:.1f} | "
+                    f"→ {m['held_out_last']:.3f} | {m['held_out_at_equal_wall']:.3f} |")
+    return f"{r['steps']} steps, `max_new_tokens` {r['max_new_tokens']}. " + provenance(r) + "\n".join(rows) + "\n"
+
+
+def generation_stall(r: dict[str, Any]) -> str:
+    ms = "{:,.1f} ms".format
+    rows = ["| size | parameters (bf16) | decoding step | off: batch stalls | off: next batch waits (apply) | "
+            "off: version lands after | on: batch stalls | on: version lands after |", "|---|---|---|---|---|---|---|---|"]
+    for s in r["sizes"]:
+        off, on = s["off"], s["on"]
+        rows.append(f"| {s['size']} | {s['parameters'] / 1e6:,.2f} M ({s['bf16_bytes'] / 2**20:,.1f} MiB) | {ms(1e3 * off['step_s'])} | "
+                    f"{ms(1e3 * max(off['stall_s'], 0))} | {ms(1e3 * off['apply_s'])} | {ms(1e3 * off['landed_after_s'])} | "
+                    f"{ms(1e3 * on['stall_s'])} | {ms(1e3 * on['landed_after_s'])} |")
+    return (f"{r['rows']} rows × {r['tokens']} new tokens, medians of {r['repeats']}. " + provenance(r) + "\n".join(rows)
+            + "\n")
+
+
+def house(r: dict[str, Any]) -> str:
+    from bench_house import FIGURES, cell
+
+    trees = r["trees"]
+    rows = ["| figure | " + " | ".join(t["package"] for t in trees) + " |", "|---" * (len(trees) + 1) + "|"]
+    rows += [f"| {key.replace('_', ' ')} | " + " | ".join(cell(t[key]) for t in trees) + " |" for key in FIGURES]
+    return provenance(r) + "\n".join(rows) + "\n"
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"partial_rollouts": partial_rollouts,
+                                                          "generation_stall": generation_stall, "house": house}
+
+
+def render(page: str) -> str:
+    def section(m: re.Match[str]) -> str:
+        name = m["name"]
+        record = json.loads((RESULTS / f"{name}.json").read_text())
+        return m.group(1) + "\n" + RENDERERS[name](record) + "\n" + m.group(4)
+
+    return SECTION.sub(section, page)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true", help="exit 1 if a rendered section is stale; change nothing")
+    args = ap.parse_args()
+    page = PAGE.read_text()
+    fresh = render(page)
+    if args.check:
+        stale = [m["name"] for m, n in zip(SECTION.finditer(page), SECTION.finditer(fresh), strict=True) if m[0] != n[0]]
+        if stale:
+            print(f"BENCHMARKS.md is stale in: {', '.join(stale)} (python benchmarks/render.py)")
+        return 1 if stale else 0
+    PAGE.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
