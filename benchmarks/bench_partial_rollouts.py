@@ -62,22 +62,25 @@ def run(mode: bool, seed: int, steps: int, max_new_tokens: int, work: Path) -> d
     at = {int(v): t for v, t in s["eval_at_s"].items()}
     reward = {int(v): r for v, r in s["held_out_reward"].items()}
     versions = sorted(reward)
+    nodes = node_stats(run_dir)
     start, rl_s = at[0], at[versions[-1]] - at[0]  # v0 evaluated: the warm start is over, RL begins
     return {"partial_rollouts": mode, "seed": seed, "rl_wall_s": round(rl_s, 1), "samples": s["samples"],
-            "samples_per_s": round(s["samples"] / rl_s, 2), "completion_tokens_mean": round(node_tokens(run_dir), 1),
+            "samples_per_s": round(s["samples"] / rl_s, 2),
+            "completion_tokens_mean": round(nodes.get("tokens", 0.0) / max(nodes.get("trajectories", 0.0), 1.0), 1),
+            "switched_share": round(nodes.get("switched", 0.0) / max(nodes.get("trajectories", 0.0), 1.0), 4),
             "held_out_v0": reward[0], "held_out_last": reward[versions[-1]],
             "curve": [[round(at[v] - start, 1), reward[v]] for v in versions]}
 
 
-def node_tokens(run_dir: Path) -> float:
-    """Mean completion tokens per trajectory, from the nodes' last words (``rollout node … left: {stats}``)."""
-    tokens = trajs = 0.0
+def node_stats(run_dir: Path) -> dict[str, float]:
+    """The nodes' stats summed, from their last words (``rollout node … left: {stats}``)."""
+    total: dict[str, float] = {}
     for log in run_dir.glob("logs/rollout-*.log"):
         for line in log.read_text().splitlines():
             if " left: {" in line:
-                stats = ast.literal_eval(line[line.index(" left: ") + 7:])
-                tokens, trajs = tokens + stats.get("tokens", 0.0), trajs + stats.get("trajectories", 0.0)
-    return tokens / max(trajs, 1.0)
+                for k, v in ast.literal_eval(line[line.index(" left: ") + 7:]).items():
+                    total[k] = total.get(k, 0.0) + v
+    return total
 
 
 def at_time(curve: list[list[float]], t: float) -> float:
@@ -110,7 +113,7 @@ def main() -> dict[str, object]:
     for mode in (False, True):
         mine = [r for r in runs if r["partial_rollouts"] is mode]
         out["on" if mode else "off"] = {k: round(float(np.mean([r[k] for r in mine])), 3)  # type: ignore[misc]
-                                        for k in ("samples_per_s", "rl_wall_s", "completion_tokens_mean", "held_out_last",
+                                        for k in ("samples_per_s", "rl_wall_s", "completion_tokens_mean", "switched_share", "held_out_last",
                                                   "held_out_at_equal_wall")}
     result_files.write("partial_rollouts", out, args.out)
     figure(runs, Path(args.figure))

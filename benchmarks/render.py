@@ -29,16 +29,19 @@ def provenance(r: dict[str, Any]) -> str:
 
 
 def partial_rollouts(r: dict[str, Any]) -> str:
-    rows = ["| seed | partial rollouts | RL wall s | samples/s | completion tokens (mean) | held-out v0 → last | "
-            "held-out at equal wall time |", "|---|---|---|---|---|---|---|"]
+    def share(x: dict[str, Any]) -> str:
+        return f"{100 * x['switched_share']:.1f} %" if "switched_share" in x else "not recorded"
+
+    rows = ["| seed | partial rollouts | RL wall s | samples/s | completion tokens (mean) | trajectories that switched version "
+            "| held-out v0 → last | held-out at equal wall time |", "|---|---|---|---|---|---|---|---|"]
     for run in sorted(r["runs"], key=lambda x: (x["seed"], x["partial_rollouts"])):
         rows.append(f"| {run['seed']} | {'on' if run['partial_rollouts'] else 'off'} | {run['rl_wall_s']:.1f} | "
-                    f"{run['samples_per_s']:.1f} | {run['completion_tokens_mean']:.1f} | {run['held_out_v0']:.3f} → "
+                    f"{run['samples_per_s']:.1f} | {run['completion_tokens_mean']:.1f} | {share(run)} | {run['held_out_v0']:.3f} → "
                     f"{run['held_out_last']:.3f} | {run['held_out_at_equal_wall']:.3f} ({run['equal_wall_s']:.1f} s) |")
     for mode in ("off", "on"):
         m = r[mode]
         rows.append(f"| mean | {mode} | {m['rl_wall_s']:.1f} | {m['samples_per_s']:.1f} | {m['completion_tokens_mean']:.1f} | "
-                    f"→ {m['held_out_last']:.3f} | {m['held_out_at_equal_wall']:.3f} |")
+                    f"{share(m)} | → {m['held_out_last']:.3f} | {m['held_out_at_equal_wall']:.3f} |")
     return f"{r['steps']} steps, `max_new_tokens` {r['max_new_tokens']}. " + provenance(r) + "\n".join(rows) + "\n"
 
 

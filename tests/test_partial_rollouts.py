@@ -15,6 +15,7 @@ from astraflow.config import ModelConfig, RolloutConfig
 from astraflow.models import build_model, load_tokenizer
 from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from astraflow.rollout.engines.hf import HFEngine
+from astraflow.rollout.node_report import NODE_STATS, NodeReport
 from astraflow.streams.messages import Batch, TrajRef
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.batching import to_tensors
@@ -148,3 +149,11 @@ def test_partial_rollouts_is_refused_for_an_engine_that_cannot_switch():
     with pytest.raises(ValueError, match="partial_rollouts: engine vllm cannot switch"):
         RolloutConfig(partial_rollouts=True, engine={"type": "vllm", "mode": "inprocess"})
     assert RolloutConfig(partial_rollouts=True).engine.type == "hf"
+
+
+def test_a_node_counts_the_trajectories_whose_tokens_switched_version():
+    report = NodeReport(dict.fromkeys(NODE_STATS, 0.0), weights=None, metrics=None)  # type: ignore[arg-type]
+    mixed = a_trajectory(index=0, n=3, versions=np.asarray([1, 1, 2], np.int32))
+    inserted = a_trajectory(index=1, n=3, versions=np.asarray([-1, 2, 2], np.int32), loss_mask=np.asarray([0, 1, 1], np.uint8))
+    report.done([mixed, inserted, a_trajectory(index=2, n=3, version=2)])
+    assert report.stats["switched"] == 1 and report.stats["trajectories"] == 3  # a tool's output (v-1, not trained) is no switch

@@ -12,7 +12,8 @@ from astraflow.rollout.node_weights import NodeWeights
 from astraflow.streams.messages import RolloutStats, Trajectory
 
 NODE_STATS = ("tasks", "trajectories", "tokens", "gen_s", "pull_s", "publish_s", "failed", "stale_naks", "drained_naks", "held",
-              "refreshes", "refresh_s", "refresh_errors", "joined", "rejected_tasks")  # a node's stats, all from the start
+              "refreshes", "refresh_s", "refresh_errors", "joined", "rejected_tasks",
+              "switched")  # a node's stats, all from the start
 NODE_GAUGES = ("held", "joined")  # the other node stats are cumulative: exported as counters
 WEIGHT_SYNC_STATS = ("keyframes", "deltas", "bytes", "joins", "fallbacks", "failures", "refetches", "rejected",
                      "keyframe_requests")  # WeightSync.stats keys exported from the start (others when they appear)
@@ -37,6 +38,7 @@ class NodeReport:
         self.stats["tasks"] += 1
         self.stats["trajectories"] += len(trajectories)
         self.stats["tokens"] += sum(len(t.completion_ids) // 4 for t in trajectories)
+        self.stats["switched"] += sum(_switched(t) for t in trajectories)
 
     def heartbeat_stats(self, endpoint: str) -> RolloutStats:
         typed = set(RolloutStats.model_fields) - {"role", "counters", "weights", "joined", "endpoint"}
@@ -67,3 +69,9 @@ class NodeReport:
                 deltas[key] = delta
                 self._exported[(policy, key)] = total
         m.inc(deltas)
+
+
+def _switched(t: Trajectory) -> bool:
+    """Its generated tokens come from more than one version (a partial rollout, or a refresh between turns)."""
+    v = t.token_versions()[t.mask() == 1]
+    return len(v) > 0 and int(v.min()) != int(v.max())
