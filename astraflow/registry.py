@@ -137,7 +137,12 @@ class Registry(Generic[T]):
         return self.get(name)
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self.names()
+        """Registered, declared, or offered by an entry point; the installed packages are read only for a name not
+        registered yet (a tool call asks on every turn)."""
+        if not isinstance(name, str):
+            return False
+        self._import(self._option_modules())
+        return name in self._parts or name in self._models or any(ep.name == name for ep in self._entry_points())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
