@@ -118,12 +118,11 @@ class RolloutNode:
             h.safe_point_fn = self._safe_point
         topo = dataclasses.replace(self.recipe.topology(), pools=(self.pool,))
         await self.plane.ensure_topology(topo, create=False)
-        beats = asyncio.create_task(every(2.0, self.beat, stop))
-        if self.recipe.rollout.partial_rollouts:  # a version lands inside the generations in flight, not after them
-            watch = asyncio.create_task(every(WATCH_S, self.weights.refresh, stop))
-            beats.add_done_callback(lambda _: watch.cancel())
+        chores = [asyncio.create_task(every(2.0, self.beat, stop))]
         try:
             await self.weights.join(stop)  # joining: the current weights first, however long a warm start takes
+            if self.recipe.rollout.partial_rollouts:  # a version lands inside the generations in flight, not after them
+                chores.append(asyncio.create_task(every(WATCH_S, self.weights.refresh, stop)))  # after the join: one refresher
             if isinstance(self.workflow, AgentHost):
                 self.endpoint = self.workflow.start(NodeServices(self.worker_id, self.handles, self._publish_from_thread,
                                                                  lambda: self.draining, self.agent_key))
@@ -146,7 +145,7 @@ class RolloutNode:
         finally:
             self.draining = True
             stop.set()
-            await asyncio.gather(beats, return_exceptions=True)
+            await asyncio.gather(*chores, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self.beat()
             log.info("rollout node %s left: %s", self.worker_id, {k: v for k, v in self.stats.items() if v})
