@@ -237,6 +237,12 @@ class DataflowConfig(Strict):
     """``late_policy: downweight``: factor on the advantages of a late group."""
     autoscale: AutoscaleConfig = AutoscaleConfig()
     """Target rollout-pool size from trainer wait and data rates (published; ``up --autoscale`` acts)."""
+    rescore_costly: float = Field(0.1, ge=0, le=1)
+    """Share of trajectories whose reward is costly to compute (tests in a sandbox) that the dataflow scores again
+    to check the node's claim (a cheap reward is scored again every time; ``dataflow/claims.py``)."""
+    trust_claims: bool = False
+    """Take the prompts and rewards nodes claim as they come: no check against the issued task and no re-scoring
+    (a test workflow whose prompts are its own). Value checks still apply."""
 
 
 class TrainerConfig(Strict):

@@ -40,6 +40,7 @@ import importlib.metadata
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Generic, Literal, TypeVar, cast
 
@@ -54,6 +55,27 @@ class Options(BaseModel):
 
     type: str
 
+
+@dataclass(frozen=True)
+class Claims:
+    """What a workflow can know in advance about one role's trajectories, so that the dataflow checks a node's claims
+    against the run instead of believing them (``dataflow/claims.py``). A workflow's option model lists one per role
+    in the order of its ``policies`` (the task's own policy first) as ``claims``; a role it does not list is free.
+
+    - ``prompt``: ``"issued"``: the trajectory's ``prompt_ids`` are the issued prompt's tokens, exactly (the prompt
+      the task named, encoded by the policy's tokenizer); ``"free"``: the workflow builds the prompt (from another
+      policy's answer, an environment, an agent's chat).
+    - ``reward``: ``"rescored"``: the reward is the recipe's reward function of the decoded completion and the task's
+      meta, so the dataflow scores it again; ``"bounded"``: it lies in ``reward_range`` (None: the reward function's
+      declared range); ``"free"``: any finite value (an environment's sum of step rewards).
+    """
+
+    prompt: Literal["issued", "free"] = "free"
+    reward: Literal["rescored", "bounded", "free"] = "free"
+    reward_range: tuple[float, float] | None = None
+
+
+DEFAULT_REWARD_RANGE = (-1.0, 1.0)  # the values of a reward that states no range (``rewards.reward_range``)
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -235,6 +257,9 @@ BACKENDS: Registry[Any] = Registry("backend", "astraflow.train.backend", plugins
 """Trainer backend factories: ``factory(model, tokenizer, cfg, temperature) -> TrainerBackend`` (``train/backend.py``)."""
 SOURCES: Registry[Any] = Registry("source", "astraflow.tasks", plugins="rollout.plugins")
 """Prompt sources: ``source(data_cfg) -> list[Problem]`` (``tasks.py``), by ``data.type``."""
+REWARDS: Registry[Any] = Registry("reward", "astraflow.rollout.rewards", plugins="rollout.plugins")
+"""Verifiable rewards: ``reward(completion_text, meta) -> float`` (``rollout/rewards``), by ``reward``; read by the nodes
+that score and by the dataflow that scores again."""
 
 EngineOptions = Annotated[SerializeAsAny[Options], BeforeValidator(ENGINES.parse)]
 WorkflowOptions = Annotated[SerializeAsAny[Options], BeforeValidator(WORKFLOWS.parse)]

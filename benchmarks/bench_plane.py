@@ -125,6 +125,7 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
                 "max_tasks_in_flight": 4 * groups_per_batch,
                 "max_staleness": 100,
                 "max_batch_backlog": 4,
+                "trust_claims": True,  # fixed arrays, not answers: the plane's own cost (claims: bench_validation.py)
             },
             "model": {"max_positions": PROMPT + COMPLETION},
             "rollout": {"max_new_tokens": COMPLETION},

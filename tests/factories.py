@@ -2,6 +2,7 @@
 
     a_task(3)                                   # t00000003, single_turn, "1+2=" answered "3", a group of 2
     a_trajectory("t00000003", 1, reward=0.0)    # its second sample: 3 prompt tokens, 2 completion tokens at v0
+    honest(task, 1.0)                           # the prompt and completion an honest node sends for it (arithmetic)
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from astraflow.models import encode_prompt, load_tokenizer
 from astraflow.streams.messages import Task, Trajectory
+
+BYT5 = load_tokenizer("byt5")
 
 
 def task_id(i: int | str) -> str:
@@ -42,3 +46,14 @@ def a_trajectory(task: int | str = 1, index: int = 0, *, policy: str = "solver",
         reward=reward)
     fields.update(over)
     return Trajectory(**fields)
+
+
+def honest(task: Task, reward: float | None, n: int = 4) -> dict[str, np.ndarray]:
+    """``prompt_ids`` and ``completion_ids`` of a sample of an arithmetic ``task`` (``meta["answer"]``) that earns
+    ``reward`` under the ``arithmetic`` reward and would pass the dataflow's claim checks: the issued prompt's tokens,
+    and ``n`` completion tokens holding the answer (reward 1) or not (any other reward), padded with spaces."""
+    text = str(task.meta.get("answer", "x")) if reward == 1.0 else "x"
+    if len(text) > n:
+        raise ValueError(f"answer {text!r} does not fit in {n} tokens")
+    return {"prompt_ids": np.asarray(encode_prompt(BYT5, task.prompt), np.int32),
+            "completion_ids": np.asarray(encode_prompt(BYT5, text.ljust(n)), np.int32)}

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from factories import honest
 
 from astraflow.config import parse_recipe
 from astraflow.dataflow.autoscale import Meter
@@ -104,7 +105,7 @@ class Harness:
                 v = self.versions[p] if version is None else version
                 out += [(self.node.names.traj(p), Trajectory(
                     traj_id=f"{t.task_id}.{p}.{i}", task_id=t.task_id, prompt_id=t.prompt_id, policy=p, index=i, group_size=t.group_size,
-                    prompt_ids=np.arange(3), completion_ids=np.arange(4), logprobs=np.full(4, -0.5, np.float32),
+                    **honest(t, reward(t, p, i)), logprobs=np.full(4, -0.5, np.float32),
                     versions=np.full(4, v, np.int32), loss_mask=np.ones(4, np.uint8), reward=reward(t, p, i)), None)
                     for i in range(t.group_size)]
         await self.node.publish_many(out)
@@ -354,7 +355,7 @@ async def test_a_task_acked_with_its_group_never_complete_is_settled_lost(nats_s
         assert len(got) == issued == 6
         half = [(h.node.names.traj("solver"), Trajectory(
             traj_id=f"{d.msg.task_id}.solver.0", task_id=d.msg.task_id, prompt_id=d.msg.prompt_id, policy="solver", index=0,
-            group_size=2, prompt_ids=np.arange(3), completion_ids=np.arange(4), logprobs=np.full(4, -0.5, np.float32),
+            group_size=2, **honest(d.msg, 1.0), logprobs=np.full(4, -0.5, np.float32),
             versions=np.zeros(4, np.int32), loss_mask=np.ones(4, np.uint8), reward=1.0), None) for d in got]
         await h.node.publish_many(half)
         for d in got:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import msgpack
 import numpy as np
 import pytest
+from factories import honest
 from test_dataflow import Harness, recipe
 
 from astraflow.streams.codec import decode, decode_either, encode
@@ -25,7 +26,7 @@ Make = Callable[[Task, str, int, int], Trajectory]  # (task, policy, index, vers
 def good(task: Task, policy: str, i: int, version: int, **over: object) -> Trajectory:
     fields: dict[str, object] = dict(
         traj_id=f"{task.task_id}.{policy}.{i}", task_id=task.task_id, prompt_id=task.prompt_id, policy=policy, index=i,
-        group_size=task.group_size, prompt_ids=np.arange(1, 4), completion_ids=np.arange(4), logprobs=np.full(4, -0.5, np.float32),
+        group_size=task.group_size, **honest(task, float(i % 2)), logprobs=np.full(4, -0.5, np.float32),
         versions=np.full(4, version, np.int32), loss_mask=np.ones(4, np.uint8), reward=float(i % 2))
     fields.update(over)
     return Trajectory(**fields)  # type: ignore[arg-type]
@@ -74,6 +75,10 @@ BAD: dict[str, Make] = {  # code -> a trajectory with one bad value, otherwise w
     "version": lambda t, p, i, v: good(t, p, i, v, versions=np.full(4, v + 50, np.int32)),
     "group_size": lambda t, p, i, v: good(t, p, i, v, group_size=3),
     "traj_id": lambda t, p, i, v: good(t, p, i, v, traj_id="evil"),
+    # claims a hostile node with a valid credential makes (``dataflow/claims.py``): well formed, and a lie
+    "prompt_claim": lambda t, p, i, v: good(t, p, i, v, prompt_ids=honest(t.model_copy(update={"prompt": "9+9="}), 0.0)["prompt_ids"]),
+    "reward_range": lambda t, p, i, v: good(t, p, i, v, reward=1e29),
+    "reward_claim": lambda t, p, i, v: good(t, p, i, v, reward=1.0 - i % 2),  # a reward its completion does not earn
 }
 
 

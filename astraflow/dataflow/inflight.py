@@ -48,6 +48,7 @@ class InFlight:
         self.newest = 0  # the highest task number issued
         self.seqs: dict[str, int] = {}  # task -> its TASK stream sequence, once known (kept in memory: a restart scans the stream)
         self.since: dict[str, float] = {}  # task -> when it went out (or was found out, after a restart): the audit's clock
+        self.prompts: OrderedDict[str, str] = OrderedDict()  # the last RECENT tasks issued -> the prompt_id each was issued with
 
     def __len__(self) -> int:
         return len(self.open)
@@ -55,8 +56,10 @@ class InFlight:
     def __contains__(self, task_id: object) -> bool:
         return task_id in self.open
 
-    def issue(self, task_id: str, deadline: float | None, floors: Mapping[str, int] | None = None) -> None:
+    def issue(self, task_id: str, deadline: float | None, floors: Mapping[str, int] | None = None, prompt_id: str | None = None) -> None:
         self.open[task_id] = deadline
+        if prompt_id is not None:
+            self.note_prompt(task_id, prompt_id)
         if deadline is not None:
             self.deadlines[task_id] = deadline
             while len(self.deadlines) > DEADLINES:
@@ -86,6 +89,17 @@ class InFlight:
             return False
         self.land(task_id)
         return True
+
+    def note_prompt(self, task_id: str, prompt_id: str) -> None:
+        """``task_id`` was issued with ``prompt_id`` (kept in memory for the last ``RECENT`` tasks; a restart reads it back
+        from the task messages the TASK stream still holds)."""
+        self.prompts[task_id] = prompt_id
+        while len(self.prompts) > RECENT:
+            self.prompts.popitem(last=False)
+
+    def prompt_of(self, task_id: str) -> str | None:
+        """The prompt_id ``task_id`` was issued with, when known."""
+        return self.prompts.get(task_id)
 
     def deadline(self, task_id: str) -> float | None:
         return self.deadlines.get(task_id)

@@ -13,7 +13,9 @@ Each delivery of the TRAJ stream goes through, in order:
    - a policy the run does not have: dead-lettered;
    - arrays that could not be read whole (step 0): invalid (``payload``);
    - its values are checked (``validate.check_trajectory``: ids, group size, reward, tokens in
-     the policy's vocabulary, lengths, logprobs, mask);
+     the policy's vocabulary, lengths, logprobs, mask), then its claims (``claims.ClaimCheck``: the
+     prompt it was issued, the reward's range, the reward scored again), which a pull checks in a
+     worker thread before admitting any of its trajectories;
    - a task already settled or batched in this lane: a valid copy is acked and ignored (a
      redelivery after a restart), an invalid one dead-lettered;
    - a task this dataflow did not issue, or does not wait on (primary lane: in flight or kept;
@@ -55,6 +57,7 @@ from typing import Literal, Protocol
 
 from astraflow.algorithms import Context, Group, Pipeline
 from astraflow.config import DataflowConfig
+from astraflow.dataflow.claims import ClaimCheck
 from astraflow.dataflow.durability import Ackable, Journal, Rejectable
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import InFlight
@@ -133,7 +136,7 @@ Resolve = Callable[[list[Trajectory]], Awaitable[list[Trajectory | PayloadUnavai
 
 class TrajectoryIngest:
     def __init__(self, lanes: Mapping[str, PolicyLane], in_flight: InFlight, journal: Journal, cfg: DataflowConfig,
-                 stats: Counter[str], limits: Limits, newest: NewestVersion, resolve: Resolve) -> None:
+                 stats: Counter[str], limits: Limits, newest: NewestVersion, resolve: Resolve, claims: ClaimCheck | None = None) -> None:
         self.lanes = lanes
         self.in_flight = in_flight
         self.journal = journal
@@ -142,6 +145,7 @@ class TrajectoryIngest:
         self.limits = limits
         self.newest = newest
         self.resolve = resolve
+        self.claims = claims  # None: claims are trusted (``dataflow.trust_claims``)
         self.assembler = Assembler()
         self.filtered_in_a_row: Counter[str] = Counter()  # per policy: groups its filters dropped since the last one kept
 
@@ -159,9 +163,24 @@ class TrajectoryIngest:
             else:
                 incoming.extend(taken(delivery))  # a group's trajectory by trajectory (``parts.py``)
         items = await self.whole(incoming)
-        for (d, t, unreadable), s in zip(items, measure([t for _, t, _ in items]), strict=True):  # a whole pull's arrays at once
-            await self.take(d, s, t, unreadable)
+        claims = await self.check_claims(items)
+        for (d, t, unreadable), s, claim in zip(items, measure([t for _, t, _ in items]), claims, strict=True):  # a pull's arrays at once
+            await self.take(d, s, t, unreadable, claim)
         return len(incoming)
+
+    async def check_claims(self, items: Sequence[tuple[Incoming, Trajectory, Invalid | None]]) -> list[Invalid | None]:
+        """What each trajectory's claims fail on (None: nothing, or not checked), in a worker thread: scoring a
+        completion again may take milliseconds, and the loop serves batches meanwhile. A trajectory whose arrays
+        could not be read, or of a policy the run does not have, is not checked (admission turns it away)."""
+        out: list[Invalid | None] = [None] * len(items)
+        if self.claims is None:
+            return out
+        todo = [k for k, (_, t, unreadable) in enumerate(items) if unreadable is None and t.policy in self.lanes]
+        if todo:
+            asked = [(items[k][1], self.in_flight.prompt_of(items[k][1].task_id)) for k in todo]
+            for k, bad in zip(todo, await asyncio.to_thread(self.claims.check_all, asked), strict=True):
+                out[k] = bad
+        return out
 
     async def whole(self, deliveries: Sequence[Incoming]) -> list[tuple[Incoming, Trajectory, Invalid | None]]:
         """Each delivery with its trajectory whole (offloaded arrays read back), or why they cannot be read. If the
@@ -189,15 +208,17 @@ class TrajectoryIngest:
             return task_id in self.in_flight or lane.kept_weight(task_id) is not None
         return self.in_flight.recent(task_id)
 
-    def admit(self, t: Trajectory, s: Stats | None = None, confirmed: bool = False, unreadable: Invalid | None = None) -> Admission:
+    def admit(self, t: Trajectory, s: Stats | None = None, confirmed: bool = False, unreadable: Invalid | None = None,
+              claim: Invalid | None = None) -> Admission:
         """The one place a trajectory is accepted or turned away (see the module's docstring); ``s``: its
         arrays' stats (``validate.measure``); ``confirmed``: the lane's version was just read from the plane;
-        ``unreadable``: why its offloaded arrays could not be read."""
+        ``unreadable``: why its offloaded arrays could not be read; ``claim``: what its claims failed on
+        (:meth:`check_claims`), reported after what its values fail on."""
         lane = self.lanes.get(t.policy)
         if lane is None:
             return Admission("reject", f"invalid policy: {t.policy!r}; run has {list(self.lanes)}", "policy")
         s = s or measure([t])[0]
-        bad = unreadable or check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s)
+        bad = unreadable or check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s) or claim
         if lane.is_closed(t.task_id):  # settled or batched before (a redelivery after a restart, a late copy)
             return Admission("reject", bad.reason, bad.code) if bad else Admission("ack", "redelivered_settled")
         if not self.waits_on(lane, t.task_id):
@@ -215,14 +236,15 @@ class TrajectoryIngest:
             return Admission("ack", "duplicates")
         return ASSEMBLE
 
-    async def take(self, d: Incoming, s: Stats | None = None, t: Trajectory | None = None, unreadable: Invalid | None = None) -> None:
+    async def take(self, d: Incoming, s: Stats | None = None, t: Trajectory | None = None, unreadable: Invalid | None = None,
+                   claim: Invalid | None = None) -> None:
         """Admit and place one delivery; ``t``: its trajectory whole (default: as delivered)."""
         t = t or d.msg
         s = s or measure([t])[0]
-        admission = self.admit(t, s, unreadable=unreadable)
+        admission = self.admit(t, s, unreadable=unreadable, claim=claim)
         if admission.action == "confirm":
             self.lanes[t.policy].advance(await self.newest(t.policy))
-            admission = self.admit(t, s, confirmed=True, unreadable=unreadable)
+            admission = self.admit(t, s, confirmed=True, unreadable=unreadable, claim=claim)
         if admission.action in ("reject", "invalid"):
             self.stats[f"invalid.{admission.code}"] += 1
             if admission.settles:

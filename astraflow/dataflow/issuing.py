@@ -113,7 +113,7 @@ class TaskIssuer:
         tasks = self.draw(budget, ctx) if budget > 0 else []
         if tasks:
             for t in tasks:
-                self.in_flight.issue(t.task_id, t.deadline, t.min_versions)
+                self.in_flight.issue(t.task_id, t.deadline, t.min_versions, t.prompt_id)
             self.lane.note_issued(len(tasks))
             self.issuing = tasks
             self.journal.changed()

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from astraflow.algorithms import Context, build_pipeline
 from astraflow.config import Recipe
 from astraflow.dataflow.audit import AUDIT_S, due, lost_groups, lost_tasks
+from astraflow.dataflow.claims import ClaimCheck
 from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.ingest import BUSY_PULL_WAIT_S, PULL_WAIT_S, TrajectoryIngest
@@ -108,8 +109,9 @@ class Dataflow:
         train, _ = load_split(recipe.data)
         self.issuer = TaskIssuer(recipe, plane, self.lanes, train, self.in_flight, self.journal, rng)
         trajectory_objects = plane.trajectory_objects()
+        claims = None if recipe.dataflow.trust_claims else ClaimCheck(recipe, train)
         self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
-                                       self.newest_version, lambda trajs: resolve_all(trajectory_objects, trajs))
+                                       self.newest_version, lambda trajs: resolve_all(trajectory_objects, trajs), claims)
         self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
         self.watch = Watch(plane, recipe.rollout.pool, recipe.policy_names)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
@@ -255,10 +257,15 @@ class Dataflow:
             if p in self.lanes and (fresh := self.lanes[p].load_state(lane_state)):
                 log.warning("lane %s: plug-ins without saved state start fresh: %s", p, fresh)
         now = time.time()  # where the tasks out are in the TASK stream (a work queue holds only the unacked)
-        found = {t.task_id: seq for seq, t in await self.plane.held(self.plane.names.task_stream, self.plane.names.all("task"), Task)}
+        held = await self.plane.held(self.plane.names.task_stream, self.plane.names.all("task"), Task)
+        found = {t.task_id: seq for seq, t in held}
+        for _, t in held:
+            self.in_flight.note_prompt(t.task_id, t.prompt_id)
         for task in list(self.in_flight.open):
             self.in_flight.published(task, found.get(task), now)
         if s.tasks.issuing:  # written ahead, maybe never published: publish again (deduplicated)
+            for t in s.tasks.issuing:
+                self.in_flight.note_prompt(t.task_id, t.prompt_id)
             seqs = await self.issuer.republish(s.tasks.issuing)
             for t, seq in zip(s.tasks.issuing, seqs, strict=True):
                 self.in_flight.published(t.task_id, seq, now)

@@ -7,6 +7,12 @@ answers, reasoning-gym's own scorer for its tasks, tests run in a sandbox for co
 Rewards live in the reward registry (``REWARDS.register(name)``); a plug-in module in
 ``rollout.plugins`` or an entry point in the group ``astraflow.reward`` adds more.
 
+A reward states the range of its values (``@reward_range(low, high)``; every built-in one is
+``[0, 1]``); one that states none gets ``registry.DEFAULT_REWARD_RANGE``, ``[-1, 1]``. A reward that is costly to
+compute (tests run in a sandbox) says so (``@costly``). The dataflow reads both: it refuses a
+claimed reward outside the range, and scores again every trajectory of a cheap reward and a sample
+(``dataflow.rescore_costly``) of a costly one (``dataflow/claims.py``).
+
 A reward may also say what its ``meta`` must hold (``@checks_meta(check)``): a check
 returns why a task's meta cannot be scored (no reference answer, tests that do not parse,
 sandbox limits out of range), or None. Rollout nodes ask it before they play a task
@@ -22,12 +28,11 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, TypeVar
 
-from astraflow.registry import Registry, UnknownName
+from astraflow.registry import DEFAULT_REWARD_RANGE, REWARDS, UnknownName
 
 Reward = Callable[[str, dict[str, Any]], float]
 MetaCheck = Callable[[dict[str, Any]], str | None]  # why ``meta`` cannot be scored, or None
 R = TypeVar("R", bound=Reward)
-REWARDS: Registry[Reward] = Registry("reward", "astraflow.rollout.rewards", plugins="rollout.plugins")
 _INT = re.compile(r"^\s*(-?\d+)\s*$")
 MAX_ANSWER_CHARS = 2_000  # a reference answer longer than this is not one (int() refuses > 4300 digits; parsers slow down)
 
@@ -40,6 +45,33 @@ def checks_meta(check: MetaCheck) -> Callable[[R], R]:
         return reward
 
     return deco
+
+
+def reward_range(low: float, high: float) -> Callable[[R], R]:
+    """Decorator: the reward's values lie in ``[low, high]`` (read by :func:`range_of`)."""
+    if not low <= high:
+        raise ValueError(f"reward_range({low}, {high}): low must not exceed high")
+
+    def deco(reward: R) -> R:
+        reward.value_range = (float(low), float(high))  # type: ignore[attr-defined]
+        return reward
+
+    return deco
+
+
+def costly(reward: R) -> R:
+    """Decorator: scoring runs something expensive (tests in a sandbox): the dataflow scores a sample of it again."""
+    reward.costly = True  # type: ignore[attr-defined]
+    return reward
+
+
+def range_of(reward: Reward) -> tuple[float, float]:
+    """The range the reward states, or ``DEFAULT_REWARD_RANGE``."""
+    return getattr(reward, "value_range", DEFAULT_REWARD_RANGE)
+
+
+def is_costly(reward: Reward) -> bool:
+    return bool(getattr(reward, "costly", False))
 
 
 def meta_problem(name: str, meta: dict[str, Any]) -> str | None:
@@ -81,6 +113,7 @@ def get_reward(name: str) -> Reward:
 
 
 @REWARDS.register("arithmetic")
+@reward_range(0.0, 1.0)
 @checks_meta(_integer_answer)
 def arithmetic(text: str, meta: dict[str, Any]) -> float:
     """1 if the completion is exactly the integer answer (whitespace aside), else 0."""
@@ -89,6 +122,7 @@ def arithmetic(text: str, meta: dict[str, Any]) -> float:
 
 
 @REWARDS.register("math")
+@reward_range(0.0, 1.0)
 @checks_meta(_answer)
 def math(text: str, meta: dict[str, Any]) -> float:
     """math-verify: parse the completion's final answer and check it against the reference.
@@ -131,6 +165,7 @@ def _rg_dataset(task: str, size: int, seed: int) -> Any:
 
 
 @REWARDS.register("reasoning_gym")
+@reward_range(0.0, 1.0)
 @checks_meta(_rg_meta)
 def reasoning_gym_score(text: str, meta: dict[str, Any]) -> float:
     """reasoning-gym's own scorer for the entry the prompt came from."""
@@ -185,6 +220,8 @@ def _code_meta(meta: dict[str, Any]) -> str | None:
 
 
 @REWARDS.register("code")
+@reward_range(0.0, 1.0)
+@costly
 @checks_meta(_code_meta)
 def code(text: str, meta: dict[str, Any]) -> float:
     """Fraction of ``meta["tests"]`` (Python statements, usually asserts) the completion's code passes.
@@ -231,6 +268,7 @@ def _qa_meta(meta: dict[str, Any]) -> str | None:
 
 
 @REWARDS.register("qa_em")
+@reward_range(0.0, 1.0)
 @checks_meta(_qa_meta)
 def qa_exact_match(text: str, meta: dict[str, Any]) -> float:
     """1 if the normalised completion equals a normalised reference (``meta["answers"]`` or ``meta["answer"]``)."""
@@ -239,6 +277,7 @@ def qa_exact_match(text: str, meta: dict[str, Any]) -> float:
 
 
 @REWARDS.register("qa_f1")
+@reward_range(0.0, 1.0)
 @checks_meta(_qa_meta)
 def qa_f1(text: str, meta: dict[str, Any]) -> float:
     """Best token-level F1 (SQuAD) between the normalised completion and a reference."""

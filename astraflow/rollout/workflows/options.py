@@ -13,11 +13,14 @@ at load (``max_turns`` on ``single_turn``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from astraflow.registry import WORKFLOWS, Options
+from astraflow.registry import WORKFLOWS, Claims, Options
+
+ANSWERED = Claims(prompt="issued", reward="rescored")  # the issued prompt, scored by the recipe's reward from the completion
+UNIT = (0.0, 1.0)
 
 
 @WORKFLOWS.declare
@@ -25,6 +28,7 @@ class SingleTurnOptions(Options):
     """RLVR: one generation per sample (``single_turn.py``)."""
 
     type: Literal["single_turn"] = "single_turn"
+    claims: ClassVar[tuple[Claims, ...]] = (ANSWERED,)
 
 
 @WORKFLOWS.declare
@@ -32,6 +36,7 @@ class MultiTurnToolsOptions(Options):
     """The model calls tools between turns (``tools.py``)."""
 
     type: Literal["multi_turn_tools"] = "multi_turn_tools"
+    claims: ClassVar[tuple[Claims, ...]] = (Claims(prompt="issued", reward="bounded"),)  # the reward scores the last answer
     max_turns: int = Field(4, ge=1)
     """Generation turns per episode."""
     tools: list[str] = ["calculator", "search"]
@@ -43,6 +48,7 @@ class EnvHttpOptions(Options):
     """Episodes against an environment server with POST /start, /step, /close (``env.py``)."""
 
     type: Literal["env_http"] = "env_http"
+    claims: ClassVar[tuple[Claims, ...]] = ()  # the environment writes the prompt and is the verifier
     url: str
     """Base URL of the environment server, or ``bundled``: the text games of ``astraflow.rollout.envs`` served
     on a loopback port inside each node."""
@@ -57,6 +63,7 @@ class SolverVerifierOptions(Options):
     """Two policies: a solver and a verifier that judges each answer (``multi_policy.py``)."""
 
     type: Literal["solver_verifier"] = "solver_verifier"
+    claims: ClassVar[tuple[Claims, ...]] = (ANSWERED, Claims(reward="bounded", reward_range=UNIT))  # a verdict is right (1) or wrong (0)
 
 
 @WORKFLOWS.declare
@@ -64,6 +71,7 @@ class SolverSelectorOptions(Options):
     """Two policies: a solver and a selector that picks the best of its answers (``multi_policy.py``)."""
 
     type: Literal["solver_selector"] = "solver_selector"
+    claims: ClassVar[tuple[Claims, ...]] = (ANSWERED, Claims(reward="bounded"))  # the selector earns the reward of the answer it picks
 
 
 @WORKFLOWS.declare
@@ -71,6 +79,8 @@ class SolverTestgenOptions(Options):
     """Two policies: a code solver and a test-case generator (``multi_policy.py``)."""
 
     type: Literal["solver_testgen"] = "solver_testgen"
+    claims: ClassVar[tuple[Claims, ...]] = (Claims(prompt="issued", reward="bounded", reward_range=UNIT),  # pass fraction
+                                            Claims(reward="bounded", reward_range=UNIT))
 
 
 @WORKFLOWS.declare
@@ -78,6 +88,7 @@ class OpenAIAgentOptions(Options):
     """Agent code against the node's OpenAI-compatible endpoint (``openai_agent.py``)."""
 
     type: Literal["openai_agent"] = "openai_agent"
+    claims: ClassVar[tuple[Claims, ...]] = (Claims(reward="bounded"),)  # the agent writes the chat; its answer is scored by the reward
     agent: str
     """``module:function`` of a Python agent, called in the node as ``agent(base_url, prompt, meta) -> answer`` (imported
     by the nodes that play it, not at load); or ``external``: agents of any runtime pull the tasks and open a session per

@@ -1,0 +1,133 @@
+"""The dataflow's checks of what a node claims (``dataflow/claims.py``), as pure functions: a trajectory's prompt against
+the task it was issued with and the run's prompts, its reward against the reward's range and the reward scored again
+from its completion; which roles of a workflow are checked how; the sampled re-scoring of a costly reward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from factories import BYT5, a_task, a_trajectory, honest
+
+from astraflow.config import parse_recipe
+from astraflow.dataflow.claims import FREE, ClaimCheck, role_claims, sampled
+from astraflow.models import encode_prompt
+from astraflow.registry import REWARDS, Claims
+from astraflow.rollout.rewards import costly, range_of, reward_range
+from astraflow.tasks import Problem, load_split
+
+
+def run(**over: Any):
+    data: dict[str, Any] = {"name": "t", "policies": ["solver"], "data": {"n_train": 30, "n_eval": 5}, **over}
+    return parse_recipe(data)
+
+
+@pytest.fixture(scope="module")
+def check() -> tuple[ClaimCheck, Problem]:
+    r = run()
+    train, _ = load_split(r.data)
+    return ClaimCheck(r, train), train[0]
+
+
+def sample(problem: Problem, reward: float | None = None, correct: bool = True, **over: Any):
+    task = a_task(1, prompt=problem.prompt, answer=problem.meta["answer"], prompt_id=problem.prompt_id)
+    arrays = honest(task, 1.0 if correct else 0.0)
+    fields: dict[str, Any] = {**arrays, "prompt_id": problem.prompt_id, "reward": float(correct) if reward is None else reward}
+    fields.update(over)
+    n = len(fields["completion_ids"])
+    return a_trajectory(1, 0, n=n, **fields)
+
+
+def test_an_honest_sample_passes_and_is_scored_again(check):
+    c, p = check
+    before = c.cost.rescored
+    assert c.check(sample(p, correct=True), p.prompt_id) is None
+    assert c.check(sample(p, correct=False), p.prompt_id) is None
+    assert c.check(sample(p, correct=True), None) is None  # a task issued before a restart: its prompt_id is its own
+    assert c.cost.rescored == before + 3
+
+
+@pytest.mark.parametrize(("over", "issued", "code", "says"), [
+    ({"reward": 1.0, "correct": False}, None, "reward_claim", "reward 1 claimed, its completion scores 0"),
+    ({"reward": 0.0, "correct": True}, None, "reward_claim", "reward 0 claimed, its completion scores 1"),
+    ({"reward": 1e29}, None, "reward_range", "outside [0, 1]"),
+    ({"reward": -0.5, "correct": False}, None, "reward_range", "outside [0, 1]"),
+    ({"prompt_ids": np.asarray(encode_prompt(BYT5, "9+9="), np.int32)}, None, "prompt_claim", "not the tokens of prompt"),
+    ({"prompt_id": "add-9-9x"}, None, "prompt_claim", "not one of the run's prompts"),
+    ({}, "add-other", "prompt_claim", "its task was issued with 'add-other'"),
+])
+def test_a_lie_is_named(check, over: dict[str, Any], issued: str | None, code: str, says: str):
+    c, p = check
+    correct = over.pop("correct", True)
+    bad = c.check(sample(p, correct=correct, **over), issued)
+    assert bad is not None and bad.code == code and says in bad.detail, bad
+
+
+def test_an_explicit_failure_carries_no_reward_to_check(check):
+    c, p = check
+    assert c.check(sample(p, reward=None, correct=False, finish_reason="error"), p.prompt_id) is None
+
+
+def test_each_role_of_a_workflow_is_checked_as_it_declares():
+    single = role_claims(run())
+    assert single == {"solver": Claims(prompt="issued", reward="rescored")}
+    pair = role_claims(run(policies=["solver", "verifier"], workflow="solver_verifier"))
+    assert pair["solver"].reward == "rescored" and pair["verifier"] == Claims(reward="bounded", reward_range=(0.0, 1.0))
+    env = role_claims(run(workflow={"type": "env_http", "url": "bundled"}))
+    assert env == {"solver": FREE}  # the environment writes the prompt and is the verifier
+
+
+def test_a_partner_outside_its_range_is_refused_and_its_own_prompt_is_free():
+    r = run(policies=["solver", "verifier"], workflow="solver_verifier")
+    train, _ = load_split(r.data)
+    c, p = ClaimCheck(r, train), train[0]
+    verdict = dict(policy="verifier", traj_id="t00000001.verifier.0", prompt_ids=np.arange(5, 40, dtype=np.int32))
+    assert c.check(sample(p, **verdict), p.prompt_id) is None  # a prompt built from the solver's answer
+    bad = c.check(sample(p, reward=2.0, **verdict), p.prompt_id)
+    assert bad is not None and bad.code == "reward_range"
+
+
+def test_a_reward_without_a_range_gets_the_documented_default_and_a_costly_one_is_sampled():
+    @REWARDS.register("claims_test_costly")
+    @costly
+    def graded(text: str, meta: dict[str, Any]) -> float:
+        return 0.5 if text.strip() == str(meta["answer"]) else -0.5
+
+    try:
+        assert range_of(graded) == (-1.0, 1.0)
+        assert range_of(reward_range(0, 10)(lambda t, m: 0.0)) == (0.0, 10.0)
+        r = run(reward="claims_test_costly", dataflow={"rescore_costly": 0.25})
+        train, _ = load_split(r.data)
+        c = ClaimCheck(r, train, key=b"k" * 16)
+        p = train[0]
+        picked = [k for k in range(400) if sampled(c.key, f"t{k:08d}.solver.0", 0.25)]
+        assert 60 < len(picked) < 140  # about a quarter
+        lie = [sample(p, reward=0.5, correct=False, traj_id=f"t{k:08d}.solver.0", task_id=f"t{k:08d}") for k in range(400)]
+        found = c.check_all([(t, p.prompt_id) for t in lie])
+        assert [k for k, bad in enumerate(found) if bad is not None] == picked  # exactly the sampled ones are scored again
+        assert c.cost.rescored == len(picked) and c.cost.by_code == {"reward_claim": len(picked)}
+        assert c.check(sample(p, reward=2.0, correct=False), p.prompt_id).code == "reward_range"  # type: ignore[union-attr]
+    finally:
+        REWARDS.unregister("claims_test_costly")
+
+
+def test_a_reward_that_raises_on_the_completion_is_not_believed():
+    @REWARDS.register("claims_test_raises")
+    def fussy(text: str, meta: dict[str, Any]) -> float:
+        raise ValueError("cannot read it")
+
+    try:
+        r = run(reward="claims_test_raises")
+        train, _ = load_split(r.data)
+        bad = ClaimCheck(r, train).check(sample(train[0], reward=0.0, correct=False), train[0].prompt_id)
+        assert bad is not None and bad.code == "reward_claim" and "ValueError: cannot read it" in bad.detail
+    finally:
+        REWARDS.unregister("claims_test_raises")
+
+
+def test_trust_claims_is_a_recipe_switch():
+    assert run().dataflow.trust_claims is False
+    assert run(dataflow={"trust_claims": True}).dataflow.trust_claims is True
+    with pytest.raises(ValueError, match="rescore_costly"):
+        run(dataflow={"rescore_costly": 1.5})
