@@ -169,6 +169,28 @@ def test_masked_tokens_have_no_effect_and_no_gradient():
     assert math.isfinite(k.item())
 
 
+@pytest.mark.parametrize("loss", ["ppo", "ppo_no_dual_clip", "decoupled_no_tis_cap", "m2po"])
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_a_behaviour_logprob_a_node_may_claim_keeps_the_step_finite(loss: str, adv: float):
+    """-1e30 is a finite logprob ≤ 0, so it passes the dataflow's value checks: on a counted token its ratio is capped
+    (``LOG_RATIO_MAX``), the loss and gradient stay finite, and the other rows train as they would without the lie."""
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    advantages = t([adv, 0.5])
+    fn = {"ppo": lambda lp, old: ppo_clip_loss(lp, old, advantages, mask),
+          "ppo_no_dual_clip": lambda lp, old: ppo_clip_loss(lp, old, advantages, mask, dual_clip=None),
+          "decoupled_no_tis_cap": lambda lp, old: decoupled_ppo_loss(lp, old, old, advantages, mask, tis_cap=None),
+          "m2po": lambda lp, old: m2po_loss(lp, old, advantages, mask, tau=1e6)}[loss]
+    rows = []
+    for behave in (-1e30, -2.1):
+        lp = torch.full((2, 3), -2.0, dtype=F64, requires_grad=True)
+        out = fn(lp, t([[-2.1, behave, -2.1], [-2.1, -2.1, -2.1]]))
+        out.loss.backward()
+        assert math.isfinite(out.loss.item()) and torch.isfinite(lp.grad).all(), (behave, out.metrics)
+        rows.append(lp.grad[1].clone())
+    if loss != "m2po":  # M2PO's mask is the whole batch's: one token that far out makes its bound unreachable (finite, still)
+        assert torch.equal(rows[0], rows[1])
+
+
 # --------------------------------------------------------------------------- decoupled PPO / TIS
 
 

@@ -12,6 +12,10 @@ Conventions: per-token tensors are ``(B, T)`` float; ``mask`` ``(B, T)`` is 1 wh
 counts in the loss (generated tokens only; prompt and tool-output tokens are 0). Every
 log-difference is taken under ``torch.where(mask, ·, 0)`` *before* ``exp``, so whatever sits at
 masked positions (padding, -inf, NaN) has no effect on the loss and gets exactly zero gradient.
+Every log-ratio is also capped at ``LOG_RATIO_MAX`` before ``exp`` (:func:`_log_ratio`): a behaviour logprob a node
+claims may be any finite value ≤ 0 (-1e30 among them), and exp of the difference must stay finite, or one such token
+makes the step's gradient NaN and the step is lost. A ratio that large is far outside every clip, where the clipped
+objectives take no gradient anyway; the cap only keeps inf × 0 out of the backward pass.
 π_prox and π_behave logprobs are targets and are detached here. Metrics are local to the call
 (masked means over this micro-batch) and come back as floats with a single device sync.
 """
@@ -23,6 +27,7 @@ from typing import Literal
 
 import torch
 
+LOG_RATIO_MAX = 20.0  # exp(20) ≈ 4.9e8: beyond any clip, and exp() of it times any advantage stays finite in float32
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -101,7 +106,7 @@ def ppo_clip_loss(
         raise ValueError(f"dual_clip must be > 1 (Ye et al. use 3.0), got {dual_clip}")
     valid = _check(logprobs, mask)
     adv = _per_token(advantages, logprobs, valid)  # (B, T)
-    log_ratio = _masked_diff(logprobs, old_logprobs.detach(), valid)  # (B, T) log π_θ/π_old
+    log_ratio = _log_ratio(logprobs, old_logprobs.detach(), valid)  # (B, T) log π_θ/π_old
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_loss, clip_stats = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
     loss = aggregate(pg_loss, mask, agg, n_tokens=n_tokens, n_seqs=n_seqs)
@@ -150,10 +155,10 @@ def decoupled_ppo_loss(
     behave = behave_logprobs.detach()
     prox = behave if prox_logprobs is None else prox_logprobs.detach()
     adv = _per_token(advantages, logprobs, valid)  # (B, T)
-    log_ratio = _masked_diff(logprobs, prox, valid)  # (B, T) log π_θ/π_prox
+    log_ratio = _log_ratio(logprobs, prox, valid)  # (B, T) log π_θ/π_prox
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_loss, clip_stats = _clipped_surrogate(ratio, adv, clip_low, clip_high, None)
-    tis_raw = torch.exp(_masked_diff(prox, behave, valid))  # (B, T) π_prox/π_behave
+    tis_raw = torch.exp(_log_ratio(prox, behave, valid))  # (B, T) π_prox/π_behave
     tis_weight = tis_raw if tis_cap is None else tis_raw.clamp(max=tis_cap)  # (B, T)
     pg_loss = pg_loss * tis_weight  # (B, T)
     loss = aggregate(pg_loss, mask, agg, n_tokens=n_tokens, n_seqs=n_seqs)
@@ -245,7 +250,7 @@ def m2po_loss(
         raise ValueError(f"keep_mask shape {tuple(keep_mask.shape)} != mask {tuple(valid.shape)}")
     kept = valid & keep_mask.bool()  # (B, T)
     adv = _per_token(advantages, logprobs, kept)  # (B, T)
-    log_ratio = _masked_diff(logprobs, behave_logprobs.detach(), kept)  # (B, T) log π_θ/π_behave
+    log_ratio = _log_ratio(logprobs, behave_logprobs.detach(), kept)  # (B, T) log π_θ/π_behave
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_loss = -adv * ratio  # (B, T)
     loss = aggregate(pg_loss, kept, agg, n_tokens=n_tokens, n_seqs=n_seqs)
@@ -336,6 +341,11 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor, valid: torch.Tensor
 def _masked_diff(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """a - b where valid, exactly 0 elsewhere (so exp() of it is finite, its gradient 0)."""
     return torch.where(valid, a - b, torch.zeros_like(a))
+
+
+def _log_ratio(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """log(π_a / π_b) where valid (0 elsewhere), capped at ``LOG_RATIO_MAX`` (no gradient beyond): its exp is finite."""
+    return _masked_diff(a, b, valid).clamp(max=LOG_RATIO_MAX)
 
 
 def _clipped_surrogate(
