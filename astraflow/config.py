@@ -264,6 +264,10 @@ class TrainerConfig(Strict):
     (``astraflow/train/losses/options.py``)."""
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How per-token losses (and the KL penalty) reduce to a scalar (token-mean: DAPO; seq-mean-token-mean: original GRPO)."""
+    max_logprob_gap: float | None = Field(4.0, gt=0)
+    """Tokens checked against the model: a trajectory whose behaviour logprobs differ from the policy's own by more
+    than this many nats per trained token on average (mean |log π_θ − log π_behave|) is left out of the step, counted
+    as ``suspect_trajectories`` (tokens or logprobs a node fabricated; docs/training.md). null: no check."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to a frozen reference policy (the version-0 weights); 0: no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

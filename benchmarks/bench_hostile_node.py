@@ -4,10 +4,12 @@ and runs with the lying node and the checks on; the same seeds for each.
 
 The lying node (``tests/hostile.py``) holds the run's own rollout credential. Once training has started it pulls real
 tasks from the pool for ``--lie-s`` seconds and answers every other one with well-formed lies: random completion
-tokens claiming reward 1 for half the group, answers to a prompt of its own choosing, rewards of 1e29.
+tokens claiming reward 1 for half the group, answers to a prompt of its own choosing, rewards of 1e29, and
+true claims with made-up behaviour logprobs (for the trainer's check of tokens against the model).
 
-Reported per run: held-out reward (mean of the last five evaluations), lies told, lies trained (goal 0 with the
-checks), honest trajectories refused (goal 0), the largest batch reward mean in ``metrics.jsonl``; and what the checks
+Reported per run: held-out reward (mean of the last five evaluations), lies told, lies that broke a claim and were
+trained (goal 0 with the checks), honest trajectories refused (goal 0), trajectories the trainer left out as suspect
+and the largest logprob gap of any step (``metrics.jsonl``), the largest batch reward mean; and what the checks
 cost per trajectory (``ClaimCheck.cost``, from ``bench_validation.py``'s measurement, next to the plane's per-trajectory
 time). Writes ``benchmarks/results/hostile_node.json``.
 
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from hostile import Lies, fates_of, hostile_node  # noqa: E402
+from hostile import CLAIMS, Lies, fates_of, hostile_node  # noqa: E402
 from poison_run import secured_server, start_up, until, versions  # noqa: E402
 from result_files import write  # noqa: E402
 
@@ -83,12 +85,15 @@ def live_run(base: Path, mode: str, seed: int, steps: int, lie_s: float) -> dict
     summary = json.loads((run_dir / "summary.json").read_text())
     acc = summary["accounting"]["solver"]
     lie_fates = Counter(fates.values())
+    broken = Counter(fates[t] for t, kind in lies.told.items() if kind in CLAIMS)
     invalid = sum(n for f, n in acc["fates"].items() if f.startswith("invalid:"))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     out = {"mode": mode, "seed": seed, "finished": code == 0 and summary.get("outcome") == "finished",
            "wall_s": round(time.monotonic() - t0, 1), "held_out_v0": summary["initial_reward"],
-           "held_out_last5": round(held_out_last5(summary), 4), "lies_told": len(lies.told), "lies_trained": lie_fates.get("trained", 0),
+           "held_out_last5": round(held_out_last5(summary), 4), "lies_told": len(lies.told), "lies_trained": broken.get("trained", 0),
            "lie_fates": dict(lie_fates), "honest_refused": invalid - sum(n for f, n in lie_fates.items() if f.startswith("invalid:")),
+           "suspect_trajectories": int(sum(r.get("suspect_trajectories", 0) for r in rows)),
+           "logprob_gap_max": round(max((r.get("logprob_gap_max", 0.0) for r in rows), default=0.0), 3),
            "max_batch_reward_mean": max((r.get("reward_mean", 0.0) for r in rows), default=0.0), "fates": acc["fates"],
            "adds_up": acc["adds_up"]}
     print(json.dumps(out), flush=True)
@@ -141,11 +146,13 @@ def main() -> None:
                 runs.append(live_run(Path(tmp), mode, seed, a.steps, a.lie_s))
     cost = claim_cost()
     t = Table(title=f"a lying node, {a.steps} steps, lying for {a.lie_s:.0f} s")
-    for c in ("mode", "seed", "held-out v0", "held-out (last 5)", "lies told", "lies trained", "honest refused", "max batch reward"):
+    for c in ("mode", "seed", "held-out v0", "held-out (last 5)", "lies told", "claim lies trained", "honest refused", "suspects",
+              "max gap", "max batch reward"):
         t.add_column(c)
     for r in runs:
         t.add_row(r["mode"], str(r["seed"]), f"{r['held_out_v0']:.3f}", f"{r['held_out_last5']:.3f}", str(r["lies_told"]),
-                  str(r["lies_trained"]), str(r["honest_refused"]), f"{r['max_batch_reward_mean']:.3g}")
+                  str(r["lies_trained"]), str(r["honest_refused"]), str(r["suspect_trajectories"]), f"{r['logprob_gap_max']:.2f}",
+                  f"{r['max_batch_reward_mean']:.3g}")
     console.print(t)
     console.print(f"claim checks per trajectory: {cost}")
     means = {m: statistics.mean(r["held_out_last5"] for r in runs if r["mode"] == m) for m in MODES}

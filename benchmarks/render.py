@@ -67,8 +67,27 @@ def house(r: dict[str, Any]) -> str:
     return provenance(r) + "\n".join(rows) + "\n"
 
 
+def hostile_node(r: dict[str, Any]) -> str:
+    def opt(run: dict[str, Any], key: str, fmt: str = "{}") -> str:
+        return fmt.format(run[key]) if key in run else "not recorded"
+
+    rows = ["| run | seed | held-out v0 | held-out, last 5 evaluations | lies told | lies that broke a claim, trained | "
+            "honest trajectories refused | left out by the trainer (suspect) | largest logprob gap of a step | "
+            "largest batch reward mean |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in sorted(r["runs"], key=lambda x: (x["seed"], x["mode"])):
+        rows.append(f"| {run['mode']} | {run['seed']} | {run['held_out_v0']:.3f} | {run['held_out_last5']:.3f} | {run['lies_told']:,} | "
+                    f"{run['lies_trained']:,} | {run['honest_refused']} | {opt(run, 'suspect_trajectories')} | "
+                    f"{opt(run, 'logprob_gap_max', '{:.2f}')} | {run['max_batch_reward_mean']:.3g} |")
+    for mode, mean in r["held_out_last5_mean"].items():
+        rows.append(f"| mean: {mode} | | | {mean:.3f} | | | | | | |")
+    cost = ", ".join(f"`{k}` {v:,.0f} µs" for k, v in r["claim_check_us"].items())
+    return (f"{r['steps']} steps, the lying node lies for {r['lie_s']:.0f} s. " + provenance(r) + "\n".join(rows)
+            + f"\n\nClaim checks per trajectory (decode, prompt tokens, range, the reward scored again), by reward: {cost}.\n")
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"partial_rollouts": partial_rollouts,
-                                                          "generation_stall": generation_stall, "house": house}
+                                                          "generation_stall": generation_stall, "house": house,
+                                                          "hostile_node": hostile_node}
 
 
 def render(page: str) -> str:

@@ -6,7 +6,10 @@ version, in turn:
 
 * ``reward``: random completion tokens, claiming reward 1 for half the group and 0 for the other half;
 * ``prompt``: the same, as answers to a prompt of its own choosing under the task's id;
-* ``range``: random completion tokens claiming a reward of 1e29.
+* ``range``: random completion tokens claiming a reward of 1e29;
+* ``logprobs``: claims that hold (the issued prompt; the answer, rewarded 1, for half the group; random letters,
+  rewarded 0, for the other half) with made-up behaviour logprobs (-0.01 a token): the dataflow cannot tell, the
+  trainer's check of tokens against the model can (``trainer.max_logprob_gap``).
 
 :class:`Lies` records which task got which lie; :func:`fates_of` reads back what the run did with each.
 Used by ``tests/test_hostile_node.py`` and ``benchmarks/bench_hostile_node.py``.
@@ -29,7 +32,9 @@ from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.state import FateRecord
 from astraflow.streams.trajectories import publish_trajectories
 
-KINDS = ("reward", "prompt", "range")
+KINDS = ("reward", "prompt", "range", "logprobs")
+CLAIMS = {"reward": "invalid:reward_claim", "prompt": "invalid:prompt_claim", "range": "invalid:reward_range"}  # kind -> fate
+LETTERS = [i + 3 for i in b"abcdefghijklmnopqrstuvwxyz"]  # ByT5 ids of letters: never a number
 
 
 @dataclass
@@ -46,9 +51,13 @@ def lie(task: Task, i: int, version: int, kind: str, rng: random.Random, max_new
     n = rng.randint(1, max_new_tokens)
     ids = np.asarray([rng.randrange(3, 259) for _ in range(n)], "<i4")  # random bytes: no answer
     reward = 1e29 if kind == "range" else float(i < task.group_size // 2)
+    lp = -0.5
+    if kind == "logprobs":
+        ids = np.asarray(encode_prompt(tok, str(task.meta["answer"])) if reward else [rng.choice(LETTERS) for _ in range(n)], "<i4")
+        n, lp = len(ids), -0.01
     return Trajectory(traj_id=f"{task.task_id}.{task.policy}.{i}", task_id=task.task_id, prompt_id=task.prompt_id, policy=task.policy,
                       index=i, group_size=task.group_size, prompt_ids=np.asarray(encode_prompt(tok, prompt), "<i4").tobytes(),
-                      completion_ids=ids.tobytes(), logprobs=np.full(n, -0.5, "<f4").tobytes(),
+                      completion_ids=ids.tobytes(), logprobs=np.full(n, lp, "<f4").tobytes(),
                       versions=np.full(n, version, "<i4").tobytes(), loss_mask=np.ones(n, "<u1").tobytes(), reward=reward,
                       node_id="hostile-0")
 

@@ -12,13 +12,20 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from hostile import Lies, fates_of, hostile_node
+from hostile import CLAIMS, Lies, fates_of, hostile_node
 from poison_run import secured_server, start_up, until, versions
 
 from astraflow.config import load_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-REFUSED_AS = {"reward": "invalid:reward_claim", "prompt": "invalid:prompt_claim", "range": "invalid:reward_range"}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def recipe_group_size(run_dir: Path) -> int:
+    return load_recipe(run_dir / "recipe.yaml").dataflow.group_size
 
 
 def test_a_lying_node_is_refused_and_the_run_goes_on(tmp_path: Path):
@@ -48,10 +55,17 @@ def test_a_lying_node_is_refused_and_the_run_goes_on(tmp_path: Path):
             up.kill()
             up.wait()
         server.stop()
-    assert set(lies.told.values()) == set(REFUSED_AS) and lies.given_back, lies
-    assert {t: fates[t] for t in lies.told} == {t: REFUSED_AS[kind] for t, kind in lies.told.items()}  # every lie, by its claim
+    kinds = Counter(lies.told.values())
+    assert set(kinds) == set(CLAIMS) | {"logprobs"} and lies.given_back, lies
+    broken = {t: kind for t, kind in lies.told.items() if kind in CLAIMS}
+    assert {t: fates[t] for t in broken} == {t: CLAIMS[kind] for t, kind in broken.items()}  # every claim lie, by its claim
     summary = json.loads((run_dir / "summary.json").read_text())
     acc = summary["accounting"]["solver"]
     refused = Counter({f: n for f, n in acc["fates"].items() if f.startswith("invalid:")})
-    assert refused == Counter(REFUSED_AS[kind] for kind in lies.told.values())  # no honest trajectory refused
+    assert refused == Counter(CLAIMS[kind] for kind in broken.values())  # no honest trajectory refused
     assert acc["adds_up"] and versions(run_dir) == list(range(steps + 1))
+    # made-up logprobs pass the dataflow; the trainer leaves out the rows whose tokens the model contradicts (the random
+    # letters), never more than the liar sent
+    suspects = sum(r.get("suspect_trajectories", 0) for r in metrics(run_dir))
+    trained_lies = sum(1 for t, kind in lies.told.items() if kind == "logprobs" and fates[t] == "trained")
+    assert trained_lies == 0 or 0 < suspects <= trained_lies * recipe_group_size(run_dir)

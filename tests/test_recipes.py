@@ -65,8 +65,10 @@ def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
     assert set(summary["held_out_reward"]) == {"0", "2"}
     for subject, rows in summary["held_out_others"].items():  # a team's partner and the team itself
         assert set(rows) == {"0", "2"}, subject
-    for policy, acc in summary["accounting"].items():  # the run's own nodes are honest: none of their claims is refused
+    for policy, acc in summary["accounting"].items():  # the run's own nodes are honest: none of their claims is refused,
         assert not [f for f in acc["fates"] if f.startswith("invalid:")], (policy, acc["fates"])
+    suspects = {r["policy"]: r["logprob_gap_max"] for r in rows if r.get("suspect_trajectories")}
+    assert not suspects, suspects  # and the trainer finds none of their tokens contradicted by the model
 
 
 def test_loading_every_recipe_imports_no_model_stack():

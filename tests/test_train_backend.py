@@ -3,6 +3,9 @@ full batch, M2PO's mask over the whole batch, bf16, the frozen KL reference, che
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 
@@ -198,3 +201,30 @@ def test_registry_and_config_errors_say_what_to_do(setup):
         TrainerConfig(loss={"type": "ppo", "recompute_prox": True})
     with pytest.raises(ValueError, match="trainer.zero_stage"):
         parse_recipe({"name": "t", "trainer": {"zero_stage": 4}})
+
+
+@pytest.mark.parametrize("loss", ["ppo", {"type": "m2po", "tau": 0.02}])
+def test_a_trajectory_whose_logprobs_the_model_contradicts_is_left_out_of_the_step(setup, loss):
+    """A node's fabricated logprobs (-0.05 a token: the model gives these tokens far less) make the row's gap nats per
+    token: the row is left out, counted, and the step is the one the batch would give with that row's mask zero."""
+    pcfg, tok, batches = setup
+    batch = batches[0]
+    t = batch.trajectories[0]
+    forged = t.model_copy(update={"logprobs": np.full(len(t.logprobs) // 4, -0.05, "<f4").tobytes()})
+    lying = replace(batch, trajectories=[forged, *batch.trajectories[1:]])
+    silent = replace(batch, trajectories=[forged.model_copy(update={"loss_mask": np.zeros(len(t.loss_mask), "<u1").tobytes()}),
+                                          *batch.trajectories[1:]])
+    out = {}
+    for name, b in (("lying", lying), ("silent", silent), ("honest", batch)):
+        torch.manual_seed(0)
+        backend = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, loss=loss))
+        out[name] = backend.step(b), backend.full_state()
+    assert out["lying"][0]["suspect_trajectories"] == 1 and out["honest"][0]["suspect_trajectories"] == 0
+    assert out["honest"][0]["logprob_gap_max"] < 1.0 < 4.0 < out["lying"][0]["logprob_gap_max"]
+    # ppo: the left-out tokens still count in the normaliser; m2po: its plan sees the whole batch's logprobs, and so the gap
+    ratio = out["lying"][0]["tokens"] / out["silent"][0]["tokens"] if loss == "ppo" else 1.0
+    assert out["lying"][0]["pg_loss"] == pytest.approx(out["silent"][0]["pg_loss"] / ratio, rel=1e-4, abs=1e-7)
+    assert _max_diff(out["lying"][1], out["silent"][1]) < 1e-6  # AdamW's first step does not see the normaliser's scale
+    torch.manual_seed(0)
+    unchecked = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, loss=loss, max_logprob_gap=None))
+    assert unchecked.step(lying)["suspect_trajectories"] == 0

@@ -9,11 +9,18 @@ whole batch (M2PO's) is computed once (:meth:`Objective.plan`) and sliced to eac
 π_θ is the model being trained, π_behave the rollout engine that sampled the tokens (the
 logprobs carried in the batch), π_prox the trust-region anchor of decoupled PPO (π_behave, or
 π_θ before this step with ``recompute_prox``), π_ref the frozen version-0 policy of the KL term.
+
+Tokens are checked against the model before they move it: a row whose behaviour logprobs the
+policy's own contradict, gap = mean over its trained tokens of |log π_θ − log π_behave| above
+``trainer.max_logprob_gap``, is left out of the step (its mask zeroed; the batch's normalisers
+keep counting it, so the step is that much smaller) and counted in ``suspect_trajectories``.
+Tokens a node fabricated, or logprobs it made up, show a gap of nats per token; honest ones,
+sampled within the staleness window, a small fraction of one (``logprob_gap_max`` per step).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,7 +29,7 @@ from astraflow.train.batching import Tensors
 from astraflow.train.losses.functional import LossOutput, kl_penalty
 from astraflow.train.losses.registry import build_loss
 
-SUMMED = ("loss", "pg_loss", "kl")  # loss parts: micro-batch values add up to the batch's
+SUMMED = ("loss", "pg_loss", "kl", "suspect_trajectories")  # micro-batch values add up to the batch's
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,10 @@ class Objective:
         return self.policy_loss.needs_batch_logprobs
 
     def plan(self, full: Tensors, logprobs: torch.Tensor | None = None) -> StepPlan:
-        """``logprobs`` (B, T): log π_θ of the full batch, detached (when ``needs_logprobs_first``)."""
+        """``logprobs`` (B, T): log π_θ of the full batch, detached (when ``needs_logprobs_first``); suspect rows
+        (:meth:`suspects`) are left out of the keep mask's statistics too."""
+        if logprobs is not None:
+            full = self.without_suspects(full, logprobs)[0]
         counted = full.mask.bool()  # (B, T)
         n_tokens, n_seqs = _counts(counted)
         keep = self.policy_loss.keep_mask(full, logprobs)  # (B, T) or None
@@ -61,6 +71,7 @@ class Objective:
         ``ref_logprobs`` (b, t) log π_ref when ``kl_coef`` > 0.
         """
         c = self.cfg
+        mb, suspect, gap = self.without_suspects(mb, logprobs.detach())
         keep = None
         if plan.keep is not None:
             keep = plan.keep[mb.rows.to(plan.keep.device)][:, : mb.mask.shape[1]].to(logprobs.device)  # (b, t)
@@ -75,8 +86,26 @@ class Objective:
             loss = loss + c.kl_coef * kl
             parts["kl"] = kl.detach()
         parts["loss"] = loss.detach()
+        parts["suspect_trajectories"] = suspect.sum()
+        parts["logprob_gap_max"] = gap.max() if gap.numel() else gap.new_zeros(())
         values = torch.stack([v.float() for v in parts.values()]).tolist()
         return LossOutput(loss=loss, metrics={**out.metrics, **dict(zip(parts, values))})
+
+    def without_suspects(self, x: Tensors, logprobs: torch.Tensor) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
+        """``x`` with the mask of its suspect rows zeroed, which rows (b,) bool, and every row's gap (b,)."""
+        gap = logprob_gap(logprobs, x.behave_logprobs.to(logprobs.device), x.mask.to(logprobs.device))
+        limit = self.cfg.max_logprob_gap
+        suspect = gap > limit if limit is not None else torch.zeros_like(gap, dtype=torch.bool)
+        if bool(suspect.any()):
+            x = replace(x, mask=x.mask * (~suspect).to(x.mask.device, x.mask.dtype).unsqueeze(-1))
+        return x, suspect, gap
+
+
+def logprob_gap(logprobs: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) mean over each row's counted tokens of |log π_θ − log π_behave| (0 for a row with none)."""
+    counted = mask.bool()
+    diff = torch.where(counted, (logprobs.float() - behave.float()).abs(), torch.zeros_like(logprobs, dtype=torch.float32))
+    return diff.sum(-1) / counted.sum(-1).clamp(min=1)
 
 
 def combine(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
