@@ -89,7 +89,7 @@ def test_up_survives_kill_9_of_every_role_and_of_itself(repo_root: Path, tmp_pat
             pid = next(p for p, n in children(launcher.pid).items() if n == name)
             os.kill(pid, signal.SIGKILL)
             killed[name] = killed.get(name, 0) + 1
-            time.sleep(2.5)
+            wait(lambda: any(n == name and p != pid for p, n in children(launcher.pid).items()), f"{name} to be restarted", 60)
         assert launcher.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
         mid = len(versions(run_dir))
         assert mid < STEPS + 1, "the run finished before the launcher could be killed: lengthen it"

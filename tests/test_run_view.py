@@ -12,7 +12,7 @@ from astraflow.config import load_recipe
 from astraflow.launch.summary_tables import duration, held_out, size, summary_tables
 from astraflow.launch.view import NO_NODE_HINT_S, View
 from astraflow.launch.watcher import Live
-from astraflow.streams.messages import Heartbeat, RolloutStats, TrainerStats
+from astraflow.streams.messages import DataflowStats, Heartbeat, RolloutStats, TrainerStats
 
 SUMMARY = {
     "recipe": "arithmetic", "outcome": "finished", "wall_s": 37.1, "sessions": 2, "restarts": {"rollout-0": 1},
@@ -83,3 +83,15 @@ def test_the_live_view_says_what_the_run_waits_for(repo_root):
     assert view.waiting_for(live, local_nodes=0) is None
     line = view.line(live, {}, 12.0, view.waiting_for(live, local_nodes=0))
     assert "nodes 1" in line and "|  " not in line
+
+
+def test_the_live_view_says_what_the_dataflow_refused(repo_root):
+    view = View(load_recipe(repo_root / "recipes" / "arithmetic"), Console(file=io.StringIO()), "join")
+    live = Live()
+    assert "refused" not in view.line(live, {}, 1.0, None)
+    stats = DataflowStats(counters={"duplicates": 3.0, "invalid.reward_claim": 2414.0, "invalid.prompt_claim": 2400.0,
+                                    "invalid.reward_range": 12.0, "invalid.token": 1.0})
+    live.beats["dataflow"] = (Heartbeat(worker_id="dataflow", stats=stats), time.monotonic())
+    line = view.line(live, {}, 1.0, None)
+    assert line.endswith("| refused 4,827: reward_claim 2,414, prompt_claim 2,400, reward_range 12")
+    assert "refused 4,827" in str(view.table(live, {}).caption)
