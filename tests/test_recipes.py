@@ -67,7 +67,8 @@ def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
         assert set(rows) == {"0", "2"}, subject
     for policy, acc in summary["accounting"].items():  # the run's own nodes are honest: none of their claims is refused,
         assert not [f for f in acc["fates"] if f.startswith("invalid:")], (policy, acc["fates"])
-    suspects = {r["policy"]: r["logprob_gap_max"] for r in rows if r.get("suspect_trajectories")}
+    versions = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    suspects = {r["policy"]: r["logprob_gap_max"] for r in versions if r.get("suspect_trajectories")}
     assert not suspects, suspects  # and the trainer finds none of their tokens contradicted by the model
 
 
