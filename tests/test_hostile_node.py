@@ -64,8 +64,9 @@ def test_a_lying_node_is_refused_and_the_run_goes_on(tmp_path: Path):
     refused = Counter({f: n for f, n in acc["fates"].items() if f.startswith("invalid:")})
     assert refused == Counter(CLAIMS[kind] for kind in broken.values())  # no honest trajectory refused
     assert acc["adds_up"] and versions(run_dir) == list(range(steps + 1))
-    # made-up logprobs pass the dataflow; the trainer leaves out the rows whose tokens the model contradicts (the random
-    # letters), never more than the liar sent
+    # made-up logprobs pass the dataflow; the trainer leaves out the rows whose tokens the model contradicts: at least the
+    # random letters (half of each such group), never more than the liar sent
     suspects = sum(r.get("suspect_trajectories", 0) for r in metrics(run_dir))
     trained_lies = sum(1 for t, kind in lies.told.items() if kind == "logprobs" and fates[t] == "trained")
-    assert trained_lies == 0 or 0 < suspects <= trained_lies * recipe_group_size(run_dir)
+    g = recipe_group_size(run_dir)
+    assert trained_lies > 0 and trained_lies * (g // 2) <= suspects <= trained_lies * g, (suspects, trained_lies)
