@@ -76,7 +76,7 @@ def hostile_node(r: dict[str, Any]) -> str:
             "largest batch reward mean |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in sorted(r["runs"], key=lambda x: (x["seed"], x["mode"])):
         rows.append(f"| {run['mode']} | {run['seed']} | {run['held_out_v0']:.3f} | {run['held_out_last5']:.3f} | {run['lies_told']:,} | "
-                    f"{run['lies_trained']:,} | {run['honest_refused']} | {opt(run, 'suspect_trajectories')} | "
+                    f"{run['lies_trained']:,} | {run['honest_refused']} | {opt(run, 'suspect_trajectories', '{:,}')} | "
                     f"{opt(run, 'logprob_gap_max', '{:.2f}')} | {run['max_batch_reward_mean']:.3g} |")
     for mode, mean in r["held_out_last5_mean"].items():
         rows.append(f"| mean: {mode} | | | {mean:.3f} | | | | | | |")
