@@ -180,6 +180,9 @@ class TrajectoryIngest:
             asked = [(items[k][1], self.in_flight.prompt_of(items[k][1].task_id)) for k in todo]
             for k, bad in zip(todo, await asyncio.to_thread(self.claims.check_all, asked), strict=True):
                 out[k] = bad
+            cost = self.claims.cost  # heartbeat counters: what the checks cost so far
+            self.stats["claims.checked"], self.stats["claims.rescored"] = cost.checked, cost.rescored
+            self.stats["claims.check_ms"] = round(1e3 * cost.check_s)
         return out
 
     async def whole(self, deliveries: Sequence[Incoming]) -> list[tuple[Incoming, Trajectory, Invalid | None]]:
