@@ -131,3 +131,15 @@ def test_trust_claims_is_a_recipe_switch():
     assert run(dataflow={"trust_claims": True}).dataflow.trust_claims is True
     with pytest.raises(ValueError, match="rescore_costly"):
         run(dataflow={"rescore_costly": 1.5})
+
+
+def test_a_prompt_id_a_source_repeats_is_checked_against_each_of_its_prompts():
+    r = run()
+    twins = [Problem("q", "1+2=", {"answer": "3"}), Problem("q", "2+2=", {"answer": "4"})]
+    c = ClaimCheck(r, twins)
+    for p, answer in ((twins[0], "3"), (twins[1], "4")):
+        assert c.check(sample(p, correct=True), "q") is None  # scored with the meta of the prompt it answered
+        lie = c.check(sample(p, reward=1.0, correct=False), "q")
+        assert lie is not None and lie.code == "reward_claim", answer
+    other = sample(twins[0], prompt_ids=np.asarray(encode_prompt(BYT5, "5+5="), np.int32))
+    assert c.check(other, "q").code == "prompt_claim"  # type: ignore[union-attr]

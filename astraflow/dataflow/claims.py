@@ -88,7 +88,9 @@ class ClaimCheck:
 
     def __init__(self, recipe: Recipe, problems: Sequence[Problem], key: bytes | None = None) -> None:
         self.roles = role_claims(recipe)
-        self.problems = {p.prompt_id: p for p in problems}
+        self.problems: dict[str, list[Problem]] = {}  # prompt_id -> the run's problems of that id (a jsonl may repeat one)
+        for p in problems:
+            self.problems.setdefault(p.prompt_id, []).append(p)
         self.reward: Reward = REWARDS.get(recipe.reward)
         self.range: tuple[float, float] = getattr(self.reward, "value_range", DEFAULT_REWARD_RANGE)
         self.share = recipe.dataflow.rescore_costly if getattr(self.reward, "costly", False) else 1.0
@@ -119,12 +121,15 @@ class ClaimCheck:
         claims = self.roles.get(t.policy, FREE)
         if issued is not None and t.prompt_id != issued:
             return Invalid("prompt_claim", f"prompt_id {t.prompt_id[:80]!r}, its task was issued with {issued!r}")
-        problem = self.problems.get(t.prompt_id)
-        if problem is None:
+        candidates = self.problems.get(t.prompt_id)
+        if not candidates:
             return Invalid("prompt_claim", f"prompt_id {t.prompt_id[:80]!r} is not one of the run's prompts")
-        if claims.prompt == "issued" and t.prompt_ids != self.prompt_tokens(t.policy, problem):
-            n = len(t.prompt_ids) // 4
-            return Invalid("prompt_claim", f"{n} prompt tokens that are not the tokens of prompt {problem.prompt_id!r}")
+        if claims.prompt == "issued":
+            candidates = [p for p in candidates if t.prompt_ids == self.prompt_tokens(t.policy, p)]
+            if not candidates:
+                n = len(t.prompt_ids) // 4
+                return Invalid("prompt_claim", f"{n} prompt tokens that are not the tokens of prompt {t.prompt_id[:80]!r}")
+        problem = candidates[0]
         if t.reward is None or claims.reward == "free":  # an explicit failure carries no reward
             return None
         low, high = claims.reward_range or self.range
@@ -153,11 +158,11 @@ class ClaimCheck:
     def prompt_tokens(self, policy: str, problem: Problem) -> bytes:
         """The issued prompt's tokens as the wire packs them (``<i4``), encoded once per policy and prompt."""
         cache = self._prompts[policy]
-        ids = cache.get(problem.prompt_id)
+        ids = cache.get(problem.prompt)
         if ids is None:
-            ids = cache[problem.prompt_id] = np.asarray(encode_prompt(self.tokenizers[policy], problem.prompt), "<i4").tobytes()
+            ids = cache[problem.prompt] = np.asarray(encode_prompt(self.tokenizers[policy], problem.prompt), "<i4").tobytes()
             if len(cache) > PROMPT_CACHE:
                 cache.popitem(last=False)
         else:
-            cache.move_to_end(problem.prompt_id)
+            cache.move_to_end(problem.prompt)
         return ids
