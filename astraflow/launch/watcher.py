@@ -126,9 +126,11 @@ class RunWatcher:
                 self.live.rewards[p] = row["reward_mean"]
 
     async def poll(self, wait: float) -> None:
-        """One turn: announcements, evaluations, lags and a pool sample."""
-        await self._count_trajectories()
+        """One turn: announcements, evaluations, lags and a pool sample. The dataflow's count is read after the
+        announcements arrive: read before, a version trained while the fetch waited would be recorded with a count
+        from before its own batch."""
         anns = [a for i, f in enumerate(self._announcements) for a in await f.fetch(wait if i == 0 else 0.0)]
+        await self._count_trajectories()
         for ann in anns:
             key = (ann.policy, ann.version, ann.state_digest)
             if key in self._recorded:
