@@ -37,11 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from hostile import CLAIMS, Lies, fates_of, hostile_node  # noqa: E402
-from poison_run import secured_server, start_up, until, versions  # noqa: E402
+from hostile import CLAIMS, Lies, attack  # noqa: E402
+from poison_run import secured_server, start_up  # noqa: E402
 from result_files import write  # noqa: E402
-
-from astraflow.config import load_recipe  # noqa: E402
 
 MODES = ("clean", "lying, claims believed", "lying, claims checked")
 
@@ -62,20 +60,8 @@ def live_run(base: Path, mode: str, seed: int, steps: int, lie_s: float) -> dict
     up = start_up(run_dir, server.url, cred_dir, sets, tmp / "up.log", timeout=3600)
     lies, fates, t0 = Lies(), {}, time.monotonic()
     try:
-        async def attack() -> dict[str, str]:
-            async def training() -> bool:
-                return len(versions(run_dir)) >= 2
-
-            async def finished() -> bool:
-                return up.poll() is not None
-
-            await until(training, "training to start", 900)
-            await hostile_node(cred_dir, run, load_recipe(run_dir / "recipe.yaml"), lie_s, lies, seed)
-            await until(finished, "the run to finish", 3600, every=2.0)
-            return await fates_of(cred_dir, run, "solver", list(lies.told))
-
         if mode != MODES[0]:
-            fates = asyncio.run(attack())
+            fates = asyncio.run(attack(up, run_dir, cred_dir, run, lie_s, lies, seed, timeout=3600))
         code = up.wait(timeout=3600)
     finally:
         if up.poll() is None:

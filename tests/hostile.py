@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from poison_run import ISSUED, connect, newest
+from poison_run import ISSUED, connect, newest, until, versions
 
-from astraflow.config import Recipe
+from astraflow.config import Recipe, load_recipe
 from astraflow.models import encode_prompt, load_tokenizer
 from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.state import FateRecord
@@ -101,3 +102,19 @@ async def fates_of(cred_dir: Path, run: str, policy: str, task_ids: list[str]) -
         return out
     finally:
         await plane.close()
+
+
+async def attack(up: subprocess.Popen[bytes], run_dir: Path, cred_dir: Path, run: str, seconds: float, lies: Lies, seed: int = 0,
+                 timeout: float = 900) -> dict[str, str]:
+    """Against the run ``up`` drives: wait for training to start, lie for ``seconds``, wait for the run to end; the fate
+    the run gave each task the node lied about."""
+    async def training() -> bool:
+        return len(versions(run_dir)) >= 2
+
+    async def finished() -> bool:
+        return up.poll() is not None
+
+    await until(training, "training to start", timeout)
+    await hostile_node(cred_dir, run, load_recipe(run_dir / "recipe.yaml"), seconds, lies, seed)
+    await until(finished, "the run to finish", timeout, every=1.0)
+    return await fates_of(cred_dir, run, "solver", list(lies.told))

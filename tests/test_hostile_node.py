@@ -12,8 +12,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from hostile import CLAIMS, Lies, fates_of, hostile_node
-from poison_run import secured_server, start_up, until, versions
+from hostile import CLAIMS, Lies, attack
+from poison_run import secured_server, start_up, versions
 
 from astraflow.config import load_recipe
 
@@ -36,19 +36,7 @@ def test_a_lying_node_is_refused_and_the_run_goes_on(tmp_path: Path):
     up = start_up(run_dir, server.url, cred_dir, {"trainer.steps": steps, "eval.every": steps}, tmp_path / "up.log", timeout=600)
     lies = Lies()
     try:
-        async def attack() -> dict[str, str]:
-            async def training() -> bool:
-                return len(versions(run_dir)) >= 2
-
-            async def finished() -> bool:
-                return up.poll() is not None
-
-            await until(training, "training to start", 300)
-            await hostile_node(cred_dir, run, load_recipe(run_dir / "recipe.yaml"), 12.0, lies)
-            await until(finished, "the run to finish", 400)
-            return await fates_of(cred_dir, run, "solver", list(lies.told))
-
-        fates = asyncio.run(attack())
+        fates = asyncio.run(attack(up, run_dir, cred_dir, run, 12.0, lies, timeout=400))
         assert up.wait(timeout=60) == 0, (tmp_path / "up.log").read_text()[-3000:]
     finally:
         if up.poll() is None:
