@@ -128,6 +128,7 @@ class View:
         evals = " ".join(f"v{v}={r:.2f}" for v, r in sorted(live.evals.items())[-4:])
         lag = " ".join(f"{k}={v}" for k, v in live.lags.items())
         advice = f"   autoscale target {live.advice.target} ({live.advice.action})" if live.advice else ""
-        turned_away = f"   {refused(live)}" if refused(live) else ""
+        turned_away = refused(live)
+        turned_away = f"   {turned_away}" if turned_away else ""
         t.caption = f"{live.nodes()} nodes, {live.rate:.1f} traj/s   lag: {lag}   held-out: {evals or '-'}{advice}{turned_away}"
         return t

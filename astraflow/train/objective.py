@@ -55,7 +55,7 @@ class Objective:
 
     def plan(self, full: Tensors, logprobs: torch.Tensor | None = None) -> StepPlan:
         """``logprobs`` (B, T): log π_θ of the full batch, detached (when ``needs_logprobs_first``); suspect rows
-        (:meth:`suspects`) are left out of the keep mask's statistics too."""
+        (:meth:`without_suspects`) are left out of the keep mask's statistics too."""
         if logprobs is not None:
             full = self.without_suspects(full, logprobs)[0]
         counted = full.mask.bool()  # (B, T)
@@ -95,10 +95,10 @@ class Objective:
         """``x`` with the mask of its suspect rows zeroed, which rows (b,) bool, and every row's gap (b,)."""
         gap = logprob_gap(logprobs, x.behave_logprobs.to(logprobs.device), x.mask.to(logprobs.device))
         limit = self.cfg.max_logprob_gap
-        suspect = gap > limit if limit is not None else torch.zeros_like(gap, dtype=torch.bool)
-        if bool(suspect.any()):
-            x = replace(x, mask=x.mask * (~suspect).to(x.mask.device, x.mask.dtype).unsqueeze(-1))
-        return x, suspect, gap
+        if limit is None:
+            return x, torch.zeros_like(gap, dtype=torch.bool), gap
+        suspect = gap > limit  # no host sync on the step's path: the mask is multiplied whether or not a row is suspect
+        return replace(x, mask=x.mask * (~suspect).to(x.mask.device, x.mask.dtype).unsqueeze(-1)), suspect, gap
 
 
 def logprob_gap(logprobs: torch.Tensor, behave: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
