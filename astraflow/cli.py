@@ -237,6 +237,71 @@ def region_mirrors(
         raise typer.Exit(1) from None
 
 
+node_app = typer.Typer(no_args_is_help=True, help="Rollout nodes of a run: their own credentials, quarantine and re-admission.")
+app.add_typer(node_app, name="node")
+RunDirArg = typer.Option(..., "--run-dir", help="The run's directory (it holds credentials/admin.json).")
+
+
+@node_app.command("add")
+def node_add(name: str = typer.Argument(..., help="The node's name ([A-Za-z0-9_-]; its trajectories' subject)."),
+             run_dir: Path = RunDirArg) -> None:
+    """Issue a node its own credential; the running `up` lets it in. Hand the file to the node's machine:
+    `astraflow worker rollout --credential NAME.json --recipe recipe.yaml`."""
+    from astraflow.launch import nodes
+
+    try:
+        typer.echo(nodes.add(run_dir, name))
+    except (FileNotFoundError, ValueError) as e:
+        typer.echo(f"astraflow node add: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+@node_app.command("revoke")
+def node_revoke(name: str = typer.Argument(..., help="The node's name."), run_dir: Path = RunDirArg) -> None:
+    """Delete a node's credential for good: the running `up` takes it off its server (its connection is closed)."""
+    from astraflow.launch import nodes
+
+    try:
+        if not nodes.revoke(run_dir, name):
+            typer.echo(f"astraflow node revoke: no node {name!r} in {run_dir}", err=True)
+            raise typer.Exit(1)
+    except (FileNotFoundError, ValueError) as e:
+        typer.echo(f"astraflow node revoke: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"revoked {name}")
+
+
+@node_app.command("admit")
+def node_admit(name: str = typer.Argument(..., help="The quarantined node's name."), run_dir: Path = RunDirArg) -> None:
+    """Let a quarantined node back in: the dataflow takes its trajectories again, `up` gives it its credential back."""
+    from astraflow.launch import nodes
+
+    try:
+        q = asyncio.run(nodes.admit(run_dir, name))
+    except (FileNotFoundError, ValueError, ConnectionError, PermissionError) as e:
+        typer.echo(f"astraflow node admit: {e}", err=True)
+        raise typer.Exit(2) from None
+    if q is None:
+        typer.echo(f"astraflow node admit: {name!r} is not quarantined", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"admitted {name} (quarantined for {q.summary()})")
+
+
+@node_app.command("list")
+def node_list(run_dir: Path = RunDirArg) -> None:
+    """The run's nodes with a credential; the quarantined ones with why."""
+    from astraflow.launch import nodes
+
+    try:
+        names, quarantined = asyncio.run(nodes.standing(run_dir))
+    except (FileNotFoundError, ValueError, ConnectionError, PermissionError) as e:
+        typer.echo(f"astraflow node list: {e}", err=True)
+        raise typer.Exit(2) from None
+    for name in sorted({*names, *quarantined}):
+        q = quarantined.get(name)
+        typer.echo(f"{name}\t" + (f"quarantined: {q.summary()} (last: {q.reason})" if q else "ok"))
+
+
 def main() -> None:
     app()
 

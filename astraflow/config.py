@@ -243,6 +243,10 @@ class DataflowConfig(Strict):
     trust_claims: bool = False
     """Take the prompts and rewards nodes claim as they come: no check against the issued task and no re-scoring
     (a test workflow whose prompts are its own). Value checks still apply."""
+    quarantine_after: int = Field(3, ge=0)
+    """Tasks a rollout node may fail (a trajectory of it refused, ``invalid:*``) before it is quarantined: its
+    trajectories refused, its credential revoked on the embedded server, until ``astraflow node admit`` (0: never;
+    ``dataflow/reputation.py``)."""
 
 
 class TrainerConfig(Strict):

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from astraflow.streams.dataflow_state import Accounting, DataflowState
+from astraflow.streams.dataflow_state import Accounting, DataflowState, Quarantine
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import AutoscaleRecord, VersionRecord
@@ -57,7 +57,7 @@ async def collect(opts: NatsOptions, run: str, policy: str | None = None, listen
         await plane.close()
     return {"streams": streams, "lags": lags, "policy": policy, "version": version.version if version else None,
             "accounting": dataflow.accounting if dataflow else {}, "autoscale": autoscale, "mode": dataflow.mode if dataflow else None,
-            "workers": received}
+            "workers": received, "quarantined": dataflow.quarantined if dataflow else {}}
 
 
 async def show(opts: NatsOptions, run: str, policy: str | None = None, timeout: float = 5.0) -> None:
@@ -88,11 +88,24 @@ async def show(opts: NatsOptions, run: str, policy: str | None = None, timeout: 
     console.print(w)
     for p, acc in info["accounting"].items():
         console.print(accounting_table(p, acc))
+    if info["quarantined"]:
+        console.print(quarantine_table(info["quarantined"]))
     auto: AutoscaleRecord | None = info["autoscale"]
     if auto:
         console.print(f"[bold]autoscale[/] pool {auto.pool}: {auto.nodes} live nodes -> target [bold]{auto.target}[/] "
                       f"({auto.action}: {auto.reason}; produce {auto.produce_rate:.2f} groups/s, "
                       f"consume {auto.consume_rate:.2f} groups/s, nodes busy {auto.busy:.0%})")
+
+
+def quarantine_table(quarantined: dict[str, Quarantine]) -> Table:
+    """The nodes the dataflow cut off: since when, their failed tasks by check, the refusal that tipped them over."""
+    q = Table(title="quarantined nodes (their trajectories refused, their credential revoked)")
+    for c in ("node", "since", "failed tasks", "last refusal"):
+        q.add_column(c)
+    for node, entry in sorted(quarantined.items()):
+        q.add_row(node, time.strftime("%H:%M:%S", time.localtime(entry.at)), entry.summary(), entry.reason[:120])
+    q.caption = "let one back in: astraflow node admit NAME --run-dir RUN"
+    return q
 
 
 def accounting_table(policy: str, acc: Accounting) -> Table:

@@ -15,24 +15,26 @@ import nats
 import numpy as np
 import pytest
 
-from astraflow.streams.credentials import issue, server_users
+from astraflow.launch.access import ServerAccess
+from astraflow.streams.credentials import issue, node_path, server_users
 from astraflow.streams.messages import Batch, Task, Trajectory, TrajRef
 from astraflow.streams.permissions import Scope, inbox_prefix, render_accounts, shipped_accounts_conf
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import EmbeddedServer, adapt_config
 from astraflow.streams.state import BatchPlanRecord, EvalRecord, KeyframeRequest, VersionRecord
+from astraflow.streams.subjects import Names
 from astraflow.streams.trajectories import fetch_trajectories, offload, resolve_all
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN, POLICIES = "sec" + uuid.uuid4().hex[:6], ("solver", "verifier")
-USERS = ("admin", "dataflow", "trainer-solver", "trainer-verifier", "rollout", "evaluator", "observer")
+USERS = ("admin", "dataflow", "trainer-solver", "trainer-verifier", "node-a", "evaluator", "observer")  # node-a: a rollout node
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     """An embedded server with the run's generated credentials and permissions (as ``up`` starts it)."""
     tmp = tmp_path_factory.mktemp("sec")
-    creds = issue(tmp / "credentials", RUN, POLICIES)
+    creds = issue(tmp / "credentials", RUN, POLICIES, nodes=("a", "b"))
     server = EmbeddedServer(tmp, render_accounts(server_users(creds, POLICIES), Scope(RUN, POLICIES, ("raas",)))).start()
     yield server, creds
     server.stop()
@@ -79,12 +81,14 @@ API = "$JS.API"
 # operation -> the users allowed to do it (everything else must be refused)
 EXPECT: dict[tuple[str, str], set[str]] = {
     ("pub", f"af.{R}.task.single_turn"): {"admin", "dataflow"},
-    ("pub", f"af.{R}.traj.solver"): {"admin", "rollout"},
+    ("pub", f"af.{R}.traj.solver"): {"admin"},  # a node publishes under its own name only: the server vouches for the sender
+    ("pub", f"af.{R}.traj.solver.a"): {"admin", "node-a"},
+    ("pub", f"af.{R}.traj.solver.b"): {"admin"},
     ("pub", f"af.{R}.batch.solver"): {"admin", "dataflow"},
     ("pub", f"af.{R}.weights.solver"): {"admin", "trainer-solver"},
     ("pub", f"af.{R}.weights.verifier"): {"admin", "trainer-verifier"},
     ("pub", f"af.{R}.dlq.batch"): {"admin", "trainer-solver", "trainer-verifier"},
-    ("pub", f"af.{R}.dlq.task"): {"admin", "rollout"},
+    ("pub", f"af.{R}.dlq.task"): {"admin", "node-a"},
     ("pub", f"af.{R}.dlq.traj"): {"admin", "dataflow"},
     ("pub", f"af.{R}.hb.trainer.x"): {"admin", "trainer-solver", "trainer-verifier"},
     ("pub", f"af.{R}.hb.dataflow.x"): {"admin", "dataflow"},
@@ -92,22 +96,22 @@ EXPECT: dict[tuple[str, str], set[str]] = {
     ("pub", f"$KV.af_{R}_state.done.verifier"): {"admin", "trainer-verifier"},
     ("pub", f"$KV.af_{R}_state.dataflow"): {"admin", "dataflow"},
     ("pub", f"$KV.af_{R}_state.eval.solver.3"): {"admin", "evaluator"},
-    ("pub", f"$KV.af_{R}_state.keyframe_request.solver"): {"admin", "rollout", "evaluator"},
+    ("pub", f"$KV.af_{R}_state.keyframe_request.solver"): {"admin", "node-a", "evaluator"},
     ("pub", f"$KV.af_{R}_fates.fate.solver.t1"): {"admin", "dataflow"},
     ("pub", f"$KV.af_{R}_fates.plan.solver.solver-b000001"): {"admin", "dataflow"},  # only the dataflow plans batches
     ("pub", f"$KV.af_{R}_state.plan.solver.solver-b000001"): {"admin"},
     ("pub", f"$O.af_{R}_weights.C.abc"): {"admin", "trainer-solver", "trainer-verifier"},
     ("pub", f"$O.af_{R}_weights.M.abc"): {"admin", "trainer-solver", "trainer-verifier"},
     # the arrays of trajectories too large for a message: nodes write them in their own bucket, and delete nothing
-    ("pub", f"$O.af_{R}_traj_objects.C.abc"): {"admin", "rollout"},
-    ("pub", f"$O.af_{R}_traj_objects.M.abc"): {"admin", "rollout"},
+    ("pub", f"$O.af_{R}_traj_objects.C.abc"): {"admin", "node-a"},
+    ("pub", f"$O.af_{R}_traj_objects.M.abc"): {"admin", "node-a"},
     ("pub", f"{API}.STREAM.PURGE.OBJ_af_{R}_traj_objects"): {"admin"},
     ("pub", f"{API}.STREAM.CREATE.OBJ_af_{R}_traj_objects"): {"admin", "dataflow"},
     # the trainers' and the pool's durable consumers: only their own role pulls, acks or inspects them
     ("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{R}_BATCH.trainer-solver"): {"admin", "trainer-solver"},
     ("pub", f"$JS.ACK.AF_{R}_BATCH.trainer-solver.1.1.1.1.1"): {"admin", "trainer-solver"},
-    ("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{R}_TASK.raas"): {"admin", "rollout"},
-    ("pub", f"$JS.ACK.AF_{R}_TASK.raas.1.1.1.1.1"): {"admin", "rollout"},
+    ("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{R}_TASK.raas"): {"admin", "node-a"},
+    ("pub", f"$JS.ACK.AF_{R}_TASK.raas.1.1.1.1.1"): {"admin", "node-a"},
     ("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{R}_TRAJ.dataflow"): {"admin", "dataflow"},
     # nobody but admin deletes consumers or streams; only the dataflow makes durables
     ("pub", f"{API}.CONSUMER.DELETE.AF_{R}_BATCH.trainer-solver"): {"admin"},
@@ -155,9 +159,9 @@ async def test_no_credentials_no_access(secured):
     with pytest.raises(Exception):
         await nats.connect(server.url, allow_reconnect=False, connect_timeout=2)
     with pytest.raises(Exception):
-        await nats.connect(server.url, user="rollout", password="guess", allow_reconnect=False, connect_timeout=2)
-    with pytest.raises(PermissionError, match="refused rollout: authorization violation"):  # a role fails at once, and says why
-        await Plane.connect(NatsOptions(url=server.url, user="rollout", password="guess"), RUN, "rollout")
+        await nats.connect(server.url, user="node-a", password="guess", allow_reconnect=False, connect_timeout=2)
+    with pytest.raises(PermissionError, match="refused node-a: authorization violation"):  # a role fails at once, and says why
+        await Plane.connect(NatsOptions(url=server.url, user="node-a", password="guess"), RUN, "node-a")
 
 
 async def test_roles_do_their_job(secured):
@@ -180,7 +184,7 @@ async def test_roles_do_their_job(secured):
     await trainer.state.put(VersionRecord(policy="solver", version=0))
     ref = await trainer.objects().put("solver/v0", b"weights" * 1000)
 
-    rollout = await as_user(secured, "rollout")
+    rollout = await as_user(secured, "node-a")
     await rollout.ensure_topology(topo)
     (d,) = await rollout.consumer(rollout.names.task_stream, "raas", Task).pull(timeout=2)
     traj = Trajectory(traj_id="t1.solver.0", task_id="t1", prompt_id="p", policy="solver", index=0, group_size=1,
@@ -188,7 +192,7 @@ async def test_roles_do_their_job(secured):
                       loss_mask=np.ones(2), reward=1.0)
     big = traj.model_copy(update={"traj_id": "t1.solver.1", "index": 1})
     stub = await offload(rollout.trajectory_objects(), big)  # arrays in the trajectory bucket (as for one over max_payload)
-    seqs = await rollout.publish_many([(rollout.names.traj("solver"), t, t.traj_id) for t in (traj, stub)])
+    seqs = await rollout.publish_many([(rollout.names.traj("solver", rollout.node), t, t.traj_id) for t in (traj, stub)])
     await d.ack()
     assert (await rollout.state.get(VersionRecord, "solver")).version == 0
     assert bytes(await rollout.objects().get(ref)) == b"weights" * 1000  # an ordered consumer on the object stream
@@ -198,6 +202,7 @@ async def test_roles_do_their_job(secured):
     evaluator = await as_user(secured, "evaluator")
     await evaluator.state.put(EvalRecord(policy="solver", version=0, reward=0.5))
     got = await dataflow.consumer(dataflow.names.traj_stream, "dataflow", Trajectory).pull(batch=2, timeout=2)
+    assert [Names.sender(g.subject) for g in got] == ["a", "a"]  # who sent them, as the server let them in
     assert await resolve_all(dataflow.trajectory_objects(), [g.msg for g in got]) == [traj, big]  # the dataflow checks values
     for g in got:
         await g.ack()
@@ -239,5 +244,39 @@ async def test_shipped_accounts_conf_runs_a_pool_and_keeps_rollout_off_the_train
                 assert await probe.denied("pub", subject), subject
             assert not await probe.denied("pub", f"{API}.CONSUMER.MSG.NEXT.AF_{run}_TASK.raas")
         await dataflow.close()
+    finally:
+        server.stop()
+
+
+async def test_a_node_is_cut_off_on_the_running_server_and_let_back_in(tmp_path):
+    """What ``up`` does with a quarantine (``launch/access.py``): the node's credential is revoked on the running
+    server, which closes its connection and refuses it; the other nodes stay connected; let back in, it connects."""
+    cred_dir = tmp_path / "credentials"
+    issue(cred_dir, RUN, POLICIES, nodes=("honest", "liar"))
+    access = ServerAccess(cred_dir, RUN, POLICIES, Scope(RUN, POLICIES, ("raas",)))
+    server = access.server = EmbeddedServer(tmp_path, access.config()).start()
+    try:
+        def opts(name: str) -> NatsOptions:
+            return NatsOptions.from_credential(str(node_path(cred_dir, name)), url=server.url)
+
+        honest, liar = [await Plane.connect(opts(n), RUN, n) for n in ("honest", "liar")]
+        assert access.sync(set()) == []  # nothing changed: no reload
+        assert access.sync({"liar", "unknown"}) == ["node liar revoked (quarantined)"]
+        for _ in range(100):
+            if not liar.connected:
+                break
+            await asyncio.sleep(0.05)
+        assert not liar.connected and honest.connected
+        with pytest.raises(PermissionError, match="refused node-liar"):
+            await Plane.connect(opts("liar"), RUN, "liar")
+        await honest._nc.flush(timeout=2)  # the others go on, connected
+        assert access.sync(set()) == ["node liar let back in"]
+        again = await Plane.connect(opts("liar"), RUN, "liar")
+        access.let_in("late")  # an added node: known to the server before let_in returns
+        late = await Plane.connect(opts("late"), RUN, "late")
+        node_path(cred_dir, "late").unlink()  # `astraflow node revoke late`
+        assert access.sync(set()) == ["node late removed"]
+        for p in (honest, liar, again, late):
+            await p.close()
     finally:
         server.stop()

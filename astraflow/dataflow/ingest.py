@@ -63,6 +63,7 @@ from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane, context
 from astraflow.dataflow.parts import taken
+from astraflow.dataflow.reputation import UNNAMED, Reputation, sender
 from astraflow.dataflow.validate import Invalid, Limits, Stats, check_trajectory, check_versions, measure
 from astraflow.streams.fates import DROPPED_EXPIRED, FILTERED_SAMPLE_ERROR, Fate, Outcome
 from astraflow.streams.messages import Trajectory, TrajectoryGroup
@@ -82,6 +83,9 @@ class Incoming(Ackable, Protocol):
 
     @property
     def stream_seq(self) -> int: ...
+
+    @property
+    def subject(self) -> str: ...  # names the sending node (``reputation.sender``)
 
     async def reject(self, reason: str, code: str = "") -> None: ...
 
@@ -136,7 +140,8 @@ Resolve = Callable[[list[Trajectory]], Awaitable[list[Trajectory | PayloadUnavai
 
 class TrajectoryIngest:
     def __init__(self, lanes: Mapping[str, PolicyLane], in_flight: InFlight, journal: Journal, cfg: DataflowConfig,
-                 stats: Counter[str], limits: Limits, newest: NewestVersion, resolve: Resolve, claims: ClaimCheck | None = None) -> None:
+                 stats: Counter[str], limits: Limits, newest: NewestVersion, resolve: Resolve, claims: ClaimCheck | None = None,
+                 reputation: Reputation | None = None) -> None:
         self.lanes = lanes
         self.in_flight = in_flight
         self.journal = journal
@@ -146,6 +151,7 @@ class TrajectoryIngest:
         self.newest = newest
         self.resolve = resolve
         self.claims = claims  # None: claims are trusted (``dataflow.trust_claims``)
+        self.reputation = reputation or Reputation(cfg.quarantine_after)  # refusals per node, quarantines
         self.assembler = Assembler()
         self.filtered_in_a_row: Counter[str] = Counter()  # per policy: groups its filters dropped since the last one kept
 
@@ -159,7 +165,7 @@ class TrajectoryIngest:
         incoming: list[Incoming] = []
         for delivery in deliveries:
             if isinstance(delivery.msg, TrajectoryGroup) and len(delivery.msg.trajectories) > self.limits.group_size:
-                self.refuse_group(delivery, delivery.msg)
+                self.refuse_group(delivery, delivery.msg, sender(delivery.subject, delivery.msg.trajectories[0].node_id))
             else:
                 incoming.extend(taken(delivery))  # a group's trajectory by trajectory (``parts.py``)
         items = await self.whole(incoming)
@@ -212,16 +218,18 @@ class TrajectoryIngest:
         return self.in_flight.recent(task_id)
 
     def admit(self, t: Trajectory, s: Stats | None = None, confirmed: bool = False, unreadable: Invalid | None = None,
-              claim: Invalid | None = None) -> Admission:
+              claim: Invalid | None = None, node: str = UNNAMED) -> Admission:
         """The one place a trajectory is accepted or turned away (see the module's docstring); ``s``: its
         arrays' stats (``validate.measure``); ``confirmed``: the lane's version was just read from the plane;
         ``unreadable``: why its offloaded arrays could not be read; ``claim``: what its claims failed on
-        (:meth:`check_claims`), reported after what its values fail on."""
+        (:meth:`check_claims`), reported after what its values fail on; ``node``: who sent it (a quarantined node's
+        trajectory is refused before anything else is looked at)."""
         lane = self.lanes.get(t.policy)
         if lane is None:
             return Admission("reject", f"invalid policy: {t.policy!r}; run has {list(self.lanes)}", "policy")
         s = s or measure([t])[0]
-        bad = unreadable or check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s) or claim
+        bad = (self.quarantined(node) or unreadable or check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s)
+               or claim)
         if lane.is_closed(t.task_id):  # settled or batched before (a redelivery after a restart, a late copy)
             return Admission("reject", bad.reason, bad.code) if bad else Admission("ack", "redelivered_settled")
         if not self.waits_on(lane, t.task_id):
@@ -244,12 +252,14 @@ class TrajectoryIngest:
         """Admit and place one delivery; ``t``: its trajectory whole (default: as delivered)."""
         t = t or d.msg
         s = s or measure([t])[0]
-        admission = self.admit(t, s, unreadable=unreadable, claim=claim)
+        node = sender(d.subject, t.node_id)
+        admission = self.admit(t, s, unreadable=unreadable, claim=claim, node=node)
         if admission.action == "confirm":
             self.lanes[t.policy].advance(await self.newest(t.policy))
-            admission = self.admit(t, s, confirmed=True, unreadable=unreadable, claim=claim)
+            admission = self.admit(t, s, confirmed=True, unreadable=unreadable, claim=claim, node=node)
         if admission.action in ("reject", "invalid"):
             self.stats[f"invalid.{admission.code}"] += 1
+            self.blame(node, t.task_id, admission)
             if admission.settles:
                 self.invalidate(self.lanes[t.policy], t.task_id, admission.code, admission.reason)
             self.journal.reject_later(d, admission.reason, admission.code)
@@ -271,20 +281,36 @@ class TrajectoryIngest:
         if held is not None:
             self.complete(self.lanes[t.policy], held)
 
-    def undecodable(self, lane: PolicyLane, task_id: str, traj_id: str, reason: str) -> None:
+    def quarantined(self, node: str) -> Invalid | None:
+        q = self.reputation.quarantined.get(node)
+        return None if q is None else Invalid("quarantined", f"invalid quarantined: node {node!r} is quarantined ({q.summary()})")
+
+    def blame(self, node: str, task_id: str, refused: Admission) -> None:
+        """Count a refusal against the node that sent it; one that tips it over quarantines it (the state written
+        with the turn's commit; the launcher revokes its credential once it reads it)."""
+        q = self.reputation.blame(node, task_id, refused.code, refused.reason)
+        if q is not None:
+            self.stats["quarantined"] = len(self.reputation.quarantined)
+            self.journal.changed()
+            log.warning("node %s quarantined: %d failed tasks (%s); its trajectories are refused from now on, last: %s",
+                        node, sum(q.failures.values()), q.summary(), q.reason)
+
+    def undecodable(self, lane: PolicyLane, task_id: str, traj_id: str, reason: str, node: str = UNNAMED) -> None:
         """A sample its consumer dead-lettered because it did not decode (a value outside the wire's range), naming
         ``task_id`` (read from the DLQ, ``watch.SampleUndecodable``): its task is settled ``invalid:schema`` as an invalid
         sample's is, when this lane still waits on it and holds no copy of the sample. Otherwise nothing changes."""
+        self.blame(node, task_id, Admission("reject", reason, "schema"))
         if lane.is_closed(task_id) or not self.waits_on(lane, task_id) or self.journal.holds(traj_id) or lane.is_buffered(task_id):
             return
         self.stats["invalid.schema"] += 1
         self.invalidate(lane, task_id, "schema", reason)
 
-    def refuse_group(self, d: Rejectable, g: TrajectoryGroup) -> None:
+    def refuse_group(self, d: Rejectable, g: TrajectoryGroup, node: str = UNNAMED) -> None:
         """A group with more trajectories than a task has samples cannot be a task's: dead-lettered whole, one entry
         (not one per trajectory), its task settled ``invalid:group_size`` as a bad sample's would be."""
         reason = f"invalid group_size: {len(g.trajectories)} trajectories in one message, the run's tasks have {self.limits.group_size}"
         self.stats["invalid.group_size"] += 1
+        self.blame(node, g.task_id, Admission("reject", reason, "group_size"))
         lane = self.lanes.get(g.policy)
         if lane is not None and not lane.is_closed(g.task_id) and not lane.is_buffered(g.task_id) and self.waits_on(lane, g.task_id):
             self.invalidate(lane, g.task_id, "group_size", reason)

@@ -48,6 +48,10 @@ class Part:
     def stream_seq(self) -> int:
         return self._shared.seq
 
+    @property
+    def subject(self) -> str:
+        return self._shared.delivery.subject
+
     async def ack(self) -> None:
         if self._settle():
             await self._shared.delivery.ack()

@@ -49,6 +49,7 @@ from astraflow.dataflow.issuing import TaskIssuer
 from astraflow.dataflow.lane import PolicyLane, context
 from astraflow.dataflow.ledger import Ledger
 from astraflow.dataflow.pool import PoolAdvisor
+from astraflow.dataflow.reputation import Reputation
 from astraflow.dataflow.serving import BatchServer, Planned
 from astraflow.dataflow.validate import Limits
 from astraflow.dataflow.watch import BatchFailed, SampleUndecodable, TaskFailed, Trained, Watch
@@ -69,7 +70,7 @@ from astraflow.streams.messages import (
     WeightVersion,
 )
 from astraflow.streams.plane import Consumer, NatsOptions, Plane
-from astraflow.streams.state import VersionRecord
+from astraflow.streams.state import AdmitRecord, VersionRecord
 from astraflow.streams.trajectories import resolve_all
 from astraflow.tasks import load_split
 from astraflow.weights.checks import announcement_problem
@@ -110,8 +111,10 @@ class Dataflow:
         self.issuer = TaskIssuer(recipe, plane, self.lanes, train, self.in_flight, self.journal, rng)
         trajectory_objects = plane.trajectory_objects()
         claims = None if recipe.dataflow.trust_claims else ClaimCheck(recipe, train)
+        self.reputation = Reputation(recipe.dataflow.quarantine_after)
         self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
-                                       self.newest_version, lambda trajs: resolve_all(trajectory_objects, trajs), claims)
+                                       self.newest_version, lambda trajs: resolve_all(trajectory_objects, trajs), claims,
+                                       self.reputation)
         self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
         self.watch = Watch(plane, recipe.rollout.pool, recipe.policy_names)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
@@ -172,7 +175,7 @@ class Dataflow:
                 if e.seq is not None:  # the server gave up on it: out of the work queue once its failure is durable
                     self.journal.ack_later(TaskRemoval(self.plane, e.seq))
             elif isinstance(e, SampleUndecodable):
-                self.ingest.undecodable(lane, e.task_id, e.traj_id, e.detail)
+                self.ingest.undecodable(lane, e.task_id, e.traj_id, e.detail, e.node)
             elif isinstance(e, BatchFailed):
                 if e.code is BatchRefusal.FORGED:  # another content under a planned id: the planned batch is still to come
                     self.stats["forged_batches"] += 1
@@ -198,11 +201,12 @@ class Dataflow:
 
     async def audit(self) -> None:
         """Every ``AUDIT_S``: the tasks out, and the kept groups of a restored state, that will never come back settled
-        ``failed:lost`` (``dataflow/audit.py``)."""
+        ``failed:lost`` (``dataflow/audit.py``); quarantined nodes an operator let back in."""
         now = time.time()
         if now - self._audited < AUDIT_S:
             return
         self._audited = now
+        await self.readmit()
         names = self.plane.names
         if self._waits is None:  # the server's ack waits: (task, trajectory)
             task_wait = (await self.plane.consumer_settings(names.task_stream, names.pool_consumer(self.recipe.rollout.pool))).ack_wait
@@ -226,6 +230,16 @@ class Dataflow:
                 lane.settle(task, FAILED_LOST)
                 self.journal.record(lane.name, task, FAILED_LOST, error="kept before a restart, its trajectories never came back")
 
+    async def readmit(self) -> None:
+        """Lift the quarantine of each node an operator admitted after it was quarantined (``astraflow node admit``)."""
+        for node, q in list(self.reputation.quarantined.items()):
+            record = await self.plane.state.get(AdmitRecord, node)
+            if record is not None and record.ts > q.at and self.reputation.admit(node):
+                self.stats["quarantined"] = len(self.reputation.quarantined)
+                self.stats["readmitted"] += 1
+                self.journal.changed()
+                log.warning("node %s admitted again by %s: its trajectories are taken again", node, record.by)
+
     def context(self) -> Context:
         return context(self.lanes, self.recipe.dataflow.max_staleness)
 
@@ -244,7 +258,8 @@ class Dataflow:
 
     def snapshot(self) -> DataflowState:
         return DataflowState(tasks=self.issuer.state(), lanes={p: lane.state() for p, lane in self.lanes.items()},
-                             accounting=self.accounting(), pool=self.recipe.rollout.pool, mode=self.recipe.dataflow.mode)
+                             accounting=self.accounting(), pool=self.recipe.rollout.pool, mode=self.recipe.dataflow.mode,
+                             quarantined=dict(self.reputation.quarantined))
 
     async def start(self) -> None:
         """Follow the plane, restore the last state, finish what the last dataflow left half done."""
@@ -253,6 +268,8 @@ class Dataflow:
         if s is None:
             return
         self.issuer.load_state(s.tasks)
+        self.reputation.quarantined.update(s.quarantined)
+        self.stats["quarantined"] = len(s.quarantined)
         for p, lane_state in s.lanes.items():
             if p in self.lanes and (fresh := self.lanes[p].load_state(lane_state)):
                 log.warning("lane %s: plug-ins without saved state start fresh: %s", p, fresh)

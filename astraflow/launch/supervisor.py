@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-State = Literal["running", "backoff", "done", "retired", "failed"]
+State = Literal["running", "backoff", "done", "retired", "quarantined", "failed"]
 
 
 _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork

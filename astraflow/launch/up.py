@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +26,16 @@ import yaml
 from rich.console import Console
 
 from astraflow.config import Recipe, dump_recipe
+from astraflow.launch.access import ServerAccess
 from astraflow.launch.diagnose import stall_report
 from astraflow.launch.report import summarize
 from astraflow.launch.rundir import RunDir
 from astraflow.launch.supervisor import Child, CrashLoop, LocalPool, RoleSpec, Supervisor, exit_text
 from astraflow.launch.view import View
 from astraflow.launch.watcher import RunWatcher
-from astraflow.streams.credentials import Credential, is_loopback, issue, make_tls, redact, server_users
+from astraflow.streams.credentials import Credential, is_loopback, issue, make_tls, node_path, redact
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S
-from astraflow.streams.permissions import Scope, render_accounts
+from astraflow.streams.permissions import Scope
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
 from astraflow.train.threads import pin, shared_cores, usable_core_ids, usable_cores, with_core_plan, with_thread_counts
@@ -72,8 +73,9 @@ def port_free(host: str, port: int) -> bool:
 
 
 def start_server(rundir: RunDir, recipe: Recipe, listen: str | None,
-                 cores: tuple[int, ...] | None = None) -> tuple[EmbeddedServer, dict[str, Credential]]:
-    """The run's embedded server with authentication, on the address it had before when it can."""
+                 cores: tuple[int, ...] | None = None) -> tuple[EmbeddedServer, dict[str, Credential], ServerAccess]:
+    """The run's embedded server with authentication (a credential per role, and one per rollout node: the run's own
+    ``rollout-{i}`` and any added before), on the address it had before when it can."""
     address_file = rundir.nats / "address"
     host, _, port = (listen or "127.0.0.1:-1").rpartition(":")
     if address_file.exists() and port == "-1":
@@ -89,15 +91,16 @@ def start_server(rundir: RunDir, recipe: Recipe, listen: str | None,
         if is_loopback(host)
         else make_tls(rundir.credentials / "tls", [host if host not in ("0.0.0.0", "::") else socket.gethostname()])
     )
-    creds = issue(rundir.credentials, rundir.run, policies, tls_ca_pem=tls.ca_pem if tls else None)
-    extra = render_accounts(server_users(creds, policies), Scope(rundir.run, policies, (recipe.rollout.pool,)))
-    if tls:
-        extra += f'tls {{ cert_file: "{tls.cert_file}", key_file: "{tls.key_file}" }}\n'
-    server = EmbeddedServer(rundir.path, extra, listen=f"{host}:{port}", scheme="tls" if tls else "nats", cores=cores).start()
+    nodes = tuple(f"rollout-{i}" for i in range(recipe.rollout.nodes))
+    issue(rundir.credentials, rundir.run, policies, tls_ca_pem=tls.ca_pem if tls else None, nodes=nodes)
+    tail = f'tls {{ cert_file: "{tls.cert_file}", key_file: "{tls.key_file}" }}\n' if tls else ""
+    access = ServerAccess(rundir.credentials, rundir.run, policies, Scope(rundir.run, policies, (recipe.rollout.pool,)), tail)
+    server = EmbeddedServer(rundir.path, access.config(), listen=f"{host}:{port}", scheme="tls" if tls else "nats", cores=cores).start()
+    access.server = server
     address_file.write_text(f"{host}:{server.port}")
     url = server.url
     creds = issue(rundir.credentials, rundir.run, policies, url=url, tls_ca_pem=tls.ca_pem if tls else None)
-    return server, creds
+    return server, creds, access
 
 
 def worker_command(rundir: RunDir, url: str, creds: dict[str, Credential] | None, spec: RoleSpec) -> list[str]:
@@ -105,14 +108,17 @@ def worker_command(rundir: RunDir, url: str, creds: dict[str, Credential] | None
     cmd = [sys.executable, "-m", "astraflow.cli", "worker", spec.role, "--recipe", str(rundir.recipe), "--nats", url,
            "--run", rundir.run, "--id", spec.name]
     if creds is not None:
-        user = spec.name if spec.role == "trainer" else spec.role
-        cmd += ["--credential", str(rundir.credentials / f"{user}.json")]
+        path = rundir.credentials / f"{spec.name if spec.role == 'trainer' else spec.role}.json"
+        if spec.role == "rollout" and node_path(rundir.credentials, spec.name).exists():
+            path = node_path(rundir.credentials, spec.name)  # the node's own (a shared rollout.json: an external server's)
+        cmd += ["--credential", str(path)]
     return [*cmd, *spec.args]
 
 
 def join_command(rundir: RunDir, url: str, secured: bool) -> str:
     if secured:
-        return f"astraflow worker rollout --credential {rundir.credentials / 'rollout.json'} --recipe {rundir.recipe}"
+        return (f"astraflow node add NAME --run-dir {rundir.path} && astraflow worker rollout --credential "
+                f"{rundir.credentials / 'nodes' / 'NAME.json'} --recipe {rundir.recipe}")
     return f"astraflow worker rollout --recipe {rundir.recipe} --nats {redact(url)} --run {rundir.run}"
 
 
@@ -172,8 +178,27 @@ def prepare(recipe: Recipe, rundir: RunDir, resume: bool) -> Recipe:
     return recipe
 
 
+def enforce(access: ServerAccess | None, sup: Supervisor, quarantined: Collection[str]) -> list[str]:
+    """Apply the dataflow's quarantines: a node of this ``up`` that is cut off is stopped (not restarted: its credential
+    no longer works) and started again once let back in; the server's users follow (``access.py``). What changed."""
+    done = []
+    for name, child in sup.children.items():
+        if child.spec.role != "rollout":
+            continue
+        if name in quarantined and child.state in ("running", "backoff"):
+            sup.retire(name)
+            child.state = "quarantined"
+            done.append(f"stopped {name}: quarantined")
+    changes = access.sync(quarantined) if access is not None else []
+    for name, child in list(sup.children.items()):
+        if child.state == "quarantined" and name not in quarantined:
+            sup.start(child.spec)
+            done.append(f"started {name} again: let back in")
+    return done + changes
+
+
 async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supervisor, specs: list[RoleSpec], timeout: float,
-                    autoscale: bool, join: str) -> str:
+                    autoscale: bool, join: str, access: ServerAccess | None = None) -> str:
     """Start the roles and watch the run until it finishes; returns how it ended."""
     plane = await Plane.connect(opts, rundir.run, "launcher", wait=30)
     await plane.ensure_topology(recipe.topology())  # before any role: they only look for it
@@ -209,6 +234,8 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
                     finished = False
                 for event in sup.poll():
                     view.note(f"[bold]supervisor[/]: {event}")
+                for change in enforce(access, sup, watcher.live.quarantined):
+                    view.note(f"[bold red]access[/]: {change}")
                 advice = watcher.live.advice
                 if pool is not None and advice is not None and time.time() - advice.ts < 30:
                     did = pool.act(advice.target, time.monotonic())
@@ -265,10 +292,10 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     shared = shared_cores(recipe, cores)
     if shared is not None:  # the launcher too, and what it starts unless told otherwise (until up returns)
         pin(shared)
-    server = None
+    server, access = None, None
     creds: dict[str, Credential] | None = None
     if nats_url is None:
-        server, creds = start_server(rundir, recipe, listen, shared)
+        server, creds, access = start_server(rundir, recipe, listen, shared)
         url = server.url
         opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"))
     else:
@@ -278,6 +305,8 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
             rundir.credentials.mkdir(parents=True, exist_ok=True, mode=0o700)
             for name, c in creds.items():
                 c.write(rundir.credentials / f"{name}.json")
+            for p in credentials.glob("nodes/*.json"):  # the nodes' own, as the server was given them
+                Credential.read(p).write(node_path(rundir.credentials, p.stem))
         opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"), url=url) if creds else NatsOptions(url=url)
     where = "embedded, authenticated" if server else "external"
     console.print(f"[bold]AstraFlow[/] run [cyan]{rundir.run}[/] (session {session}) on {redact(url)} ({where} nats-server)")
@@ -289,13 +318,18 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     def record_restart(child: Child) -> None:
         rundir.append("restarts.jsonl", {"session": session, "role": child.name, "after": exit_text(child.last_exit), "ts": time.time()})
 
-    sup = Supervisor(lambda spec: worker_command(rundir, url, creds, spec), lambda name: rundir.log(name, session),
+    def command(spec: RoleSpec) -> list[str]:
+        if access is not None and spec.role == "rollout":
+            access.let_in(spec.name)  # a node --autoscale adds gets its own credential, known to the server before it starts
+        return worker_command(rundir, url, creds, spec)
+
+    sup = Supervisor(command, lambda name: rundir.log(name, session),
                      env={k: v for k, v in os.environ.items() if k != "NATS_PASSWORD"}, on_restart=record_restart)
     specs = role_specs(recipe, rundir, metrics_port_base, cores)
     outcome, summary = "failed", {}
     try:
         outcome = asyncio.run(supervise(recipe, rundir, opts, sup, specs, timeout, autoscale,
-                                        join_command(rundir, url, creds is not None)))
+                                        join_command(rundir, url, creds is not None), access))
     except CrashLoop as e:
         outcome = f"crash loop: {e.child.name}"
         raise RunFailed(str(e)) from None

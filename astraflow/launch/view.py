@@ -33,6 +33,13 @@ def refused(live: Live) -> str:
     return f"refused {sum(counts.values()):,.0f}: {top}"
 
 
+def quarantined(live: Live) -> str:
+    """The nodes the dataflow cut off and why (``quarantined: evil (reward_claim ×2, prompt_claim ×1)``); "" when none."""
+    if not live.quarantined:
+        return ""
+    return "quarantined: " + ", ".join(f"{n} ({q.summary()})" for n, q in sorted(live.quarantined.items()))
+
+
 class View:
     def __init__(self, recipe: Recipe, console: Console, join_command: str) -> None:
         self.recipe, self.console, self.join_command = recipe, console, join_command
@@ -107,6 +114,8 @@ class View:
             text += f" | restarts {restarted}"
         if turned_away := refused(live):
             text += f" | {turned_away}"
+        if cut_off := quarantined(live):
+            text += f" | {cut_off}"
         if waiting:
             text += f" | {waiting}"
         return text
@@ -130,5 +139,6 @@ class View:
         advice = f"   autoscale target {live.advice.target} ({live.advice.action})" if live.advice else ""
         turned_away = refused(live)
         turned_away = f"   {turned_away}" if turned_away else ""
-        t.caption = f"{live.nodes()} nodes, {live.rate:.1f} traj/s   lag: {lag}   held-out: {evals or '-'}{advice}{turned_away}"
+        cut_off = f"\n[bold red]{quarantined(live)}[/]" if live.quarantined else ""
+        t.caption = f"{live.nodes()} nodes, {live.rate:.1f} traj/s   lag: {lag}   held-out: {evals or '-'}{advice}{turned_away}{cut_off}"
         return t

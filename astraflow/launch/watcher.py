@@ -22,7 +22,7 @@ from typing import Any
 
 from astraflow.config import Recipe
 from astraflow.launch.rundir import RunDir
-from astraflow.streams.dataflow_state import DataflowState
+from astraflow.streams.dataflow_state import DataflowState, Quarantine
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat, RolloutStats, TrainerStats, WeightVersion
 from astraflow.streams.plane import Plane, Subscription
 from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord, StateSchemaError
@@ -46,6 +46,7 @@ class Live:
     rate: float = 0.0  # trajectories per second over the last sampling window
     advice: AutoscaleRecord | None = None
     events: list[str] = field(default_factory=list)
+    quarantined: dict[str, Quarantine] = field(default_factory=dict)  # nodes the dataflow cut off, and why
 
     def alive(self, now: float | None = None) -> dict[str, Heartbeat]:
         now = time.monotonic() if now is None else now
@@ -91,9 +92,9 @@ class RunWatcher:
     def _on_beat(self, hb: Heartbeat) -> None:
         self.live.beats[hb.worker_id] = (hb, time.monotonic())
 
-    async def _count_trajectories(self) -> None:
+    async def _read_dataflow(self) -> None:
         """The dataflow's durable count, as its state on the server has it now (written every turn that changed it):
-        never lower, whatever restarted."""
+        never lower, whatever restarted; and the nodes it has quarantined."""
         try:
             state = await self.plane.state.get(DataflowState)
         except StateSchemaError as e:  # a state this build cannot read: the count stays where it is
@@ -101,6 +102,7 @@ class RunWatcher:
             return
         if state is not None:
             self.live.trajectories = max(self.live.trajectories, sum(lane.ledger.samples for lane in state.lanes.values()))
+            self.live.quarantined = dict(state.quarantined)
 
     def _possible_on(self, policy: str) -> Callable[[WeightVersion], str | None]:
         def check(ann: WeightVersion) -> str | None:
@@ -130,7 +132,7 @@ class RunWatcher:
         announcements arrive: read before, a version trained while the fetch waited would be recorded with a count
         from before its own batch."""
         anns = [a for i, f in enumerate(self._announcements) for a in await f.fetch(wait if i == 0 else 0.0)]
-        await self._count_trajectories()
+        await self._read_dataflow()
         for ann in anns:
             key = (ann.policy, ann.version, ann.state_digest)
             if key in self._recorded:

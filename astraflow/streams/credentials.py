@@ -1,9 +1,13 @@
-"""Per-run, per-role credentials: made by ``astraflow up``, kept owner-only in the run directory.
+"""Per-run, per-role and per-node credentials: made by ``astraflow up``, kept owner-only in the run directory.
 
 A credential file is everything a worker needs to join the run's plane as one role, and nothing
-more: ``{"user", "password", "run", "url", "tls_ca_pem"}``. Hand ``credentials/rollout.json`` to
-a remote machine and ``astraflow worker rollout --credential rollout.json --recipe recipe.yaml``
-joins (docs/deploy.md). Secrets never appear on a command line or in a log: the launcher passes
+more: ``{"user", "password", "run", "url", "tls_ca_pem"}``. Every rollout node has its own
+(``credentials/nodes/NAME.json``, user ``node-NAME``): ``up`` issues one per node it starts, and
+``astraflow node add NAME --run-dir RUN`` one for a node joining from elsewhere; hand that file to
+the machine and ``astraflow worker rollout --credential NAME.json --recipe recipe.yaml`` joins
+(docs/deploy.md). A node may publish trajectories only under its own name, so the server vouches
+for who sent each one, and one node is cut off (quarantined, revoked) without touching the others
+(``launch/access.py``). Secrets never appear on a command line or in a log: the launcher passes
 files, and URLs are printed with their userinfo removed.
 
 When the embedded server listens beyond loopback, TLS is on: ``up`` makes a CA and a server
@@ -18,11 +22,13 @@ import ipaddress
 import json
 import os
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from astraflow.streams.permissions import User
+from astraflow.streams.permissions import NODE_PREFIX, User
+from astraflow.streams.subjects import check_token
 
 
 @dataclass(frozen=True)
@@ -50,28 +56,57 @@ class Credential:
 
 
 def run_users(policies: tuple[str, ...]) -> list[tuple[str, str, str]]:
-    """(user, role, policy) of every credential a run gets: one trainer user per policy."""
+    """(user, role, policy) of every role credential a run gets: one trainer user per policy (nodes have their own)."""
     return [("admin", "admin", "*"), ("dataflow", "dataflow", "*"), *((f"trainer-{p}", "trainer", p) for p in policies),
-            ("rollout", "rollout", "*"), ("evaluator", "evaluator", "*"), ("observer", "observer", "*")]
+            ("evaluator", "evaluator", "*"), ("observer", "observer", "*")]
 
 
-def issue(cred_dir: Path, run: str, policies: tuple[str, ...], url: str = "", tls_ca_pem: str | None = None) -> dict[str, Credential]:
-    """The run's credentials: read back when ``cred_dir`` has them (a resumed run keeps its secrets), else made."""
-    out = {}
-    for user, _, _ in run_users(policies):
-        path = cred_dir / f"{user}.json"
-        if path.exists():
-            old = Credential.read(path)
-            cred = Credential(user, old.password, run, url or old.url, tls_ca_pem or old.tls_ca_pem)
-        else:
-            cred = Credential(user, secrets.token_urlsafe(24), run, url, tls_ca_pem)
-        out[user] = cred
-        cred.write(path)
+def node_of(user: str | None) -> str | None:
+    """The node a user name is the credential of (``node-NAME`` -> ``NAME``), None for a role's."""
+    return user[len(NODE_PREFIX):] if user and user.startswith(NODE_PREFIX) else None
+
+
+def node_path(cred_dir: Path, name: str) -> Path:
+    return cred_dir / "nodes" / f"{check_token('node name', name)}.json"
+
+
+def _kept(path: Path, user: str, run: str, url: str, tls_ca_pem: str | None) -> Credential:
+    """The credential at ``path`` with this server's address (its secret kept), or a new one; written owner-only."""
+    if path.exists():
+        old = Credential.read(path)
+        cred = Credential(user, old.password, run, url or old.url, tls_ca_pem or old.tls_ca_pem)
+    else:
+        cred = Credential(user, secrets.token_urlsafe(24), run, url, tls_ca_pem)
+    cred.write(path)
+    return cred
+
+
+def issue(cred_dir: Path, run: str, policies: tuple[str, ...], url: str = "", tls_ca_pem: str | None = None,
+          nodes: tuple[str, ...] = ()) -> dict[str, Credential]:
+    """The run's credentials, by user: read back when ``cred_dir`` has them (a resumed run keeps its secrets), else
+    made; with one for each of ``nodes`` (and every node issued before)."""
+    out = {user: _kept(cred_dir / f"{user}.json", user, run, url, tls_ca_pem) for user, _, _ in run_users(policies)}
+    for name in dict.fromkeys([*node_names(cred_dir), *nodes]):
+        out[NODE_PREFIX + name] = issue_node(cred_dir, run, name, url, tls_ca_pem)
     return out
 
 
-def server_users(creds: dict[str, Credential], policies: tuple[str, ...]) -> list[User]:
-    return [User(user, role, creds[user].password, policy) for user, role, policy in run_users(policies)]
+def issue_node(cred_dir: Path, run: str, name: str, url: str = "", tls_ca_pem: str | None = None) -> Credential:
+    """Node ``name``'s own credential (``cred_dir/nodes/NAME.json``): kept when it exists, else made."""
+    return _kept(node_path(cred_dir, name), NODE_PREFIX + name, run, url, tls_ca_pem)
+
+
+def node_names(cred_dir: Path) -> list[str]:
+    """The nodes ``cred_dir`` holds a credential for, by name."""
+    return sorted(p.stem for p in (cred_dir / "nodes").glob("*.json"))
+
+
+def server_users(creds: dict[str, Credential], policies: tuple[str, ...], shut_out: Collection[str] = ()) -> list[User]:
+    """The server's users: every role of the run, and every node in ``creds`` but those in ``shut_out`` (by name)."""
+    roles = [User(user, role, creds[user].password, policy) for user, role, policy in run_users(policies)]
+    nodes = [User(user, "rollout", c.password) for user, c in sorted(creds.items())
+             if (name := node_of(user)) is not None and name not in shut_out]
+    return roles + nodes
 
 
 def redact(url: str) -> str:

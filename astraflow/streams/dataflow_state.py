@@ -91,6 +91,20 @@ class TaskState(_Frozen):
     issuing: list[Task] = []  # tasks written ahead of their publication
 
 
+class Quarantine(_Frozen):
+    """A rollout node cut off from the run (``dataflow/reputation.py``): when, the refusal that tipped it over, and
+    its failed tasks by refusal code."""
+
+    node: str
+    at: float
+    reason: str
+    failures: dict[str, int]
+
+    def summary(self) -> str:
+        """``reward_claim ×2, prompt_claim ×1``."""
+        return ", ".join(f"{code} ×{n}" for code, n in sorted(self.failures.items(), key=lambda kv: -kv[1]))
+
+
 class DataflowState(Record):
     family: ClassVar[str] = "dataflow"
     tasks: TaskState = TaskState(task_seq=0, cursor=0)
@@ -98,3 +112,4 @@ class DataflowState(Record):
     accounting: dict[str, Accounting] = {}
     pool: str = "raas"
     mode: Literal["async", "sync"] = "async"
+    quarantined: dict[str, Quarantine] = {}  # node -> why it is cut off (the launcher revokes these on its server)

@@ -11,7 +11,7 @@ Least privilege, by what each role does and nothing more:
 |---|---|---|---|
 | ``dataflow`` | tasks, batch manifests, ``dlq.traj``, state ``dataflow``/``autoscale.*``, fates and batch plans (``plan.*``) | durable ``dataflow`` on TRAJ | weights, DLQ, KV, TASK by sequence (and deletes a task the server gave up on), trajectory objects, lags, heartbeats (the server's max-delivery advisories: kept in DLQ) |
 | ``trainer-{p}`` | ``weights.{p}`` and its payload chunks, ``dlq.batch``, state ``version.{p}``/``done.{p}`` | durable ``trainer-{p}`` on BATCH | TRAJ by sequence (direct gets), trajectory objects, weights, objects, KV, batch plans |
-| ``rollout`` | trajectories and the chunks of their arrays (trajectory bucket only), ``dlq.task``, ``dlq.weights``, state ``keyframe_request.*`` | durable ``{pool}`` on TASK | weights, objects, KV |
+| ``rollout`` | trajectories (a node's own credential, ``node-NAME``: only under its name, ``traj.*.NAME``) and the chunks of their arrays (trajectory bucket only), ``dlq.task``, ``dlq.weights``, state ``keyframe_request.*`` | durable ``{pool}`` on TASK | weights, objects, KV |
 | ``evaluator`` | ``dlq.weights``, state ``eval.*`` and ``keyframe_request.*`` | nothing | weights, objects, KV |
 | ``observer`` | nothing | nothing | stream and consumer info, KV, heartbeats (``astraflow status``) |
 | ``admin`` | everything (the launcher, operators) | | |
@@ -40,6 +40,7 @@ from pathlib import Path
 
 API = "$JS.API"
 FAMILIES = ("task", "traj", "batch", "weights", "dlq")
+NODE_PREFIX = "node-"  # user name of a rollout node's own credential: ``node-{name}``
 ROLES = ("dataflow", "trainer", "rollout", "evaluator", "observer", "admin")  # trainers are users ``trainer-{policy}``
 
 
@@ -167,8 +168,9 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
                    f"{API}.STREAM.MSG.GET.{s.kv_stream('fates')}"])
     elif role == "rollout":
         pools = s.pools
+        node = user[len(NODE_PREFIX):] if user.startswith(NODE_PREFIX) else None  # a node's own credential: its own subject only
         p.add(pub=[*(x for pool in pools for x in _pulls(s.stream("task"), pool)), *_reads_weights(s),
-                   s.subject("traj"), f"$O.{s.traj_obj_bucket}.C.>", f"$O.{s.traj_obj_bucket}.M.>",
+                   s.subject("traj", f"*.{node}" if node else ">"), f"$O.{s.traj_obj_bucket}.C.>", f"$O.{s.traj_obj_bucket}.M.>",
                    s.subject("dlq", "task"), s.subject("dlq", "weights"), s.kv("state", "keyframe_request.*")])
     elif role == "evaluator":
         p.add(pub=[*_reads_weights(s), s.subject("dlq", "weights"), s.kv("state", "eval.>"), s.kv("state", "keyframe_request.*")])

@@ -42,7 +42,7 @@ from astraflow.streams.consuming import (
     read_history,
     read_subject,
 )
-from astraflow.streams.credentials import Credential, redact
+from astraflow.streams.credentials import Credential, node_of, redact
 from astraflow.streams.direct import read_seqs
 from astraflow.streams.kv import RunState
 from astraflow.streams.messages import Heartbeat, Message, Rejected, Trajectory, TrajectoryGroup
@@ -164,6 +164,7 @@ class Plane:
         self._topology = TopologyMaker(self._js, self._jsm, names)
         self.state = RunState(self._js, names, domain)
         self._gone = _Gone()
+        self.node: str | None = None  # the node this connection's credential is (``node-NAME``): its trajectories' subject
 
     @classmethod
     async def connect(cls, opts: NatsOptions, run: str, worker_id: str, wait: float | None = None) -> Plane:
@@ -194,6 +195,7 @@ class Plane:
         nc.options["reconnect_time_wait"] = 0.5
         plane = cls(nc, Names(run), worker_id, opts.domain)
         plane._gone = gone
+        plane.node = node_of(opts.user)
         return plane
 
     def disconnected_for(self) -> float:

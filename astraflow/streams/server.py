@@ -127,12 +127,7 @@ class EmbeddedServer:
         ports.mkdir(parents=True, exist_ok=True)
         for stale in ports.glob("*.ports"):
             stale.unlink()
-        conf = base / "nats-server.conf"
-        if self.config_text is None:
-            conf.write_text(render_config(store, ports, self.extra_config, self.listen))
-            conf.chmod(0o600)  # it may hold the run's passwords
-        else:
-            conf.write_text(f'{self.config_text}\nports_file_dir: "{ports}"\n{self.extra_config}')
+        conf = self._write_config()
         log = open(base / "nats-server.log", "ab")
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)],
@@ -144,6 +139,44 @@ class EmbeddedServer:
         log.close()
         self.port = self._wait_ready(ports, timeout)
         return self
+
+    def _write_config(self) -> Path:
+        """The config file from ``extra_config`` (written whole, then moved into place: a reload never reads half)."""
+        base = self.run_dir / "nats"
+        store, ports = base / "store", base / "ports"
+        conf, part = base / "nats-server.conf", base / "nats-server.conf.part"
+        if self.config_text is None:
+            text = render_config(store, ports, self.extra_config, self.listen)
+        else:
+            text = f'{self.config_text}\nports_file_dir: "{ports}"\n{self.extra_config}'
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the run's passwords
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        part.replace(conf)
+        return conf
+
+    def reload(self, extra_config: str, timeout: float = 10.0) -> None:
+        """Apply ``extra_config`` (users, permissions) to the running server: the config is rewritten and the server
+        told to re-read it (SIGHUP); returns once it has. Connections of users that are gone are closed; the others
+        stay."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError("nats-server is not running: nothing to reload")
+        log = self.run_dir / "nats" / "nats-server.log"
+        offset = log.stat().st_size
+        self.extra_config = extra_config
+        self._write_config()
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # applied once the server says so in its log
+            with open(log, "rb") as f:
+                f.seek(offset)
+                said = f.read().decode(errors="replace")
+            if "Reloaded server configuration" in said:
+                return
+            if "Failed to reload" in said:
+                raise RuntimeError(f"nats-server refused the new config: {said.strip()[-500:]}")
+            time.sleep(0.01)
+        raise TimeoutError(f"nats-server did not reload its config in {timeout:.0f}s; see {log}")
 
     def _wait_ready(self, ports_dir: Path, timeout: float) -> int:
         assert self.proc is not None

@@ -20,6 +20,7 @@ build's schema. A restarting role must never mistake a failed read for a new run
 | ``eval.{policy}.{version}`` | :class:`EvalRecord` | evaluator | launcher |
 | ``autoscale.{pool}`` | :class:`AutoscaleRecord` | dataflow | launcher, ``status`` |
 | ``keyframe_request.{policy}`` | :class:`KeyframeRequest` | nodes, operators | trainer |
+| ``admit.{node}`` | :class:`AdmitRecord` | operators (``astraflow node admit``) | dataflow |
 | ``dataflow`` | ``DataflowState`` (``dataflow_state.py``) | dataflow | dataflow, ``status`` |
 | ``fate.{policy}.{task_id}`` | :class:`FateRecord`, fates bucket with a TTL | dataflow | operators, tests |
 | ``plan.{policy}.{batch_id}`` | :class:`BatchPlanRecord`, fates bucket with a TTL | dataflow | trainer |
@@ -148,6 +149,16 @@ class KeyframeRequest(Record):
     policy: str
     by: str
     reason: str = ""
+
+
+class AdmitRecord(Record):
+    """An operator lets a quarantined node back in (``astraflow node admit``): the dataflow lifts a quarantine older
+    than ``ts`` and the launcher restores the node's credential on its server."""
+
+    family: ClassVar[str] = "admit"
+    parts: ClassVar[tuple[str, ...]] = ("node",)
+    node: str
+    by: str = "operator"
 
 
 class FateRecord(Record):

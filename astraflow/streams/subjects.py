@@ -30,8 +30,17 @@ class Names:
     def task(self, workflow: str) -> str:
         return f"af.{self.run}.task.{check_token('workflow', workflow)}"
 
-    def traj(self, policy: str) -> str:
-        return f"af.{self.run}.traj.{check_token('policy', policy)}"
+    def traj(self, policy: str, node: str | None = None) -> str:
+        """A policy's trajectories; ``node``: the publishing node's own subject (a node credential may publish only
+        under its name, so the server vouches for it: ``sender``)."""
+        base = f"af.{self.run}.traj.{check_token('policy', policy)}"
+        return f"{base}.{check_token('node', node)}" if node else base
+
+    @staticmethod
+    def sender(subject: str) -> str | None:
+        """The node a trajectory subject names (``af.{run}.traj.{policy}.{node}``), None for one that names none."""
+        parts = subject.split(".")
+        return parts[4] if len(parts) == 5 and parts[2] == "traj" else None
 
     def batch(self, policy: str) -> str:
         return f"af.{self.run}.batch.{check_token('policy', policy)}"

@@ -141,7 +141,7 @@ async def publish_trajectories(plane: Plane, trajs: list[Trajectory]) -> list[in
     items: list[tuple[str, Message | bytes, str | None]] = []
     carrier: dict[int, int] = {}  # id of each trajectory -> the item that carries it
     for group in grouped(trajs):
-        subject = plane.names.traj(group[0].policy)
+        subject = plane.names.traj(group[0].policy, plane.node)
         one = _one_message(group, plane.max_payload)
         if one is not None:
             carrier.update((id(t), len(items)) for t in group)

@@ -1,0 +1,71 @@
+"""Node reputation: every failed check counts against the node that sent it; past a threshold the node is quarantined.
+
+Who sent a trajectory is the node its subject names (``af.{run}.traj.{policy}.{node}``): a node's own credential may
+publish under its own name only, so the server vouches for it (:func:`sender`). A trajectory on a subject that names
+no node (the shared ``rollout`` user of a hand-rendered deployment, an unauthenticated plane) counts against the
+``node_id`` it claims, which proves nothing: there a liar can only be refused, not told apart.
+
+A node fails a task when a trajectory it sent for that task is turned away (``invalid:*``), for anything but arrays
+that could not be read back (``payload``: the store's trouble as much as the node's). One bad group is one failure,
+however many of its samples were bad. ``dataflow.quarantine_after`` failures quarantine the node:
+
+- from then on each trajectory it sends is refused, ``invalid:quarantined`` (never trained);
+- the quarantine is part of the dataflow's state (it survives restarts) and of its heartbeat, so ``astraflow status``
+  and the live view name the node and why;
+- the launcher revokes the node's credential on the running server (``launch/access.py``): its connection is closed,
+  and the tasks it had pulled and not answered go back to the other nodes when their ack wait runs out;
+- ``astraflow node admit NAME`` lets it back in: it writes an :class:`~astraflow.streams.state.AdmitRecord`, which the
+  dataflow reads for each quarantined node every audit, and the node starts again with a clean record.
+
+An honest node fails nothing: every CPU recipe runs to its end with no trajectory refused (``tests/test_recipes.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from astraflow.streams.dataflow_state import Quarantine
+from astraflow.streams.subjects import Names
+
+BLAMELESS = frozenset({"payload"})  # refusal codes that say nothing about the node
+UNNAMED = "?"  # the sender of a trajectory that neither its subject nor its node_id names
+
+
+def sender(subject: str, claimed: object = "") -> str:
+    """The node a trajectory counts against: the one its subject names (vouched for), else the ``node_id`` it claims."""
+    return Names.sender(subject) or (claimed if isinstance(claimed, str) and claimed else UNNAMED)
+
+
+@dataclass
+class Reputation:
+    threshold: int  # failed tasks that quarantine a node; 0: none ever is
+    quarantined: dict[str, Quarantine] = field(default_factory=dict)
+    failed: dict[str, dict[str, str]] = field(default_factory=dict)  # node -> its failed tasks -> the first code
+
+    def refuses(self, node: str) -> bool:
+        return node in self.quarantined
+
+    def blame(self, node: str, task_id: str, code: str, reason: str, now: float | None = None) -> Quarantine | None:
+        """Count a refusal against ``node``; the node's :class:`Quarantine` when this failure tips it over, else None."""
+        if code in BLAMELESS or node in self.quarantined:
+            return None
+        tasks = self.failed.setdefault(node, {})
+        tasks.setdefault(task_id, code)
+        if not self.threshold or len(tasks) < self.threshold:
+            return None
+        codes: dict[str, int] = {}
+        for c in tasks.values():
+            codes[c] = codes.get(c, 0) + 1
+        q = Quarantine(node=node, at=time.time() if now is None else now, reason=reason[:300], failures=codes)
+        self.quarantined[node] = q
+        del self.failed[node]
+        return q
+
+    def admit(self, node: str) -> bool:
+        """Let ``node`` back in with a clean record; whether it was quarantined."""
+        self.failed.pop(node, None)
+        return self.quarantined.pop(node, None) is not None
+
+    def failures(self, node: str) -> int:
+        return len(self.failed.get(node, {}))
