@@ -17,7 +17,8 @@ from test_dataflow import Harness, recipe
 from astraflow.streams.codec import decode, decode_either, encode
 from astraflow.streams.messages import Batch, BatchRefusal, Refusal, Rejected, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Delivery
-from astraflow.streams.state import BatchPlanRecord, FateRecord
+from astraflow.streams.dataflow_state import DataflowState
+from astraflow.streams.state import AdmitRecord, BatchPlanRecord, FateRecord
 from astraflow.streams.trajectories import offload, publish_trajectories
 
 Make = Callable[[Task, str, int, int], Trajectory]  # (task, policy, index, version) -> what the node sends
@@ -339,3 +340,53 @@ async def test_trajectories_by_reference_are_read_back_checked_batched_and_fetch
     (batch,) = await h.train("solver")  # the manifest names the stubs; the trainer gets them whole
     assert batch.trajectories[:2] == whole[:2] and all(not t.offloaded for t in batch.trajectories)
     assert [r.traj_id for r in batch.manifest.refs[:2]] == [t.traj_id for t in whole[:2]]
+
+
+def kept(h: Harness) -> int:
+    """Groups taken for training: buffered, in a batch, or trained."""
+    acc = h.acc()
+    return acc.buffered + acc.awaiting + acc.fates.get("trained", 0)
+
+
+async def serve_as(h: Harness, node: str, make: Make, tasks: int) -> list[Task]:
+    """``node`` (its own subject, as its credential allows) answers ``tasks`` of the pool's tasks, every sample with ``make``."""
+    got = await h.task_sub.pull(batch=tasks, timeout=0.5)
+    await h.node.publish_many([(h.node.names.traj("solver", node), make(d.msg, "solver", i, h.versions["solver"]), None)
+                               for d in got for i in range(d.msg.group_size)])
+    for d in got:
+        await d.ack()
+    return [d.msg for d in got]
+
+
+@with_recipe(max_staleness=3, max_tasks_in_flight=8, groups_per_batch=1)
+async def test_a_node_that_keeps_lying_is_quarantined_until_an_operator_admits_it(harness: Harness):
+    h = harness
+    after = h.recipe.dataflow.quarantine_after
+    await h.turn(2)
+    lies = await serve_as(h, "liar", BAD["reward_claim"], after)  # one failed task each, however many bad samples
+    assert len(lies) == after
+    await h.until(lambda: h.acc().fates.get("invalid:reward_claim") == after)
+    (q,) = h.df.reputation.quarantined.values()
+    assert q.node == "liar" and q.failures == {"reward_claim": after} and q.reason.startswith("invalid reward_claim")
+    await h.turn(2)
+    (told_truth,) = await serve_as(h, "liar", good, 1)  # once quarantined, even the truth is refused
+    await h.until(lambda: h.acc().fates.get("invalid:quarantined") == 1)
+    assert (await h.plane.state.get(FateRecord, "solver", told_truth.task_id)).fate == "invalid:quarantined"
+    saved = await h.plane.state.get(DataflowState)  # where the launcher and `astraflow status` read it
+    assert saved is not None and set(saved.quarantined) == {"liar"}
+    await h.turn(2)
+    honest_tasks = await serve_as(h, "honest", good, 2)  # the other nodes go on
+    await h.until(lambda: kept(h) >= 2)
+    assert h.df.reputation.failures("honest") == 0 and not h.df.reputation.refuses("honest") and honest_tasks
+
+    await h.kill_dataflow()  # the quarantine survives a restart
+    await h.open_dataflow()
+    assert h.df.reputation.refuses("liar")
+    await h.plane.state.put(AdmitRecord(node="liar"))  # `astraflow node admit liar`
+    h.df._audited = 0.0
+    await h.df.audit()
+    assert not h.df.reputation.quarantined and h.df.stats["readmitted"] == 1
+    await h.turn(2)
+    await serve_as(h, "liar", good, 1)
+    await h.until(lambda: kept(h) >= 3)
+    assert h.acc().fates.get("invalid:quarantined") == 1 and h.acc().adds_up

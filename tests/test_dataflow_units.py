@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from astraflow.config import AutoscaleConfig
 from astraflow.dataflow.autoscale import Meter, Nodes, Observation, Starvation, advise
 from astraflow.dataflow.groups import Assembler
+from astraflow.dataflow.reputation import Reputation, sender
 from astraflow.dataflow.ledger import IdSet, Ledger, account
 from astraflow.rollout.engines.scripted import Latency
 from astraflow.streams.messages import Trajectory
@@ -128,3 +129,20 @@ def test_latency_distributions_have_the_configured_median(dist: str, sigma: floa
     if dist == "lognormal":  # sigma 1: the 99th percentile is e^2.33 ≈ 10x the median
         assert np.percentile(draws, 99) == pytest.approx(0.5 * np.exp(2.326), rel=0.25)
     assert Latency(dist, 0.5, sigma=sigma, seed=1).draw() == Latency(dist, 0.5, sigma=sigma, seed=1).draw()  # seeded
+
+
+def test_a_node_is_quarantined_after_its_threshold_of_failed_tasks_not_samples():
+    r = Reputation(threshold=3)
+    assert r.blame("a", "t1", "reward_claim", "x") is None
+    assert r.blame("a", "t1", "prompt_claim", "x") is None  # another bad sample of the same task: one failure
+    assert r.blame("a", "t2", "payload", "x") is None  # the store's trouble: counts against no one
+    assert r.blame("b", "t3", "reward", "x") is None and r.failures("a") == 1
+    assert r.blame("a", "t4", "token", "x") is None
+    q = r.blame("a", "t5", "reward_claim", "last one", now=7.0)
+    assert q is not None and q.node == "a" and q.at == 7.0 and q.reason == "last one"
+    assert q.failures == {"reward_claim": 2, "token": 1} and q.summary() == "reward_claim ×2, token ×1"
+    assert r.refuses("a") and not r.refuses("b") and r.blame("a", "t6", "reward", "x") is None  # counted once
+    assert r.admit("a") and not r.refuses("a") and r.failures("a") == 0 and not r.admit("a")  # a clean record
+    never = Reputation(threshold=0)
+    assert all(never.blame("a", f"t{i}", "reward", "x") is None for i in range(50)) and not never.quarantined
+    assert sender("af.run.traj.solver.node-7") == "node-7" and sender("af.run.traj.solver") is None

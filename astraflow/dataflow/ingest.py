@@ -63,7 +63,7 @@ from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane, context
 from astraflow.dataflow.parts import taken
-from astraflow.dataflow.reputation import UNNAMED, Reputation, sender
+from astraflow.dataflow.reputation import Reputation, sender
 from astraflow.dataflow.validate import Invalid, Limits, Stats, check_trajectory, check_versions, measure
 from astraflow.streams.fates import DROPPED_EXPIRED, FILTERED_SAMPLE_ERROR, Fate, Outcome
 from astraflow.streams.messages import Trajectory, TrajectoryGroup
@@ -165,7 +165,7 @@ class TrajectoryIngest:
         incoming: list[Incoming] = []
         for delivery in deliveries:
             if isinstance(delivery.msg, TrajectoryGroup) and len(delivery.msg.trajectories) > self.limits.group_size:
-                self.refuse_group(delivery, delivery.msg, sender(delivery.subject, delivery.msg.trajectories[0].node_id))
+                self.refuse_group(delivery, delivery.msg, sender(delivery.subject))
             else:
                 incoming.extend(taken(delivery))  # a group's trajectory by trajectory (``parts.py``)
         items = await self.whole(incoming)
@@ -218,7 +218,7 @@ class TrajectoryIngest:
         return self.in_flight.recent(task_id)
 
     def admit(self, t: Trajectory, s: Stats | None = None, confirmed: bool = False, unreadable: Invalid | None = None,
-              claim: Invalid | None = None, node: str = UNNAMED) -> Admission:
+              claim: Invalid | None = None, node: str | None = None) -> Admission:
         """The one place a trajectory is accepted or turned away (see the module's docstring); ``s``: its
         arrays' stats (``validate.measure``); ``confirmed``: the lane's version was just read from the plane;
         ``unreadable``: why its offloaded arrays could not be read; ``claim``: what its claims failed on
@@ -252,7 +252,7 @@ class TrajectoryIngest:
         """Admit and place one delivery; ``t``: its trajectory whole (default: as delivered)."""
         t = t or d.msg
         s = s or measure([t])[0]
-        node = sender(d.subject, t.node_id)
+        node = sender(d.subject)
         admission = self.admit(t, s, unreadable=unreadable, claim=claim, node=node)
         if admission.action == "confirm":
             self.lanes[t.policy].advance(await self.newest(t.policy))
@@ -281,13 +281,16 @@ class TrajectoryIngest:
         if held is not None:
             self.complete(self.lanes[t.policy], held)
 
-    def quarantined(self, node: str) -> Invalid | None:
-        q = self.reputation.quarantined.get(node)
-        return None if q is None else Invalid("quarantined", f"invalid quarantined: node {node!r} is quarantined ({q.summary()})")
+    def quarantined(self, node: str | None) -> Invalid | None:
+        q = self.reputation.quarantined.get(node) if node is not None else None
+        return None if q is None else Invalid("quarantined", f"node {node!r} is quarantined ({q.summary()})")
 
-    def blame(self, node: str, task_id: str, refused: Admission) -> None:
-        """Count a refusal against the node that sent it; one that tips it over quarantines it (the state written
-        with the turn's commit; the launcher revokes its credential once it reads it)."""
+    def blame(self, node: str | None, task_id: str, refused: Admission) -> None:
+        """Count a refusal against the node that sent it (None: a sender no subject vouches for, counted against no
+        one); one that tips it over quarantines it (the state written with the turn's commit; the launcher revokes
+        its credential once it reads it)."""
+        if node is None:
+            return
         q = self.reputation.blame(node, task_id, refused.code, refused.reason)
         if q is not None:
             self.stats["quarantined"] = len(self.reputation.quarantined)
@@ -295,7 +298,7 @@ class TrajectoryIngest:
             log.warning("node %s quarantined: %d failed tasks (%s); its trajectories are refused from now on, last: %s",
                         node, sum(q.failures.values()), q.summary(), q.reason)
 
-    def undecodable(self, lane: PolicyLane, task_id: str, traj_id: str, reason: str, node: str = UNNAMED) -> None:
+    def undecodable(self, lane: PolicyLane, task_id: str, traj_id: str, reason: str, node: str | None = None) -> None:
         """A sample its consumer dead-lettered because it did not decode (a value outside the wire's range), naming
         ``task_id`` (read from the DLQ, ``watch.SampleUndecodable``): its task is settled ``invalid:schema`` as an invalid
         sample's is, when this lane still waits on it and holds no copy of the sample. Otherwise nothing changes."""
@@ -305,7 +308,7 @@ class TrajectoryIngest:
         self.stats["invalid.schema"] += 1
         self.invalidate(lane, task_id, "schema", reason)
 
-    def refuse_group(self, d: Rejectable, g: TrajectoryGroup, node: str = UNNAMED) -> None:
+    def refuse_group(self, d: Rejectable, g: TrajectoryGroup, node: str | None = None) -> None:
         """A group with more trajectories than a task has samples cannot be a task's: dead-lettered whole, one entry
         (not one per trajectory), its task settled ``invalid:group_size`` as a bad sample's would be."""
         reason = f"invalid group_size: {len(g.trajectories)} trajectories in one message, the run's tasks have {self.limits.group_size}"

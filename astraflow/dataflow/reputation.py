@@ -1,9 +1,10 @@
 """Node reputation: every failed check counts against the node that sent it; past a threshold the node is quarantined.
 
 Who sent a trajectory is the node its subject names (``af.{run}.traj.{policy}.{node}``): a node's own credential may
-publish under its own name only, so the server vouches for it (:func:`sender`). A trajectory on a subject that names
-no node (the shared ``rollout`` user of a hand-rendered deployment, an unauthenticated plane) counts against the
-``node_id`` it claims, which proves nothing: there a liar can only be refused, not told apart.
+publish under its own name only, so the server vouches for it. A trajectory on a subject that names no node (the
+shared ``rollout`` user of a hand-rendered deployment, an admin, an unauthenticated plane) is counted against no one:
+its ``node_id`` is a claim, and quarantining by a claim would let a liar cut off the honest node it names. There a
+liar's trajectories are refused one by one, as before.
 
 A node fails a task when a trajectory it sent for that task is turned away (``invalid:*``), for anything but arrays
 that could not be read back (``payload``: the store's trouble as much as the node's). One bad group is one failure,
@@ -29,12 +30,11 @@ from astraflow.streams.dataflow_state import Quarantine
 from astraflow.streams.subjects import Names
 
 BLAMELESS = frozenset({"payload"})  # refusal codes that say nothing about the node
-UNNAMED = "?"  # the sender of a trajectory that neither its subject nor its node_id names
 
 
-def sender(subject: str, claimed: object = "") -> str:
-    """The node a trajectory counts against: the one its subject names (vouched for), else the ``node_id`` it claims."""
-    return Names.sender(subject) or (claimed if isinstance(claimed, str) and claimed else UNNAMED)
+def sender(subject: str) -> str | None:
+    """The node a trajectory counts against: the one its subject names (the server vouches for it), else none."""
+    return Names.sender(subject)
 
 
 @dataclass

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from astraflow.dataflow.reputation import UNNAMED, sender
+from astraflow.dataflow.reputation import sender
 from astraflow.streams.codec import DecodeError, decode, decode_either, fields_of
 from astraflow.streams.messages import Batch, BatchRefusal, Heartbeat, Rejected, Task, Trajectory, TrajectoryGroup, WeightVersion
 from astraflow.streams.plane import Plane, Subscription
@@ -64,7 +64,7 @@ class SampleUndecodable:
     policy: str
     traj_id: str
     detail: str = ""
-    node: str = UNNAMED  # who sent it (``reputation.sender``)
+    node: str | None = None  # who sent it (``reputation.sender``)
 
 
 Event = Trained | TaskFailed | BatchFailed | SampleUndecodable
@@ -136,8 +136,7 @@ class Watch:
                 if "trajectories" in claimed and isinstance(task_id, str) and isinstance(policy, str):  # a whole group
                     traj_id = f"{task_id}.{policy}.group"  # none of its samples can be held: it never reached ingest
                 if isinstance(task_id, str) and isinstance(policy, str) and isinstance(traj_id, str):
-                    node = sender(rej.subject, claimed.get("node_id", ""))
-                    self.events.append(SampleUndecodable(task_id, policy, traj_id, rej.reason[:300], node))
+                    self.events.append(SampleUndecodable(task_id, policy, traj_id, rej.reason[:300], sender(rej.subject)))
             # otherwise the original itself was malformed: never one of our tasks or batches
 
     async def _on_max_deliveries(self, seq: int) -> None:
