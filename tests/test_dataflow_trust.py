@@ -15,9 +15,9 @@ from factories import honest
 from test_dataflow import Harness, recipe
 
 from astraflow.streams.codec import decode, decode_either, encode
+from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.messages import Batch, BatchRefusal, Refusal, Rejected, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Delivery
-from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.state import AdmitRecord, BatchPlanRecord, FateRecord
 from astraflow.streams.trajectories import offload, publish_trajectories
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from astraflow.config import AutoscaleConfig
 from astraflow.dataflow.autoscale import Meter, Nodes, Observation, Starvation, advise
 from astraflow.dataflow.groups import Assembler
-from astraflow.dataflow.reputation import Reputation, sender
 from astraflow.dataflow.ledger import IdSet, Ledger, account
+from astraflow.dataflow.reputation import Reputation, sender
 from astraflow.rollout.engines.scripted import Latency
 from astraflow.streams.messages import Trajectory
 
