@@ -250,10 +250,16 @@ def node_add(name: str = typer.Argument(..., help="The node's name ([A-Za-z0-9_-
     from astraflow.launch import nodes
 
     try:
-        typer.echo(nodes.add(run_dir, name))
+        path = nodes.add(run_dir, name)
     except (FileNotFoundError, ValueError) as e:
         typer.echo(f"astraflow node add: {e}", err=True)
         raise typer.Exit(2) from None
+    let_in = asyncio.run(nodes.served(path))
+    if let_in is None:
+        typer.echo("no server answers at the run's address now: the node is let in once `astraflow up` runs it", err=True)
+    elif not let_in:
+        typer.echo("the server has not let the node in: is `astraflow up` running this run directory?", err=True)
+    typer.echo(path)
 
 
 @node_app.command("revoke")

@@ -70,7 +70,8 @@ def live_run(base: Path, steps: int, per_field: int | None, at: int) -> dict[str
     tmp.mkdir()
     run_dir = tmp / run
     server, cred_dir = secured_server(tmp, run)
-    sets = {"trainer.steps": steps, "eval.every": steps, "plane.batch_ack_wait": 10}
+    sets = {"trainer.steps": steps, "eval.every": steps, "plane.batch_ack_wait": 10,
+            "dataflow.quarantine_after": 0}  # every poison judged by its own check (quarantine: bench_hostile_node.py)
     up = start_up(run_dir, server.url, cred_dir, sets, tmp / "up.log")
     camp, judged, stale, t0, error = Campaign(), None, None, time.monotonic(), ""
     try:

@@ -1,17 +1,19 @@
-"""A hostile rollout node against a live run: it holds the run's own rollout credential and tells well-formed lies.
+"""A hostile rollout node against a live ``astraflow up`` run: it holds a node credential the operator issued it
+(``astraflow node add``) and tells well-formed lies.
 
 It pulls real tasks from the pool's durable consumer as any node does and answers every other one (the rest it gives
 back to the honest nodes) with trajectories whose values all pass the value checks, stamped with the policy's newest
 version, in turn:
 
-* ``reward``: random completion tokens, claiming reward 1 for half the group and 0 for the other half;
-* ``prompt``: the same, as answers to a prompt of its own choosing under the task's id;
-* ``range``: random completion tokens claiming a reward of 1e29;
 * ``logprobs``: claims that hold (the issued prompt; the answer, rewarded 1, for half the group; random letters,
   rewarded 0, for the other half) with made-up behaviour logprobs (-0.01 a token): the dataflow cannot tell, the
-  trainer's check of tokens against the model can (``trainer.max_logprob_gap``).
+  trainer's check of tokens against the model can (``trainer.max_logprob_gap``);
+* ``reward``: random completion tokens, claiming reward 1 for half the group and 0 for the other half;
+* ``prompt``: the same, as answers to a prompt of its own choosing under the task's id;
+* ``range``: random completion tokens claiming a reward of 1e29.
 
-:class:`Lies` records which task got which lie; :func:`fates_of` reads back what the run did with each.
+It lies until the run cuts it off (its credential revoked: the connection closes) or its time is up. :class:`Lies`
+records which task got which lie and when it was cut off; :func:`fates_of` reads back what the run did with each.
 Used by ``tests/test_hostile_node.py`` and ``benchmarks/bench_hostile_node.py``.
 """
 
@@ -20,20 +22,29 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
+import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from poison_run import ISSUED, connect, newest, until, versions
+from poison_run import ISSUED, ROOT, newest, until, versions
 
 from astraflow.config import Recipe, load_recipe
+from astraflow.launch.access import ServerAccess
 from astraflow.models import encode_prompt, load_tokenizer
+from astraflow.streams.credentials import Credential
+from astraflow.streams.dataflow_state import DataflowState, Quarantine
 from astraflow.streams.messages import Task, Trajectory
+from astraflow.streams.permissions import Scope
+from astraflow.streams.plane import Delivery, NatsOptions, Plane
+from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.state import FateRecord
 from astraflow.streams.trajectories import publish_trajectories
 
-KINDS = ("reward", "prompt", "range", "logprobs")
+KINDS = ("logprobs", "logprobs", "reward", "prompt", "range")  # two that pass the dataflow before the node is cut off
 CLAIMS = {"reward": "invalid:reward_claim", "prompt": "invalid:prompt_claim", "range": "invalid:reward_range"}  # kind -> fate
 LETTERS = [i + 3 for i in b"abcdefghijklmnopqrstuvwxyz"]  # ByT5 ids of letters: never a number
 
@@ -43,6 +54,8 @@ class Lies:
     told: dict[str, str] = field(default_factory=dict)  # task id -> the kind of lie its trajectories told
     given_back: int = 0  # real tasks left to the honest nodes
     started: float = 0.0  # time.time() of the first lie
+    cut_off: float | None = None  # time.time() its connection was found closed (its credential revoked)
+    quarantine: Quarantine | None = None  # the dataflow's, read once the node stopped
 
 
 def lie(task: Task, i: int, version: int, kind: str, rng: random.Random, max_new_tokens: int) -> Trajectory:
@@ -63,58 +76,120 @@ def lie(task: Task, i: int, version: int, kind: str, rng: random.Random, max_new
                       node_id="hostile-0")
 
 
-async def hostile_node(cred_dir: Path, run: str, recipe: Recipe, seconds: float, lies: Lies, seed: int = 0) -> None:
-    """Lie for ``seconds`` (from the first task pulled)."""
+async def hostile_node(credential: Path, recipe: Recipe, seconds: float, lies: Lies, seed: int = 0) -> None:
+    """Lie for ``seconds`` (from the first task pulled), or until the run cuts the node off."""
     rng = random.Random(seed)
-    plane = await connect(cred_dir, "rollout", run)
+    plane = await Plane.connect(NatsOptions.from_credential(str(credential)), Credential.read(credential).run, "hostile-0", wait=30)
     tasks = plane.consumer(plane.names.task_stream, plane.names.pool_consumer(recipe.rollout.pool), Task)
     end, k = None, 0
     try:
-        while end is None or time.monotonic() < end:
-            for d in await tasks.pull(batch=4, timeout=1.0):
+        while (end is None or time.monotonic() < end) and lies.cut_off is None:
+            try:
+                pulled = await tasks.pull(batch=4, timeout=1.0)
+            except Exception:  # the connection is gone: revoked
+                pulled = []
+            if not plane.connected:
+                lies.cut_off = time.time()
+                break
+            for d in pulled:
                 if end is None:
                     end, lies.started = time.monotonic() + seconds, time.time()
-                if not ISSUED.match(d.msg.task_id) or k % 2:
-                    await d.nak()  # the honest nodes take it
-                    lies.given_back += 1
-                else:
-                    task = d.msg
-                    kind = KINDS[(k // 2) % len(KINDS)]
-                    version = max(await newest(plane, task.policy), task.min_versions.get(task.policy, 0))
-                    await publish_trajectories(plane, [lie(task, i, version, kind, rng, recipe.rollout.max_new_tokens)
-                                                       for i in range(task.group_size)])
-                    await d.ack()
-                    lies.told[task.task_id] = kind
+                try:
+                    await tell(plane, d, k, lies, rng, recipe)
+                except Exception:  # a publish or an ack on a connection the server closed
+                    if plane.connected:
+                        raise
+                    lies.cut_off = time.time()
+                    break
                 k += 1
             await asyncio.sleep(0)
     finally:
         await plane.close()
 
 
-async def fates_of(cred_dir: Path, run: str, policy: str, task_ids: list[str]) -> dict[str, str]:
-    """The fate the run gave each task (``"?"``: none recorded)."""
-    plane = await connect(cred_dir, "admin", run)
+async def tell(plane: Plane, d: Delivery[Task], k: int, lies: Lies, rng: random.Random, recipe: Recipe) -> None:
+    """The ``k``-th task pulled: every other one given back to the honest nodes, the rest answered with the next lie."""
+    if not ISSUED.match(d.msg.task_id) or k % 2:
+        await d.nak()
+        lies.given_back += 1
+        return
+    task = d.msg
+    kind = KINDS[(k // 2) % len(KINDS)]
+    version = max(await newest(plane, task.policy), task.min_versions.get(task.policy, 0))
+    await publish_trajectories(plane, [lie(task, i, version, kind, rng, recipe.rollout.max_new_tokens) for i in range(task.group_size)])
+    await d.ack()
+    lies.told[task.task_id] = kind
+
+
+async def fates_of(run_dir: Path, policy: str, task_ids: list[str]) -> dict[str, str]:
+    """The fate the finished run gave each task (``"?"``: none recorded), read from its store: a server of our own on it
+    (the run's embedded one stopped with ``up``)."""
+    recipe, cred_dir = load_recipe(run_dir / "recipe.yaml"), run_dir / "credentials"
+    run = Credential.read(cred_dir / "admin.json").run
+    users = ServerAccess(cred_dir, run, recipe.policy_names, Scope(run, recipe.policy_names, (recipe.rollout.pool,))).config()
+    server = EmbeddedServer(run_dir, users).start()
     try:
+        plane = await Plane.connect(NatsOptions.from_credential(str(cred_dir / "admin.json"), url=server.url), run, "fates")
         out = {}
         for t in task_ids:
             rec = await plane.state.get(FateRecord, policy, t)
             out[t] = rec.fate if rec is not None else "?"
+        await plane.close()
         return out
     finally:
-        await plane.close()
+        server.stop()
 
 
-async def attack(up: subprocess.Popen[bytes], run_dir: Path, cred_dir: Path, run: str, seconds: float, lies: Lies, seed: int = 0,
-                 timeout: float = 900) -> dict[str, str]:
-    """Against the run ``up`` drives: wait for training to start, lie for ``seconds``, wait for the run to end; the fate
-    the run gave each task the node lied about."""
+async def admin(run_dir: Path) -> Plane:
+    path = run_dir / "credentials" / "admin.json"
+    return await Plane.connect(NatsOptions.from_credential(str(path)), Credential.read(path).run, "test-admin", wait=30)
+
+
+def start_up(run_dir: Path, sets: dict[str, Any], log: Path, timeout: float = 900) -> subprocess.Popen[bytes]:
+    """``astraflow up recipes/arithmetic`` on its embedded server (the one it can revoke a credential on)."""
+    cmd = [sys.executable, "-m", "astraflow.cli", "up", str(ROOT / "recipes" / "arithmetic"), "--run-dir", str(run_dir),
+           "--timeout", str(timeout), *(x for k, v in sets.items() for x in ("--set", f"{k}={v}"))]
+    with open(log, "wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "astraflow.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+async def add_node(run_dir: Path, name: str, timeout: float = 120) -> Path:
+    """``astraflow node add NAME`` once the run's credentials exist: the path of the node's credential."""
+    async def secured() -> bool:
+        path = run_dir / "credentials" / "admin.json"
+        return path.exists() and bool(Credential.read(path).url)
+
+    await until(secured, "the run's credentials", timeout)
+    done = await asyncio.to_thread(cli, "node", "add", name, "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+async def attack(up: subprocess.Popen[bytes], run_dir: Path, seconds: float, lies: Lies, seed: int = 0, timeout: float = 900,
+                 meanwhile: Callable[[Path], Awaitable[None]] | None = None, start_at: int = 10) -> dict[str, str]:
+    """Against the run ``up`` drives: a node credential issued, wait for ``start_at`` versions (past the first batches,
+    which staleness may drop), lie for ``seconds`` or until cut off, then ``meanwhile`` (the node's credential) while the
+    run goes on; wait for the run to end. The fate the run gave each task the node lied about."""
     async def training() -> bool:
-        return len(versions(run_dir)) >= 2
+        return len(versions(run_dir)) >= start_at
 
     async def finished() -> bool:
         return up.poll() is not None
 
+    credential = await add_node(run_dir, "hostile", timeout)
     await until(training, "training to start", timeout)
-    await hostile_node(cred_dir, run, load_recipe(run_dir / "recipe.yaml"), seconds, lies, seed)
+    await hostile_node(credential, load_recipe(run_dir / "recipe.yaml"), seconds, lies, seed)
+    plane = await admin(run_dir)
+    try:
+        state = await plane.state.get(DataflowState)
+        lies.quarantine = state.quarantined.get("hostile") if state is not None else None
+    finally:
+        await plane.close()
+    if meanwhile is not None:
+        await meanwhile(credential)
     await until(finished, "the run to finish", timeout, every=1.0)
-    return await fates_of(cred_dir, run, "solver", list(lies.told))
+    return await fates_of(run_dir, "solver", list(lies.told))

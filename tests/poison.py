@@ -287,7 +287,7 @@ def published_at(p: Poison, seqs: list[int]) -> Poison:
 async def publish_copies(plane: Plane, trajs: list[Trajectory]) -> list[int]:
     """Publish ``trajs`` on the TRAJ stream as a node may (rollout credential); their stream sequences. Without
     ``Nats-Msg-Id``: a copy under the id of a published trajectory must not be deduplicated away."""
-    return await plane.publish_many([(plane.names.traj(t.policy), t, None) for t in trajs])
+    return await plane.publish_many([(plane.names.traj(t.policy, plane.node), t, None) for t in trajs])
 
 
 # ---------------------------------------------------------------------------------------------- weights

@@ -4,7 +4,7 @@ The run uses an authenticated nats-server the caller started with the run's cred
 URL --credentials DIR``), so the store outlives the run and its dead-letter stream can be read
 afterwards. Two attackers:
 
-* **rollout** (``credentials/rollout.json``, what any node is given): pulls real tasks and answers
+* **rollout** (``credentials/nodes/attacker.json``, a node credential as any node is given): pulls real tasks and answers
   each with one poisoned trajectory; forges task rejections (``dlq.task``); beats poisoned
   heartbeats on ``hb.rollout.*``; writes poisoned ``keyframe_request.*`` records; and tries what the
   permissions refuse it (tasks, batches, announcements, batch rejections, trainer state), which must
@@ -68,13 +68,18 @@ from astraflow.tasks import load_split
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUED = re.compile(r"^t\d{8}$")  # the ids the run's dataflow gives its tasks
+ATTACKER = "attacker"  # the node credential the attackers hold (``credentials/nodes/attacker.json``): what any node is given
 
 
 # ------------------------------------------------------------------------------------------- the run
+NODES = (*(f"rollout-{i}" for i in range(4)), ATTACKER)  # the run's own nodes, and the attacker's node credential
+
+
 def secured_server(tmp: Path, run: str, policies: tuple[str, ...] = ("solver",)) -> tuple[EmbeddedServer, Path]:
-    """A nats-server with the run's per-role users and permissions (what ``up`` embeds), and the credentials' folder."""
+    """A nats-server with the run's per-role and per-node users and permissions (what ``up`` embeds), and the credentials'
+    folder."""
     cred_dir = tmp / "credentials"
-    creds = issue(cred_dir, run, policies)
+    creds = issue(cred_dir, run, policies, nodes=NODES)
     server = EmbeddedServer(tmp / "nats", render_accounts(server_users(creds, policies), Scope(run, policies, ("raas",)))).start()
     issue(cred_dir, run, policies, url=server.url)
     return server, cred_dir
@@ -95,7 +100,8 @@ def versions(run_dir: Path) -> list[int]:
 
 
 async def connect(cred_dir: Path, user: str, run: str) -> Plane:
-    return await Plane.connect(NatsOptions.from_credential(str(cred_dir / f"{user}.json")), run, f"attacker-{user}", wait=30)
+    """Connect as ``user``: a role (``admin``), or a node (``nodes/NAME``)."""
+    return await Plane.connect(NatsOptions.from_credential(str(cred_dir / f"{user}.json")), run, f"attacker-{Path(user).name}", wait=30)
 
 
 async def until(cond: Any, what: str, timeout: float, every: float = 0.5) -> Any:
@@ -155,7 +161,7 @@ def honest_sample(task: Task, i: int, version: int) -> Trajectory:
 # ------------------------------------------------------------------------------------------- the rollout attacker
 async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: int, at: int, camp: Campaign, within: float = 300) -> None:
     """``within``: seconds to find the real tasks to poison (the run may end first: then fewer are tried)."""
-    plane = await connect(cred_dir, "rollout", run)
+    plane = await connect(cred_dir, f"nodes/{ATTACKER}", run)
     deadline = time.monotonic() + within
     n = plane.names
     try:
@@ -179,7 +185,7 @@ async def rollout_attack(cred_dir: Path, run: str, recipe: Recipe, per_field: in
                 p = nth(poisoned_trajectories(base, view_of(recipe, version)), done, at, per_field)
                 t = p.msg
                 assert isinstance(t, Trajectory)
-                await plane.publish(n.traj(t.policy), t)
+                await plane.publish(n.traj(t.policy, plane.node), t)
                 if t.task_id == d.msg.task_id and t.policy == d.msg.policy:
                     await d.ack()  # the poison claims this task: the dataflow settles it invalid
                 else:  # it claims another: give this one up, as a node may (a task acked and never answered would hold
@@ -280,7 +286,7 @@ async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, 
         now = await newest(plane, policy)
         real = await first_trajectories(plane, 16)
         fresh = [t.model_copy(update={"versions": np.full(len(t.completion_ids) // 4, now, "<i4").tobytes()}) for t in real]
-        node = await connect(cred_dir, "rollout", run)
+        node = await connect(cred_dir, f"nodes/{ATTACKER}", run)
         try:
             seqs = await publish_copies(node, fresh)
             rng = np.random.default_rng(at)

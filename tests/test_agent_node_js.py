@@ -71,9 +71,11 @@ async def test_a_javascript_agent_does_every_rollout_and_the_policy_learns(repo_
 
         endpoint = await until(lambda: next((b.stats.endpoint for b in beats if isinstance(b.stats, RolloutStats) and b.stats.endpoint),
                                             None), 300, "the node's advertised endpoint")
-        follow = await watch.follow(watch.names.traj("solver"), Trajectory, collect, on_bad=ignore)  # the topology exists now
-        follow_groups = await watch.follow(watch.names.traj("solver"), TrajectoryGroup, collect_group, on_bad=ignore)
-        agent = subprocess.Popen([NODE, "agent.js", "--credential", str(creds / "rollout.json"), "--facade", endpoint,
+        every_node = watch.names.traj("solver") + ".>"  # each node publishes under its own name
+        follow = await watch.follow(every_node, Trajectory, collect, on_bad=ignore)  # the topology exists now
+        follow_groups = await watch.follow(every_node, TrajectoryGroup, collect_group, on_bad=ignore)
+        # the node's facade takes the node's own credential's password as its bearer token
+        agent = subprocess.Popen([NODE, "agent.js", "--credential", str(creds / "nodes" / "rollout-0.json"), "--facade", endpoint,
                                   "--agent-id", "js-1", "--stream"], cwd=example, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         rc = await asyncio.to_thread(up.wait, 560)
         out, err = await asyncio.to_thread(agent.communicate, timeout=120)

@@ -1,6 +1,8 @@
-"""A live ``astraflow up recipes/arithmetic`` run with a hostile node among its own: it holds the run's rollout credential
-and answers real tasks with well-formed lies (``tests/hostile.py``). The run finishes, every lie is refused with the
-claim it broke and never trained, no honest trajectory is refused, and the accounting adds up.
+"""A live ``astraflow up recipes/arithmetic`` run with a hostile node among its own: the operator issues it a node
+credential (``astraflow node add``) and it answers real tasks with well-formed lies (``tests/hostile.py``). The lies are
+refused by the claim they break, the node is quarantined and its credential revoked on the running server (its
+connection closed, a new one refused), ``astraflow status`` says which node and why, ``astraflow node admit`` lets it
+back in, the run finishes, no honest trajectory is refused and the accounting adds up.
 ``benchmarks/bench_hostile_node.py`` runs it longer and measures held-out against clean runs."""
 
 from __future__ import annotations
@@ -12,49 +14,80 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from hostile import CLAIMS, Lies, attack
-from poison_run import secured_server, start_up, versions
+from hostile import CLAIMS, Lies, attack, cli, start_up
+from poison_run import versions
 
 from astraflow.config import load_recipe
+from astraflow.streams.credentials import Credential
+from astraflow.streams.plane import NatsOptions, Plane
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+STEPS = 200
 
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def recipe_group_size(run_dir: Path) -> int:
-    return load_recipe(run_dir / "recipe.yaml").dataflow.group_size
-
-
-def test_a_lying_node_is_refused_and_the_run_goes_on(tmp_path: Path):
-    run = "hostile" + uuid.uuid4().hex[:6]
-    run_dir = tmp_path / run
-    server, cred_dir = secured_server(tmp_path, run)
-    steps = 30
-    up = start_up(run_dir, server.url, cred_dir, {"trainer.steps": steps, "eval.every": steps}, tmp_path / "up.log", timeout=600)
-    lies = Lies()
+async def connects(credential: Path) -> bool:
     try:
-        fates = asyncio.run(attack(up, run_dir, cred_dir, run, 12.0, lies, timeout=400))
-        assert up.wait(timeout=60) == 0, (tmp_path / "up.log").read_text()[-3000:]
+        plane = await Plane.connect(NatsOptions.from_credential(str(credential)), Credential.read(credential).run, "probe", wait=5)
+    except PermissionError:
+        return False
+    await plane.close()
+    return True
+
+
+def test_a_lying_node_is_quarantined_cut_off_and_let_back_in(tmp_path: Path):
+    run_dir = tmp_path / ("hostile" + uuid.uuid4().hex[:6])
+    log = tmp_path / "up.log"
+    up = start_up(run_dir, {"trainer.steps": STEPS, "eval.every": STEPS}, log, timeout=600)
+    lies, seen = Lies(), {}
+
+    async def while_it_runs(credential: Path) -> None:
+        """Cut off: a new connection is refused; status names it; admitted, it connects again."""
+        seen["refused"] = not await connects(credential)
+        status = await asyncio.to_thread(cli, "status", "--credential", str(run_dir / "credentials" / "admin.json"))
+        seen["status"] = status.stdout
+        admitted = await asyncio.to_thread(cli, "node", "admit", "hostile", "--run-dir", str(run_dir))
+        seen["admit"] = admitted.returncode, admitted.stdout + admitted.stderr
+        for _ in range(60):  # the dataflow's next audit lifts it, the launcher's next turn restores the credential
+            if seen.setdefault("back", await connects(credential)):
+                break
+            seen.pop("back")
+            await asyncio.sleep(0.5)
+
+    try:
+        fates = asyncio.run(attack(up, run_dir, 60.0, lies, timeout=400, meanwhile=while_it_runs))
+        assert up.wait(timeout=60) == 0, log.read_text()[-3000:]
     finally:
         if up.poll() is None:
             up.kill()
             up.wait()
-        server.stop()
-    kinds = Counter(lies.told.values())
-    assert set(kinds) == set(CLAIMS) | {"logprobs"} and lies.given_back, lies
-    broken = {t: kind for t, kind in lies.told.items() if kind in CLAIMS}
-    assert {t: fates[t] for t in broken} == {t: CLAIMS[kind] for t, kind in broken.items()}  # every claim lie, by its claim
+    q = lies.quarantine
+    assert q is not None and q.node == "hostile" and lies.cut_off is not None, (lies, log.read_text()[-3000:])
+    after = load_recipe(run_dir / "recipe.yaml").dataflow.quarantine_after
+    assert sum(q.failures.values()) == after and set(q.failures) <= {c.removeprefix("invalid:") for c in CLAIMS.values()}, q
+    assert seen["refused"] and "quarantined nodes" in seen["status"] and "hostile" in seen["status"], seen
+    assert seen["admit"][0] == 0 and seen.get("back"), seen
+    told = Counter(lies.told.values())
+    assert {"logprobs", "reward", "prompt", "range"} <= set(told), lies
+    for t, kind in lies.told.items():  # each claim lie by its claim, until the node was quarantined; then as quarantined
+        assert fates[t] in (CLAIMS[kind], "invalid:quarantined") if kind in CLAIMS else fates[t] != "?", (t, kind, fates[t])
+    assert sum(1 for f in fates.values() if f in CLAIMS.values()) >= after  # the failures that tipped it over
     summary = json.loads((run_dir / "summary.json").read_text())
     acc = summary["accounting"]["solver"]
     refused = Counter({f: n for f, n in acc["fates"].items() if f.startswith("invalid:")})
-    assert refused == Counter(CLAIMS[kind] for kind in broken.values())  # no honest trajectory refused
-    assert acc["adds_up"] and versions(run_dir) == list(range(steps + 1))
-    # made-up logprobs pass the dataflow; the trainer leaves out the rows whose tokens the model contradicts: at least the
-    # random letters (half of each such group), never more than the liar sent
+    assert refused == Counter(f for f in fates.values() if f.startswith("invalid:"))  # no honest trajectory refused
+    assert acc["adds_up"] and versions(run_dir) == list(range(STEPS + 1))
+    text = log.read_text()
+    assert "node hostile revoked (quarantined)" in text and "quarantined: hostile" in text and "node hostile let back in" in text
+    # made-up logprobs pass the dataflow (trained, or dropped stale in the buffer as any group may be); the trainer leaves
+    # out the rows whose tokens the model contradicts: at least the random letters (half of each such group), never more
+    # than the liar sent
+    told_logprobs = [t for t, kind in lies.told.items() if kind == "logprobs" and fates[t] != "invalid:quarantined"]
+    assert told_logprobs and {fates[t] for t in told_logprobs} <= {"trained", "dropped:stale"}, (told_logprobs, fates)
     suspects = sum(r.get("suspect_trajectories", 0) for r in metrics(run_dir))
-    trained_lies = sum(1 for t, kind in lies.told.items() if kind == "logprobs" and fates[t] == "trained")
-    g = recipe_group_size(run_dir)
-    assert trained_lies > 0 and trained_lies * (g // 2) <= suspects <= trained_lies * g, (suspects, trained_lies)
+    trained_lies = sum(1 for t in told_logprobs if fates[t] == "trained")
+    g = load_recipe(run_dir / "recipe.yaml").dataflow.group_size
+    assert trained_lies * (g // 2) <= suspects <= trained_lies * g, (suspects, trained_lies)

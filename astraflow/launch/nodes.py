@@ -1,7 +1,8 @@
 """``astraflow node``: an operator's hand on a run's rollout nodes, from the run directory.
 
 - ``add NAME``: the node's own credential (``RUN_DIR/credentials/nodes/NAME.json``); the running ``up`` lets it in on
-  its next turn (``access.py``). Hand the file to the machine: ``astraflow worker rollout --credential NAME.json``.
+  its next turn (``access.py``), and the command returns once the server does. Hand the file to the machine:
+  ``astraflow worker rollout --credential NAME.json --recipe recipe.yaml``.
 - ``revoke NAME``: the credential is deleted; ``up`` takes the user off its server, which closes the node's connection.
 - ``admit NAME``: lets a quarantined node back in (an :class:`~astraflow.streams.state.AdmitRecord`): the dataflow lifts
   the quarantine at its next audit, and ``up`` gives the node its credential back.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from astraflow.launch.rundir import RunDir
@@ -33,6 +35,25 @@ def add(run_dir: Path, name: str) -> Path:
     server = Credential.read(admin)
     issue_node(rundir.credentials, server.run, name, server.url, server.tls_ca_pem)
     return node_path(rundir.credentials, name)
+
+
+async def served(credential: Path, timeout: float = 10.0) -> bool | None:
+    """Wait until the run's server lets ``credential`` in (the running ``up`` reloads its users within a turn): True;
+    False when it still refuses it after ``timeout`` seconds; None when no server answers at its address."""
+    cred = Credential.read(credential)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            plane = await Plane.connect(NatsOptions.from_credential(str(credential)), cred.run, "node-add", wait=2)
+        except PermissionError:
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.25)
+            continue
+        except ConnectionError:
+            return None
+        await plane.close()
+        return True
 
 
 def revoke(run_dir: Path, name: str) -> bool:

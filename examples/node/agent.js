@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 // An agent in JavaScript that pulls AstraFlow tasks itself and generates with the run's own policy.
 //
-//   node agent.js --credential RUN_DIR/credentials/rollout.json --facade http://HOST:PORT [--stream] [--agent-id js-1]
+//   node agent.js --credential RUN_DIR/credentials/nodes/NAME.json --facade http://HOST:PORT [--stream] [--agent-id js-1]
 //                 [--pool raas] [--policy solver] [--tasks-at-once 4] [--max-tasks N]
 //   (an unauthenticated server: --url nats://HOST:4222 --run RUN instead of --credential)
 //

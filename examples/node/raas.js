@@ -1,12 +1,13 @@
 #!/usr/bin/env node
 // A rollout node that is not Python: it speaks AstraFlow's wire contract (schemas/*.json) directly.
 //
-//   node raas.js (--credential RUN_DIR/credentials/rollout.json | --url nats://HOST:4222 --run RUN)
+//   node raas.js (--credential RUN_DIR/credentials/nodes/NAME.json | --url nats://HOST:4222 --run RUN)
 //                [--pool raas] [--version 0] [--max-tasks N] [--idle-ms 5000] [--node-id ID]
 //
 // It binds the pool's shared durable pull consumer on the run's task stream, decodes each Task
 // (flag byte 0x01 + msgpack {"k": "task", "d": {...}}), "generates" group_size completions,
-// publishes one Trajectory per sample on af.{run}.traj.{policy} with Nats-Msg-Id = traj_id,
+// publishes one Trajectory per sample on af.{run}.traj.{policy}.NAME (its own name; .{policy} alone without a
+// node credential) with Nats-Msg-Id = traj_id,
 // and acks the task only after every trajectory is stored. A task whose min_versions asks for
 // newer weights than this node holds is nak'ed back to the pool with a delay, like the Python node;
 // one it cannot decode is dead-lettered on dlq.task with its original bytes.
@@ -57,7 +58,8 @@ function heartbeat(opt, stats, state) {
 async function main() {
   const opt = parseArgs(process.argv, { credential: "", url: "", run: "", pool: "raas", version: 0, maxTasks: Infinity,
                                         idleMs: 5000, nodeId: `node-js-${process.pid}` }, USAGE);
-  const { nc, js, run } = await joinRun(opt, `astraflow:${opt.nodeId}`);
+  const { nc, js, run, node } = await joinRun(opt, `astraflow:${opt.nodeId}`);
+  const trajSubject = (policy) => `af.${run}.traj.${policy}` + (node ? `.${node}` : "");
   const consumer = await js.consumers.get(`AF_${run}_TASK`, opt.pool); // the shared durable: joining the pool
   const stats = { tasks: 0, trajectories: 0, naks: 0, rejected: 0 };
   const beat = (state) => nc.publish(`af.${run}.hb.rollout.${opt.nodeId}`, heartbeat(opt, stats, state));
@@ -94,7 +96,7 @@ async function main() {
           reward: reward(unbyt5(g.ids), task.meta || {}), finish_reason: g.finish, node_id: opt.nodeId,
           created_at: Date.now() / 1000, meta: { runtime: "node" },
         };
-        acks.push(js.publish(`af.${run}.traj.${task.policy}`, encodeMessage("trajectory", traj), { msgID: trajId }));
+        acks.push(js.publish(trajSubject(task.policy), encodeMessage("trajectory", traj), { msgID: trajId }));
       }
       await Promise.all(acks); // stored by the server ...
       m.ack(); // ... and only then the task is done

@@ -22,9 +22,11 @@ function parseArgs(argv, defaults, usage) {
 }
 
 // ---------------------------------------------------------------- joining a run
-// A secure run (the default of `astraflow up`) hands each role a credential file, RUN_DIR/credentials/rollout.json:
-// {"user", "password", "run", "url", "tls_ca_pem"}. The server lets the rollout user subscribe only to its own
-// inbox prefix, _INBOX_{user}: a client that keeps the default _INBOX prefix gets no replies (every request times out).
+// A secure run (the default of `astraflow up`) gives each rollout node its own credential file,
+// RUN_DIR/credentials/nodes/NAME.json (`astraflow node add NAME --run-dir RUN_DIR`):
+// {"user": "node-NAME", "password", "run", "url", "tls_ca_pem"}. The server lets the node subscribe only to its own
+// inbox prefix, _INBOX_{user}: a client that keeps the default _INBOX prefix gets no replies (every request times out);
+// and publish trajectories only under its own name, af.{run}.traj.{policy}.NAME (`node` below; null without one).
 async function joinRun(opt, name) {
   let run = opt.run;
   let conn = { servers: opt.url, name, maxReconnectAttempts: 30 };
@@ -37,7 +39,8 @@ async function joinRun(opt, name) {
   }
   if (!conn.servers || !run) throw new Error("give --credential FILE, or --url URL and --run RUN");
   const nc = await connect(conn);
-  return { nc, js: nc.jetstream(), run };
+  const node = conn.user && conn.user.startsWith("node-") ? conn.user.slice("node-".length) : null;
+  return { nc, js: nc.jetstream(), run, node };
 }
 
 // ---------------------------------------------------------------- messages

@@ -6,7 +6,7 @@ thread. A call under ``/s/{token}/v1/...`` belongs to one sample: the facade rec
 token ids, completion token ids, behaviour logprobs and per-token versions, which become that
 sample's trajectory. The token is random and is the sample's capability: whoever holds it may
 generate in it. Every other route needs ``Authorization: Bearer {api_key}`` when the facade has
-a key (a node in a secure run uses its rollout credential's password).
+a key (a node in a secure run uses its own credential's password).
 
 Concurrent calls on one policy share the engine: calls that queue while it generates go into
 its next ``generate`` together. Agent sessions (``/v1/sessions``) are routed to the node's
@@ -202,7 +202,7 @@ class ChatFacade:
             return
         given = (header or "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            raise Unauthorized("a bearer token is required: the run's rollout credential password (credentials/rollout.json)")
+            raise Unauthorized("a bearer token is required: the node's credential password (credentials/nodes/NAME.json)")
 
     def policy_for(self, model: str | None) -> str:
         return model if model in self.handles else next(iter(self.handles))
