@@ -1,17 +1,19 @@
-"""A node that lies, against live ``astraflow up recipes/arithmetic`` runs: clean runs, runs with the lying node where
-the dataflow believes what nodes claim (``dataflow.trust_claims=true``: how every run was before the claim checks),
-and runs with the lying node and the checks on; the same seeds for each.
+"""A node that lies, against live ``astraflow up recipes/arithmetic`` runs (the embedded server): clean runs; runs with
+the lying node where the dataflow believes what nodes claim (``dataflow.trust_claims=true``: how every run was before
+the claim checks); runs with the claim checks on and no quarantine (``dataflow.quarantine_after=0``); and runs as
+shipped, where the node is quarantined and cut off. The same seeds for each.
 
-The lying node (``tests/hostile.py``) holds the run's own rollout credential. Once training has started it pulls real
-tasks from the pool for ``--lie-s`` seconds and answers every other one with well-formed lies: random completion
-tokens claiming reward 1 for half the group, answers to a prompt of its own choosing, rewards of 1e29, and
-true claims with made-up behaviour logprobs (for the trainer's check of tokens against the model).
+The lying node (``tests/hostile.py``) holds a node credential the operator issued it (``astraflow node add``). Once
+training has started it pulls real tasks from the pool for ``--lie-s`` seconds (or until it is cut off) and answers
+every other one with well-formed lies: true claims with made-up behaviour logprobs (for the trainer's check of tokens
+against the model), random completion tokens claiming reward 1 for half the group, answers to a prompt of its own
+choosing, and rewards of 1e29.
 
 Reported per run: held-out reward (mean of the last five evaluations), lies told, lies that broke a claim and were
 trained (goal 0 with the checks), honest trajectories refused (goal 0), trajectories the trainer left out as suspect
-and the largest logprob gap of any step (``metrics.jsonl``), the largest batch reward mean; and what the checks
-cost per trajectory (``ClaimCheck.cost``, from ``bench_validation.py``'s measurement, next to the plane's per-trajectory
-time). Writes ``benchmarks/results/hostile_node.json``.
+and the largest logprob gap of any step (``metrics.jsonl``), the largest batch reward mean; for the shipped runs, the
+time from the first lie to the quarantine and from the quarantine to the node's connection closed; and what the
+claim checks cost per trajectory (``ClaimCheck.cost``). Writes ``benchmarks/results/hostile_node.json``.
 
     python benchmarks/bench_hostile_node.py [--seeds 2] [--steps 300] [--lie-s 60]
 """
@@ -37,11 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from hostile import CLAIMS, Lies, attack  # noqa: E402
-from poison_run import secured_server, start_up  # noqa: E402
+from hostile import CLAIMS, Lies, attack, start_up  # noqa: E402
 from result_files import write  # noqa: E402
 
-MODES = ("clean", "lying, claims believed", "lying, claims checked")
+MODES = ("clean", "lying, claims believed", "lying, claims checked", "lying, node quarantined")
+SETS = {MODES[1]: {"dataflow.trust_claims": "true", "dataflow.quarantine_after": 0}, MODES[2]: {"dataflow.quarantine_after": 0}}
 
 
 def held_out_last5(summary: dict[str, Any]) -> float:
@@ -54,20 +56,17 @@ def live_run(base: Path, mode: str, seed: int, steps: int, lie_s: float) -> dict
     tmp = base / run
     tmp.mkdir()
     run_dir = tmp / run
-    server, cred_dir = secured_server(tmp, run)
-    sets: dict[str, Any] = {"trainer.steps": steps, "eval.every": 20, "trainer.seed": seed,
-                            "dataflow.trust_claims": str(mode == MODES[1]).lower()}
-    up = start_up(run_dir, server.url, cred_dir, sets, tmp / "up.log", timeout=3600)
+    sets: dict[str, Any] = {"trainer.steps": steps, "eval.every": 20, "trainer.seed": seed, **SETS.get(mode, {})}
+    up = start_up(run_dir, sets, tmp / "up.log", timeout=3600)
     lies, fates, t0 = Lies(), {}, time.monotonic()
     try:
         if mode != MODES[0]:
-            fates = asyncio.run(attack(up, run_dir, cred_dir, run, lie_s, lies, seed, timeout=3600))
+            fates = asyncio.run(attack(up, run_dir, lie_s, lies, seed, timeout=3600))
         code = up.wait(timeout=3600)
     finally:
         if up.poll() is None:
             up.kill()
             up.wait()
-        server.stop()
     summary = json.loads((run_dir / "summary.json").read_text())
     acc = summary["accounting"]["solver"]
     lie_fates = Counter(fates.values())
@@ -82,6 +81,10 @@ def live_run(base: Path, mode: str, seed: int, steps: int, lie_s: float) -> dict
            "logprob_gap_max": round(max((r.get("logprob_gap_max", 0.0) for r in rows), default=0.0), 3),
            "max_batch_reward_mean": max((r.get("reward_mean", 0.0) for r in rows), default=0.0), "fates": acc["fates"],
            "adds_up": acc["adds_up"]}
+    if lies.quarantine is not None:  # seconds from the first lie to the quarantine, and on to the node's connection closed
+        out["quarantine_s"] = round(lies.quarantine.at - lies.started, 2)
+        out["cut_off_s"] = round(lies.cut_off - lies.quarantine.at, 2) if lies.cut_off is not None else None
+        out["refused_as_quarantined"] = lie_fates.get("invalid:quarantined", 0)
     print(json.dumps(out), flush=True)
     return out
 
@@ -133,12 +136,13 @@ def main() -> None:
     cost = claim_cost()
     t = Table(title=f"a lying node, {a.steps} steps, lying for {a.lie_s:.0f} s")
     for c in ("mode", "seed", "held-out v0", "held-out (last 5)", "lies told", "claim lies trained", "honest refused", "suspects",
-              "max gap", "max batch reward"):
+              "max gap", "max batch reward", "quarantined after", "cut off after"):
         t.add_column(c)
     for r in runs:
         t.add_row(r["mode"], str(r["seed"]), f"{r['held_out_v0']:.3f}", f"{r['held_out_last5']:.3f}", str(r["lies_told"]),
                   str(r["lies_trained"]), str(r["honest_refused"]), str(r["suspect_trajectories"]), f"{r['logprob_gap_max']:.2f}",
-                  f"{r['max_batch_reward_mean']:.3g}")
+                  f"{r['max_batch_reward_mean']:.3g}", f"{r['quarantine_s']} s" if "quarantine_s" in r else "",
+                  f"{r['cut_off_s']} s" if r.get("cut_off_s") is not None else "")
     console.print(t)
     console.print(f"claim checks per trajectory: {cost}")
     means = {m: statistics.mean(r["held_out_last5"] for r in runs if r["mode"] == m) for m in MODES}

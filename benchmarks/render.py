@@ -69,19 +69,21 @@ def house(r: dict[str, Any]) -> str:
 
 def hostile_node(r: dict[str, Any]) -> str:
     def opt(run: dict[str, Any], key: str, fmt: str = "{}") -> str:
-        return fmt.format(run[key]) if key in run else "not recorded"
+        return fmt.format(run[key]) if run.get(key) is not None else "–"
 
     rows = ["| run | seed | held-out v0 | held-out, last 5 evaluations | lies told | lies that broke a claim, trained | "
             "honest trajectories refused | left out by the trainer (suspect) | largest logprob gap of a step | "
-            "largest batch reward mean |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "largest batch reward mean | first lie to quarantine | quarantine to connection closed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in sorted(r["runs"], key=lambda x: (x["seed"], x["mode"])):
         rows.append(f"| {run['mode']} | {run['seed']} | {run['held_out_v0']:.3f} | {run['held_out_last5']:.3f} | {run['lies_told']:,} | "
                     f"{run['lies_trained']:,} | {run['honest_refused']} | {opt(run, 'suspect_trajectories', '{:,}')} | "
-                    f"{opt(run, 'logprob_gap_max', '{:.2f}')} | {run['max_batch_reward_mean']:.3g} |")
+                    f"{opt(run, 'logprob_gap_max', '{:.2f}')} | {run['max_batch_reward_mean']:.3g} | "
+                    f"{opt(run, 'quarantine_s', '{:.1f} s')} | {opt(run, 'cut_off_s', '{:.1f} s')} |")
     for mode, mean in r["held_out_last5_mean"].items():
-        rows.append(f"| mean: {mode} | | | {mean:.3f} | | | | | | |")
+        rows.append(f"| mean: {mode} | | | {mean:.3f} | | | | | | | | |")
     cost = ", ".join(f"`{k}` {v:,.0f} µs" for k, v in r["claim_check_us"].items())
-    return (f"{r['steps']} steps, the lying node lies for {r['lie_s']:.0f} s. " + provenance(r) + "\n".join(rows)
+    return (f"{r['steps']} steps, the lying node lies for {r['lie_s']:.0f} s or until it is cut off. " + provenance(r) + "\n".join(rows)
             + f"\n\nClaim checks per trajectory (decode, prompt tokens, range, the reward scored again), by reward: {cost}.\n")
 
 
