@@ -390,3 +390,23 @@ async def test_a_node_that_keeps_lying_is_quarantined_until_an_operator_admits_i
     await serve_as(h, "liar", good, 1)
     await h.until(lambda: kept(h) >= 3)
     assert h.acc().fates.get("invalid:quarantined") == 1 and h.acc().adds_up
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_a_flood_is_cut_off_after_the_threshold_and_costs_no_more_checks(harness: Harness):
+    """A node floods the plane with answers to tasks that were never issued: quarantined at its third, and the rest of
+    the flood is refused as quarantined before its claims are scored again."""
+    h = harness
+    await h.turn(2)
+    (task,) = (await h.task_sub.pull(batch=1, timeout=0.5))[:1]
+    flood = [good(task.msg.model_copy(update={"task_id": f"t9{k:07d}"}), "solver", 0, 0) for k in range(200)]
+    after = h.recipe.dataflow.quarantine_after
+    await h.node.publish_many([(h.node.names.traj("solver", "flood"), t, None) for t in flood[:after]])
+    await h.until(lambda: h.df.reputation.refuses("flood"))
+    await h.node.publish_many([(h.node.names.traj("solver", "flood"), t, None) for t in flood[after:]])
+    await task.ack()
+    await h.until(lambda: h.df.stats["invalid.task"] + h.df.stats["invalid.quarantined"] >= len(flood))
+    assert h.df.stats["invalid.task"] == after and h.df.stats["invalid.quarantined"] == len(flood) - after
+    assert h.df.reputation.quarantined["flood"].failures == {"task": after}
+    assert h.df.stats["claims.checked"] == after  # the flood past the threshold is not scored again
+    assert h.acc().adds_up and not h.acc().fates  # nothing it sent settled a task of the run

@@ -177,11 +177,13 @@ class TrajectoryIngest:
     async def check_claims(self, items: Sequence[tuple[Incoming, Trajectory, Invalid | None]]) -> list[Invalid | None]:
         """What each trajectory's claims fail on (None: nothing, or not checked), in a worker thread: scoring a
         completion again may take milliseconds, and the loop serves batches meanwhile. A trajectory whose arrays
-        could not be read, or of a policy the run does not have, is not checked (admission turns it away)."""
+        could not be read, of a policy the run does not have, or of a quarantined node, is not checked (admission turns
+        it away)."""
         out: list[Invalid | None] = [None] * len(items)
         if self.claims is None:
             return out
-        todo = [k for k, (_, t, unreadable) in enumerate(items) if unreadable is None and t.policy in self.lanes]
+        todo = [k for k, (d, t, unreadable) in enumerate(items)
+                if unreadable is None and t.policy in self.lanes and not self.reputation.refuses(sender(d.subject))]
         if todo:
             asked = [(items[k][1], self.in_flight.prompt_of(items[k][1].task_id)) for k in todo]
             for k, bad in zip(todo, await asyncio.to_thread(self.claims.check_all, asked), strict=True):
@@ -228,11 +230,13 @@ class TrajectoryIngest:
         if lane is None:
             return Admission("reject", f"invalid policy: {t.policy!r}; run has {list(self.lanes)}", "policy")
         s = s or measure([t])[0]
-        bad = (self.quarantined(node) or unreadable or check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s)
-               or claim)
+        cut_off = self.quarantined(node)
+        bad = cut_off or unreadable or check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s) or claim
         if lane.is_closed(t.task_id):  # settled or batched before (a redelivery after a restart, a late copy)
             return Admission("reject", bad.reason, bad.code) if bad else Admission("ack", "redelivered_settled")
         if not self.waits_on(lane, t.task_id):
+            if cut_off is not None:
+                return Admission("reject", cut_off.reason, cut_off.code)
             return Admission("reject", f"invalid task: {t.task_id!r} is not a task this dataflow issued and waits on", "task")
         if bad is None:
             bad = check_versions(t, self.in_flight.floor(t.task_id, t.policy), lane.version, s)

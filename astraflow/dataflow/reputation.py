@@ -43,8 +43,9 @@ class Reputation:
     quarantined: dict[str, Quarantine] = field(default_factory=dict)
     failed: dict[str, dict[str, str]] = field(default_factory=dict)  # node -> its failed tasks -> the first code
 
-    def refuses(self, node: str) -> bool:
-        return node in self.quarantined
+    def refuses(self, node: str | None) -> bool:
+        """Whether ``node``'s trajectories are refused (None: a sender no subject names, never)."""
+        return node is not None and node in self.quarantined
 
     def blame(self, node: str, task_id: str, code: str, reason: str, now: float | None = None) -> Quarantine | None:
         """Count a refusal against ``node``; the node's :class:`Quarantine` when this failure tips it over, else None."""
