@@ -154,6 +154,10 @@ class MemoryDelivery:
     def stream_seq(self) -> int:
         return self.seq
 
+    @property
+    def subject(self) -> str:
+        return f"af.run.traj.{self.msg.policy}.node-0"  # as a node credential publishes it
+
     async def ack(self) -> None:
         self.log.append(("ack", self.seq))
 
