@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from astraflow.launch.supervisor import CrashLoop, LocalPool, RoleSpec, Supervisor
+from astraflow.launch.up import enforce
 
 PY = sys.executable
 
@@ -251,3 +252,17 @@ def test_a_role_dies_with_its_launcher_even_under_nohup():
     while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z":
         assert time.monotonic() < deadline, "the role outlived its launcher"
         time.sleep(0.05)
+
+
+def test_a_quarantined_node_of_the_launcher_is_stopped_not_restarted_and_started_again_once_let_back_in(tmp_path: Path):
+    sup = Supervisor(command, lambda name: tmp_path / f"{name}.log")
+    for name in ("rollout-0", "rollout-1"):
+        sup.start(RoleSpec(name, "rollout", ("sleep",)))
+    assert enforce(None, sup, {"rollout-1", "elsewhere"}) == ["stopped rollout-1: quarantined"]
+    first = sup.children["rollout-1"].proc
+    first.wait(timeout=10)
+    assert sup.poll() == [] and sup.children["rollout-1"].state == "quarantined"  # its exit is no crash: no restart
+    assert [c.name for c in sup.live("rollout")] == ["rollout-0"]
+    assert enforce(None, sup, {"elsewhere"}) == ["started rollout-1 again: let back in"]
+    assert sup.children["rollout-1"].alive() and sup.children["rollout-1"].proc is not first
+    sup.stop(timeout=5)

@@ -59,7 +59,11 @@ class ServerAccess:
         before_nodes, before_shut = self._applied
         if self.server is None or (nodes, shut) == self._applied:
             return []
-        self.server.reload(self.config())
+        try:
+            self.server.reload(self.config())
+        except Exception:
+            self._applied = (before_nodes, before_shut)  # tried again next turn
+            raise
         changes = [f"node {n} revoked (quarantined)" for n in sorted(shut - before_shut)]
         changes += [f"node {n} let back in" for n in sorted((before_shut - shut) & nodes)]
         changes += [f"node {n} joined" for n in sorted(nodes - before_nodes - shut)]

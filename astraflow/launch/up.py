@@ -189,7 +189,10 @@ def enforce(access: ServerAccess | None, sup: Supervisor, quarantined: Collectio
             sup.retire(name)
             child.state = "quarantined"
             done.append(f"stopped {name}: quarantined")
-    changes = access.sync(quarantined) if access is not None else []
+    try:
+        changes = access.sync(quarantined) if access is not None else []
+    except (OSError, RuntimeError, TimeoutError) as e:  # the server's config not applied: tried again next turn
+        changes = [f"[yellow]the server's users could not be updated ({type(e).__name__}: {e}); trying again[/]"]
     for name, child in list(sup.children.items()):
         if child.state == "quarantined" and name not in quarantined:
             sup.start(child.spec)
