@@ -187,7 +187,7 @@ async def test_sessions_need_the_runs_rollout_secret(plane: Plane, weights):
     async with Node(plane, lambda p: "4", key="s3cret") as node:
         body = {"task": task(5).model_dump(mode="json")}
         status, err = await asyncio.to_thread(http, "POST", f"{node.endpoint}/v1/sessions", body)
-        assert status == 401 and "rollout credential" in err["error"]["message"]
+        assert status == 401 and "node's credential" in err["error"]["message"]
         status, _ = await asyncio.to_thread(http, "POST", f"{node.endpoint}/v1/sessions", body, "s3cret")
         assert status == 200
 
