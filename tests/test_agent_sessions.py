@@ -183,7 +183,7 @@ async def test_a_node_with_older_weights_says_so_and_serves_once_they_arrive(pla
     assert node.stats["sessions_abandoned"] == 1 and node.stats["stale_refusals"] == 1
 
 
-async def test_sessions_need_the_runs_rollout_secret(plane: Plane, weights):
+async def test_sessions_need_the_nodes_secret(plane: Plane, weights):
     async with Node(plane, lambda p: "4", key="s3cret") as node:
         body = {"task": task(5).model_dump(mode="json")}
         status, err = await asyncio.to_thread(http, "POST", f"{node.endpoint}/v1/sessions", body)
