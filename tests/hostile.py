@@ -121,9 +121,10 @@ async def tell(plane: Plane, d: Delivery[Task], k: int, lies: Lies, rng: random.
     lies.told[task.task_id] = kind
 
 
-async def fates_of(run_dir: Path, policy: str, task_ids: list[str]) -> dict[str, str]:
-    """The fate the finished run gave each task (``"?"``: none recorded), read from its store: a server of our own on it
-    (the run's embedded one stopped with ``up``)."""
+async def fates_of(run_dir: Path, policy: str, lies: Lies) -> dict[str, str]:
+    """The fate the finished run gave each task the node lied about (``"?"``: none recorded), and the node's quarantine
+    (``lies.quarantine``), read from the run's store: a server of our own on it (the run's embedded one stopped with
+    ``up``)."""
     recipe, cred_dir = load_recipe(run_dir / "recipe.yaml"), run_dir / "credentials"
     run = Credential.read(cred_dir / "admin.json").run
     users = ServerAccess(cred_dir, run, recipe.policy_names, Scope(run, recipe.policy_names, (recipe.rollout.pool,))).config()
@@ -131,18 +132,16 @@ async def fates_of(run_dir: Path, policy: str, task_ids: list[str]) -> dict[str,
     try:
         plane = await Plane.connect(NatsOptions.from_credential(str(cred_dir / "admin.json"), url=server.url), run, "fates")
         out = {}
-        for t in task_ids:
+        for t in lies.told:
             rec = await plane.state.get(FateRecord, policy, t)
             out[t] = rec.fate if rec is not None else "?"
+        state = await plane.state.get(DataflowState)
+        if state is not None and "hostile" in state.quarantined:  # still quarantined at the end (not admitted again)
+            lies.quarantine = state.quarantined["hostile"]
         await plane.close()
         return out
     finally:
         server.stop()
-
-
-async def admin(run_dir: Path) -> Plane:
-    path = run_dir / "credentials" / "admin.json"
-    return await Plane.connect(NatsOptions.from_credential(str(path)), Credential.read(path).run, "test-admin", wait=30)
 
 
 def start_up(run_dir: Path, sets: dict[str, Any], log: Path, timeout: float = 900) -> subprocess.Popen[bytes]:
@@ -183,13 +182,7 @@ async def attack(up: subprocess.Popen[bytes], run_dir: Path, seconds: float, lie
     credential = await add_node(run_dir, "hostile", timeout)
     await until(training, "training to start", timeout)
     await hostile_node(credential, load_recipe(run_dir / "recipe.yaml"), seconds, lies, seed)
-    plane = await admin(run_dir)
-    try:
-        state = await plane.state.get(DataflowState)
-        lies.quarantine = state.quarantined.get("hostile") if state is not None else None
-    finally:
-        await plane.close()
     if meanwhile is not None:
         await meanwhile(credential)
     await until(finished, "the run to finish", timeout, every=1.0)
-    return await fates_of(run_dir, "solver", list(lies.told))
+    return await fates_of(run_dir, "solver", lies)

@@ -19,6 +19,7 @@ from poison_run import versions
 
 from astraflow.config import load_recipe
 from astraflow.streams.credentials import Credential
+from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.plane import NatsOptions, Plane
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -47,6 +48,11 @@ def test_a_lying_node_is_quarantined_cut_off_and_let_back_in(tmp_path: Path):
     async def while_it_runs(credential: Path) -> None:
         """Cut off: a new connection is refused; status names it; admitted, it connects again."""
         seen["refused"] = not await connects(credential)
+        admin = run_dir / "credentials" / "admin.json"
+        plane = await Plane.connect(NatsOptions.from_credential(str(admin)), Credential.read(admin).run, "test-admin", wait=10)
+        state = await plane.state.get(DataflowState)  # before it is admitted again (what the store has at the end)
+        lies.quarantine = state.quarantined.get("hostile") if state is not None else None
+        await plane.close()
         status = await asyncio.to_thread(cli, "status", "--credential", str(run_dir / "credentials" / "admin.json"))
         seen["status"] = status.stdout
         admitted = await asyncio.to_thread(cli, "node", "admit", "hostile", "--run-dir", str(run_dir))
