@@ -11,6 +11,8 @@ Each delivery of the TRAJ stream goes through, in order:
 1. ``admit`` — the one place a trajectory is accepted or turned away, in this order:
 
    - a policy the run does not have: dead-lettered;
+   - a node that is quarantined (``reputation.py``: the node its subject names): invalid (``quarantined``), whatever
+     else it says (its claims are not even scored);
    - arrays that could not be read whole (step 0): invalid (``payload``);
    - its values are checked (``validate.check_trajectory``: ids, group size, reward, tokens in
      the policy's vocabulary, lengths, logprobs, mask), then its claims (``claims.ClaimCheck``: the
@@ -31,7 +33,7 @@ Each delivery of the TRAJ stream goes through, in order:
    yet, the task is settled in this lane as ``invalid:{code}`` (its partial group released; the
    task is not issued again: its prompt comes round in the next epoch). Otherwise (a task
    unknown or settled, a copy of a sample held already) nothing else changes. Every rejection is
-   counted as ``invalid.{code}`` in heartbeats. A trajectory that does not even decode (a value
+   counted as ``invalid.{code}`` in heartbeats, and against the node that sent it (``reputation.Reputation.blame``). A trajectory that does not even decode (a value
    outside the wire's range) is dead-lettered by the consumer before ingest sees it; the dataflow
    reads the ids it claims back from ``dlq.traj`` and settles its task the same way, as
    ``invalid:schema`` (:meth:`TrajectoryIngest.undecodable`). A group message carrying more
