@@ -54,7 +54,7 @@ class Lies:
     told: dict[str, str] = field(default_factory=dict)  # task id -> the kind of lie its trajectories told
     given_back: int = 0  # real tasks left to the honest nodes
     started: float = 0.0  # time.time() of the first lie
-    cut_off: float | None = None  # time.time() its connection was found closed (its credential revoked)
+    cut_off: float | None = None  # time.time() the server closed its connection (its credential revoked)
     quarantine: Quarantine | None = None  # the dataflow's, read once the node stopped
 
 
@@ -89,7 +89,7 @@ async def hostile_node(credential: Path, recipe: Recipe, seconds: float, lies: L
             except Exception:  # the connection is gone: revoked
                 pulled = []
             if not plane.connected:
-                lies.cut_off = time.time()
+                lies.cut_off = time.time() - plane.disconnected_for()  # when the server closed its connection
                 break
             for d in pulled:
                 if end is None:
@@ -99,7 +99,7 @@ async def hostile_node(credential: Path, recipe: Recipe, seconds: float, lies: L
                 except Exception:  # a publish or an ack on a connection the server closed
                     if plane.connected:
                         raise
-                    lies.cut_off = time.time()
+                    lies.cut_off = time.time() - plane.disconnected_for()  # when the server closed its connection
                     break
                 k += 1
             await asyncio.sleep(0)
