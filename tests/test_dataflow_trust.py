@@ -410,3 +410,22 @@ async def test_a_flood_is_cut_off_after_the_threshold_and_costs_no_more_checks(h
     assert h.df.reputation.quarantined["flood"].failures == {"task": after}
     assert h.df.stats["claims.checked"] == after  # the flood past the threshold is not scored again
     assert h.acc().adds_up and not h.acc().fates  # nothing it sent settled a task of the run
+
+
+@with_recipe(max_staleness=3, max_tasks_in_flight=4)
+async def test_a_replay_of_another_nodes_trajectory_is_refused_and_counted_against_the_replayer(harness: Harness):
+    h = harness
+    await h.turn(2)
+    (d,) = await h.task_sub.pull(batch=1, timeout=0.5)
+    first, second = (good(d.msg, "solver", i, 0) for i in range(2))
+    await h.node.publish_many([(h.node.names.traj("solver", "honest"), first, None)])  # held: its group is not complete
+    await h.until(lambda: h.df.journal.holds(first.traj_id))
+    await h.node.publish_many([(h.node.names.traj("solver", "copycat"), first, None)])  # the same sample, another sender
+    await h.until(lambda: h.df.stats["invalid.replay"] == 1)
+    assert h.df.reputation.failures("copycat") == 1 and h.df.reputation.failures("honest") == 0
+    await h.node.publish_many([(h.node.names.traj("solver", "honest"), second, None)])
+    await d.ack()
+    await h.until(lambda: kept(h) == 1)  # the honest group completes as if nothing happened
+    assert h.acc().adds_up and not any(f.startswith("invalid:") for f in h.acc().fates)
+    (rej,) = await dead_letters(h)
+    assert rej.reason.startswith("invalid replay: ") and rej.subject == h.node.names.traj("solver", "copycat")

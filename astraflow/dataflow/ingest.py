@@ -25,7 +25,8 @@ Each delivery of the TRAJ stream goes through, in order:
    - its token versions (``validate.check_versions``): none newer than the policy's newest
      announced version (a version the dataflow has not heard of yet is first confirmed on the
      plane), generated ones not older than the task's ``min_versions``;
-   - a redelivery of a trajectory held now replaces the held delivery; another sample for a
+   - a redelivery of a trajectory held now replaces the held delivery, but the same trajectory from
+     another sender is a replay (``replay``: turned away, the held one stays); another sample for a
      group already complete is acked and ignored.
 
    **The invalid fate.** An invalid trajectory is dead-lettered with its reason after the next
@@ -33,7 +34,8 @@ Each delivery of the TRAJ stream goes through, in order:
    yet, the task is settled in this lane as ``invalid:{code}`` (its partial group released; the
    task is not issued again: its prompt comes round in the next epoch). Otherwise (a task
    unknown or settled, a copy of a sample held already) nothing else changes. Every rejection is
-   counted as ``invalid.{code}`` in heartbeats, and against the node that sent it (``reputation.Reputation.blame``). A trajectory that does not even decode (a value
+   counted as ``invalid.{code}`` in heartbeats, and against the node that sent it
+   (``reputation.Reputation.blame``). A trajectory that does not even decode (a value
    outside the wire's range) is dead-lettered by the consumer before ingest sees it; the dataflow
    reads the ids it claims back from ``dlq.traj`` and settles its task the same way, as
    ``invalid:schema`` (:meth:`TrajectoryIngest.undecodable`). A group message carrying more
@@ -247,6 +249,9 @@ class TrajectoryIngest:
         held = self.journal.holds(t.traj_id)
         if bad is not None:
             return Admission("invalid", bad.reason, bad.code, settles=not held and not lane.is_buffered(t.task_id))
+        if held and (first := self.held_from(t.traj_id)) != node:  # a copy from another sender: a replay, not a redelivery
+            return Admission("reject", f"invalid replay: {t.traj_id} came from {first or 'an unnamed sender'}, sent again by "
+                                       f"{node or 'an unnamed sender'}", "replay")
         if held:  # redelivered while we hold it: the newer delivery is the live one
             return Admission("refresh", "redelivered_held")
         if lane.is_buffered(t.task_id):  # another sample for a complete group
@@ -286,6 +291,10 @@ class TrajectoryIngest:
         self.journal.hold(t.traj_id, d)
         if held is not None:
             self.complete(self.lanes[t.policy], held)
+
+    def held_from(self, traj_id: str) -> str | None:
+        """The node the held delivery of ``traj_id`` came from (every held delivery is an ``Incoming``)."""
+        return sender(getattr(self.journal.held[traj_id], "subject", ""))
 
     def quarantined(self, node: str | None) -> Invalid | None:
         q = self.reputation.quarantined.get(node) if node is not None else None
