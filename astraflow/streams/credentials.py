@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from astraflow.streams.permissions import NODE_PREFIX, User
+from astraflow.streams.permissions import NODE_PREFIX, User, node_of
 from astraflow.streams.subjects import check_token
 
 
@@ -59,11 +59,6 @@ def run_users(policies: tuple[str, ...]) -> list[tuple[str, str, str]]:
     """(user, role, policy) of every role credential a run gets: one trainer user per policy (nodes have their own)."""
     return [("admin", "admin", "*"), ("dataflow", "dataflow", "*"), *((f"trainer-{p}", "trainer", p) for p in policies),
             ("evaluator", "evaluator", "*"), ("observer", "observer", "*")]
-
-
-def node_of(user: str | None) -> str | None:
-    """The node a user name is the credential of (``node-NAME`` -> ``NAME``), None for a role's."""
-    return user[len(NODE_PREFIX):] if user and user.startswith(NODE_PREFIX) else None
 
 
 def node_path(cred_dir: Path, name: str) -> Path:

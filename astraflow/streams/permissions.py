@@ -41,6 +41,12 @@ from pathlib import Path
 API = "$JS.API"
 FAMILIES = ("task", "traj", "batch", "weights", "dlq")
 NODE_PREFIX = "node-"  # user name of a rollout node's own credential: ``node-{name}``
+
+
+def node_of(user: str | None) -> str | None:
+    """The node a user name is the credential of (``node-NAME`` -> ``NAME``), None for a role's."""
+    return user[len(NODE_PREFIX):] if user and user.startswith(NODE_PREFIX) else None
+
 ROLES = ("dataflow", "trainer", "rollout", "evaluator", "observer", "admin")  # trainers are users ``trainer-{policy}``
 
 
@@ -168,7 +174,7 @@ def permissions(role: str, s: Scope, policy: str = "*", user: str | None = None)
                    f"{API}.STREAM.MSG.GET.{s.kv_stream('fates')}"])
     elif role == "rollout":
         pools = s.pools
-        node = user[len(NODE_PREFIX):] if user.startswith(NODE_PREFIX) else None  # a node's own credential: its own subject only
+        node = node_of(user)  # a node's own credential: its own subject only
         p.add(pub=[*(x for pool in pools for x in _pulls(s.stream("task"), pool)), *_reads_weights(s),
                    s.subject("traj", f"*.{node}" if node else ">"), f"$O.{s.traj_obj_bucket}.C.>", f"$O.{s.traj_obj_bucket}.M.>",
                    s.subject("dlq", "task"), s.subject("dlq", "weights"), s.kv("state", "keyframe_request.*")])

@@ -42,12 +42,12 @@ from astraflow.streams.consuming import (
     read_history,
     read_subject,
 )
-from astraflow.streams.credentials import Credential, node_of, redact
+from astraflow.streams.credentials import Credential, redact
 from astraflow.streams.direct import read_seqs
 from astraflow.streams.kv import RunState
 from astraflow.streams.messages import Heartbeat, Message, Rejected, Trajectory, TrajectoryGroup
 from astraflow.streams.objects import ObjectStore, object_stream
-from astraflow.streams.permissions import inbox_prefix
+from astraflow.streams.permissions import inbox_prefix, node_of
 from astraflow.streams.subjects import Names
 from astraflow.streams.topology import Topology, TopologyMaker
 
