@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from pathlib import Path
 
-from astraflow.streams.credentials import Credential, issue, issue_node, node_names, server_users
+from astraflow.streams.credentials import Credential, issue_node, issued, node_names, server_users
 from astraflow.streams.permissions import Scope, render_accounts
 from astraflow.streams.server import EmbeddedServer
 
@@ -41,7 +41,7 @@ class ServerAccess:
         recorded as what the server has."""
         nodes = frozenset(node_names(self.cred_dir))
         shut = self.quarantined & nodes
-        creds = issue(self.cred_dir, self.run, self.policies)  # read back as they are (made when new)
+        creds = issued(self.cred_dir, self.policies)  # as ``up`` and ``node add`` wrote them: nothing rewritten per reload
         self._applied = (nodes, shut)
         return render_accounts(server_users(creds, self.policies, shut), self.scope) + self.tail
 

@@ -86,6 +86,13 @@ def issue(cred_dir: Path, run: str, policies: tuple[str, ...], url: str = "", tl
     return out
 
 
+def issued(cred_dir: Path, policies: tuple[str, ...]) -> dict[str, Credential]:
+    """The credentials ``issue`` wrote under ``cred_dir``, by user, read as they are (nothing is written)."""
+    out = {user: Credential.read(cred_dir / f"{user}.json") for user, _, _ in run_users(policies)}
+    out.update({NODE_PREFIX + name: Credential.read(node_path(cred_dir, name)) for name in node_names(cred_dir)})
+    return out
+
+
 def issue_node(cred_dir: Path, run: str, name: str, url: str = "", tls_ca_pem: str | None = None) -> Credential:
     """Node ``name``'s own credential (``cred_dir/nodes/NAME.json``): kept when it exists, else made."""
     return _kept(node_path(cred_dir, name), NODE_PREFIX + name, run, url, tls_ca_pem)
