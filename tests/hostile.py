@@ -88,7 +88,7 @@ async def hostile_node(credential: Path, recipe: Recipe, seconds: float, lies: L
                 pulled = await tasks.pull(batch=4, timeout=1.0)
             except Exception:  # the connection is gone: revoked
                 pulled = []
-            if not plane.connected:
+            if not plane.connected:  # (a pull of an empty queue raises too: only a lost connection is a cut-off)
                 lies.cut_off = time.time() - plane.disconnected_for()  # when the server closed its connection
                 break
             for d in pulled:
@@ -96,8 +96,8 @@ async def hostile_node(credential: Path, recipe: Recipe, seconds: float, lies: L
                     end, lies.started = time.monotonic() + seconds, time.time()
                 try:
                     await tell(plane, d, k, lies, rng, recipe)
-                except Exception:  # a publish or an ack on a connection the server closed
-                    if plane.connected:
+                except Exception:  # a read, publish or ack while the server revokes the credential
+                    if not await going(plane):
                         raise
                     lies.cut_off = time.time() - plane.disconnected_for()  # when the server closed its connection
                     break
@@ -105,6 +105,15 @@ async def hostile_node(credential: Path, recipe: Recipe, seconds: float, lies: L
             await asyncio.sleep(0)
     finally:
         await plane.close()
+
+
+async def going(plane: Plane, grace: float = 5.0) -> bool:
+    """Whether the connection closes within ``grace`` seconds: a request in flight while the server reloads without
+    the node's user fails (no responders) a moment before the server closes the connection."""
+    end = time.monotonic() + grace
+    while plane.connected and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    return not plane.connected
 
 
 async def tell(plane: Plane, d: Delivery[Task], k: int, lies: Lies, rng: random.Random, recipe: Recipe) -> None:

@@ -2,20 +2,21 @@
 credential (``astraflow node add``) and it answers real tasks with well-formed lies (``tests/hostile.py``). The lies are
 refused by the claim they break, the node is quarantined and its credential revoked on the running server (its
 connection closed, a new one refused), ``astraflow status`` says which node and why, ``astraflow node admit`` lets it
-back in, the run finishes, no honest trajectory is refused and the accounting adds up.
+back in and the run goes on; stopped (Ctrl-C), no honest trajectory was refused and the accounting adds up.
 ``benchmarks/bench_hostile_node.py`` runs it longer and measures held-out against clean runs."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import uuid
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from hostile import CLAIMS, Lies, attack, cli, start_up
-from poison_run import versions
+from poison_run import until, versions
 
 from astraflow.config import load_recipe
 from astraflow.streams.credentials import Credential
@@ -23,7 +24,7 @@ from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.plane import NatsOptions, Plane
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-STEPS = 200
+STEPS = 2000  # more than it gets to: the test stops the run once it has seen the node let back in (however fast it trains)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -62,6 +63,13 @@ def test_a_lying_node_is_quarantined_cut_off_and_let_back_in(tmp_path: Path):
                 break
             seen.pop("back")
             await asyncio.sleep(0.5)
+        at = len(versions(run_dir))
+
+        async def went_on() -> bool:
+            return len(versions(run_dir)) >= at + 5
+
+        await until(went_on, "training to go on", 120)
+        up.send_signal(signal.SIGINT)  # as an operator stops it: the roles drain, the accounting is recorded
 
     try:
         fates = asyncio.run(attack(up, run_dir, 60.0, lies, timeout=400, meanwhile=while_it_runs))
@@ -85,7 +93,7 @@ def test_a_lying_node_is_quarantined_cut_off_and_let_back_in(tmp_path: Path):
     acc = summary["accounting"]["solver"]
     refused = Counter({f: n for f, n in acc["fates"].items() if f.startswith("invalid:")})
     assert refused == Counter(f for f in fates.values() if f.startswith("invalid:"))  # no honest trajectory refused
-    assert acc["adds_up"] and versions(run_dir) == list(range(STEPS + 1))
+    assert summary["outcome"] == "stopped" and acc["adds_up"] and versions(run_dir) == list(range(len(versions(run_dir))))
     text = log.read_text()
     assert "node hostile revoked (quarantined)" in text and "quarantined: hostile" in text and "node hostile let back in" in text
     # made-up logprobs pass the dataflow (trained, or dropped stale in the buffer as any group may be); the trainer leaves
