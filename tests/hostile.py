@@ -7,7 +7,8 @@ version, in turn:
 
 * ``logprobs``: claims that hold (the issued prompt; the answer, rewarded 1, for half the group; random letters,
   rewarded 0, for the other half) with made-up behaviour logprobs (-0.01 a token): the dataflow cannot tell, the
-  trainer's check of tokens against the model can (``trainer.max_logprob_gap``);
+  trainer's check of tokens against the model can (``trainer.max_logprob_gap``): it leaves the letters out and names
+  them, with the node, in its announcement, and the dataflow counts them against the node;
 * ``reward``: random completion tokens, claiming reward 1 for half the group and 0 for the other half;
 * ``prompt``: the same, as answers to a prompt of its own choosing under the task's id;
 * ``range``: random completion tokens claiming a reward of 1e29.
@@ -56,6 +57,7 @@ class Lies:
     started: float = 0.0  # time.time() of the first lie
     cut_off: float | None = None  # time.time() the server closed its connection (its credential revoked)
     quarantine: Quarantine | None = None  # the dataflow's, read once the node stopped
+    kinds: tuple[str, ...] = KINDS  # the lies it tells, in turn
 
 
 def lie(task: Task, i: int, version: int, kind: str, rng: random.Random, max_new_tokens: int) -> Trajectory:
@@ -123,7 +125,7 @@ async def tell(plane: Plane, d: Delivery[Task], k: int, lies: Lies, rng: random.
         lies.given_back += 1
         return
     task = d.msg
-    kind = KINDS[(k // 2) % len(KINDS)]
+    kind = lies.kinds[(k // 2) % len(lies.kinds)]
     version = max(await newest(plane, task.policy), task.min_versions.get(task.policy, 0))
     await publish_trajectories(plane, [lie(task, i, version, kind, rng, recipe.rollout.max_new_tokens) for i in range(task.group_size)])
     await d.ack()

@@ -27,6 +27,7 @@ from astraflow.streams.messages import (
     Heartbeat,
     ObjectRef,
     RolloutStats,
+    Suspect,
     Task,
     TrainerStats,
     Trajectory,
@@ -34,7 +35,7 @@ from astraflow.streams.messages import (
 )
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.state import AutoscaleRecord, FateRecord, VersionRecord
-from astraflow.streams.trajectories import TrainingBatch, fetch_trajectories
+from astraflow.streams.trajectories import TrainingBatch, fetch_batch
 
 Reward = Callable[[Task, str, int], float]
 
@@ -120,27 +121,29 @@ class Harness:
             await d.reject(reason)
         return [d.msg for d in got]
 
-    async def train(self, policy: str, limit: int = 64) -> list[TrainingBatch]:
+    async def train(self, policy: str, limit: int = 64,
+                    suspects: Callable[[TrainingBatch], list[Suspect]] | None = None) -> list[TrainingBatch]:
         """Take what is queued for ``policy``, fetch the trajectories each manifest names (as a trainer does, every
-        one checked to be the one named), announce a version per batch (last)."""
+        one checked to be the one named), announce a version per batch (last), with what ``suspects`` says its token
+        check left out."""
         got = await self.batch_subs[policy].pull(batch=limit, timeout=0.3)
         out = []
         for d in got:
-            batch = TrainingBatch(d.msg, await fetch_trajectories(self.trainer, d.msg))
+            batch = await fetch_batch(self.trainer, d.msg)
             assert [(t.traj_id, t.task_id, t.policy) for t in batch.trajectories] == [(r.traj_id, r.task_id, policy) for r in d.msg.refs]
             self.versions[policy] += 1
             self.batches[policy].append(batch)
             out.append(batch)
-            await self.announce(policy, self.versions[policy], [d.msg.batch_id])
+            await self.announce(policy, self.versions[policy], [d.msg.batch_id], suspects(batch) if suspects else [])
             await d.ack()
         return out
 
-    async def announce(self, policy: str, version: int, batch_ids: list[str]) -> None:
+    async def announce(self, policy: str, version: int, batch_ids: list[str], suspects: list[Suspect] | None = None) -> None:
         """A keyframe announcement as a trainer makes it (well formed: the dataflow follows only possible ones)."""
         digest = hashlib.sha256(f"{policy}-{version}".encode()).hexdigest()
         ref = ObjectRef(name=f"{policy}/v{version}", nuid=f"n{version}", size=0, chunk_size=1, digests=[digest], digest=digest)
         ann = WeightVersion(policy=policy, version=version, encoding="keyframe", state_digest=digest, keyframe_version=version,
-                            objects=[ref], batch_ids=batch_ids)
+                            objects=[ref], batch_ids=batch_ids, suspects=suspects or [])
         await self.trainer.publish(self.trainer.names.weights(policy), ann, msg_id=f"{policy}-w{version}")
         await self.trainer.state.put(VersionRecord(policy=policy, version=version))
         self.versions[policy] = version

@@ -16,10 +16,11 @@ from test_dataflow import Harness, recipe
 
 from astraflow.streams.codec import decode, decode_either, encode
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.messages import Batch, BatchRefusal, Refusal, Rejected, Task, Trajectory, TrajectoryGroup
+from astraflow.streams.messages import Batch, BatchRefusal, Refusal, Rejected, Suspect, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Delivery
 from astraflow.streams.state import AdmitRecord, BatchPlanRecord, FateRecord
-from astraflow.streams.trajectories import offload, publish_trajectories
+from astraflow.streams.trajectories import TrainingBatch, offload, publish_trajectories
+from astraflow.train.vetting import suspects_of
 
 Make = Callable[[Task, str, int, int], Trajectory]  # (task, policy, index, version) -> what the node sends
 
@@ -429,3 +430,40 @@ async def test_a_replay_of_another_nodes_trajectory_is_refused_and_counted_again
     assert h.acc().adds_up and not any(f.startswith("invalid:") for f in h.acc().fates)
     (rej,) = await dead_letters(h)
     assert rej.reason.startswith("invalid replay: ") and rej.subject == h.node.names.traj("solver", "copycat")
+
+
+@with_recipe(max_staleness=3, max_tasks_in_flight=8, groups_per_batch=1)
+async def test_trajectories_the_trainers_token_check_left_out_count_against_the_node_that_sent_them(harness: Harness):
+    """Tokens that pass every check of the dataflow, with logprobs the trainer's recomputation contradicts: the trainer
+    names them in its announcement (``WeightVersion.suspects``) with the node their TRAJ subject names, each task counts
+    once against that node, and ``quarantine_after`` tasks quarantine it. A dataflow restarted after the operator let
+    the node back in reads those announcements again and does not count them again."""
+    h = harness
+    after = h.recipe.dataflow.quarantine_after
+    trained: list[TrainingBatch] = []
+
+    def left_out(b: TrainingBatch) -> list[Suspect]:  # the even samples' logprobs, as the token check would find them
+        return suspects_of(b, {i: 5.5 for i, t in enumerate(b.trajectories) if t.index % 2 == 0})
+
+    for node in ["honest", *["faker"] * after]:  # one group, one batch each
+        await h.turn(2)
+        assert await serve_as(h, node, good, 1)
+        await h.until(lambda: h.df.lanes["solver"].batch_seq > len(trained))
+        trained += await h.train("solver", suspects=left_out if node == "faker" else None)
+    senders = {tuple(b.senders or ()) for b in trained}
+    assert ("honest",) * 2 in senders and ("faker",) * 2 in senders  # the subject's node, as the server stored it
+    await h.until(lambda: "faker" in h.df.reputation.quarantined)
+    q = h.df.reputation.quarantined["faker"]
+    assert q.failures == {"logprobs": after} and "left out" in q.reason and "nats per token" in q.reason
+    assert h.df.reputation.failures("honest") == 0 and not h.df.reputation.refuses("honest")
+    await h.turn(2)
+    await h.plane.state.put(AdmitRecord(node="faker"))  # `astraflow node admit faker`
+    h.df._audited = 0.0
+    await h.df.audit()
+    assert not h.df.reputation.quarantined
+    await h.turn(2)  # the admission written
+    await h.kill_dataflow()
+    await h.open_dataflow()  # follows every announcement again, from the start of the stream
+    await h.turn(3)
+    assert h.df.watch.newest["solver"].version == len(trained) and not h.df.reputation.quarantined
+    assert h.df.reputation.failures("faker") == 0

@@ -81,14 +81,14 @@ def test_a_lying_node_is_quarantined_cut_off_and_let_back_in(tmp_path: Path):
     q = lies.quarantine
     assert q is not None and q.node == "hostile" and lies.cut_off is not None, (lies, log.read_text()[-3000:])
     after = load_recipe(run_dir / "recipe.yaml").dataflow.quarantine_after
-    assert sum(q.failures.values()) == after and set(q.failures) <= {c.removeprefix("invalid:") for c in CLAIMS.values()}, q
+    assert sum(q.failures.values()) == after and set(q.failures) <= {c.removeprefix("invalid:") for c in CLAIMS.values()} | {"logprobs"}, q
     assert seen["refused"] and "quarantined nodes" in seen["status"] and "hostile" in seen["status"], seen
     assert seen["admit"][0] == 0 and seen.get("back"), seen
     told = Counter(lies.told.values())
     assert {"logprobs", "reward", "prompt", "range"} <= set(told), lies
     for t, kind in lies.told.items():  # each claim lie by its claim, until the node was quarantined; then as quarantined
         assert fates[t] in (CLAIMS[kind], "invalid:quarantined") if kind in CLAIMS else fates[t] != "?", (t, kind, fates[t])
-    assert sum(1 for f in fates.values() if f in CLAIMS.values()) >= after  # the failures that tipped it over
+    assert sum(1 for f in fates.values() if f in CLAIMS.values()) >= after - q.failures.get("logprobs", 0)  # what tipped it over
     summary = json.loads((run_dir / "summary.json").read_text())
     acc = summary["accounting"]["solver"]
     refused = Counter({f: n for f, n in acc["fates"].items() if f.startswith("invalid:")})
@@ -105,3 +105,32 @@ def test_a_lying_node_is_quarantined_cut_off_and_let_back_in(tmp_path: Path):
     trained_lies = sum(1 for t in told_logprobs if fates[t] == "trained")
     g = load_recipe(run_dir / "recipe.yaml").dataflow.group_size
     assert trained_lies * (g // 2) <= suspects <= trained_lies * g, (suspects, trained_lies)
+
+
+def test_a_node_that_only_makes_up_logprobs_is_quarantined_on_the_trainers_word(tmp_path: Path):
+    """Every lie passes the dataflow (the answer, or random letters, rewarded truly, with logprobs of -0.01 a token).
+    The trainer's token check leaves the letters out of its steps and names them, with the node their subject names,
+    in its announcements; the dataflow counts them against the node and quarantines it; the launcher cuts it off."""
+    run_dir = tmp_path / ("faker" + uuid.uuid4().hex[:6])
+    log = tmp_path / "up.log"
+    up = start_up(run_dir, {"trainer.steps": STEPS, "eval.every": STEPS}, log, timeout=600)
+    lies = Lies(kinds=("logprobs",))
+
+    async def stop(credential: Path) -> None:
+        up.send_signal(signal.SIGINT)
+
+    try:
+        fates = asyncio.run(attack(up, run_dir, 60.0, lies, timeout=400, meanwhile=stop))
+        assert up.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    q, after = lies.quarantine, load_recipe(run_dir / "recipe.yaml").dataflow.quarantine_after
+    assert q is not None and q.failures == {"logprobs": after} and lies.cut_off is not None, (lies, log.read_text()[-3000:])
+    assert "trainer's token check" in q.reason and "node hostile revoked (quarantined)" in log.read_text()
+    assert set(fates.values()) <= {"trained", "dropped:stale", "invalid:quarantined"}, fates  # no claim of it was false
+    suspects = sum(r.get("suspect_trajectories", 0) for r in metrics(run_dir))
+    assert suspects >= after * load_recipe(run_dir / "recipe.yaml").dataflow.group_size // 2  # the letters, left out
+    acc = json.loads((run_dir / "summary.json").read_text())["accounting"]["solver"]
+    assert acc["adds_up"] and set(acc["fates"]) <= {"trained", "dropped:stale", "invalid:quarantined"}, acc

@@ -18,6 +18,7 @@ from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.losses.functional import m2po_mask
 from astraflow.train.synthetic import sample_batches
 from astraflow.train.torch_backend import TorchBackend
+from astraflow.train.vetting import suspects_of
 
 MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
 
@@ -203,28 +204,38 @@ def test_registry_and_config_errors_say_what_to_do(setup):
         parse_recipe({"name": "t", "trainer": {"zero_stage": 4}})
 
 
-@pytest.mark.parametrize("loss", ["ppo", {"type": "m2po", "tau": 0.02}])
-def test_a_trajectory_whose_logprobs_the_model_contradicts_is_left_out_of_the_step(setup, loss):
+@pytest.mark.parametrize("loss,over", [("ppo", {}), ({"type": "m2po", "tau": 0.02}, {"micro_batch_tokens": 40})])
+def test_a_trajectory_whose_logprobs_the_model_contradicts_is_left_out_of_the_step(setup, loss, over):
     """A node's fabricated logprobs (-0.05 a token: the model gives these tokens far less) make the row's gap nats per
-    token: the row is left out, counted, and the step is the one the batch would give with that row's mask zero."""
+    token: the row is left out, counted, named (its row, whichever micro-batch ran it, and the node its subject named),
+    and the step is the one the batch would give with that row's mask zero."""
     pcfg, tok, batches = setup
     batch = batches[0]
-    t = batch.trajectories[0]
+    k = len(batch.trajectories) - 3
+    t = batch.trajectories[k]
     forged = t.model_copy(update={"logprobs": np.full(len(t.logprobs) // 4, -0.05, "<f4").tobytes()})
-    lying = replace(batch, trajectories=[forged, *batch.trajectories[1:]])
-    silent = replace(batch, trajectories=[forged.model_copy(update={"loss_mask": np.zeros(len(t.loss_mask), "<u1").tobytes()}),
-                                          *batch.trajectories[1:]])
-    out = {}
+    muted = forged.model_copy(update={"loss_mask": np.zeros(len(t.loss_mask), "<u1").tobytes()})
+    senders = [f"node{i % 2}" for i in range(len(batch.trajectories))]
+    lying = replace(batch, trajectories=[*batch.trajectories[:k], forged, *batch.trajectories[k + 1:]], senders=senders)
+    silent = replace(batch, trajectories=[*batch.trajectories[:k], muted, *batch.trajectories[k + 1:]])
+    out, named = {}, {}
     for name, b in (("lying", lying), ("silent", silent), ("honest", batch)):
         torch.manual_seed(0)
-        backend = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, loss=loss))
+        backend = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, loss=loss, **over))
         out[name] = backend.step(b), backend.full_state()
+        named[name] = suspects_of(b, backend.suspects)
     assert out["lying"][0]["suspect_trajectories"] == 1 and out["honest"][0]["suspect_trajectories"] == 0
+    assert over.get("micro_batch_tokens") is None or out["lying"][0]["micro_batches"] > 1
+    (suspect,) = named["lying"]
+    assert (suspect.traj_id, suspect.node) == (t.traj_id, senders[k])
+    assert suspect.gap == pytest.approx(out["lying"][0]["logprob_gap_max"], abs=1e-3)
+    assert named["honest"] == named["silent"] == []
     assert out["honest"][0]["logprob_gap_max"] < 1.0 < 4.0 < out["lying"][0]["logprob_gap_max"]
     # ppo: the left-out tokens still count in the normaliser; m2po: its plan sees the whole batch's logprobs, and so the gap
     ratio = out["lying"][0]["tokens"] / out["silent"][0]["tokens"] if loss == "ppo" else 1.0
     assert out["lying"][0]["pg_loss"] == pytest.approx(out["silent"][0]["pg_loss"] / ratio, rel=1e-4, abs=1e-7)
-    assert _max_diff(out["lying"][1], out["silent"][1]) < 1e-6  # AdamW's first step does not see the normaliser's scale
+    # AdamW's first step does not see the normaliser's scale (g/(|g|+eps): float rounding of near-zero gradients, ~1e-5)
+    assert _max_diff(out["lying"][1], out["silent"][1]) < 2e-5
     torch.manual_seed(0)
-    unchecked = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, loss=loss, max_logprob_gap=None))
-    assert unchecked.step(lying)["suspect_trajectories"] == 0
+    unchecked = TorchBackend(build_model(pcfg.model, tok), tok, trainer_cfg(pcfg.trainer, loss=loss, max_logprob_gap=None, **over))
+    assert unchecked.step(lying)["suspect_trajectories"] == 0 and unchecked.suspects == {}

@@ -24,8 +24,10 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,11 +36,13 @@ pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install
 from test_train_support import Announcements, check_record, make_batches, publish_batches, wait_exit, write_recipe
 
 from astraflow.models import build_model, load_tokenizer
-from astraflow.streams.messages import Batch
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import DoneRecord
+from astraflow.streams.trajectories import TrainingBatch
+from astraflow.train.batching import micro_batches, to_tensors
 from astraflow.train.peers import PEER_LOST_EXIT
 from astraflow.train.torch_backend import TorchBackend
+from astraflow.train.vetting import suspects_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # two groups of real trainer processes
 STEPS = 6
@@ -92,7 +96,7 @@ def rank_pid(agent: subprocess.Popen[bytes], rank: int) -> int:
     raise AssertionError(f"no rank {rank} under torchrun {agent.pid}")
 
 
-async def feed(plane: Plane, anns: Announcements, batches: list[Batch], hold: int | None = None,
+async def feed(plane: Plane, anns: Announcements, batches: list[TrainingBatch], hold: int | None = None,
                release: asyncio.Event | None = None) -> None:
     """Batch v once version v is announced (the same training order in every run, whatever is killed when);
     batch ``hold`` only once ``release`` is set."""
@@ -103,7 +107,8 @@ async def feed(plane: Plane, anns: Announcements, batches: list[Batch], hold: in
         await publish_batches(plane, [b])
 
 
-def one_rank_reference(recipe, batches: list[Batch]) -> list[dict[str, float]]:
+def one_rank_reference(recipe, batches: list[TrainingBatch]) -> list[tuple[dict[str, float], list[str]]]:
+    """Each step's metrics and the trajectories its token check left out, on one process."""
     pcfg = recipe.policies["solver"]
     tok = load_tokenizer(pcfg.model.tokenizer)
     threads = torch.get_num_threads()
@@ -111,9 +116,22 @@ def one_rank_reference(recipe, batches: list[Batch]) -> list[dict[str, float]]:
     try:
         torch.manual_seed(pcfg.trainer.seed)
         backend = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer.model_copy(update={"backend": "torch"}))
-        return [backend.step(b) for b in batches]
+        return [(backend.step(b), [s.traj_id for s in suspects_of(b, backend.suspects)]) for b in batches]
     finally:
         torch.set_num_threads(threads)
+
+
+def forge_last(b: TrainingBatch) -> TrainingBatch:
+    """``b`` with its last trajectory's logprobs made up (-0.05 a token): the token check leaves it out."""
+    t = b.trajectories[-1]
+    forged = t.model_copy(update={"logprobs": np.full(len(t.logprobs) // 4, -0.05, "<f4").tobytes()})
+    return replace(b, trajectories=[*b.trajectories[:-1], forged])
+
+
+def rank_of_last(b: TrainingBatch, tokens: int, pad: int) -> int:
+    """The rank that runs ``b``'s last row (micro-batch i on rank i mod 2)."""
+    last = len(b.trajectories) - 1
+    return next(i % 2 for i, mb in enumerate(micro_batches(to_tensors(b, pad), tokens)) if last in mb.rows.tolist())
 
 
 def log_tail(*paths: Path) -> str:
@@ -123,10 +141,12 @@ def log_tail(*paths: Path) -> str:
 async def test_two_ranks_match_one_rank_and_resume_exactly_after_a_rank_is_killed(nats_server, tmp_path):
     recipe_file, recipe = write_recipe(tmp_path / "recipe.yaml", steps=STEPS, backend="deepspeed", zero_stage=2,
                                        micro_batch_tokens=36, peer_timeout=PEER_TIMEOUT)
-    batches = make_batches(recipe, "solver", STEPS)
+    batches = [forge_last(b) for b in make_batches(recipe, "solver", STEPS)]
     reference = one_rank_reference(recipe, batches)
     # 2 micro-batches (one per rank) and 3 (rank 1 pads its share with a zero-weight stand-in: ZeRO-2 reduces at every backward)
-    assert {m["micro_batches"] for m in reference} == {2.0, 3.0}
+    assert {m["micro_batches"] for m, _ in reference} == {2.0, 3.0}
+    assert all(left_out == [b.trajectories[-1].traj_id] for (_, left_out), b in zip(reference, batches))
+    assert {rank_of_last(b, 36, load_tokenizer("byt5").pad_token_id) for b in batches} == {0, 1}  # a forged row on each rank
     env = group_env(tmp_path)
     records = {}
     for launcher in ("torchrun", "plain"):
@@ -174,8 +194,9 @@ async def test_two_ranks_match_one_rank_and_resume_exactly_after_a_rank_is_kille
             await anns.close()
             await plane.close()
 
-    for ann, ref in zip(records["torchrun"][1:], reference):  # 2 ranks vs 1 rank, the same batches in the same order
+    for ann, (ref, left_out) in zip(records["torchrun"][1:], reference):  # 2 ranks vs 1 rank, the same batches in order
         assert ann.metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7), f"v{ann.version}"
         assert ann.metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), f"v{ann.version}"
+        assert [s.traj_id for s in ann.suspects] == left_out, f"v{ann.version}"  # whichever rank ran the row
     # exact resume: two different kills, the same states at every version
     assert [a.state_digest for a in records["torchrun"]] == [a.state_digest for a in records["plain"]]

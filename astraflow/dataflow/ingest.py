@@ -70,7 +70,7 @@ from astraflow.dataflow.parts import taken
 from astraflow.dataflow.reputation import Reputation, sender
 from astraflow.dataflow.validate import Invalid, Limits, Stats, check_trajectory, check_versions, measure
 from astraflow.streams.fates import DROPPED_EXPIRED, FILTERED_SAMPLE_ERROR, Fate, Outcome
-from astraflow.streams.messages import Trajectory, TrajectoryGroup
+from astraflow.streams.messages import Suspect, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Consumer
 from astraflow.streams.trajectories import PayloadUnavailable
 
@@ -312,6 +312,12 @@ class TrajectoryIngest:
             self.journal.changed()
             log.warning("node %s quarantined: %d failed tasks (%s); its trajectories are refused from now on, last: %s",
                         node, sum(q.failures.values()), q.summary(), q.reason)
+
+    def suspected(self, suspect: Suspect, version: int) -> None:
+        """A trajectory the trainer's token check left out of the step of ``version``: counted against its node."""
+        reason = (f"the trainer's token check (v{version}) left out {suspect.traj_id}: its behaviour logprobs are "
+                  f"{suspect.gap:.2f} nats per token from the policy's")
+        self.blame(suspect.node, suspect.task_id, Admission("invalid", reason, "logprobs"))
 
     def undecodable(self, lane: PolicyLane, task_id: str, traj_id: str, reason: str, node: str | None = None) -> None:
         """A sample its consumer dead-lettered because it did not decode (a value outside the wire's range), naming

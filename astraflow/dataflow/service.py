@@ -112,6 +112,7 @@ class Dataflow:
         trajectory_objects = plane.trajectory_objects()
         claims = None if recipe.dataflow.trust_claims else ClaimCheck(recipe, train)
         self.reputation = Reputation(recipe.dataflow.quarantine_after)
+        self.restored_at = 0.0  # when the state this dataflow restored was written (0: a new run)
         self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
                                        self.newest_version, lambda trajs: resolve_all(trajectory_objects, trajs), claims,
                                        self.reputation)
@@ -163,6 +164,9 @@ class Dataflow:
                 continue
             if isinstance(e, Trained):
                 lane.advance(e.version)
+                if e.at > self.restored_at:  # an older one's were counted before the state restored here was written
+                    for suspect in e.suspects:
+                        self.ingest.suspected(suspect, e.version)
                 for batch_id in e.batch_ids:
                     if lane.awaits(batch_id):
                         self.journal.forget_plan(lane.name, batch_id)
@@ -267,6 +271,7 @@ class Dataflow:
         s = await self.plane.state.get(DataflowState)  # a failed read raises: never mistaken for a new run
         if s is None:
             return
+        self.restored_at = s.ts
         self.issuer.load_state(s.tasks)
         self.reputation.quarantined.update(s.quarantined)
         self.stats["quarantined"] = len(s.quarantined)

@@ -1,7 +1,8 @@
 """What the dataflow follows on the plane besides trajectories, as plain events.
 
 - weight announcements (``weights.{policy}``, from the start of the stream's history): a policy's
-  current version, and which batches its trainer trained (``batch_ids``); only those a node would
+  current version, which batches its trainer trained (``batch_ids``) and which of their trajectories its token
+  check left out (``suspects``, counted against the nodes that sent them); only those a node would
   follow (``weights/checks.py``: possible on their face and newer than the last), so a foreign
   writer can neither move a version nor mark a batch trained with an impossible or past one;
 - the dead-letter stream for tasks and batches: a task a rollout node gave up on (``failed:…``),
@@ -25,7 +26,17 @@ from dataclasses import dataclass
 
 from astraflow.dataflow.reputation import sender
 from astraflow.streams.codec import DecodeError, decode, decode_either, fields_of
-from astraflow.streams.messages import Batch, BatchRefusal, Heartbeat, Rejected, Task, Trajectory, TrajectoryGroup, WeightVersion
+from astraflow.streams.messages import (
+    Batch,
+    BatchRefusal,
+    Heartbeat,
+    Rejected,
+    Suspect,
+    Task,
+    Trajectory,
+    TrajectoryGroup,
+    WeightVersion,
+)
 from astraflow.streams.plane import Plane, Subscription
 from astraflow.weights.checks import announcement_problem, order_problem
 
@@ -37,6 +48,8 @@ class Trained:
     policy: str
     version: int
     batch_ids: tuple[str, ...]
+    suspects: tuple[Suspect, ...] = ()  # what its step's token check left out (``WeightVersion.suspects``)
+    at: float = 0.0  # when it was announced (``WeightVersion.created_at``)
 
 
 @dataclass(frozen=True)
@@ -114,7 +127,7 @@ class Watch:
                     log.warning("announcement on %s ignored: %s", policy, problem)
                 return
             self.newest[policy] = ann
-            self.events.append(Trained(policy, ann.version, tuple(ann.batch_ids)))
+            self.events.append(Trained(policy, ann.version, tuple(ann.batch_ids), tuple(ann.suspects), ann.created_at))
 
         return on_weights
 

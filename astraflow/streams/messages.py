@@ -268,6 +268,18 @@ class Batch(Message):
         return hashlib.sha256(b"".join([lengths, *head, seqs, *refs, self.advantages])).hexdigest()
 
 
+class Suspect(BaseModel):
+    """A trajectory of a trained batch that the trainer's token check left out of the step: its behaviour logprobs
+    differ from the policy's own by ``gap`` nats per trained token, over ``trainer.max_logprob_gap``. ``node``: the
+    node its TRAJ stream subject names (the server vouched for it), None for a sender no subject names."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    traj_id: str
+    task_id: str
+    node: Token | None = None
+    gap: float = Field(ge=0, allow_inf_nan=False)
+
+
 class WeightVersion(Message):
     """Announcement of a weight version. Written by a trainer (last, as the commit point); read by RaaS nodes."""
 
@@ -282,6 +294,7 @@ class WeightVersion(Message):
     objects: list[ObjectRef]
     batch_ids: list[str] = []
     metrics: dict[str, float] = {}
+    suspects: list[Suspect] = []  # of the batches trained: the trajectories the token check left out (the dataflow blames their nodes)
     lineage: str = ""  # the weight lineage this version belongs to (a trainer that starts over makes a new one)
     created_at: float = Field(default_factory=time.time)
 

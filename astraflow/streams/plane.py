@@ -43,7 +43,7 @@ from astraflow.streams.consuming import (
     read_subject,
 )
 from astraflow.streams.credentials import Credential, redact
-from astraflow.streams.direct import read_seqs
+from astraflow.streams.direct import StreamMsg, read_seqs
 from astraflow.streams.kv import RunState
 from astraflow.streams.messages import Heartbeat, Message, Rejected, Trajectory, TrajectoryGroup
 from astraflow.streams.objects import ObjectStore, object_stream
@@ -385,7 +385,11 @@ class Plane:
     async def read_many(self, stream: str, seqs: list[int], timeout: float = 10.0) -> dict[int, bytes]:
         """The bytes of the messages at ``seqs`` of ``stream``, by sequence (each distinct one read once), as
         :meth:`get_many` reads them; ``MissingMessages`` names every sequence that is gone."""
-        return {s: m.data for s, m in (await read_seqs(self._nc, self.api_prefix, stream, seqs, timeout=timeout)).items()}
+        return {s: m.data for s, m in (await self.read_stored(stream, seqs, timeout)).items()}
+
+    async def read_stored(self, stream: str, seqs: list[int], timeout: float = 10.0) -> dict[int, StreamMsg]:
+        """:meth:`read_many` with the subject each message was published on (the server's, not the publisher's word)."""
+        return await read_seqs(self._nc, self.api_prefix, stream, seqs, timeout=timeout)
 
     def follower(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
                  start: Literal["last", "all"] = "last", on_bad: OnBad = log_bad, check: Check[M] | None = None) -> Follower[M]:

@@ -21,7 +21,8 @@ deletes one earlier, so a node needs no permission to delete anything.
 
 **Fetching a batch.** A trainer reads the trajectories its manifest names by TRAJ stream sequence
 in a few batched requests (``Plane.get_many``), then resolves the offloaded ones
-(:func:`fetch_trajectories`); :class:`TrainingBatch` is the manifest with its trajectories in hand.
+(:func:`fetch_batch`); :class:`TrainingBatch` is the manifest with its trajectories in hand, and the node each one's
+subject names (the trainer reports the ones its token check leaves out against them).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import zstandard
 from astraflow.streams.codec import MessageTooLarge, decode_either, encode
 from astraflow.streams.messages import MAX_GROUP, PER_TOKEN, Batch, Message, Trajectory, TrajectoryGroup
 from astraflow.streams.objects import ObjectError, ObjectStore
+from astraflow.streams.subjects import Names
 
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
@@ -183,6 +185,7 @@ class TrainingBatch:
 
     manifest: Batch
     trajectories: list[Trajectory]
+    senders: list[str | None] | None = None  # the node each one's TRAJ subject names (aligned); None: not known
 
     @property
     def batch_id(self) -> str:
@@ -201,12 +204,18 @@ class TrainingBatch:
 
 
 async def fetch_trajectories(plane: Plane, batch: Batch) -> list[Trajectory]:
-    """The trajectories ``batch`` names, whole, in its order: read by TRAJ stream sequence in a few batched
-    requests (a group's message once for all of its trajectories), the one of each reference's ``traj_id`` taken from
-    a group, offloaded arrays resolved. Raises ``MissingMessages`` (sequences gone), :class:`PayloadUnavailable`, or
-    the transient error of the read. The caller checks each one's ids against its reference (a group without that
-    id gives its first trajectory, which fails that check)."""
-    raw = await plane.read_many(plane.names.traj_stream, [r.seq for r in batch.refs])
+    """The trajectories ``batch`` names, whole, in its order (:func:`fetch_batch`)."""
+    return (await fetch_batch(plane, batch)).trajectories
+
+
+async def fetch_batch(plane: Plane, batch: Batch) -> TrainingBatch:
+    """The trajectories ``batch`` names, whole, in its order, with the node each one's subject names: read by TRAJ
+    stream sequence in a few batched requests (a group's message once for all of its trajectories), the one of each
+    reference's ``traj_id`` taken from a group, offloaded arrays resolved. Raises ``MissingMessages`` (sequences gone),
+    :class:`PayloadUnavailable`, or the transient error of the read. The caller checks each one's ids against its
+    reference (a group without that id gives its first trajectory, which fails that check)."""
+    stored = await plane.read_stored(plane.names.traj_stream, [r.seq for r in batch.refs])
+    raw = {seq: m.data for seq, m in stored.items()}
 
     def pick() -> list[Trajectory]:
         found = {seq: {t.traj_id: t for t in decode_carried(data)} for seq, data in raw.items()}
@@ -218,4 +227,4 @@ async def fetch_trajectories(plane: Plane, batch: Batch) -> list[Trajectory]:
     for t in out:
         if isinstance(t, PayloadUnavailable):
             raise t
-    return [t for t in out if isinstance(t, Trajectory)]
+    return TrainingBatch(batch, [t for t in out if isinstance(t, Trajectory)], [Names.sender(stored[r.seq].subject) for r in batch.refs])

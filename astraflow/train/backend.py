@@ -28,6 +28,7 @@ class TrainerBackend(Protocol):
     rank: int  # this process's rank (0 talks to the plane)
     world_size: int  # processes training together (data parallel)
     device: torch.device  # where it trains
+    suspects: dict[int, float]  # the last step's rows (batch order) the token check left out -> their logprob gap, every rank's
 
     def step(self, batch: TrainingBatch) -> dict[str, float]:
         """One optimizer step on the whole batch (micro-batches accumulate); returns its metrics."""

@@ -136,6 +136,11 @@ class DeepSpeedBackend(TorchBackend):
         return {k: float(maxes[i]) if k.endswith("_max") else float(sums[i]) if k in SUMMED else float(sums[i]) / total
                 for i, k in enumerate(keys)}
 
+    def _reduce_rows(self, gaps: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(gaps, op=dist.ReduceOp.MAX)  # a row runs on one rank; the others hold 0 for it
+        return gaps
+
     # ------------------------------------------------------------------ state
     def _gathered(self, modifier_rank: int | None = None) -> contextlib.AbstractContextManager[Any]:
         if self.cfg.zero_stage == 3:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from astraflow.runtime import crash_point
-from astraflow.streams.messages import Batch, WeightVersion
+from astraflow.streams.messages import Batch, Suspect, WeightVersion
 from astraflow.streams.plane import Delivery, PublishConflict
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta, Snapshot
 from astraflow.train.distributed import Collective
@@ -74,13 +74,14 @@ class GroupCommit:
         return len(self._held)
 
     async def publish(self, image: dict[str, torch.Tensor], version: int, batch_ids: list[str], metrics: dict[str, float],
-                      delivery: Delivery[Batch], keep_alive: asyncio.Task[None]) -> None:
+                      delivery: Delivery[Batch], keep_alive: asyncio.Task[None], suspects: list[Suspect] | None = None) -> None:
         """Announce ``image`` (a copy nothing changes any more) as ``version`` in the background, once the publish in flight
         has landed; its batch (``delivery``, kept alive by ``keep_alive``) is held once this one has landed too. Not
         ``behind``: return once it has landed (its batch held), so that its work does not share the cores with the
         next step."""
         await self.landed()
-        self._publishing = Held(version, delivery, keep_alive), asyncio.create_task(self._publish(image, version, batch_ids, metrics))
+        self._publishing = Held(version, delivery, keep_alive), asyncio.create_task(self._publish(image, version, batch_ids, metrics,
+                                                                                                suspects or []))
         if not self.behind:
             await self.landed()
 
@@ -99,8 +100,8 @@ class GroupCommit:
         return ann
 
     async def _publish(self, image: dict[str, torch.Tensor], version: int, batch_ids: list[str],
-                       metrics: dict[str, float]) -> WeightVersion:
-        stored = await self.publisher.store(image, version, batch_ids, metrics, copy=False)
+                       metrics: dict[str, float], suspects: list[Suspect]) -> WeightVersion:
+        stored = await self.publisher.store(image, version, batch_ids, metrics, copy=False, suspects=suspects)
         crash_point("before_announce", version)
         ann = await self.publisher.announce(stored)
         crash_point("after_publish", version)

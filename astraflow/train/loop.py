@@ -48,15 +48,15 @@ from astraflow.role import Role
 from astraflow.runtime import crash_point
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.direct import MissingMessages
-from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Batch, BatchRefusal, Heartbeat, Refusal, TrainerStats
+from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Batch, BatchRefusal, Heartbeat, Refusal, Suspect, TrainerStats
 from astraflow.streams.plane import Delivery, Plane
 from astraflow.streams.state import DoneRecord, StateReadError
-from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, fetch_trajectories
+from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, fetch_batch
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.distributed import Collective
 from astraflow.train.group_commit import GroupCommit
 from astraflow.train.resume import start
-from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan
+from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan, suspects_of
 from astraflow.weights.finite import non_finite
 from astraflow.weights.publish import WeightPublisher
 
@@ -81,6 +81,7 @@ class TrainerLoop:
         self.version, self.trained, self.seen = 0, list[str](), set[str]()
         self.last: dict[str, float] = {}  # the last step's figures (heartbeats, checkpoints)
         self.last_ids: list[str] = []
+        self.last_suspects: list[Suspect] = []  # what the last step's token check left out, announced with its version
         self.waited, self.started, self.asked_at = 0.0, time.monotonic(), time.monotonic()
 
     # ------------------------------------------------------------ start and finish
@@ -182,7 +183,8 @@ class TrainerLoop:
             state = await self._new_version(d, batch, step, fetch_s)
             if self.ckpt is not None and self.version % self.cfg.checkpoint_every == 0:
                 await self.commits.checkpoint(self.meta_now())  # after the announcement of v-1 has landed
-            await self.commits.publish(state, self.version, self.last_ids, self.last, d, keep)  # in the background, after v-1's
+            await self.commits.publish(state, self.version, self.last_ids, self.last, d, keep,  # in the background, after v-1's
+                                       suspects=self.last_suspects)
             handed = True
         finally:
             if not handed:
@@ -222,6 +224,7 @@ class TrainerLoop:
         self.seen.add(batch.batch_id)
         self.last = {**step, "wait_frac": self.waited / (time.monotonic() - self.started), "batch_wait_s": self.wait, "fetch_s": fetch_s}
         self.last_ids = [batch.batch_id]
+        self.last_suspects = suspects_of(batch, self.run_op.backend.suspects)
         state, bad = await asyncio.to_thread(_checked_image, self.run_op)
         if bad:
             await d.refuse(Refusal(BatchRefusal.NON_FINITE, f"the weights after the step hold NaN or inf ({', '.join(bad[:3])})"))
@@ -234,7 +237,7 @@ async def _fetch(plane: Plane, d: Delivery[Batch], metrics: Metrics) -> Training
     """The trajectories the manifest names, whole, in its order; None when the batch was dead-lettered (one is gone
     or does not decode) or given back to be tried again (a read failed for a reason that says nothing about it)."""
     try:
-        return TrainingBatch(d.msg, await fetch_trajectories(plane, d.msg))
+        return await fetch_batch(plane, d.msg)
     except (MissingMessages, PayloadUnavailable, DecodeError) as e:
         metrics.inc({"rejected_batches": 1})
         await d.refuse(Refusal(BatchRefusal.INVALID if isinstance(e, DecodeError) else BatchRefusal.MISSING, str(e)))

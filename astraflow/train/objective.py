@@ -89,7 +89,7 @@ class Objective:
         parts["suspect_trajectories"] = suspect.sum()
         parts["logprob_gap_max"] = gap.max() if gap.numel() else gap.new_zeros(())
         values = torch.stack([v.float() for v in parts.values()]).tolist()
-        return LossOutput(loss=loss, metrics={**out.metrics, **dict(zip(parts, values))})
+        return LossOutput(loss=loss, metrics={**out.metrics, **dict(zip(parts, values))}, gaps=torch.where(suspect, gap, 0.0))
 
     def without_suspects(self, x: Tensors, logprobs: torch.Tensor) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
         """``x`` with the mask of its suspect rows zeroed, which rows (b,) bool, and every row's gap (b,)."""

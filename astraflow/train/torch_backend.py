@@ -47,6 +47,7 @@ class TorchBackend:
         self.device = self._device()
         self.module = model.to(self.device)
         self.objective = Objective(cfg)
+        self.suspects: dict[int, float] = {}  # the last step's rows the token check left out -> their logprob gap
         # π_ref: the version-0 weights, frozen (a resumed trainer loads them from its checkpoint)
         self.ref = _frozen_copy(self.module) if cfg.kl_coef > 0 else None
         self.model, self.opt = self._wrap(self.module)
@@ -92,6 +93,10 @@ class TorchBackend:
         """Metrics of this process's micro-batches (``weight`` counted tokens) -> the whole batch's."""
         return metrics
 
+    def _reduce_rows(self, gaps: torch.Tensor) -> torch.Tensor:
+        """(B,) per-row values of this process's micro-batches (0 for rows it did not run) -> the whole batch's (max)."""
+        return gaps
+
     # ------------------------------------------------------------------ the step
     def _logprobs(self, model: Any, mb: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
         """(log π(y_t|s_t) (b, t) float32, completion logits (b, t, V) / temperature)."""
@@ -123,6 +128,7 @@ class TorchBackend:
             plan = self.objective.plan(x, self._full_logprobs(x, mbs))
         self._zero_grad()
         parts: list[tuple[dict[str, float], float]] = []
+        gaps = torch.zeros(x.rewards.shape[0], device=x.rewards.device)  # (B,) of the rows the token check leaves out
         for i, (mb, scale) in enumerate(mine):
             logprobs, comp_logits = self._logprobs(self.model, mb)  # (b, t), (b, t, V)
             if plan is None:  # a single micro-batch is the whole batch
@@ -138,8 +144,12 @@ class TorchBackend:
             mets = {**out.metrics, "entropy": entropy}
             if not scale:  # a stand-in that only joins the gradient reduction: counts for nothing
                 mets = {k: 0.0 if k in SUMMED else v for k, v in mets.items()}
+            elif out.gaps is not None:
+                gaps[mb.rows.to(gaps.device)] = out.gaps.to(gaps.device)
             parts.append((mets, float(mb.mask.sum()) if scale else 0.0))
         metrics = self._reduce(combine(parts), sum(w for _, w in parts))  # every rank sees the same loss: they skip together
+        gaps = self._reduce_rows(gaps)
+        self.suspects = {int(i): float(gaps[i]) for i in gaps.nonzero().flatten().tolist()}
         grad_norm, stepped = self._optimizer_step(math.isfinite(metrics["loss"]))
         dt = time.perf_counter() - t0
         return {**metrics, "grad_norm": grad_norm, "reward_mean": float(x.rewards.mean()), "tokens": float(x.n_tokens),

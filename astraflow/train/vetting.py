@@ -15,6 +15,10 @@ trained only when all of these hold; otherwise it is dead-lettered with its type
 | ``mismatch`` | a referenced sequence holds another trajectory, task or policy than the manifest names |
 | ``stale`` | its oldest token is more than ``max_staleness + max_batch_backlog`` versions behind the trainer (see :func:`allowed_lag`) |
 
+A trained batch's trajectories whose behaviour logprobs the policy's own contradict (``trainer.max_logprob_gap``,
+``train/objective.py``) are left out of the step and announced with its version (``WeightVersion.suspects``,
+:func:`suspects_of`), each with the node its TRAJ subject names: the dataflow counts them against that node.
+
 A step whose loss or gradient norm is not finite makes no update (the backend skips it) and
 its batch is dead-lettered ``non_finite``. Weights are checked finite before every checkpoint
 and announcement (``weights/finite.py``); the publisher refuses non-finite weights too.
@@ -22,10 +26,12 @@ and announcement (``weights/finite.py``); the publisher refuses non-finite weigh
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from astraflow.config import Recipe
-from astraflow.streams.messages import Batch, BatchRefusal, Refusal
+from astraflow.streams.messages import Batch, BatchRefusal, Refusal, Suspect
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import BatchPlanRecord, StateSchemaError
 from astraflow.streams.trajectories import TrainingBatch
@@ -72,6 +78,14 @@ def check_batch(batch: TrainingBatch, vocab: int, version: int, max_lag: int) ->
         return Refusal(BatchRefusal.STALE,
                        f"oldest token v{oldest}, trainer at v{version}: {version - oldest} versions behind, {max_lag} allowed")
     return None
+
+
+def suspects_of(batch: TrainingBatch, gaps: Mapping[int, float]) -> list[Suspect]:
+    """The trajectories of ``batch`` at the rows the step's token check left out (row -> logprob gap, the backend's
+    ``suspects``), each with the node its subject named."""
+    senders = batch.senders or [None] * len(batch.trajectories)
+    return [Suspect(traj_id=batch.trajectories[i].traj_id, task_id=batch.trajectories[i].task_id, node=senders[i],
+                    gap=round(gap, 4)) for i, gap in sorted(gaps.items())]
 
 
 async def check_plan(plane: Plane, policy: str, batch: Batch) -> Refusal | None:

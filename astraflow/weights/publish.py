@@ -41,7 +41,7 @@ from typing import Literal
 
 import torch
 
-from astraflow.streams.messages import ObjectRef, WeightVersion
+from astraflow.streams.messages import ObjectRef, Suspect, WeightVersion
 from astraflow.streams.plane import Plane, PublishConflict, PublishRefused
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.checks import foreign_harmless, in_order
@@ -190,11 +190,13 @@ class WeightPublisher:
     async def store(
         self, state: Mapping[str, torch.Tensor], version: int, batch_ids: list[str] | None = None,
         metrics: dict[str, float] | None = None, force_keyframe: bool = False, copy: bool = True,
+        suspects: list[Suspect] | None = None,
     ) -> Stored:
         """Everything before the commit point: a bf16 copy of ``state``, checked finite, its digest, the payload encoded
         and written. Nothing is announced: :meth:`announce` it next, before anything else is stored (its delta's base is
         the image of the last announcement). ``copy=False``: ``state`` is already a bf16 image that nothing changes any
-        more (the trainer's image of a version), taken as it is; it is still checked finite."""
+        more (the trainer's image of a version), taken as it is; it is still checked finite. ``suspects``: what the step's
+        token check left out, announced with it."""
         if not self._seeded:
             await self._seed_history()
         request_rev = await self._keyframe_request_rev()
@@ -218,7 +220,7 @@ class WeightPublisher:
             base_version=None if is_key else self.image_version,
             base_digest=None if is_key else self.image_digest,
             state_digest=digest, keyframe_version=version if is_key else self.keyframe_version, objects=[ref],
-            batch_ids=list(batch_ids or []), metrics=dict(metrics or {}), lineage=self.lineage,
+            batch_ids=list(batch_ids or []), metrics=dict(metrics or {}), suspects=list(suspects or []), lineage=self.lineage,
         )
         return Stored(ann, new, request_rev, why)
 

@@ -36,6 +36,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 class LossOutput:
     loss: torch.Tensor  # scalar, differentiable
     metrics: dict[str, float]  # diagnostics, already .item()-ed
+    gaps: torch.Tensor | None = None  # (b,) logprob gap of each row the token check left out, 0 for the rest (Objective.loss)
 
 
 def aggregate(
