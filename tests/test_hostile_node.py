@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,19 @@ async def connects(credential: Path) -> bool:
         return False
     await plane.close()
     return True
+
+
+def stopped_after(up: subprocess.Popen[bytes], run_dir: Path, lies: Lies, log: Path,
+                  meanwhile: Callable[[Path], Awaitable[None]]) -> dict[str, str]:
+    """:func:`hostile.attack` on the run, ``meanwhile`` once the node stopped (it stops the run): the lies' fates."""
+    try:
+        fates = asyncio.run(attack(up, run_dir, 60.0, lies, timeout=400, meanwhile=meanwhile))
+        assert up.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    return fates
 
 
 def test_a_lying_node_is_quarantined_cut_off_and_let_back_in(tmp_path: Path):
@@ -71,13 +86,7 @@ def test_a_lying_node_is_quarantined_cut_off_and_let_back_in(tmp_path: Path):
         await until(went_on, "training to go on", 120)
         up.send_signal(signal.SIGINT)  # as an operator stops it: the roles drain, the accounting is recorded
 
-    try:
-        fates = asyncio.run(attack(up, run_dir, 60.0, lies, timeout=400, meanwhile=while_it_runs))
-        assert up.wait(timeout=60) == 0, log.read_text()[-3000:]
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+    fates = stopped_after(up, run_dir, lies, log, while_it_runs)
     q = lies.quarantine
     assert q is not None and q.node == "hostile" and lies.cut_off is not None, (lies, log.read_text()[-3000:])
     after = load_recipe(run_dir / "recipe.yaml").dataflow.quarantine_after
@@ -119,13 +128,7 @@ def test_a_node_that_only_makes_up_logprobs_is_quarantined_on_the_trainers_word(
     async def stop(credential: Path) -> None:
         up.send_signal(signal.SIGINT)
 
-    try:
-        fates = asyncio.run(attack(up, run_dir, 60.0, lies, timeout=400, meanwhile=stop))
-        assert up.wait(timeout=60) == 0, log.read_text()[-3000:]
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+    fates = stopped_after(up, run_dir, lies, log, stop)
     q, after = lies.quarantine, load_recipe(run_dir / "recipe.yaml").dataflow.quarantine_after
     assert q is not None and q.failures == {"logprobs": after} and lies.cut_off is not None, (lies, log.read_text()[-3000:])
     assert "trainer's token check" in q.reason and "node hostile revoked (quarantined)" in log.read_text()
