@@ -1,7 +1,9 @@
 """A node that lies, against live ``astraflow up recipes/arithmetic`` runs (the embedded server): clean runs; runs with
 the lying node where the dataflow believes what nodes claim (``dataflow.trust_claims=true``: how every run was before
-the claim checks); runs with the claim checks on and no quarantine (``dataflow.quarantine_after=0``); and runs as
-shipped, where the node is quarantined and cut off. The same seeds for each.
+the claim checks); runs with the claim checks on and no quarantine (``dataflow.quarantine_after=0``); runs as
+shipped, where the node is quarantined and cut off; and runs as shipped where the node tells only the lie no check of
+the dataflow can see (true claims, made-up logprobs), so that only the trainer's token check, counted against the node,
+cuts it off. The same seeds for each.
 
 The lying node (``tests/hostile.py``) holds a node credential the operator issued it (``astraflow node add``). Once
 training has started it pulls real tasks from the pool for ``--lie-s`` seconds (or until it is cut off) and answers
@@ -42,7 +44,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from hostile import CLAIMS, Lies, attack, start_up  # noqa: E402
 from result_files import write  # noqa: E402
 
-MODES = ("clean", "lying, claims believed", "lying, claims checked", "lying, node quarantined")
+MODES = ("clean", "lying, claims believed", "lying, claims checked", "lying, node quarantined",
+         "only made-up logprobs, node quarantined")
+KINDS = {MODES[4]: ("logprobs",)}  # the lies a mode's node tells (default: every kind, in turn)
 SETS = {MODES[1]: {"dataflow.trust_claims": "true", "dataflow.quarantine_after": 0}, MODES[2]: {"dataflow.quarantine_after": 0}}
 
 
@@ -58,7 +62,7 @@ def live_run(base: Path, mode: str, seed: int, steps: int, lie_s: float) -> dict
     run_dir = tmp / run
     sets: dict[str, Any] = {"trainer.steps": steps, "eval.every": 20, "trainer.seed": seed, **SETS.get(mode, {})}
     up = start_up(run_dir, sets, tmp / "up.log", timeout=3600)
-    lies, fates, t0 = Lies(), {}, time.monotonic()
+    lies, fates, t0 = Lies(**({"kinds": KINDS[mode]} if mode in KINDS else {})), {}, time.monotonic()
     try:
         if mode != MODES[0]:
             fates = asyncio.run(attack(up, run_dir, lie_s, lies, seed, timeout=3600))

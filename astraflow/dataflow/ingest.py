@@ -322,7 +322,8 @@ class TrajectoryIngest:
     def undecodable(self, lane: PolicyLane, task_id: str, traj_id: str, reason: str, node: str | None = None) -> None:
         """A sample its consumer dead-lettered because it did not decode (a value outside the wire's range), naming
         ``task_id`` (read from the DLQ, ``watch.SampleUndecodable``): its task is settled ``invalid:schema`` as an invalid
-        sample's is, when this lane still waits on it and holds no copy of the sample. Otherwise nothing changes."""
+        sample's is, when this lane still waits on it and holds no copy of the sample. Otherwise nothing changes.
+        Counted against ``node`` (None: no one; the service passes None for a dead letter older than its restored state)."""
         self.blame(node, task_id, Admission("reject", reason, "schema"))
         if lane.is_closed(task_id) or not self.waits_on(lane, task_id) or self.journal.holds(traj_id) or lane.is_buffered(task_id):
             return

@@ -179,7 +179,7 @@ class Dataflow:
                 if e.seq is not None:  # the server gave up on it: out of the work queue once its failure is durable
                     self.journal.ack_later(TaskRemoval(self.plane, e.seq))
             elif isinstance(e, SampleUndecodable):
-                self.ingest.undecodable(lane, e.task_id, e.traj_id, e.detail, e.node)
+                self.ingest.undecodable(lane, e.task_id, e.traj_id, e.detail, e.node if e.at > self.restored_at else None)
             elif isinstance(e, BatchFailed):
                 if e.code is BatchRefusal.FORGED:  # another content under a planned id: the planned batch is still to come
                     self.stats["forged_batches"] += 1

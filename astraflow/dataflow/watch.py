@@ -78,6 +78,7 @@ class SampleUndecodable:
     traj_id: str
     detail: str = ""
     node: str | None = None  # who sent it (``reputation.sender``)
+    at: float = 0.0  # when it was dead-lettered (``Rejected.ts``)
 
 
 Event = Trained | TaskFailed | BatchFailed | SampleUndecodable
@@ -149,7 +150,7 @@ class Watch:
                 if "trajectories" in claimed and isinstance(task_id, str) and isinstance(policy, str):  # a whole group
                     traj_id = f"{task_id}.{policy}.group"  # none of its samples can be held: it never reached ingest
                 if isinstance(task_id, str) and isinstance(policy, str) and isinstance(traj_id, str):
-                    self.events.append(SampleUndecodable(task_id, policy, traj_id, rej.reason[:300], sender(rej.subject)))
+                    self.events.append(SampleUndecodable(task_id, policy, traj_id, rej.reason[:300], sender(rej.subject), rej.ts))
             # otherwise the original itself was malformed: never one of our tasks or batches
 
     async def _on_max_deliveries(self, seq: int) -> None:

@@ -200,6 +200,20 @@ def enforce(access: ServerAccess | None, sup: Supervisor, quarantined: Collectio
     return done + changes
 
 
+def act(view: View, sup: Supervisor, watcher: RunWatcher, access: ServerAccess | None, pool: LocalPool | None) -> None:
+    """A turn's local actions, each noted in the view: the supervisor's restarts, the dataflow's quarantines applied,
+    the autoscale advice followed."""
+    for event in sup.poll():
+        view.note(f"[bold]supervisor[/]: {event}")
+    for change in enforce(access, sup, watcher.live.quarantined):
+        view.note(f"[bold red]access[/]: {change}")
+    advice = watcher.live.advice
+    if pool is not None and advice is not None and time.time() - advice.ts < 30:
+        did = pool.act(advice.target, time.monotonic())
+        if did:
+            view.note(f"[bold]autoscale[/]: {did} — {advice.reason}")
+
+
 async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supervisor, specs: list[RoleSpec], timeout: float,
                     autoscale: bool, join: str, access: ServerAccess | None = None) -> str:
     """Start the roles and watch the run until it finishes; returns how it ended."""
@@ -209,6 +223,8 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
 
     watcher = RunWatcher(plane, recipe, rundir, set(eval_versions(recipe)) if recipe.eval.enabled else set(), eval_subjects(recipe))
     await watcher.start()
+    await watcher.read_dataflow()  # a resumed run: the nodes quarantined before stay out from the start
+    early = enforce(access, sup, watcher.live.quarantined)
     for spec in specs:
         sup.start(spec)
     pool = None
@@ -222,6 +238,8 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
     failing_since: float | None = None
     try:
         with View(recipe, console, join) as view:
+            for change in early:
+                view.note(f"[bold red]access[/]: {change}")
             while not stop.is_set():
                 try:  # the plane may hiccup (a cluster node lost, a leader elected): the run goes on
                     await watcher.poll(0.5)
@@ -235,15 +253,7 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
                     view.note(f"[yellow]plane: {type(e).__name__}: {e}; retrying[/]")
                     await asyncio.sleep(1.0)
                     finished = False
-                for event in sup.poll():
-                    view.note(f"[bold]supervisor[/]: {event}")
-                for change in enforce(access, sup, watcher.live.quarantined):
-                    view.note(f"[bold red]access[/]: {change}")
-                advice = watcher.live.advice
-                if pool is not None and advice is not None and time.time() - advice.ts < 30:
-                    did = pool.act(advice.target, time.monotonic())
-                    if did:
-                        view.note(f"[bold]autoscale[/]: {did} — {advice.reason}")
+                act(view, sup, watcher, access, pool)
                 view.update(watcher.live, sup.restarts, watcher.run_time(), local_nodes=len(sup.live("rollout")))
                 if finished:
                     await asyncio.sleep(2 * HEARTBEAT_PERIOD_S)  # the dataflow accounts the last announcements

@@ -92,7 +92,7 @@ class RunWatcher:
     def _on_beat(self, hb: Heartbeat) -> None:
         self.live.beats[hb.worker_id] = (hb, time.monotonic())
 
-    async def _read_dataflow(self) -> None:
+    async def read_dataflow(self) -> None:
         """The dataflow's durable count, as its state on the server has it now (written every turn that changed it):
         never lower, whatever restarted; and the nodes it has quarantined."""
         try:
@@ -132,7 +132,7 @@ class RunWatcher:
         announcements arrive: read before, a version trained while the fetch waited would be recorded with a count
         from before its own batch."""
         anns = [a for i, f in enumerate(self._announcements) for a in await f.fetch(wait if i == 0 else 0.0)]
-        await self._read_dataflow()
+        await self.read_dataflow()
         for ann in anns:
             key = (ann.policy, ann.version, ann.state_digest)
             if key in self._recorded:
