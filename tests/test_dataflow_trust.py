@@ -383,7 +383,13 @@ async def test_a_node_that_keeps_lying_is_quarantined_until_an_operator_admits_i
     await h.kill_dataflow()  # the quarantine survives a restart
     await h.open_dataflow()
     assert h.df.reputation.refuses("liar")
-    await h.plane.state.put(AdmitRecord(node="liar"))  # `astraflow node admit liar`
+    at = h.df.reputation.quarantined["liar"].at
+    await h.plane.state.put(AdmitRecord(node="liar", quarantined_at=at - 60))  # the admission of an earlier quarantine
+    h.df._audited = 0.0
+    await h.df.audit()
+    assert h.df.reputation.refuses("liar")
+    # `astraflow node admit liar` names the quarantine it lifts: written on a clock an hour behind, it still lifts it
+    await h.plane.state.put(AdmitRecord(node="liar", quarantined_at=at, ts=at - 3600))
     h.df._audited = 0.0
     await h.df.audit()
     assert not h.df.reputation.quarantined and h.df.stats["readmitted"] == 1

@@ -238,7 +238,7 @@ class Dataflow:
         """Lift the quarantine of each node an operator admitted after it was quarantined (``astraflow node admit``)."""
         for node, q in list(self.reputation.quarantined.items()):
             record = await self.plane.state.get(AdmitRecord, node)
-            if record is not None and record.ts > q.at and self.reputation.admit(node):
+            if record is not None and record.lifts(q.at) and self.reputation.admit(node):
                 self.stats["quarantined"] = len(self.reputation.quarantined)
                 self.stats["readmitted"] += 1
                 self.journal.changed()

@@ -78,7 +78,7 @@ async def admit(run_dir: Path, name: str, by: str = "operator") -> Quarantine | 
         state = await plane.state.get(DataflowState)
         q = state.quarantined.get(name) if state is not None else None
         if q is not None:
-            await plane.state.put(AdmitRecord(node=name, by=by))
+            await plane.state.put(AdmitRecord(node=name, by=by, quarantined_at=q.at))  # this quarantine, on the dataflow's clock
         return q
     finally:
         await plane.close()

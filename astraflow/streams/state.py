@@ -152,13 +152,19 @@ class KeyframeRequest(Record):
 
 
 class AdmitRecord(Record):
-    """An operator lets a quarantined node back in (``astraflow node admit``): the dataflow lifts a quarantine older
-    than ``ts`` and the launcher restores the node's credential on its server."""
+    """An operator lets a quarantined node back in (``astraflow node admit``): the dataflow lifts the quarantine it
+    names, and the launcher restores the node's credential on its server."""
 
     family: ClassVar[str] = "admit"
     parts: ClassVar[tuple[str, ...]] = ("node",)
     node: str
     by: str = "operator"
+    quarantined_at: float | None = None  # the quarantine it lifts (its ``at``, on the dataflow's clock); None: any before ``ts``
+
+    def lifts(self, quarantined_at: float) -> bool:
+        """Whether this admission is of the quarantine begun at ``quarantined_at`` (not of an earlier one of the node),
+        whatever the writers' clocks."""
+        return quarantined_at <= self.quarantined_at if self.quarantined_at is not None else quarantined_at < self.ts
 
 
 class FateRecord(Record):
