@@ -52,48 +52,31 @@ Each delivery of the TRAJ stream goes through, in order:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 from astraflow.algorithms import Context, Group, Pipeline
 from astraflow.config import DataflowConfig
 from astraflow.dataflow.claims import ClaimCheck
-from astraflow.dataflow.durability import Ackable, Journal, Rejectable
+from astraflow.dataflow.durability import Journal, Rejectable
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane, context
 from astraflow.dataflow.parts import taken
+from astraflow.dataflow.reading import Incoming, PullReader, Resolve
 from astraflow.dataflow.reputation import Reputation, sender
 from astraflow.dataflow.validate import Invalid, Limits, Stats, check_trajectory, check_versions, measure
 from astraflow.streams.fates import DROPPED_EXPIRED, FILTERED_SAMPLE_ERROR, Fate, Outcome
-from astraflow.streams.messages import Suspect, Trajectory, TrajectoryGroup
+from astraflow.streams.messages import Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Consumer
-from astraflow.streams.trajectories import PayloadUnavailable
 
 log = logging.getLogger(__name__)
 PULL_WAIT_S = 0.1  # how long a pull waits for the first trajectory (an idle turn: nothing else to do meanwhile)
 BUSY_PULL_WAIT_S = 0.005  # after a busy turn: long enough for the server's answer on a loaded machine, short against a turn
 FILTERED_BATCHES = 4  # a warning once a policy's filters dropped this many batches' worth of groups in a row, then at each doubling
-
-
-class Incoming(Ackable, Protocol):
-    """A trajectory's delivery: a ``Delivery[Trajectory]``, or one trajectory of a group's (``parts.Part``)."""
-
-    msg: Trajectory
-
-    @property
-    def stream_seq(self) -> int: ...
-
-    @property
-    def subject(self) -> str: ...  # names the sending node (``reputation.sender``)
-
-    async def reject(self, reason: str, code: str = "") -> None: ...
-
-    async def nak(self, delay: float | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -139,7 +122,6 @@ def land(group: Group, pipeline: Pipeline, ctx: Context, deadline: float | None,
 
 
 NewestVersion = Callable[[str], Awaitable[int]]  # the newest announced version of a policy, as the plane has it now
-Resolve = Callable[[list[Trajectory]], Awaitable[list[Trajectory | PayloadUnavailable]]]  # offloaded arrays read back
 
 
 class TrajectoryIngest:
@@ -153,9 +135,8 @@ class TrajectoryIngest:
         self.stats = stats  # the dataflow's heartbeat counters
         self.limits = limits
         self.newest = newest
-        self.resolve = resolve
-        self.claims = claims  # None: claims are trusted (``dataflow.trust_claims``)
-        self.reputation = reputation or Reputation(cfg.quarantine_after)  # refusals per node, quarantines
+        self.reputation = reputation or Reputation(cfg.quarantine_after, on_quarantine=lambda q: journal.changed())  # per node
+        self.reader = PullReader(resolve, claims, in_flight, lanes, self.reputation, stats)
         self.assembler = Assembler()
         self.filtered_in_a_row: Counter[str] = Counter()  # per policy: groups its filters dropped since the last one kept
 
@@ -172,49 +153,11 @@ class TrajectoryIngest:
                 self.refuse_group(delivery, delivery.msg, sender(delivery.subject))
             else:
                 incoming.extend(taken(delivery))  # a group's trajectory by trajectory (``parts.py``)
-        items = await self.whole(incoming)
-        claims = await self.check_claims(items)
+        items = await self.reader.whole(incoming)
+        claims = await self.reader.check_claims(items)
         for (d, t, unreadable), s, claim in zip(items, measure([t for _, t, _ in items]), claims, strict=True):  # a pull's arrays at once
             await self.take(d, s, t, unreadable, claim)
         return len(incoming)
-
-    async def check_claims(self, items: Sequence[tuple[Incoming, Trajectory, Invalid | None]]) -> list[Invalid | None]:
-        """What each trajectory's claims fail on (None: nothing, or not checked), in a worker thread: scoring a
-        completion again may take milliseconds, and the loop serves batches meanwhile. A trajectory whose arrays
-        could not be read, of a policy the run does not have, or of a quarantined node, is not checked (admission turns
-        it away)."""
-        out: list[Invalid | None] = [None] * len(items)
-        if self.claims is None:
-            return out
-        todo = [k for k, (d, t, unreadable) in enumerate(items)
-                if unreadable is None and t.policy in self.lanes and not self.reputation.refuses(sender(d.subject))]
-        if todo:
-            asked = [(items[k][1], self.in_flight.prompt_of(items[k][1].task_id)) for k in todo]
-            for k, bad in zip(todo, await asyncio.to_thread(self.claims.check_all, asked), strict=True):
-                out[k] = bad
-            cost = self.claims.cost  # heartbeat counters: what the checks cost so far
-            self.stats["claims.checked"], self.stats["claims.rescored"] = cost.checked, cost.rescored
-            self.stats["claims.check_ms"] = round(1e3 * cost.check_s)
-        return out
-
-    async def whole(self, deliveries: Sequence[Incoming]) -> list[tuple[Incoming, Trajectory, Invalid | None]]:
-        """Each delivery with its trajectory whole (offloaded arrays read back), or why they cannot be read. If the
-        reads fail for another reason (a timeout), the offloaded ones are given back (nak) and left out."""
-        offloaded = [d for d in deliveries if d.msg.offloaded]
-        if not offloaded:
-            return [(d, d.msg, None) for d in deliveries]
-        try:
-            resolved = dict(zip(map(id, offloaded), await self.resolve([d.msg for d in offloaded]), strict=True))
-        except Exception as e:  # says nothing about the trajectories: read them again later
-            log.warning("reading the arrays of %d trajectories failed (%s: %s); giving them back", len(offloaded), type(e).__name__, e)
-            await asyncio.gather(*(d.nak(delay=1.0) for d in offloaded), return_exceptions=True)
-            self.stats["payload_retries"] += len(offloaded)
-            return [(d, d.msg, None) for d in deliveries if not d.msg.offloaded]
-        out: list[tuple[Incoming, Trajectory, Invalid | None]] = []
-        for d in deliveries:
-            r = resolved.get(id(d), d.msg)
-            out.append((d, d.msg, Invalid("payload", str(r))) if isinstance(r, PayloadUnavailable) else (d, r, None))
-        return out
 
     def waits_on(self, lane: PolicyLane, task_id: str) -> bool:
         """A task this dataflow issued and this lane has not settled: out or kept (primary lane, where tasks
@@ -234,7 +177,7 @@ class TrajectoryIngest:
         if lane is None:
             return Admission("reject", f"invalid policy: {t.policy!r}; run has {list(self.lanes)}", "policy")
         s = s or measure([t])[0]
-        cut_off = self.quarantined(node)
+        cut_off = self.reputation.refusal(node)
         bad = cut_off or unreadable or check_trajectory(t, self.limits.policies[t.policy], self.limits.group_size, s) or claim
         if lane.is_closed(t.task_id):  # settled or batched before (a redelivery after a restart, a late copy)
             return Admission("reject", bad.reason, bad.code) if bad else Admission("ack", "redelivered_settled")
@@ -296,28 +239,9 @@ class TrajectoryIngest:
         """The node the held delivery of ``traj_id`` came from (every held delivery is an ``Incoming``)."""
         return sender(getattr(self.journal.held[traj_id], "subject", ""))
 
-    def quarantined(self, node: str | None) -> Invalid | None:
-        q = self.reputation.quarantined.get(node) if node is not None else None
-        return None if q is None else Invalid("quarantined", f"node {node!r} is quarantined ({q.summary()})")
-
     def blame(self, node: str | None, task_id: str, refused: Admission) -> None:
-        """Count a refusal against the node that sent it (None: a sender no subject vouches for, counted against no
-        one); one that tips it over quarantines it (the state written with the turn's commit; the launcher revokes
-        its credential once it reads it)."""
-        if node is None:
-            return
-        q = self.reputation.blame(node, task_id, refused.code, refused.reason)
-        if q is not None:
-            self.stats["quarantined"] = len(self.reputation.quarantined)
-            self.journal.changed()
-            log.warning("node %s quarantined: %d failed tasks (%s); its trajectories are refused from now on, last: %s",
-                        node, sum(q.failures.values()), q.summary(), q.reason)
-
-    def suspected(self, suspect: Suspect, version: int) -> None:
-        """A trajectory the trainer's token check left out of the step of ``version``: counted against its node."""
-        reason = (f"the trainer's token check (v{version}) left out {suspect.traj_id}: its behaviour logprobs are "
-                  f"{suspect.gap:.2f} nats per token from the policy's")
-        self.blame(suspect.node, suspect.task_id, Admission("invalid", reason, "logprobs"))
+        """Count a refusal against the node that sent it (``reputation.Reputation.blame``)."""
+        self.reputation.blame(node, task_id, refused.code, refused.reason)
 
     def undecodable(self, lane: PolicyLane, task_id: str, traj_id: str, reason: str, node: str | None = None) -> None:
         """A sample its consumer dead-lettered because it did not decode (a value outside the wire's range), naming

@@ -23,11 +23,17 @@ An honest node fails nothing: every CPU recipe runs to its end with no trajector
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from astraflow.dataflow.validate import Invalid
 from astraflow.streams.dataflow_state import Quarantine
+from astraflow.streams.messages import Suspect
 from astraflow.streams.subjects import Names
+
+log = logging.getLogger(__name__)
 
 BLAMELESS = frozenset({"payload"})  # refusal codes that say nothing about the node
 
@@ -42,14 +48,27 @@ class Reputation:
     threshold: int  # failed tasks that quarantine a node; 0: none ever is
     quarantined: dict[str, Quarantine] = field(default_factory=dict)
     failed: dict[str, dict[str, str]] = field(default_factory=dict)  # node -> its failed tasks -> the first code
+    on_quarantine: Callable[[Quarantine], None] | None = None  # the service: its state is written with the turn's commit
 
     def refuses(self, node: str | None) -> bool:
         """Whether ``node``'s trajectories are refused (None: a sender no subject names, never)."""
         return node is not None and node in self.quarantined
 
-    def blame(self, node: str, task_id: str, code: str, reason: str, now: float | None = None) -> Quarantine | None:
-        """Count a refusal against ``node``; the node's :class:`Quarantine` when this failure tips it over, else None."""
-        if code in BLAMELESS or node in self.quarantined:
+    def refusal(self, node: str | None) -> Invalid | None:
+        """``invalid:quarantined`` for what a quarantined node sends, else None."""
+        q = self.quarantined.get(node) if node is not None else None
+        return None if q is None else Invalid("quarantined", f"node {node!r} is quarantined ({q.summary()})")
+
+    def suspected(self, suspect: Suspect, version: int) -> Quarantine | None:
+        """A trajectory the trainer's token check left out of the step of ``version``: counted against its node."""
+        reason = (f"the trainer's token check (v{version}) left out {suspect.traj_id}: its behaviour logprobs are "
+                  f"{suspect.gap:.2f} nats per token from the policy's")
+        return self.blame(suspect.node, suspect.task_id, "logprobs", reason)
+
+    def blame(self, node: str | None, task_id: str, code: str, reason: str, now: float | None = None) -> Quarantine | None:
+        """Count a refusal against ``node`` (None: a sender no subject vouches for, counted against no one); the node's
+        :class:`Quarantine` when this failure tips it over (``on_quarantine`` called), else None."""
+        if node is None or code in BLAMELESS or node in self.quarantined:
             return None
         tasks = self.failed.setdefault(node, {})
         tasks.setdefault(task_id, code)
@@ -61,6 +80,10 @@ class Reputation:
         q = Quarantine(node=node, at=time.time() if now is None else now, reason=reason[:300], failures=codes)
         self.quarantined[node] = q
         del self.failed[node]
+        log.warning("node %s quarantined: %d failed tasks (%s); its trajectories are refused from now on, last: %s",
+                    node, sum(q.failures.values()), q.summary(), q.reason)
+        if self.on_quarantine is not None:
+            self.on_quarantine(q)
         return q
 
     def admit(self, node: str) -> bool:

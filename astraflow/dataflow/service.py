@@ -111,7 +111,7 @@ class Dataflow:
         self.issuer = TaskIssuer(recipe, plane, self.lanes, train, self.in_flight, self.journal, rng)
         trajectory_objects = plane.trajectory_objects()
         claims = None if recipe.dataflow.trust_claims else ClaimCheck(recipe, train)
-        self.reputation = Reputation(recipe.dataflow.quarantine_after)
+        self.reputation = Reputation(recipe.dataflow.quarantine_after, on_quarantine=lambda q: self.journal.changed())
         self.restored_at = 0.0  # when the state this dataflow restored was written (0: a new run)
         self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
                                        self.newest_version, lambda trajs: resolve_all(trajectory_objects, trajs), claims,
@@ -166,7 +166,7 @@ class Dataflow:
                 lane.advance(e.version)
                 if e.at > self.restored_at:  # an older one's were counted before the state restored here was written
                     for suspect in e.suspects:
-                        self.ingest.suspected(suspect, e.version)
+                        self.reputation.suspected(suspect, e.version)
                 for batch_id in e.batch_ids:
                     if lane.awaits(batch_id):
                         self.journal.forget_plan(lane.name, batch_id)
@@ -239,7 +239,6 @@ class Dataflow:
         for node, q in list(self.reputation.quarantined.items()):
             record = await self.plane.state.get(AdmitRecord, node)
             if record is not None and record.lifts(q.at) and self.reputation.admit(node):
-                self.stats["quarantined"] = len(self.reputation.quarantined)
                 self.stats["readmitted"] += 1
                 self.journal.changed()
                 log.warning("node %s admitted again by %s: its trajectories are taken again", node, record.by)
@@ -274,7 +273,6 @@ class Dataflow:
         self.restored_at = s.ts
         self.issuer.load_state(s.tasks)
         self.reputation.quarantined.update(s.quarantined)
-        self.stats["quarantined"] = len(s.quarantined)
         for p, lane_state in s.lanes.items():
             if p in self.lanes and (fresh := self.lanes[p].load_state(lane_state)):
                 log.warning("lane %s: plug-ins without saved state start fresh: %s", p, fresh)
@@ -333,7 +331,8 @@ class Dataflow:
                               batches=primary.batch_seq, overdue=self.in_flight.overdue(time.time()),
                               wait_frac=obs.wait_frac, produce_rate=obs.produce_rate, consume_rate=obs.consume_rate,
                               autoscale_target=advice.target, autoscale_nodes=obs.nodes,
-                              counters={k: float(v) for k, v in self.stats.items()}, policies=per_policy)
+                              counters={**{k: float(v) for k, v in self.stats.items()}, "quarantined": len(self.reputation.quarantined)},
+                              policies=per_policy)
         if self.metrics is not None:  # Prometheus: node-wide gauges, and per-policy ones labelled with the policy
             self.metrics.set({**stats.summary(), **stats.counters})
             for p, values in per_policy.items():
