@@ -56,7 +56,6 @@ from astraflow.dataflow.watch import BatchFailed, SampleUndecodable, TaskFailed,
 from astraflow.metrics import Metrics, serving
 from astraflow.role import Role
 from astraflow.runtime import crash_point
-from astraflow.streams.codec import DecodeError
 from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.fates import DROPPED_STALE, FAILED_LOST, FAILED_TRAIN, TRAINED, Fate, Outcome
 from astraflow.streams.messages import (
@@ -67,13 +66,11 @@ from astraflow.streams.messages import (
     Task,
     Trajectory,
     TrajectoryGroup,
-    WeightVersion,
 )
 from astraflow.streams.plane import Consumer, NatsOptions, Plane
-from astraflow.streams.state import AdmitRecord, VersionRecord
+from astraflow.streams.state import AdmitRecord
 from astraflow.streams.trajectories import resolve_all
 from astraflow.tasks import load_split
-from astraflow.weights.checks import announcement_problem
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +110,11 @@ class Dataflow:
         claims = None if recipe.dataflow.trust_claims else ClaimCheck(recipe, train)
         self.reputation = Reputation(recipe.dataflow.quarantine_after, on_quarantine=lambda q: self.journal.changed())
         self.restored_at = 0.0  # when the state this dataflow restored was written (0: a new run)
-        self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
-                                       self.newest_version, lambda trajs: resolve_all(trajectory_objects, trajs), claims,
-                                       self.reputation)
-        self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
         self.watch = Watch(plane, recipe.rollout.pool, recipe.policy_names)
+        self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
+                                       lambda p: self.watch.newest_version(p, self.lanes[p].version),
+                                       lambda trajs: resolve_all(trajectory_objects, trajs), claims, self.reputation)
+        self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
         self.gone: dict[str, tuple[float, int]] = {}  # tasks out whose message left the TASK stream: (since, TRAJ's last seq then)
         self.kept_missing: dict[str, dict[str, tuple[float, int]]] = {}  # per lane: kept groups not back after a restart
@@ -295,25 +292,6 @@ class Dataflow:
         await self.journal.commit()
         log.info("dataflow restored: %d tasks issued, %d in flight, %s", self.ledger.issued, len(self.in_flight),
                  {p: lane.batch_seq for p, lane in self.lanes.items()})
-
-    async def newest_version(self, policy: str) -> int:
-        """The newest announced version of ``policy`` as the plane holds it now (ingest asks when a token
-        claims a version this dataflow has not heard of yet); the lane's own when the plane has none, or when
-        its last announcement is one no trainer could have made (``weights/checks.py``)."""
-        try:
-            ann = await self.plane.last(self.plane.names.weights_stream, self.plane.names.weights(policy), WeightVersion)
-        except DecodeError:
-            ann = None
-        if ann is not None and announcement_problem(ann, policy) is not None:
-            ann = None
-        return max(self.lanes[policy].version, ann.version if ann is not None else 0)
-
-    async def refresh_versions(self) -> None:
-        """Read each trainer's version from the KV (a driver that does not run ``start``'s watch)."""
-        for p, lane in self.lanes.items():
-            record = await self.plane.state.get(VersionRecord, p)
-            if record is not None:
-                lane.advance(record.version)
 
     # ------------------------------------------------------------ advice and heartbeats
     async def measure(self, every_s: float = 0.25) -> None:

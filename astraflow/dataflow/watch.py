@@ -115,6 +115,18 @@ class Watch:
         self.events, self.beats = [], []
         return events, beats
 
+    async def newest_version(self, policy: str, known: int) -> int:
+        """The newest announced version of ``policy`` as the plane holds it now (ingest asks when a token claims a
+        version the dataflow has not heard of yet); ``known`` when the plane has none, or when its last announcement is
+        one no trainer could have made (``weights/checks.py``)."""
+        try:
+            ann = await self.plane.last(self.plane.names.weights_stream, self.plane.names.weights(policy), WeightVersion)
+        except DecodeError:
+            ann = None
+        if ann is not None and announcement_problem(ann, policy) is not None:
+            ann = None
+        return max(known, ann.version if ann is not None else 0)
+
     def _on_beat(self, hb: Heartbeat) -> None:
         self.beats.append(hb)  # not ``self.beats.append`` bound once: ``drain`` swaps the list
 
