@@ -79,7 +79,7 @@ def hostile_node(r: dict[str, Any]) -> str:
         rows.append(f"| {run['mode']} | {run['seed']} | {run['held_out_v0']:.3f} | {run['held_out_last5']:.3f} | {run['lies_told']:,} | "
                     f"{run['lies_trained']:,} | {run['honest_refused']} | {opt(run, 'suspect_trajectories', '{:,}')} | "
                     f"{opt(run, 'logprob_gap_max', '{:.2f}')} | {run['max_batch_reward_mean']:.3g} | "
-                    f"{opt(run, 'quarantine_s', '{:.1f} s')} | {opt(run, 'cut_off_s', '{:.1f} s')} |")
+                    f"{opt(run, 'quarantine_s', '{:.2f} s')} | {opt(run, 'cut_off_s', '{:.2f} s')} |")
     for mode, mean in r["held_out_last5_mean"].items():
         rows.append(f"| mean: {mode} | | | {mean:.3f} | | | | | | | | |")
     cost = ", ".join(f"`{k}` {v:,.0f} µs" for k, v in r["claim_check_us"].items())
