@@ -66,6 +66,7 @@ class PolicyLane:
         self.version = 0
         self.batch_seq = 0
         self.backlog = 0  # the trainer consumer's pending batches, as last measured
+        self.followed = 0  # the newest weight announcement taken in (a restarted dataflow reads them all again)
         self.stats: dict[str, float] = {}
         self.history: list[list[float]] = []  # per batch: [seq, groups received, tasks issued, max lag, mean lag] when planned
 
@@ -201,7 +202,7 @@ class PolicyLane:
     def state(self) -> LaneState:
         return LaneState(batch_seq=self.batch_seq, ledger=self.ledger.state(), pipeline=self.pipeline.state(), kept=dict(self.kept),
                          closed=self.closed.state(), plans=dict(self.plans), awaiting={b: list(t) for b, t in self.awaiting.items()},
-                         recent=self.recent.state(), history=[list(h) for h in self.history])
+                         recent=self.recent.state(), history=[list(h) for h in self.history], followed=self.followed)
 
     def load_state(self, s: LaneState) -> list[str]:
         """Restore; returns the plug-ins that start fresh (no saved state matched them)."""
@@ -213,4 +214,5 @@ class PolicyLane:
         self.awaiting = {b: list(t) for b, t in s.awaiting.items()}
         self.recent.load_state(s.recent)
         self.history = [list(h) for h in s.history]
+        self.followed = s.followed
         return self.pipeline.load_state(s.pipeline)

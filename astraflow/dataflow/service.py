@@ -109,7 +109,7 @@ class Dataflow:
         trajectory_objects = plane.trajectory_objects()
         claims = None if recipe.dataflow.trust_claims else ClaimCheck(recipe, train)
         self.reputation = Reputation(recipe.dataflow.quarantine_after, on_quarantine=lambda q: self.journal.changed())
-        self.restored_at = 0.0  # when the state this dataflow restored was written (0: a new run)
+        self.restored_at = 0.0  # when the state it restored was written (0: a new run), to compare with its own dead letters
         self.watch = Watch(plane, recipe.rollout.pool, recipe.policy_names)
         self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
                                        lambda p: self.watch.newest_version(p, self.lanes[p].version),
@@ -160,10 +160,11 @@ class Dataflow:
             if lane is None:
                 continue
             if isinstance(e, Trained):
-                lane.advance(e.version)
-                if e.at > self.restored_at:  # an older one's were counted before the state restored here was written
+                if e.version > lane.followed:  # each announcement's suspects counted once, whatever restarted
+                    lane.followed = e.version
                     for suspect in e.suspects:
                         self.reputation.suspected(suspect, e.version)
+                lane.advance(e.version)
                 for batch_id in e.batch_ids:
                     if lane.awaits(batch_id):
                         self.journal.forget_plan(lane.name, batch_id)

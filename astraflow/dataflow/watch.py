@@ -49,7 +49,6 @@ class Trained:
     version: int
     batch_ids: tuple[str, ...]
     suspects: tuple[Suspect, ...] = ()  # what its step's token check left out (``WeightVersion.suspects``)
-    at: float = 0.0  # when it was announced (``WeightVersion.created_at``)
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,7 @@ class Watch:
                     log.warning("announcement on %s ignored: %s", policy, problem)
                 return
             self.newest[policy] = ann
-            self.events.append(Trained(policy, ann.version, tuple(ann.batch_ids), tuple(ann.suspects), ann.created_at))
+            self.events.append(Trained(policy, ann.version, tuple(ann.batch_ids), tuple(ann.suspects)))
 
         return on_weights
 

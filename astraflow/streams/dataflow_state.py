@@ -63,6 +63,7 @@ class LaneState(_Frozen):
     awaiting: dict[str, list[str]] = {}  # published batch -> its fresh tasks
     recent: dict[str, list[int]] = {}  # recently batched task -> TRAJ stream sequences of its samples, or the one holding all (replay)
     history: list[list[float]] = []  # per batch: [seq, groups received, tasks issued, max lag, mean lag]
+    followed: int = 0  # the newest weight announcement taken in (its suspects counted against their nodes)
 
 
 class Accounting(_Frozen):
