@@ -42,6 +42,13 @@ def _opts(nats: str | None, credential: str | None, user: str | None = None, pas
 
 Credential = typer.Option(None, "--credential", help="Credential file written by `astraflow up` (RUN_DIR/credentials/ROLE.json): "
                                                      "user, password, run id, server URL and CA; no secret on the command line.")
+RunId = typer.Option(None, "--run", "--run-id", help="Run id (subject scope; default: the credential's); --run-id under torchrun, "
+                                                      "whose parser takes --run for --run-path.")
+CheckpointDir = typer.Option(None, help="Trainer: checkpoint directory of this policy; a restart resumes from it (default: none, "
+                                        "start at v0).")
+FreshLineage = typer.Option(False, "--fresh-lineage", help="Trainer: start over from the initial weights as a new weight lineage, "
+                            "announced after the plane's newest version (never reusing a version number); without it a trainer "
+                            "refuses to start behind the plane unless its checkpoint restores it.")
 
 
 @app.command()
@@ -93,23 +100,14 @@ def worker(
     role: str = typer.Argument(..., help="dataflow | rollout | trainer | evaluator"),
     recipe: str = typer.Option(..., help="Recipe YAML (the run directory's recipe.yaml)."),
     nats: str | None = typer.Option(None, help="nats URL(s) of the run's plane (default: the credential's)."),
-    run: str | None = typer.Option(
-        None,
-        "--run",
-        "--run-id",
-        help="Run id (subject scope; default: the credential's); --run-id under torchrun, whose parser takes --run for --run-path.",
-    ),
+    run: str | None = RunId,
     credential: str | None = Credential,
     id: str | None = typer.Option(None, "--id", help="Worker id (default: ROLE-PID)."),
     policy: str | None = typer.Option(None, help="Trainer: the policy to train (default: the first)."),
     pool: str | None = typer.Option(None, help="Rollout pool (shared durable consumer)."),
     region: str | None = typer.Option(None, help="Rollout: region label of this node (default: rollout.region)."),
-    hardware: str | None = typer.Option(
-        None, help="Rollout: hardware label of this node (default: rollout.hardware, else cuda/cpu as detected)."
-    ),
-    weights_domain: str | None = typer.Option(
-        None, help="Rollout: read weights from the mirrors in this JetStream domain (a region's leaf)."
-    ),
+    hardware: str | None = typer.Option(None, help="Rollout: hardware label (default: rollout.hardware, else cuda/cpu as detected)."),
+    weights_domain: str | None = typer.Option(None, help="Rollout: read weights from the mirrors in this JetStream domain (a leaf)."),
     user: str | None = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD (never put it on a command line)."),
     creds: str | None = None,
     nkey: str | None = None,
@@ -117,18 +115,9 @@ def worker(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     domain: str | None = typer.Option(None, help="JetStream domain to read (a region's leafnode)."),
-    checkpoint_dir: Path | None = typer.Option(
-        None, help="Trainer: checkpoint directory of this policy; a restart resumes from it (default: none, start at v0)."
-    ),
+    checkpoint_dir: Path | None = CheckpointDir,
     metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port (0: a free one, logged; default: none)."),
-    fresh_lineage: bool = typer.Option(
-        False,
-        "--fresh-lineage",
-        help=(
-            "Trainer: start over from the initial weights as a new weight lineage, announced after the plane's newest version "
-            "(never reusing a version number); without it a trainer refuses to start behind the plane unless its checkpoint restores it."
-        ),
-    ),
+    fresh_lineage: bool = FreshLineage,
     set_: list[str] = Overrides,
 ) -> None:
     """Run one role in this process (join a run from any machine that reaches the plane)."""

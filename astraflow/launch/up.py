@@ -289,6 +289,32 @@ def session_cpu(sup: Supervisor, at_start: tuple[float, float], embedded: bool) 
     return cpu
 
 
+def banner(recipe: Recipe, run: str, session: int, url: str, embedded: bool, shared: Collection[int] | None) -> None:
+    """The run's first lines: which run, which session, on which server; where the roles run when the trainers have
+    cores of their own."""
+    where = "embedded, authenticated" if embedded else "external"
+    console.print(f"[bold]AstraFlow[/] run [cyan]{run}[/] (session {session}) on {redact(url)} ({where} nats-server)")
+    if shared is not None:
+        own = ", ".join(f"trainer {p} on CPUs {cfg.trainer.cores}" for p, cfg in recipe.policies.items()
+                        if isinstance(cfg.trainer.cores, list))
+        console.print(f"cores: {own}; every other role on CPUs {list(shared)} (trainer.cores)")
+
+
+def external_plane(rundir: RunDir, url: str, credentials: Path | None) -> tuple[dict[str, Credential] | None, NatsOptions]:
+    """An existing server or cluster at ``url``: the role credential files given for it (``credentials``, with the nodes'
+    own under ``nodes/``) copied into the run directory, and how the launcher connects (as admin when there are any)."""
+    if credentials is None:
+        return None, NatsOptions(url=url)
+    creds = {p.stem: Credential.read(p) for p in credentials.glob("*.json")}
+    rundir.credentials.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name, c in creds.items():
+        c.write(rundir.credentials / f"{name}.json")
+    for p in credentials.glob("nodes/*.json"):  # the nodes' own, as the server was given them
+        Credential.read(p).write(node_path(rundir.credentials, p.stem))
+    opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"), url=url) if creds else NatsOptions(url=url)
+    return creds, opts
+
+
 def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0, autoscale: bool = False,
        resume: bool = False, metrics_port_base: int | None = None, listen: str | None = None,
        credentials: Path | None = None) -> dict[str, Any]:
@@ -313,20 +339,8 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"))
     else:
         url = nats_url
-        if credentials is not None:
-            creds = {p.stem: Credential.read(p) for p in credentials.glob("*.json")}
-            rundir.credentials.mkdir(parents=True, exist_ok=True, mode=0o700)
-            for name, c in creds.items():
-                c.write(rundir.credentials / f"{name}.json")
-            for p in credentials.glob("nodes/*.json"):  # the nodes' own, as the server was given them
-                Credential.read(p).write(node_path(rundir.credentials, p.stem))
-        opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"), url=url) if creds else NatsOptions(url=url)
-    where = "embedded, authenticated" if server else "external"
-    console.print(f"[bold]AstraFlow[/] run [cyan]{rundir.run}[/] (session {session}) on {redact(url)} ({where} nats-server)")
-    if shared is not None:
-        own = ", ".join(f"trainer {p} on CPUs {cfg.trainer.cores}" for p, cfg in recipe.policies.items()
-                        if isinstance(cfg.trainer.cores, list))
-        console.print(f"cores: {own}; every other role on CPUs {list(shared)} (trainer.cores)")
+        creds, opts = external_plane(rundir, url, credentials)
+    banner(recipe, rundir.run, session, url, server is not None, shared)
 
     def record_restart(child: Child) -> None:
         rundir.append("restarts.jsonl", {"session": session, "role": child.name, "after": exit_text(child.last_exit), "ts": time.time()})

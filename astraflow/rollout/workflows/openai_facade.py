@@ -282,83 +282,88 @@ def _text(content: Any) -> str:
     return str(content)
 
 
-def _handler(facade: ChatFacade) -> type[JsonHandler]:
-    class Handler(JsonHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: every reply has a length, except event streams, which close
+class FacadeHandler(JsonHandler):
+    """The facade's HTTP routes; :func:`_handler` binds one to its facade."""
 
-        def _route(self) -> tuple[str | None, str]:
-            """(sample token or None, path below /v1)."""
-            path = self.path.split("?", 1)[0]
-            token = None
-            if path.startswith("/s/"):
-                token, _, rest = path[3:].partition("/")
-                path = "/" + rest
-            if not path.startswith("/v1/"):
-                raise NotFound(f"no route {self.path}")
-            return token, path.removeprefix("/v1")
+    facade: ChatFacade
+    protocol_version = "HTTP/1.1"  # keep-alive: every reply has a length, except event streams, which close
 
-        request_body = b""
+    def _route(self) -> tuple[str | None, str]:
+        """(sample token or None, path below /v1)."""
+        path = self.path.split("?", 1)[0]
+        token = None
+        if path.startswith("/s/"):
+            token, _, rest = path[3:].partition("/")
+            path = "/" + rest
+        if not path.startswith("/v1/"):
+            raise NotFound(f"no route {self.path}")
+        return token, path.removeprefix("/v1")
 
-        def _body(self) -> Any:
-            try:
-                return json.loads(self.request_body or b"{}")
-            except ValueError as e:
-                raise BadRequest(f"the body is not JSON: {e}") from None
+    request_body = b""
 
-        def _answer(self, method: str) -> None:
-            self.request_body = self.rfile.read(int(self.headers.get("Content-Length") or 0))  # read first: the connection is kept alive
-            try:
-                token, path = self._route()
-                if token is None:
-                    facade.authorize(self.headers.get("Authorization"))
-                if method == "GET" and path == "/models":
-                    return self._reply(200, facade.models())
-                if method == "POST" and path in ("/chat/completions", "/completions"):
-                    _, out = facade.serve("chat" if path == "/chat/completions" else "completion", self._body(), token)
-                    return self._events(out) if isinstance(out, list) else self._reply(200, out)
-                if token is None and path.startswith("/sessions"):
-                    return self._sessions(method, path)
-                raise NotFound(f"no route {method} {self.path}")
-            except ApiError as e:
-                self._reply(e.status, e.body())
-            except StaleWeights as e:
-                self._reply(409, {"error": {"message": str(e), "type": "stale_weights", "param": None, "code": None}})
-            except Exception as e:  # an engine failure: the client may retry
-                log.exception("facade call failed")
-                self._reply(503, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None, "code": None}})
+    def _body(self) -> Any:
+        try:
+            return json.loads(self.request_body or b"{}")
+        except ValueError as e:
+            raise BadRequest(f"the body is not JSON: {e}") from None
 
-        def _sessions(self, method: str, path: str) -> None:
-            routes = facade.sessions
-            if routes is None:
-                raise NotFound("this node hosts no agent sessions (workflow openai_agent with agent: external does)")
-            parts = path.strip("/").split("/")  # sessions[/ID[/finish]]
-            if method == "POST" and parts == ["sessions"]:
-                return self._reply(200, routes.open(self._body()))
-            if method == "POST" and len(parts) == 3 and parts[2] == "finish":
-                return self._reply(200, routes.finish(parts[1], self._body()))
-            if method == "DELETE" and len(parts) == 2:
-                return self._reply(200, routes.abandon(parts[1]))
+    def _answer(self, method: str) -> None:
+        self.request_body = self.rfile.read(int(self.headers.get("Content-Length") or 0))  # read first: the connection is kept alive
+        try:
+            token, path = self._route()
+            if token is None:
+                self.facade.authorize(self.headers.get("Authorization"))
+            if method == "GET" and path == "/models":
+                return self._reply(200, self.facade.models())
+            if method == "POST" and path in ("/chat/completions", "/completions"):
+                _, out = self.facade.serve("chat" if path == "/chat/completions" else "completion", self._body(), token)
+                return self._events(out) if isinstance(out, list) else self._reply(200, out)
+            if token is None and path.startswith("/sessions"):
+                return self._sessions(method, path)
             raise NotFound(f"no route {method} {self.path}")
+        except ApiError as e:
+            self._reply(e.status, e.body())
+        except StaleWeights as e:
+            self._reply(409, {"error": {"message": str(e), "type": "stale_weights", "param": None, "code": None}})
+        except Exception as e:  # an engine failure: the client may retry
+            log.exception("facade call failed")
+            self._reply(503, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None, "code": None}})
 
-        def _events(self, payloads: list[dict[str, Any]]) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            for p in payloads:
-                self.wfile.write(f"data: {json.dumps(p)}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-            self.close_connection = True
+    def _sessions(self, method: str, path: str) -> None:
+        routes = self.facade.sessions
+        if routes is None:
+            raise NotFound("this node hosts no agent sessions (workflow openai_agent with agent: external does)")
+        parts = path.strip("/").split("/")  # sessions[/ID[/finish]]
+        if method == "POST" and parts == ["sessions"]:
+            return self._reply(200, routes.open(self._body()))
+        if method == "POST" and len(parts) == 3 and parts[2] == "finish":
+            return self._reply(200, routes.finish(parts[1], self._body()))
+        if method == "DELETE" and len(parts) == 2:
+            return self._reply(200, routes.abandon(parts[1]))
+        raise NotFound(f"no route {method} {self.path}")
 
-        def do_GET(self) -> None:
-            self._answer("GET")
+    def _events(self, payloads: list[dict[str, Any]]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for p in payloads:
+            self.wfile.write(f"data: {json.dumps(p)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+        self.close_connection = True
 
-        def do_POST(self) -> None:
-            self._answer("POST")
+    def do_GET(self) -> None:
+        self._answer("GET")
 
-        def do_DELETE(self) -> None:
-            self._answer("DELETE")
+    def do_POST(self) -> None:
+        self._answer("POST")
 
-    return Handler
+    def do_DELETE(self) -> None:
+        self._answer("DELETE")
+
+
+
+def _handler(facade: ChatFacade) -> type[JsonHandler]:
+    return type("Handler", (FacadeHandler,), {"facade": facade})
