@@ -14,15 +14,56 @@ incomplete (:func:`lost_tasks`).
 
 A group kept before a restart (in the state, its trajectories unacked) comes back by redelivery; one not back in
 memory after ``grace`` would count as buffered for good, and is settled ``failed:lost`` too (:func:`lost_groups`).
-The bookkeeping is pure; the service reads the plane and settles what these return.
+The bookkeeping is pure (the functions below); :class:`Auditor` reads the plane for it, and the service settles what
+it finds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Mapping
+from dataclasses import dataclass, field
+
+from astraflow.dataflow.inflight import InFlight
+from astraflow.dataflow.lane import PolicyLane
+from astraflow.streams.plane import Plane
 
 AUDIT_S = 5.0  # how often the audit runs
 AUDIT_MAX = 64  # tasks looked up per pass, oldest first
+
+
+@dataclass
+class Auditor:
+    """What the audit reads off the plane, and its bookkeeping from one pass to the next; the service settles what it
+    finds."""
+
+    plane: Plane
+    pool: str  # whose consumer's ack wait bounds a task's time out
+    in_flight: InFlight
+    gone: dict[str, tuple[float, int]] = field(default_factory=dict)  # tasks whose message left: (since, TRAJ's last seq then)
+    kept_missing: dict[str, dict[str, tuple[float, int]]] = field(default_factory=dict)  # per lane: kept groups not back
+    waits: tuple[float, float] | None = None  # the server's ack waits: (task, trajectory)
+
+    async def lost_tasks(self, now: float) -> list[str]:
+        """Tasks out that will never come back: acked on the plane, their group never complete (:func:`lost_tasks`)."""
+        names = self.plane.names
+        if self.waits is None:
+            task_wait = (await self.plane.consumer_settings(names.task_stream, names.pool_consumer(self.pool))).ack_wait
+            self.waits = task_wait, (await self.plane.consumer_settings(names.traj_stream, names.DATAFLOW_CONSUMER)).ack_wait
+        task_wait, traj_wait = self.waits
+        looked = {t: (seq := self.in_flight.seqs.get(t)) is not None and await self.plane.holds(names.task_stream, seq)
+                  for t in due(self.in_flight.since, now, task_wait)}
+        if not (looked or self.gone):
+            return []
+        stored = await self.plane.stream_last(names.traj_stream)  # read after the lookups: their trajectories are in
+        delivered = (await self.plane.lag(names.traj_stream, names.DATAFLOW_CONSUMER)).delivered
+        return lost_tasks(self.gone, self.in_flight, looked, now, 2 * traj_wait, stored, delivered)
+
+    def lost_groups(self, lane: PolicyLane, now: float) -> list[str]:
+        """Groups ``lane`` kept before a restart whose trajectories do not come back (:func:`lost_groups`); after
+        :meth:`lost_tasks` (which reads the ack waits)."""
+        back = {t: lane.is_buffered(t) for t in lane.kept}
+        grace = 2 * self.waits[1] if self.waits is not None else float("inf")
+        return lost_groups(self.kept_missing.setdefault(lane.name, {}), back, now, grace)
 
 
 def due(out_since: Mapping[str, float], now: float, older_than: float, limit: int = AUDIT_MAX) -> list[str]:

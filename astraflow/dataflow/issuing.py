@@ -155,9 +155,24 @@ class TaskIssuer:
             self.issuing = []
             self.journal.changed()
 
-    async def republish(self, tasks: list[Task]) -> list[int]:
-        """Publish under the task ids: a copy of one that landed before is dropped by the server; their stream sequences."""
-        return await self.plane.publish_many([self.item(t) for t in tasks])
+    async def restore(self, s: TaskState) -> None:
+        """After a restart: the saved state loaded, where each task out is in the TASK stream (a work queue holds only
+        the unacked), and the tasks written ahead published again under their ids (a copy of one that landed before is
+        dropped by the server)."""
+        self.load_state(s)
+        now = time.time()
+        held = await self.plane.held(self.plane.names.task_stream, self.plane.names.all("task"), Task)
+        found = {t.task_id: seq for seq, t in held}
+        for _, t in held:
+            self.in_flight.note_prompt(t.task_id, t.prompt_id)
+        for task in list(self.in_flight.open):
+            self.in_flight.published(task, found.get(task), now)
+        for t in s.issuing:
+            self.in_flight.note_prompt(t.task_id, t.prompt_id)
+        if s.issuing:
+            seqs = await self.plane.publish_many([self.item(t) for t in s.issuing])
+            for t, seq in zip(s.issuing, seqs, strict=True):
+                self.in_flight.published(t.task_id, seq, now)
 
     # ------------------------------------------------------------ state
     def state(self) -> TaskState:
@@ -166,6 +181,6 @@ class TaskIssuer:
                          floors=floors, issuing=list(self.issuing))
 
     def load_state(self, s: TaskState) -> None:
-        """Restore; the tasks it was issuing are the caller's to publish again."""
+        """Restore the saved state alone (:meth:`restore` does the rest of a restart)."""
         self.task_seq, self.order.cursor = s.task_seq, s.cursor
         self.in_flight.load_state(s.in_flight, s.deadlines, s.floors, s.task_seq)

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from astraflow.dataflow.validate import Invalid
 from astraflow.streams.dataflow_state import Quarantine
 from astraflow.streams.messages import Suspect
+from astraflow.streams.state import AdmitRecord
 from astraflow.streams.subjects import Names
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,17 @@ class Reputation:
         if self.on_quarantine is not None:
             self.on_quarantine(q)
         return q
+
+    async def readmit(self, admission: Callable[[str], Awaitable[AdmitRecord | None]]) -> list[str]:
+        """Lift the quarantine of each node an operator admitted after it was quarantined (``astraflow node admit``:
+        ``admission(node)`` reads its record); the nodes let back in."""
+        back = []
+        for node, q in list(self.quarantined.items()):
+            record = await admission(node)
+            if record is not None and record.lifts(q.at) and self.admit(node):
+                log.warning("node %s admitted again by %s: its trajectories are taken again", node, record.by)
+                back.append(node)
+        return back
 
     def admit(self, node: str) -> bool:
         """Let ``node`` back in with a clean record; whether it was quarantined."""

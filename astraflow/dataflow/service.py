@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from astraflow.algorithms import Context, build_pipeline
 from astraflow.config import Recipe
-from astraflow.dataflow.audit import AUDIT_S, due, lost_groups, lost_tasks
+from astraflow.dataflow.audit import AUDIT_S, Auditor
 from astraflow.dataflow.claims import ClaimCheck
 from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.inflight import InFlight
@@ -116,10 +116,8 @@ class Dataflow:
                                        lambda trajs: resolve_all(trajectory_objects, trajs), claims, self.reputation)
         self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
-        self.gone: dict[str, tuple[float, int]] = {}  # tasks out whose message left the TASK stream: (since, TRAJ's last seq then)
-        self.kept_missing: dict[str, dict[str, tuple[float, int]]] = {}  # per lane: kept groups not back after a restart
+        self.auditor = Auditor(plane, recipe.rollout.pool, self.in_flight)
         self._audited = 0.0
-        self._waits: tuple[float, float] | None = None
         self._busy = True  # the last turn issued tasks or planned batches: the next one does not wait for trajectories
 
     # ------------------------------------------------------------ the loop
@@ -208,38 +206,20 @@ class Dataflow:
         if now - self._audited < AUDIT_S:
             return
         self._audited = now
-        await self.readmit()
-        names = self.plane.names
-        if self._waits is None:  # the server's ack waits: (task, trajectory)
-            task_wait = (await self.plane.consumer_settings(names.task_stream, names.pool_consumer(self.recipe.rollout.pool))).ack_wait
-            self._waits = task_wait, (await self.plane.consumer_settings(names.traj_stream, names.DATAFLOW_CONSUMER)).ack_wait
-        task_wait, traj_wait = self._waits
-        looked = {t: (seq := self.in_flight.seqs.get(t)) is not None and await self.plane.holds(names.task_stream, seq)
-                  for t in due(self.in_flight.since, now, task_wait)}
-        if looked or self.gone:
-            stored = await self.plane.stream_last(names.traj_stream)  # read after the lookups: their trajectories are in
-            delivered = (await self.plane.lag(names.traj_stream, names.DATAFLOW_CONSUMER)).delivered
-            lane = self.lanes[self.recipe.primary]
-            for task in lost_tasks(self.gone, self.in_flight, looked, now, 2 * traj_wait, stored, delivered):
-                self.stats["lost_tasks"] += 1
-                log.warning("task %s is lost: acked on the plane, its group never complete", task)
-                self.fail_task(lane, task, "lost", "acked by a node, its group never complete (a partial group, or trajectories lost)")
+        for _ in await self.reputation.readmit(lambda node: self.plane.state.get(AdmitRecord, node)):
+            self.stats["readmitted"] += 1
+            self.journal.changed()
+        lane = self.lanes[self.recipe.primary]
+        for task in await self.auditor.lost_tasks(now):
+            self.stats["lost_tasks"] += 1
+            log.warning("task %s is lost: acked on the plane, its group never complete", task)
+            self.fail_task(lane, task, "lost", "acked by a node, its group never complete (a partial group, or trajectories lost)")
         for lane in self.lanes.values():  # a group kept before a restart whose trajectories do not come back
-            back = {t: lane.is_buffered(t) for t in lane.kept}
-            for task in lost_groups(self.kept_missing.setdefault(lane.name, {}), back, now, 2 * traj_wait):
+            for task in self.auditor.lost_groups(lane, now):
                 self.stats["lost_groups"] += 1
                 log.warning("lane %s: kept group %s is lost: its trajectories did not come back after the restart", lane.name, task)
                 lane.settle(task, FAILED_LOST)
                 self.journal.record(lane.name, task, FAILED_LOST, error="kept before a restart, its trajectories never came back")
-
-    async def readmit(self) -> None:
-        """Lift the quarantine of each node an operator admitted after it was quarantined (``astraflow node admit``)."""
-        for node, q in list(self.reputation.quarantined.items()):
-            record = await self.plane.state.get(AdmitRecord, node)
-            if record is not None and record.lifts(q.at) and self.reputation.admit(node):
-                self.stats["readmitted"] += 1
-                self.journal.changed()
-                log.warning("node %s admitted again by %s: its trajectories are taken again", node, record.by)
 
     def context(self) -> Context:
         return context(self.lanes, self.recipe.dataflow.max_staleness)
@@ -269,24 +249,11 @@ class Dataflow:
         if s is None:
             return
         self.restored_at = s.ts
-        self.issuer.load_state(s.tasks)
         self.reputation.quarantined.update(s.quarantined)
         for p, lane_state in s.lanes.items():
             if p in self.lanes and (fresh := self.lanes[p].load_state(lane_state)):
                 log.warning("lane %s: plug-ins without saved state start fresh: %s", p, fresh)
-        now = time.time()  # where the tasks out are in the TASK stream (a work queue holds only the unacked)
-        held = await self.plane.held(self.plane.names.task_stream, self.plane.names.all("task"), Task)
-        found = {t.task_id: seq for seq, t in held}
-        for _, t in held:
-            self.in_flight.note_prompt(t.task_id, t.prompt_id)
-        for task in list(self.in_flight.open):
-            self.in_flight.published(task, found.get(task), now)
-        if s.tasks.issuing:  # written ahead, maybe never published: publish again (deduplicated)
-            for t in s.tasks.issuing:
-                self.in_flight.note_prompt(t.task_id, t.prompt_id)
-            seqs = await self.issuer.republish(s.tasks.issuing)
-            for t, seq in zip(s.tasks.issuing, seqs, strict=True):
-                self.in_flight.published(t.task_id, seq, now)
+        await self.issuer.restore(s.tasks)  # the tasks out found, those written ahead published again
         for lane in self.lanes.values():
             for plan in lane.planned():
                 await self.server.republish(lane, plan)
