@@ -241,31 +241,18 @@ class WeightSync:
         self.known.update(history)
         return history
 
-    def _plan(self, target: WeightVersion, index: Mapping[Key, WeightVersion], from_state: bool) -> list[WeightVersion] | None:
-        """Announcements to apply, oldest first: back along base links to our own state
-        (``from_state``) or to a keyframe; None if a link is not in ``index``."""
-        held = (self.image_version, self.digest) if from_state and self.image is not None else None
-        if held == key_of(target):
-            return []
-        chain = [index.get(key_of(target), target)]  # a state announced again (as a keyframe): its latest announcement
-        while chain[-1].encoding == "delta":
-            base = base_key(chain[-1])
-            if base is not None and base == held:
-                break
-            nxt = index.get(base) if base is not None else None
-            if nxt is None or len(chain) > len(index):
-                return None
-            chain.append(nxt)
-        return chain[::-1]
+    def _held(self) -> Key | None:
+        """The state this node holds, as a chain may start from it (None: none)."""
+        return (self.image_version, self.digest) if self.image is not None and self.digest is not None else None
 
     async def _reach(self, target: WeightVersion, history: dict[Key, WeightVersion] | None = None, ask: bool = True) -> bool:
         """Bring the node to ``target``; False (weights unchanged; a keyframe requested if ``ask``) if it cannot."""
         holding = self.image is not None
         try:
-            chain = self._plan(target, self.known, from_state=True)
+            chain = plan_chain(target, self.known, self._held())
             if chain is None:
                 history = history if history is not None else await self._history()
-                chain = self._plan(target, history, from_state=True)
+                chain = plan_chain(target, history, self._held())
             if chain is None:
                 raise WeightSyncError(
                     f"chain of v{target.version} is incomplete in {self.ann_stream} (keyframe v{target.keyframe_version} gone?)"
@@ -289,7 +276,7 @@ class WeightSync:
                 "weights %s v%d: %s: %s; rebuilding from the keyframe chain", self.policy, target.version, type(first).__name__, first
             )
         try:
-            chain = self._plan(target, await self._history(), from_state=False)
+            chain = plan_chain(target, await self._history(), None)
             if chain is None:
                 raise WeightSyncError(f"keyframe chain of v{target.version} is incomplete in {self.ann_stream}")
             await self._apply_chain(chain)
@@ -307,57 +294,32 @@ class WeightSync:
             return False
 
     # ------------------------------------------------------------------ fetching and applying
-    async def _feed(self, ann: WeightVersion, make: Callable[[], Sink], in_place: bool,
-                    finish: Callable[[Any], Any] = lambda r: r) -> tuple[Sink, Any]:
-        """``ann``'s payload fed to a sink from ``make`` while it is fetched (:func:`fetch_into`); (the sink, what
-        its ``close`` returned).
-
-        A missing or corrupt chunk is fetched once more into a fresh sink, unless the sink works ``in_place``
-        on the image and was fed already: the image may be partly changed then, so it is dropped (it
-        matches no version; the engine keeps the last verified one) and the error goes to the caller,
-        which rebuilds from the keyframe chain.
-        """
-        if len(ann.objects) != 1:
-            raise WeightSyncError(f"v{ann.version} names {len(ann.objects)} objects; this build reads exactly one")
-        (ref,) = ann.objects
-        for attempt in (1, 2):
-            sink = make()
-            try:
-                return sink, await fetch_into(self.objects, ref, sink, finish)
-            except BaseException as e:
-                touched = in_place and sink.received > 0
-                if touched:
-                    self.image, self.digest, self.image_version = None, None, -1
-                if not isinstance(e, ObjectError):
-                    raise
-                kind = "corrupt" if isinstance(e, CorruptObject) else "missing" if isinstance(e, MissingObject) else "object_errors"
-                self.stats[kind] += 1
-                if attempt == 2 or touched:
-                    raise
-                self.stats["refetches"] += 1
-                log.warning("weights %s v%d: %s; fetching again", self.policy, ann.version, e)
-        raise AssertionError("unreachable")
+    def _drop_image(self) -> None:
+        """The image matches no version any more (partly changed, or not the announced state): the engine keeps the last
+        verified one, and the next version comes from a keyframe chain."""
+        self.image, self.digest, self.image_version = None, None, -1
 
     async def _apply_chain(self, chain: list[WeightVersion]) -> None:
         """Apply ``chain`` onto the image while fetching, checking every step; install what was verified into the engine.
-        A keyframe decodes into fresh tensors; a delta applies in place as its chunks arrive (``_feed``)."""
+        A keyframe decodes into fresh tensors; a delta applies in place as its chunks arrive (:func:`feed`)."""
         changed: set[str] | None = set()
         try:
             for ann in chain:
                 if ann.encoding == "keyframe":
-                    _, (image, digest) = await self._feed(ann, KeyframeDecoder, in_place=False, finish=_with_digest)
+                    _, (image, digest) = await feed(self.objects, ann, KeyframeDecoder, False, self.stats, self._drop_image,
+                                                    finish=_with_digest)
                     changed = None
                 else:
                     if self.image is None or ann.base_version != self.image_version or ann.base_digest != self.digest:
                         raise WeightSyncError(f"delta v{ann.version} applies onto v{ann.base_version}, "
                                               f"the node holds v{self.image_version}")
                     image = self.image
-                    applier, digest = await self._feed(ann, partial(DeltaApplier, image), in_place=True,
-                                                       finish=lambda _stats: state_digest(image))
+                    applier, digest = await feed(self.objects, ann, partial(DeltaApplier, image), True, self.stats,
+                                                 self._drop_image, finish=lambda _stats: state_digest(image))
                     if changed is not None:
                         changed |= cast(DeltaApplier, applier).changed
                 if digest != ann.state_digest:
-                    self.image, self.digest, self.image_version = None, None, -1  # matches no version any more
+                    self._drop_image()
                     self.stats["corrupt"] += 1
                     raise WeightSyncError(f"v{ann.version}: state digest mismatch after applying")
                 self.image, self.digest, self.image_version = image, digest, ann.version
@@ -366,6 +328,54 @@ class WeightSync:
         finally:
             if self.image is not None and self.image_version != self.engine.version:
                 await asyncio.to_thread(install, self.engine, self.image, self.image_version, changed)
+
+
+async def feed(objects: ObjectStore, ann: WeightVersion, make: Callable[[], Sink], in_place: bool, stats: Counter[str],
+               drop_image: Callable[[], None], finish: Callable[[Any], Any] = lambda r: r) -> tuple[Sink, Any]:
+    """``ann``'s payload fed to a sink from ``make`` while it is fetched from ``objects`` (:func:`fetch_into`); (the
+    sink, what its ``close`` returned).
+
+    A missing or corrupt chunk is fetched once more into a fresh sink, unless the sink works ``in_place`` on the image
+    and was fed already: the image may be partly changed then, so it is dropped (``drop_image``: it matches no version;
+    the engine keeps the last verified one) and the error goes to the caller, which rebuilds from the keyframe chain.
+    """
+    if len(ann.objects) != 1:
+        raise WeightSyncError(f"v{ann.version} names {len(ann.objects)} objects; this build reads exactly one")
+    (ref,) = ann.objects
+    for attempt in (1, 2):
+        sink = make()
+        try:
+            return sink, await fetch_into(objects, ref, sink, finish)
+        except BaseException as e:
+            touched = in_place and sink.received > 0
+            if touched:
+                drop_image()
+            if not isinstance(e, ObjectError):
+                raise
+            kind = "corrupt" if isinstance(e, CorruptObject) else "missing" if isinstance(e, MissingObject) else "object_errors"
+            stats[kind] += 1
+            if attempt == 2 or touched:
+                raise
+            stats["refetches"] += 1
+            log.warning("weights %s v%d: %s; fetching again", ann.policy, ann.version, e)
+    raise AssertionError("unreachable")
+
+
+def plan_chain(target: WeightVersion, index: Mapping[Key, WeightVersion], held: Key | None) -> list[WeightVersion] | None:
+    """Announcements to apply to reach ``target``, oldest first: back along base links to the state ``held`` (None:
+    none to start from) or to a keyframe; None if a link is not in ``index``."""
+    if held == key_of(target):
+        return []
+    chain = [index.get(key_of(target), target)]  # a state announced again (as a keyframe): its latest announcement
+    while chain[-1].encoding == "delta":
+        base = base_key(chain[-1])
+        if base is not None and base == held:
+            break
+        nxt = index.get(base) if base is not None else None
+        if nxt is None or len(chain) > len(index):
+            return None
+        chain.append(nxt)
+    return chain[::-1]
 
 
 def _with_digest(image: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
