@@ -152,7 +152,7 @@ async def test_answering_a_keyframe_request_while_idle_never_hides_a_failed_publ
     again = await c.answer_keyframe_request()
     assert again is not None and (again.version, again.encoding, again.state_digest) == (0, "keyframe", first.state_digest)
     assert again.objects[0].name == first.objects[0].name and again.objects[0].nuid != first.objects[0].nuid
-    await t.publisher.wait_retention()
+    await t.publisher.keeper.wait()
     bucket = run_plane.names.object_bucket
     info = await run_plane._jsm.stream_info(object_stream(bucket), subjects_filter=f"$O.{bucket}.>")
     held = set(info.state.subjects or {})

@@ -71,7 +71,7 @@ async def test_node_on_the_leaf_applies_versions_published_on_the_hub(planes):
     assert sync.stats["keyframes"] == 3 and sync.stats["deltas"] == 5 and sync.stats["failures"] == 0
 
     # retention ran on the hub and on the leaf's mirror alike: v0..v5 are gone from both
-    await pub.wait_retention()
+    await pub.keeper.wait()
     bucket = remote.names.object_bucket
     for js in (trainer_plane._js, leaf_js):
         counts = [await count_chunks(js, object_stream(bucket), chunk_subject(bucket, a.objects[0].nuid)) for a in anns]

@@ -430,11 +430,11 @@ async def test_retention_purges_old_objects_and_a_late_joiner_still_syncs(plane:
     trainer = Trainer()
     pub = WeightPublisher(plane, "solver", keyframe_every=3, keep_versions=2)
     anns = await publish_steps(pub, trainer, range(9))  # keyframes 0, 3, 6; the last two versions (7, 8) need 6..8
-    await pub.wait_retention()
+    await pub.keeper.wait()
     bucket, stream = plane.names.object_bucket, object_stream(plane.names.object_bucket)
     counts = [await count_chunks(plane._js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
     assert counts == [0] * 6 + [1] * 3
-    assert pub.deleted == 6 and sorted(v for v, _ in pub.history) == [6, 7, 8]
+    assert pub.keeper.deleted == 6 and sorted(v for v, _ in pub.keeper.history) == [6, 7, 8]
     late = node(plane)
     await late.wait_for(8, timeout=10)
     assert engine_digest(late) == trainer.digest and late.stats["failures"] == 0
@@ -449,7 +449,7 @@ async def test_a_restarted_trainer_collects_what_its_predecessor_left(plane: Pla
     trainer = Trainer(seed=1)
     pub = WeightPublisher(plane, "solver", keyframe_every=100, keep_versions=2)  # starts again at v0, lower numbers
     new = await publish_steps(pub, trainer, range(3))
-    await pub.wait_retention()
+    await pub.keeper.wait()
     counts = [await count_chunks(plane._js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in old + new]
     assert counts == [0] * 5 + [1] * 3  # "last" is by publication: the old v4 is older than the new v0
     late = node(plane)
@@ -492,11 +492,11 @@ async def test_an_unreachable_mirror_does_not_stop_publishing_or_hub_retention(p
     trainer = Trainer()
     pub = WeightPublisher(plane, "solver", keyframe_every=2, keep_versions=1, mirror_domains=("nowhere",))
     anns = await publish_steps(pub, trainer, range(5))  # keyframes 0, 2, 4
-    await pub.wait_retention()
+    await pub.keeper.wait()
     bucket, stream = plane.names.object_bucket, object_stream(plane.names.object_bucket)
     counts = [await count_chunks(plane._js, stream, chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
     assert counts == [0, 0, 0, 0, 1]  # deleted from the hub all the same
-    assert pub.deleted == 0 and len(pub.history) == 5  # but kept in the plan until the mirror is reachable again
+    assert pub.keeper.deleted == 0 and len(pub.keeper.history) == 5  # but kept in the plan until the mirror is reachable again
 
 
 async def test_payloads_whose_announcements_the_stream_trimmed_are_swept_once(nats_server, run_id):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -44,28 +43,15 @@ import torch
 from astraflow.streams.messages import ObjectRef, Suspect, WeightVersion
 from astraflow.streams.plane import Plane, PublishConflict, PublishRefused
 from astraflow.streams.state import KeyframeRequest, VersionRecord
-from astraflow.weights.checks import foreign_harmless, in_order
+from astraflow.weights.checks import foreign_harmless
 from astraflow.weights.delta import iter_encode_delta, iter_encode_keyframe, state_digest, to_bf16_state
 from astraflow.weights.finite import non_finite
-from astraflow.weights.retention import Key, RetentionPlan, execute_retention, key_of, plan_retention
+from astraflow.weights.keeper import PayloadKeeper, payload_name
+from astraflow.weights.retention import key_of
 
 log = logging.getLogger(__name__)
 Encoding = Literal["keyframe", "delta"]
 STEP_OVERS = 8  # refused publishes in a row before a foreign writer counts as another trainer anyway
-MIRROR_SWEEP_S = 5.0  # how long a restarted publisher's first put waits for each region mirror's sweep
-HUB_SWEEP_S = 30.0  # and for the hub's (a sweep cut short leaves its orphans to the next life; it never holds a version back)
-_PAYLOAD_NAME = re.compile(r"(?P<policy>.+)/v(?P<version>\d+)-[0-9a-f]+\.(?:delta|keyframe)")
-
-
-def payload_name(policy: str, version: int, digest: str, encoding: Encoding) -> str:
-    """The object name of a version's payload: ``{policy}/v{version}-{digest12}.{encoding}``."""
-    return f"{policy}/v{version}-{digest[:12]}.{encoding}"
-
-
-def payload_version(name: str, policy: str) -> int | None:
-    """The version a :func:`payload_name` of ``policy`` names (None: not one)."""
-    found = _PAYLOAD_NAME.fullmatch(name)
-    return int(found["version"]) if found is not None and found["policy"] == policy else None
 
 
 class NonFiniteWeights(ValueError):
@@ -117,21 +103,15 @@ class WeightPublisher:
         self.policy = policy
         self.keyframe_every = keyframe_every
         self.max_delta_fraction = max_delta_fraction
-        self.keep_versions = keep_versions
-        self.mirror_domains = tuple(mirror_domains)
+        self.keeper = PayloadKeeper(plane, policy, keep_versions, tuple(mirror_domains))  # what is stored, what goes
         self.image: dict[str, torch.Tensor] | None = None
         self.image_digest: str | None = None
         self.image_version: int | None = None
         self.keyframe_version = -1
         self.lineage = ""  # the weight lineage announced with every version (set by the trainer's start)
         self.bytes_sent = 0
-        self.history: dict[Key, WeightVersion] = {}  # announcements whose objects are stored, in publication order
-        self._seeded = False  # history holds what earlier trainers of this run announced
-        self.deleted = 0  # versions garbage-collected
         self._request_rev = 0  # KV revision of the last keyframe request served
         self._subject_seq: int | None = None  # stream sequence of the newest announcement on our subject, as we know it
-        self._gc: asyncio.Task[None] | None = None
-        self._superseded: list[WeightVersion] = []  # first announcements of a state announced again, their payloads to delete
 
     def follows(self, seq: int) -> None:
         """The announcement this publisher's next version follows is at stream sequence ``seq`` (0: none yet):
@@ -197,8 +177,8 @@ class WeightPublisher:
         the image of the last announcement). ``copy=False``: ``state`` is already a bf16 image that nothing changes any
         more (the trainer's image of a version), taken as it is; it is still checked finite. ``suspects``: what the step's
         token check left out, announced with it."""
-        if not self._seeded:
-            await self._seed_history()
+        if not self.keeper.seeded:
+            await self.keeper.seed()
         request_rev = await self._keyframe_request_rev()
         requested = request_rev > self._request_rev
         new = await asyncio.to_thread(to_bf16_state, state) if copy else dict(state)
@@ -233,7 +213,7 @@ class WeightPublisher:
             return None
         if await self._keyframe_request_rev() <= self._request_rev:
             return None
-        first = self.history.get((self.image_version, self.image_digest))
+        first = self.keeper.history.get((self.image_version, self.image_digest))
         stored = await self.store(self.image, self.image_version, list(first.batch_ids) if first else [],
                                   dict(first.metrics) if first else {}, force_keyframe=True, copy=False)
         log.warning("weights %s: a keyframe was requested while no version is coming; v%d announced again as a keyframe",
@@ -249,7 +229,7 @@ class WeightPublisher:
         try:  # the commit point: a retry of the same state is deduplicated by the server; another writer's is refused
             seq, landed = await self._announce(ann, msg_id=msg_id)
         except PublishRefused:  # not in the stream: nothing will ever name the payload
-            await asyncio.shield(self._discard(ref))
+            await asyncio.shield(self.keeper.discard(ref))
             raise
         except BaseException as e:  # a timeout, a lost connection: the announcement may have landed, naming the payload
             log.warning("weights %s v%d: the announcement's outcome is unknown (%s); its payload stays (the next trainer "
@@ -258,7 +238,7 @@ class WeightPublisher:
         if landed:
             self._subject_seq = seq
         else:  # the server held this announcement already (a retry under the same id): it names its own payload, not ours
-            await asyncio.shield(self._discard(ref))
+            await asyncio.shield(self.keeper.discard(ref))
             ann = await self.plane.get(self.plane.names.weights_stream, seq, WeightVersion)
             ref = ann.objects[0]
         if ann.encoding == "keyframe":
@@ -266,14 +246,10 @@ class WeightPublisher:
             self._request_rev = max(self._request_rev, stored.request_rev)
         self.image, self.image_digest, self.image_version = stored.image, ann.state_digest, ann.version
         self.bytes_sent += ref.size
-        before = self.history.pop(key_of(ann), None)  # a re-announced state moves to the end: publication order
-        if landed and before is not None and before.objects != ann.objects:  # announced again: the first payload goes next pass
-            self._superseded.append(before)
-        self.history[key_of(ann)] = ann
+        self.keeper.announced(ann, landed)
         log.debug("weights %s v%d: %s (%s), %d bytes", self.policy, ann.version, ann.encoding, stored.why, ref.size)
         await self.plane.state.put(VersionRecord(policy=self.policy, version=ann.version, lineage=self.lineage))
-        if self._gc is None or self._gc.done():  # off the training path: a slow or unreachable mirror never stalls a step
-            self._gc = asyncio.create_task(self._collect_logged())
+        self.keeper.collect()  # off the training path: a slow or unreachable mirror never stalls a step
         return ann
 
     async def _announce(self, ann: WeightVersion, msg_id: str) -> tuple[int, bool]:
@@ -308,80 +284,3 @@ class WeightPublisher:
         log.warning("weights %s: stepping over %d announcements no trainer could have made (after v%d)", self.policy, len(after), mine)
         return last
 
-    async def wait_retention(self) -> None:
-        """Finish retention up to the last publish: wait for the pass in flight, then run one more
-        on the current history (tests, shutdown)."""
-        if self._gc is not None:
-            await asyncio.shield(self._gc)
-        await self.collect_garbage()
-
-    async def _collect_logged(self) -> None:
-        try:
-            await self.collect_garbage()
-        except Exception:  # retention is retried after the next publish
-            log.exception("weights %s: retention pass failed", self.policy)
-
-    async def _seed_history(self) -> None:
-        """Adopt the announcements a previous trainer of this run left on the stream, so retention
-        collects their objects too (a restarted or resumed trainer)."""
-        try:
-            anns = await self.plane.history(self.plane.names.weights(self.policy), WeightVersion)
-        except Exception as e:  # retention of older objects is best effort; publishing is not
-            log.warning("weights %s: could not read earlier announcements: %s", self.policy, e)
-            return
-        for ann in in_order(anns, self.policy):  # never what a foreign writer put there: its objects may be anyone's
-            self.history.setdefault(key_of(ann), ann)
-        self._seeded = True
-        await self._sweep(anns)
-
-    async def _sweep(self, anns: list[WeightVersion]) -> None:
-        """Purge the payloads an earlier trainer of this policy stored and never announced (killed in between, or in
-        the middle of the put): those of a version above every announcement, or never finished. With retention on, also
-        those below the keyframe of every announcement the stream still holds (it keeps ``weights_history`` per
-        subject): no chain the stream names reaches them, and a trainer restarted past that many versions would otherwise
-        find them here, unnamed, at every start (retention works from announcements and never sees them). Any object an
-        announcement names is kept, a foreign one's too (``ObjectStore.sweep``)."""
-        keep = {ref.nuid for a in anns for ref in a.objects}
-        newest = max((a.version for a in anns), default=-1)
-        floor = min((a.keyframe_version for a in anns), default=-1) if self.keep_versions is not None else -1
-
-        def stale(name: str) -> bool:
-            version = payload_version(name, self.policy)
-            return version is not None and (version > newest or version < floor)
-
-        stores = {"the hub": self.plane.objects(), **{f"the mirror in {d}": self.plane.objects(domain=d) for d in self.mirror_domains}}
-        for where, store in stores.items():
-            try:  # before the first put (a sweep beside it could take it for an orphan), bounded: best effort, never a stall
-                bound = HUB_SWEEP_S if where == "the hub" else MIRROR_SWEEP_S
-                purged = await asyncio.wait_for(store.sweep(self.policy, keep, stale), bound)
-            except Exception as e:  # best effort, as retention: publishing goes on
-                log.warning("weights %s: could not sweep unannounced payloads from %s: %s", self.policy, where, e)
-                continue
-            if purged:
-                log.warning("weights %s: purged %d payloads stored and never announced (a trainer killed before its "
-                            "announcement) from %s", self.policy, purged, where)
-
-    async def _discard(self, ref: ObjectRef) -> None:
-        try:
-            await self.plane.objects().delete(ref)
-        except Exception as e:  # the announcement never went out: nothing references the chunks
-            log.warning("weights %s: could not purge unannounced %s: %s", self.policy, ref.name, e)
-
-    async def collect_garbage(self) -> int:
-        """Delete what the last ``keep_versions`` versions' chains do not need, and the first payload of a state announced
-        again (its nodes rebuild from the later announcement); returns how many versions went."""
-        targets = [self.plane.objects(), *(self.plane.objects(domain=d) for d in self.mirror_domains)]
-        if self._superseded:
-            superseded, self._superseded = self._superseded, []
-            gone = await execute_retention(RetentionPlan(keep=(), delete=tuple(superseded)), targets)
-            self._superseded += [a for a in superseded if a not in gone]  # a failed delete is tried again next pass
-        if self.keep_versions is None or len(self.history) <= self.keep_versions:
-            return 0
-        plan = plan_retention(self.history.values(), self.keep_versions)
-        if not plan.delete:
-            return 0
-        gone = await execute_retention(plan, targets)
-        for ann in gone:
-            self.history.pop(key_of(ann), None)
-        self.deleted += len(gone)
-        return len(gone)
