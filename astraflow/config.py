@@ -249,6 +249,17 @@ class DataflowConfig(Strict):
     ``dataflow/reputation.py``)."""
 
 
+class LoraConfig(Strict):
+    """Low-rank adapters (``peft``) trained instead of every weight (train/lora.py)."""
+
+    rank: int = Field(8, gt=0)
+    alpha: int = Field(16, gt=0)
+    """The adapters' scale is alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    """Names (last component) of the linear layers that get an adapter."""
+
+
 class TrainerConfig(Strict):
     backend: str = "torch"
     """``torch`` (one process, CPU or GPU), ``deepspeed`` (ZeRO 1-3; one process on CPU with gloo, or
@@ -321,6 +332,9 @@ class TrainerConfig(Strict):
     as fast as the in-process loop does (BENCHMARKS.md, "Against the in-process loop"). ``shared``: no pinning (a
     rollout-bound run on few cores, where generation should have the trainer's idle time). A list: those CPUs, kept
     from the other roles too. ``up`` writes what it chose into the run's recipe.yaml."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters on ``target_modules`` (base weights frozen) instead of every weight; each version is
+    announced as the merged full weights, so nodes and engines serve it unchanged (torch backend; train/lora.py)."""
     seed: int = 0
 
     @field_validator("plugins")
@@ -335,6 +349,8 @@ class TrainerConfig(Strict):
             BACKENDS.get(self.backend)
         except UnknownName as e:
             raise ValueError(f"backend: {e}") from None
+        if self.lora is not None and self.backend != "torch":
+            raise ValueError(f"lora: the {self.backend} backend does not train adapters; use backend: torch")
         return self
 
     @field_validator("cores")

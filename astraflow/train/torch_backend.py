@@ -24,6 +24,7 @@ from astraflow.config import TrainerConfig
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.batching import Tensors, micro_batches, to_tensors
 from astraflow.train.experts import expert_params, hold_quiet_experts
+from astraflow.train.lora import is_adapted, load_merged, merged_state, with_lora
 from astraflow.train.losses.functional import gather_logprobs, token_entropy
 from astraflow.train.objective import SUMMED, Objective, StepPlan, combine
 from astraflow.weights.delta import to_bf16_state
@@ -45,6 +46,8 @@ class TorchBackend:
         self.tokenizer = tokenizer
         self.temperature = temperature
         self.device = self._device()
+        if cfg.lora is not None:  # adapters trained, the base frozen (train/lora.py)
+            model = with_lora(model, cfg.lora)
         self.module = model.to(self.device)
         self.objective = Objective(cfg)
         self.suspects: dict[int, float] = {}  # the last step's rows the token check left out -> their logprob gap
@@ -60,7 +63,8 @@ class TorchBackend:
 
     def _wrap(self, module: torch.nn.Module) -> tuple[Any, Any]:
         """(callable model for the forward pass, optimizer)."""
-        return module, torch.optim.AdamW(module.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        trained = [p for p in module.parameters() if p.requires_grad]  # every one, or a LoRA model's adapters
+        return module, torch.optim.AdamW(trained, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         fp32_weights = next(self.module.parameters()).dtype == torch.float32
@@ -161,15 +165,21 @@ class TorchBackend:
         return lp
 
     # ------------------------------------------------------------------ state
+    def _weights(self) -> Mapping[str, torch.Tensor]:
+        """The policy's weights as the model names them (a LoRA model's merged: train/lora.py)."""
+        return merged_state(self.module) if is_adapted(self.module) else self.module.state_dict()
+
     def state_dict_bf16(self) -> dict[str, torch.Tensor]:
-        return to_bf16_state(self.module.state_dict())
+        return to_bf16_state(self._weights())
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Float32 CPU copies of the module's weights (gathered when sharded; for tests and benchmarks)."""
-        return {k: v.detach().float().cpu().clone() for k, v in self.module.state_dict().items()}
+        return {k: v.detach().float().cpu().clone() for k, v in self._weights().items()}
 
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        if is_adapted(self.module):
+            return load_merged(self.module, state)
         own = self.module.state_dict()
         missing = set(own) - set(state)
         if missing:
