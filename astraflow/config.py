@@ -334,7 +334,7 @@ class TrainerConfig(Strict):
     from the other roles too. ``up`` writes what it chose into the run's recipe.yaml."""
     lora: LoraConfig | None = None
     """Train low-rank adapters on ``target_modules`` (base weights frozen) instead of every weight; each version is
-    announced as the merged full weights, so nodes and engines serve it unchanged (torch backend; train/lora.py)."""
+    announced as the merged full weights, so nodes and engines serve it unchanged (torch and deepspeed; train/lora.py)."""
     seed: int = 0
 
     @field_validator("plugins")
@@ -349,8 +349,8 @@ class TrainerConfig(Strict):
             BACKENDS.get(self.backend)
         except UnknownName as e:
             raise ValueError(f"backend: {e}") from None
-        if self.lora is not None and self.backend != "torch":
-            raise ValueError(f"lora: the {self.backend} backend does not train adapters; use backend: torch")
+        if self.lora is not None and self.backend not in ("torch", "deepspeed"):
+            raise ValueError(f"lora: the {self.backend} backend does not train adapters; use backend: torch or deepspeed")
         return self
 
     @field_validator("cores")

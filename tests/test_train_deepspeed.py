@@ -69,6 +69,24 @@ def test_same_loss_and_weights_as_torch_fp32(setup, over):
     assert _max_diff(ref_w, ds_w) < 1e-6
 
 
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_lora_same_loss_and_weights_as_torch(setup, zero_stage):
+    """Adapters only (``trainer.lora``): the same losses, the same merged weights, the base frozen, at every stage."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'astraflow[lora]')")
+    over = {"lora": {"rank": 4, "alpha": 8}, "lr": 1e-2, "micro_batch_tokens": 40}
+    torch.manual_seed(0)
+    _, ref_m, ref_w = _run(setup, "torch", **over)
+    torch.manual_seed(0)
+    _, ds_m, ds_w = _run(setup, "deepspeed", zero_stage=zero_stage, **over)
+    for a, b in zip(ref_m, ds_m):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
+    assert _max_diff(ref_w, ds_w) < 1e-6
+    pcfg, tok, _ = setup
+    v0 = build_model(pcfg.model, tok).state_dict()
+    assert set(ds_w) == set(v0) and {k for k in v0 if not torch.equal(ds_w[k], v0[k])} == {
+        k for k in v0 if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))}
+
+
 def test_bf16_tracks_torch_bf16(setup):
     pcfg, tok, _ = setup
     _, ref_m, ref_w = _run(setup, "torch", precision="bf16")
@@ -81,14 +99,16 @@ def test_bf16_tracks_torch_bf16(setup):
     assert float(torch.nn.functional.cosine_similarity(u_t, u_d, dim=0)) > 0.99
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_checkpoint_roundtrip_and_weight_reload(setup, tmp_path, stage):
+@pytest.mark.parametrize("stage,lora", [(2, None), (3, None), (2, {"rank": 4, "alpha": 8})], ids=["2", "3", "2-lora"])
+def test_checkpoint_roundtrip_and_weight_reload(setup, tmp_path, stage, lora):
     pcfg, tok, batches = setup
-    a, _, _ = _run(setup, "deepspeed", zero_stage=stage)
+    if lora is not None:
+        pytest.importorskip("peft", reason="peft is not installed (pip install 'astraflow[lora]')")
+    a, _, _ = _run(setup, "deepspeed", zero_stage=stage, lora=lora)
     ckpt = Checkpointer(tmp_path / "ck")
     path = ckpt.save(a, CheckpointMeta(version=2, policy="solver", trained=[b.batch_id for b in batches]))
     assert (path / "model.safetensors").exists() and (path / "deepspeed").is_dir()
-    cfg = pcfg.trainer.model_copy(update={"backend": "deepspeed", "zero_stage": stage})
+    cfg = TrainerConfig.model_validate({**pcfg.trainer.model_dump(), "backend": "deepspeed", "zero_stage": stage, "lora": lora})
     b = build_backend("deepspeed", build_model(pcfg.model.model_copy(update={"seed": 9}), tok), tok, cfg)
     ckpt.load(b, path)
     assert _max_diff(a.full_state(), b.full_state()) == 0.0

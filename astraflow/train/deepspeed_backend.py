@@ -89,7 +89,8 @@ class DeepSpeedBackend(TorchBackend):
         return torch.device("cpu")
 
     def _wrap(self, module: torch.nn.Module) -> tuple[Any, Any]:
-        opt = torch.optim.AdamW(module.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        trained = [p for p in module.parameters() if p.requires_grad]  # every one, or a LoRA model's adapters
+        opt = torch.optim.AdamW(trained, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         engine, ds_opt, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=self.ds_config())
         self.engine = engine
         self.module = engine.module
@@ -149,7 +150,7 @@ class DeepSpeedBackend(TorchBackend):
 
     def state_dict_bf16(self) -> dict[str, torch.Tensor]:
         with self._gathered():
-            return to_bf16_state(self.module.state_dict())
+            return to_bf16_state(self._weights())
 
     def full_state(self) -> dict[str, torch.Tensor]:
         with self._gathered():
