@@ -87,9 +87,29 @@ def hostile_node(r: dict[str, Any]) -> str:
             + f"\n\nClaim checks per trajectory (decode, prompt tokens, range, the reward scored again), by reward: {cost}.\n")
 
 
+def lora(r: dict[str, Any]) -> str:
+    def est(e: list[float]) -> str:
+        return f"{e[0]:.3f} ± {e[1]:.3f}" if e[2] > 1 else f"{e[0]:.3f} (1 run)"
+
+    rows = ["| run | seed | held-out v0 | held-out, last 5 evaluations | at equal wall time | bytes per version (mean delta) | "
+            "trainer step (median) | trainer CPU per 64 samples | wall |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in sorted(r["runs"], key=lambda x: (x["seed"], x["mode"])):
+        rows.append(f"| {run['mode']} | {run['seed']} | {run['held_out_v0']:.3f} | {run['held_out_last5']:.3f} | "
+                    f"{run['held_out_equal_time']:.3f} | {run['delta_bytes_mean'] / 1024:.1f} KiB | {1e3 * run['step_s_median']:.1f} ms | "
+                    f"{run['trainer_cpu_s_per_64']:.3f} s | {run['wall_s']:.0f} s |")
+    for mode, s in r["summary"].items():
+        rows.append(f"| mean: {mode} | | | {est(s['held_out_last5'])} | {est(s['held_out_equal_time'])} | "
+                    f"{s['delta_bytes_mean'] / 1024:.1f} KiB | {1e3 * s['step_s_median']:.1f} ms | | {s['wall_s']:.0f} s |")
+    d = r["lora_minus_full"]
+    rows.append(f"| LoRA − full, paired by seed | | | {d['held_out_last5'][0]:+.3f} ± {d['held_out_last5'][1]:.3f} | "
+                f"{d['held_out_equal_time'][0]:+.3f} ± {d['held_out_equal_time'][1]:.3f} | | | | |")
+    return (f"{r['steps']} steps, {r['seeds']} seeds, LoRA rank {r['rank']} at lr {r['lora_lr']:g} (full fine-tuning at the "
+            "recipe's 3e-4); intervals are 95 % Student-t over seeds. " + provenance(r) + "\n".join(rows) + "\n")
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"partial_rollouts": partial_rollouts,
                                                           "generation_stall": generation_stall, "house": house,
-                                                          "hostile_node": hostile_node}
+                                                          "hostile_node": hostile_node, "lora": lora}
 
 
 def render(page: str) -> str:
