@@ -3,6 +3,7 @@
     a_task(3)                                   # t00000003, single_turn, "1+2=" answered "3", a group of 2
     a_trajectory("t00000003", 1, reward=0.0)    # its second sample: 3 prompt tokens, 2 completion tokens at v0
     honest(task, 1.0)                           # the prompt and completion an honest node sends for it (arithmetic)
+    sampled_batches(MODEL, 2, seed=3)           # (policy config, tokenizer, batches) a tiny model sampled for a trainer
 """
 
 from __future__ import annotations
@@ -57,3 +58,19 @@ def honest(task: Task, reward: float | None, n: int = 4) -> dict[str, np.ndarray
         raise ValueError(f"answer {text!r} does not fit in {n} tokens")
     return {"prompt_ids": np.asarray(encode_prompt(BYT5, task.prompt), np.int32),
             "completion_ids": np.asarray(encode_prompt(BYT5, text.ljust(n)), np.int32)}
+
+
+def sampled_batches(model: dict[str, Any], n_batches: int, seed: int) -> tuple[Any, Any, list[Any]]:
+    """A recipe's policy config for a tiny model of ``model``'s shape, the tokenizer, and ``n_batches`` batches (3 groups
+    of 4) that model sampled for the first arithmetic prompts, with noisy behaviour logprobs: what a trainer test steps on."""
+    from astraflow.config import parse_recipe
+    from astraflow.models import build_model
+    from astraflow.tasks import load_split
+    from astraflow.train.synthetic import sample_batches
+
+    recipe = parse_recipe({"name": "t", "model": model})
+    pcfg = recipe.policies["solver"]
+    train, _ = load_split(recipe.data)
+    batches = sample_batches(build_model(pcfg.model, BYT5), BYT5, [p.prompt for p in train[:8]], n_batches=n_batches,
+                             groups_per_batch=3, group_size=4, logprob_noise=0.4, seed=seed)
+    return pcfg, BYT5, batches

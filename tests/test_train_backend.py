@@ -8,15 +8,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from factories import sampled_batches
 
 from astraflow.config import TrainerConfig, parse_recipe
-from astraflow.models import build_model, load_tokenizer
-from astraflow.tasks import load_split
+from astraflow.models import build_model
 from astraflow.train.backend import build_backend
 from astraflow.train.batching import micro_batches, to_tensors
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.losses.functional import m2po_mask
-from astraflow.train.synthetic import sample_batches
 from astraflow.train.torch_backend import TorchBackend
 from astraflow.train.vetting import suspects_of
 
@@ -25,13 +24,7 @@ MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads
 
 @pytest.fixture(scope="module")
 def setup():
-    recipe = parse_recipe({"name": "t", "model": MODEL})
-    pcfg = recipe.policies["solver"]
-    tok = load_tokenizer("byt5")
-    train, _ = load_split(recipe.data)
-    batches = sample_batches(build_model(pcfg.model, tok), tok, [p.prompt for p in train[:8]], n_batches=2,
-                             groups_per_batch=3, group_size=4, logprob_noise=0.4, seed=3)
-    return pcfg, tok, batches
+    return sampled_batches(MODEL, 2, seed=3)
 
 
 def trainer_cfg(base: TrainerConfig, **over: object) -> TrainerConfig:

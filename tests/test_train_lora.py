@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factories import sampled_batches
 
-from astraflow.config import TrainerConfig, parse_recipe
-from astraflow.models import build_model, load_tokenizer
-from astraflow.tasks import load_split
+from astraflow.config import TrainerConfig
+from astraflow.models import build_model
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
-from astraflow.train.synthetic import sample_batches
 from astraflow.train.torch_backend import TorchBackend
 
 pytest.importorskip("peft", reason="peft is not installed (pip install 'astraflow[lora]')")
@@ -22,13 +21,7 @@ ADAPTED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
 
 @pytest.fixture(scope="module")
 def setup():
-    recipe = parse_recipe({"name": "t", "model": MODEL})
-    pcfg = recipe.policies["solver"]
-    tok = load_tokenizer("byt5")
-    train, _ = load_split(recipe.data)
-    batches = sample_batches(build_model(pcfg.model, tok), tok, [p.prompt for p in train[:8]], n_batches=3,
-                             groups_per_batch=3, group_size=4, logprob_noise=0.4, seed=3)
-    return pcfg, tok, batches
+    return sampled_batches(MODEL, 3, seed=3)
 
 
 def lora(base: TrainerConfig, **over: object) -> TrainerConfig:
