@@ -41,7 +41,9 @@ STEPS = 150
 PER_FIELD = 2  # poisons per field and attacker (seeded: the same ones every run)
 # every poison judged by its own check: a node past dataflow.quarantine_after would have the rest refused as quarantined
 # (tests/test_hostile_node.py)
-SETS = {"trainer.steps": STEPS, "eval.every": STEPS, "plane.batch_ack_wait": 10, "dataflow.quarantine_after": 0}
+# the stolen batch comes back batch_ack_wait after the theft (at v3 or later): long enough for the trainer to be more than
+# allowed_lag (4) versions on at two steps a second, short enough that an unloaded run (about 15 steps a second) is still going
+SETS = {"trainer.steps": STEPS, "eval.every": STEPS, "plane.batch_ack_wait": 6, "dataflow.quarantine_after": 0}
 # held-out reward (greedy, 100 prompts) at v150 of 9 clean runs of this set-up: 0.64-0.85, mean 0.74, standard deviation
 # 0.06 (BENCHMARKS.md, "Poison suite"); 0.35 at v0. The floor sits under the mean less 4 standard deviations (0.52): noise
 # does not break it, and a run poisoned into not learning stays near v0's, below it
