@@ -14,7 +14,7 @@ Checkpoints hold the whole adapted model (base, adapters) and the adapters' opti
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -50,35 +50,30 @@ def _layers(module: Any) -> dict[str, Any]:
     return {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
 
 
+def _base_tensors(module: Any) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+    """Each tensor of an adapted model but the adapters': (the name the base model gives it, the tensor, the adapted
+    layer it is the weight of, or None)."""
+    for key, t in module.get_base_model().state_dict().items():
+        if ".lora_" in key:
+            continue
+        owner, sep, leaf = key.rpartition(".base_layer.")
+        yield (f"{owner}.{leaf}" if sep else key), t, (owner if sep and leaf == "weight" else None)
+
+
 @torch.no_grad()
 def merged_state(module: Any) -> dict[str, torch.Tensor]:
     """The full weights of an adapted model as the base model names them: W₀ + (α/r)·B·A for each adapted layer's
     weight, every other tensor as it is (tied tensors stay tied)."""
     layers = _layers(module)
-    out: dict[str, torch.Tensor] = {}
-    for key, t in module.get_base_model().state_dict().items():
-        if ".lora_" in key:
-            continue
-        owner, sep, leaf = key.rpartition(".base_layer.")
-        if not sep:
-            out[key] = t
-        elif leaf == "weight":
-            out[f"{owner}.weight"] = t + layers[owner].get_delta_weight(ADAPTER).to(t.dtype)
-        else:
-            out[f"{owner}.{leaf}"] = t
-    return out
+    return {name: t if layer is None else t + layers[layer].get_delta_weight(ADAPTER).to(t.dtype)
+            for name, t, layer in _base_tensors(module)}
 
 
 @torch.no_grad()
 def load_merged(module: Any, state: Mapping[str, torch.Tensor]) -> None:
     """``state`` (full weights, the base model's names) as the base weights, every adapter's B zeroed: the merged
     weights are then ``state`` exactly (the approximate resume: the announced weights under the adapters' optimizer)."""
-    layers = _layers(module)
-    own = module.get_base_model().state_dict()
-    for key, t in own.items():
-        if ".lora_" in key:
-            continue
-        owner, sep, leaf = key.rpartition(".base_layer.")
-        t.copy_(state[f"{owner}.{leaf}" if sep else key])
-    for layer in layers.values():
+    for name, t, _ in _base_tensors(module):
+        t.copy_(state[name])
+    for layer in _layers(module).values():
         layer.lora_B[ADAPTER].weight.zero_()
