@@ -25,11 +25,16 @@ if TYPE_CHECKING:
 
 @lru_cache(maxsize=4)
 def load_tokenizer(name: str = "byt5") -> Any:
-    """``byt5``: byte-level, file-free. Anything else is a local path or hub id (GPU recipes)."""
+    """``byt5``: byte-level, file-free, with astraflow's chat template (``chat_template.py``: tools included). Anything
+    else is a local path or hub id (GPU recipes), with its own template."""
     from transformers import AutoTokenizer, ByT5Tokenizer
 
+    from astraflow.chat_template import CHAT_TEMPLATE
+
     if name == "byt5":
-        return ByT5Tokenizer()
+        tokenizer = ByT5Tokenizer()
+        tokenizer.chat_template = CHAT_TEMPLATE
+        return tokenizer
     return AutoTokenizer.from_pretrained(name)
 
 

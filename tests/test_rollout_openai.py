@@ -111,8 +111,7 @@ def test_stop_strings_are_trimmed_from_the_content_but_trained():
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "add", "parameters": {"type": "object"}}]}, "functions"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from astraflow.rollout.engines.base import Completion
 from astraflow.rollout.rewards import Reward
 from astraflow.rollout.workflows.base import Episode, PolicyHandle
-from astraflow.rollout.workflows.openai_api import BadRequest, NotFound, StaleNode, Unavailable
+from astraflow.rollout.workflows.openai_errors import BadRequest, NotFound, StaleNode, Unavailable
 from astraflow.rollout.workflows.openai_facade import CallRecord, ChatFacade
 from astraflow.streams.messages import Task, Trajectory
 
@@ -105,6 +105,9 @@ def sample_trajectory(task: Task, policy: str, index: int, calls: list[CallRecor
     else:
         ep, dropped = Episode(handle.encode(task.prompt)), 0
     meta: dict[str, Any] = {**outcome.meta, "calls": len(calls), "unchained_calls": dropped}
+    if any(c.tools for c in calls):
+        meta["tool_calls"] = sum(c.tool_calls for c in calls)
+        meta["tool_call_parse_failures"] = sum(c.tool_parse_failed for c in calls)
     off_policy = sum(len(c.completion_ids) for c in calls if not c.on_policy)
     if off_policy:
         meta["off_policy_tokens"] = off_policy

@@ -6,9 +6,11 @@ turn generated :class:`Choice` values into the JSON bodies of ``/v1/chat/complet
 ``/v1/completions``, whole or as server-sent events.
 
 A parameter is honoured, accepted without effect on generation (``NO_EFFECT``: bookkeeping
-fields), or refused with a 400 that says why. Nothing is silently ignored: tools, structured
-outputs, penalties, logit bias, alternatives' logprobs are refused, because the engines sample
-plain text from the policy and report the sampled token's logprob only.
+fields), or refused with a 400 that says why. Nothing is silently ignored. Function tools
+(``tools``, ``tool_choice``, ``parallel_tool_calls``, tool calls and ``tool`` messages in the history)
+are served (``tool_calls.py``); structured outputs, penalties, logit bias and alternatives' logprobs
+are refused, because the engines sample plain text from the policy and report the sampled token's
+logprob only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+from astraflow.rollout.workflows.openai_errors import BadRequest
+from astraflow.rollout.workflows.tool_calls import ToolUse, parse_tools
 
 Kind = Literal["chat", "completion"]
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -31,47 +36,6 @@ ACCEPTED: dict[Kind, frozenset[str]] = {
     "completion": _COMMON | {"prompt", "echo", "best_of", "suffix"},
 }
 MAX_N = 128
-
-
-class ApiError(Exception):
-    """An error answered with ``status`` and an OpenAI-style body (``{"error": {message, type, param, code}}``)."""
-
-    status = 500
-    error_type = "server_error"
-
-    def __init__(self, message: str, param: str | None = None, **extra: Any) -> None:
-        super().__init__(message)
-        self.param = param
-        self.extra = extra
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.error_type, "param": self.param, "code": None, **self.extra}}
-
-
-class BadRequest(ApiError):
-    """A request the facade will not serve as asked (names the parameter)."""
-
-    status, error_type = 400, "invalid_request_error"
-
-
-class Unauthorized(ApiError):
-    status, error_type = 401, "authentication_error"
-
-
-class NotFound(ApiError):
-    status, error_type = 404, "not_found"
-
-
-class StaleNode(ApiError):
-    """The node holds weights older than the task allows: give the task back (nak) and let a newer node take it."""
-
-    status, error_type = 409, "stale_weights"
-
-
-class Unavailable(ApiError):
-    """The node cannot serve now (draining, not joined, the plane refused a publish): try again or give the task back."""
-
-    status, error_type = 503, "unavailable"
 
 
 @dataclass(frozen=True)
@@ -91,6 +55,7 @@ class ApiCall:
     logprobs: bool = False
     stream: bool = False
     include_usage: bool = False
+    tools: ToolUse | None = None  # chat: the declared function tools and how they may be used
 
 
 @dataclass(frozen=True)
@@ -101,6 +66,7 @@ class Choice:
     tokens: list[str]  # each generated token's text, the stop string and EOS included (what is trained)
     logprobs: list[float]
     finish_reason: str
+    tool_calls: tuple[dict[str, Any], ...] = ()  # OpenAI tool_calls read from the text (then ``text`` is what is left)
 
 
 def _unset(value: Any) -> bool:
@@ -141,6 +107,15 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _tool_calls(k: int, calls: Any) -> None:
+    where = f"messages[{k}].tool_calls"
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("id"), str) and c.get("type", "function") == "function"
+            and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), str) for c in calls):
+        raise BadRequest(f"{where} must be a list of {{id, type: function, function: {{name, arguments}}}}", where)
+
+
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -148,8 +123,12 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise BadRequest(f"messages[{k}] must be an object with a role in {ROLES}", f"messages[{k}].role")
-        if m.get("tool_calls"):
-            raise BadRequest(f"messages[{k}].tool_calls: tool calls are not supported (no tools are served)", f"messages[{k}].tool_calls")
+        if m.get("tool_calls") is not None:
+            if m["role"] != "assistant":
+                raise BadRequest(f"messages[{k}].tool_calls: only assistant messages carry tool calls", f"messages[{k}].tool_calls")
+            _tool_calls(k, m["tool_calls"])
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise BadRequest(f"messages[{k}]: a tool message needs the tool_call_id it answers", f"messages[{k}].tool_call_id")
         content = m.get("content")
         parts = content if isinstance(content, list) else []
         if not (content is None or isinstance(content, (str, list))) or any(
@@ -191,18 +170,15 @@ def parse_call(kind: Kind, body: Any) -> ApiCall:
     if call.top_p == 0.0:
         raise BadRequest("top_p must be above 0", "top_p")
     if kind == "chat":
-        tools = "no tools are served: the model's text comes back as is (describe tools in the prompt, or use multi_turn_tools)"
-        _refuse(body, "tools", tools)
-        _refuse(body, "functions", tools)
-        _refuse(body, "function_call", tools, ("none",))
-        _refuse(body, "tool_choice", tools, ("none",))
-        _refuse(body, "parallel_tool_calls", tools)
+        legacy = "the legacy functions API is not served: declare them as tools"
+        _refuse(body, "functions", legacy)
+        _refuse(body, "function_call", legacy, ("none",))
         _refuse(body, "response_format", "structured outputs are not enforced; only {type: text}", ({"type": "text"},))
         _refuse(body, "top_logprobs", "the engines report the sampled token's logprob only")
         if not isinstance(body.get("logprobs", False), bool):
             raise BadRequest("logprobs must be a boolean", "logprobs")
         budget = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
-        return replace(call, messages=_messages(body), max_tokens=budget, logprobs=bool(body.get("logprobs")))
+        return replace(call, messages=_messages(body), max_tokens=budget, logprobs=bool(body.get("logprobs")), tools=parse_tools(body))
     _refuse(body, "echo", "the prompt is not echoed")
     _refuse(body, "suffix", "insertion is not supported")
     _refuse(body, "best_of", "every sample is returned (use n)", (1,))
@@ -240,29 +216,45 @@ def _head(call: ApiCall, obj: str, model: str, fingerprint: str) -> dict[str, An
             "system_fingerprint": fingerprint}
 
 
+def _message(c: Choice) -> dict[str, Any]:
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text, "refusal": None}
+    return {"role": "assistant", "content": c.text or None, "refusal": None, "tool_calls": list(c.tool_calls)}
+
+
 def response(call: ApiCall, choices: list[Choice], model: str, fingerprint: str, use: dict[str, int]) -> dict[str, Any]:
     """The whole (non-streaming) response body."""
     if call.kind == "chat":
-        out = [{"index": k, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": _chat_logprobs(c) if call.logprobs else None, "finish_reason": c.finish_reason} for k, c in enumerate(choices)]
+        out = [{"index": k, "message": _message(c), "logprobs": _chat_logprobs(c) if call.logprobs else None,
+                "finish_reason": c.finish_reason} for k, c in enumerate(choices)]
         return {**_head(call, "chat.completion", model, fingerprint), "choices": out, "usage": use}
     out = [{"index": k, "text": c.text, "logprobs": _completion_logprobs(c) if call.logprobs else None, "finish_reason": c.finish_reason}
            for k, c in enumerate(choices)]
     return {**_head(call, "text_completion", model, fingerprint), "choices": out, "usage": use}
 
 
+def _deltas(c: Choice) -> list[dict[str, Any]]:
+    """A chat choice's deltas after the role: its content, then each tool call's name and arguments."""
+    out: list[dict[str, Any]] = [{"content": c.text}] if c.text or not c.tool_calls else []
+    for j, t in enumerate(c.tool_calls):
+        f = t["function"]
+        out.append({"tool_calls": [{"index": j, "id": t["id"], "type": "function", "function": {"name": f["name"], "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": j, "function": {"arguments": f["arguments"]}}]})
+    return out
+
+
 def chunks(call: ApiCall, choices: list[Choice], model: str, fingerprint: str, use: dict[str, int]) -> Iterator[dict[str, Any]]:
-    """The same response as server-sent event payloads: per choice its text, then its finish; usage last if asked."""
+    """The same response as server-sent event payloads: per choice its text and tool calls, then its finish; usage last if asked."""
     obj = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
     head = _head(call, obj, model, fingerprint)
     extra = {"usage": None} if call.include_usage else {}
     for k, c in enumerate(choices):
         if call.kind == "chat":
-            first = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            body = {"index": k, "delta": {"content": c.text}, "logprobs": _chat_logprobs(c) if call.logprobs else None,
-                    "finish_reason": None}
-            last = {"index": k, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}
-            yield from ({**head, "choices": [x], **extra} for x in (first, body, last))
+            deltas = [{"role": "assistant", "content": ""}, *_deltas(c)]
+            for d, delta in enumerate(deltas):
+                logprobs = _chat_logprobs(c) if call.logprobs and d == 1 else None  # every token's, once
+                yield {**head, "choices": [{"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": None}], **extra}
+            yield {**head, "choices": [{"index": k, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}], **extra}
         else:
             x = {"index": k, "text": c.text, "logprobs": _completion_logprobs(c) if call.logprobs else None,
                  "finish_reason": c.finish_reason}

@@ -28,24 +28,13 @@ from dataclasses import dataclass, field, replace
 from http.server import ThreadingHTTPServer
 from typing import Any, Protocol
 
+from astraflow.chat_template import CALL_OPEN, CHAT_TEMPLATE
 from astraflow.rollout.engines.base import Completion, GenerationRequest, StaleWeights
 from astraflow.rollout.http_json import JsonHandler
 from astraflow.rollout.workflows.base import PolicyHandle
-from astraflow.rollout.workflows.openai_api import (
-    ApiCall,
-    ApiError,
-    BadRequest,
-    Choice,
-    Kind,
-    NotFound,
-    Unauthorized,
-    Unavailable,
-    chunks,
-    parse_call,
-    response,
-    trim_stop,
-    usage,
-)
+from astraflow.rollout.workflows.openai_api import ApiCall, Choice, Kind, chunks, parse_call, response, trim_stop, usage
+from astraflow.rollout.workflows.openai_errors import ApiError, BadRequest, NotFound, Unauthorized, Unavailable
+from astraflow.rollout.workflows.tool_calls import Reading, read_calls
 from astraflow.streams.credentials import is_loopback
 
 log = logging.getLogger(__name__)
@@ -63,6 +52,9 @@ class CallRecord:
     text: str  # what the client got (request stop strings trimmed)
     on_policy: bool = True  # sampled from the recipe's distribution; otherwise masked out of the loss
     prompt_text: str | None = None  # a completions call's prompt as text (a later call that extends it chains)
+    tools: bool = False  # the call declared tools
+    tool_calls: int = 0  # calls read from the text
+    tool_parse_failed: bool = False  # the text held a call that did not parse: returned as content
 
 
 @dataclass
@@ -72,7 +64,22 @@ class SampleLog:
     policy: str
     min_version: int = 0
     calls: list[CallRecord] = field(default_factory=list)
-    produced: dict[str, list[int]] = field(default_factory=dict)  # text the client got -> the completion's token ids
+    produced: dict[str, list[int]] = field(default_factory=dict)  # text the client got -> the turn's token ids
+    produced_calls: dict[str, list[int]] = field(default_factory=dict)  # a tool call's id -> the turn's token ids
+
+    def turn_ids(self, message: dict[str, Any]) -> list[int] | None:
+        """The exact token ids of an assistant turn this sample produced (the written prefix and the sample), or None."""
+        calls = message.get("tool_calls") or []
+        if calls:
+            return self.produced_calls.get(calls[0]["id"])
+        return self.produced.get(_text(message.get("content")))
+
+    def record(self, rec: CallRecord, turn: list[int], calls: tuple[dict[str, Any], ...]) -> None:
+        self.calls.append(rec)
+        for c in calls:
+            self.produced_calls[c["id"]] = turn
+        if not calls:
+            self.produced[rec.text] = turn
 
 
 class SessionRoutes(Protocol):
@@ -207,18 +214,30 @@ class ChatFacade:
     def policy_for(self, model: str | None) -> str:
         return model if model in self.handles else next(iter(self.handles))
 
-    def render_chat(self, h: PolicyHandle, messages: list[dict[str, Any]], sample: SampleLog | None) -> list[int]:
-        """The tokenizer's chat template; without one ``<|role|>\\n`` + content + ``\\n``, re-inserting this sample's
-        completions as their exact token ids so multi-call agents chain."""
-        if getattr(h.tokenizer, "chat_template", None):
-            out = h.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, Mapping) else out)
-        ids: list[int] = []
-        for m in messages:
-            content = _text(m.get("content"))
-            body = sample.produced.get(content) if sample is not None and m.get("role") == "assistant" else None
-            ids += h.encode(f"<|{m['role']}|>\n") + (body if body is not None else h.encode(content)) + h.encode("\n")
-        return ids + h.encode("<|assistant|>\n")
+    def render_chat(self, h: PolicyHandle, call: ApiCall, sample: SampleLog | None) -> list[int]:
+        """The messages (and tools) through the policy's chat template (``chat_template.CHAT_TEMPLATE`` for a tokenizer
+        without one). An assistant turn this sample produced is re-inserted as its exact token ids, never re-tokenized
+        from text: the template renders a placeholder in its place, and the ids go where the placeholder is."""
+        messages: list[dict[str, Any]] = []
+        turns: list[list[int]] = []
+        for m in call.messages:
+            ids = sample.turn_ids(m) if sample is not None and m["role"] == "assistant" else None
+            if ids is None:
+                messages.append(m)
+            else:
+                messages.append({"role": "assistant", "content": _PLACEHOLDER.format(len(turns))})
+                turns.append(ids)
+        template = None if getattr(h.tokenizer, "chat_template", None) else CHAT_TEMPLATE
+        tools = list(call.tools.tools) if call.tools is not None else None
+        text = h.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                               chat_template=template)
+        out: list[int] = []
+        for k, ids in enumerate(turns):
+            before, _, text = text.partition(_PLACEHOLDER.format(k))
+            out += h.encode(before) + ids
+            end = h.tokenizer.decode(ids[-1:]) if ids and ids[-1] in h.tokenizer.all_special_ids else ""
+            text = text[len(end) :] if end and text.startswith(end) else text  # the turn's own end-of-turn token, once
+        return out + h.encode(text)
 
     def render_prompt(self, h: PolicyHandle, prompt: str | list[int], sample: SampleLog | None) -> list[int]:
         """A completions prompt: token ids as given, or text encoded as the workflows encode task prompts (no EOS).
@@ -243,25 +262,33 @@ class ChatFacade:
             raise NotFound("no open sample with this token (finished, abandoned or expired)")
         policy = sample.policy if sample is not None else self.policy_for(call.model)
         h = self.handles[policy]
-        prompt = (self.render_chat(h, call.messages, sample) if call.kind == "chat" else self.render_prompt(h, call.prompt, sample))
+        prefix_text = call.tools.prefix() if call.tools is not None else ""
+        prefix = h.encode(prefix_text) if prefix_text else []
+        prompt = (self.render_chat(h, call, sample) if call.kind == "chat" else self.render_prompt(h, call.prompt, sample)) + prefix
+        if h.context is not None and len(prompt) >= h.context:
+            raise BadRequest(f"the prompt is {len(prompt)} tokens; {policy} holds {h.context}", "messages" if kind == "chat" else "prompt")
         base = h.params
         params = replace(base, max_new_tokens=min(call.max_tokens or base.max_new_tokens, base.max_new_tokens),
-                         stop=tuple(dict.fromkeys((*base.stop, *call.stop))),
+                         stop=tuple(dict.fromkeys((*base.stop, *call.stop, *(call.tools.stops() if call.tools else ())))),
                          seed=base.seed if call.seed is None else call.seed,
                          temperature=base.temperature if call.temperature is None else call.temperature,
                          top_p=base.top_p if call.top_p is None else call.top_p)
         on_policy = (params.temperature, params.top_p) == (base.temperature, base.top_p)
-        comps = self.queues[policy].generate([GenerationRequest(prompt, params)] * call.n, sample.min_version if sample else 0)
+        comps = self.queues[policy].generate(h.requests([prompt] * call.n, params), sample.min_version if sample else 0)
+        shown = (*call.stop, *((CALL_OPEN,) if call.tools is not None and call.tools.mode == "none" else ()))
         choices = []
         for c in comps:
-            text = trim_stop(h.decode(c.token_ids), call.stop)
-            choices.append(Choice(text, [h.tokenizer.decode([t]) for t in c.token_ids], list(c.logprobs), c.finish_reason))
+            text = trim_stop(h.decode(c.token_ids), shown)
+            reading = read_calls(prefix_text + text, call.tools) if call.kind == "chat" else Reading(text)
+            finish = "tool_calls" if reading.calls else c.finish_reason
+            choices.append(Choice(reading.content or "", [h.tokenizer.decode([t]) for t in c.token_ids], list(c.logprobs), finish,
+                                  reading.calls))
             if sample is not None:
-                rec = CallRecord(prompt, list(c.token_ids), list(c.logprobs), list(c.versions), c.finish_reason, text, on_policy,
-                                 call.prompt if isinstance(call.prompt, str) and call.kind == "completion" else None)
+                rec = CallRecord(prompt, list(c.token_ids), list(c.logprobs), list(c.versions), c.finish_reason, reading.content or "",
+                                 on_policy, call.prompt if isinstance(call.prompt, str) and call.kind == "completion" else None,
+                                 call.tools is not None, len(reading.calls), reading.failed)
                 with self.lock:
-                    sample.calls.append(rec)
-                    sample.produced[text] = rec.completion_ids
+                    sample.record(rec, prefix + rec.completion_ids, reading.calls)
         version = max((v for c in comps for v in c.versions), default=h.engine.version)
         use = usage(len(prompt), [len(c.token_ids) for c in comps])
         model = call.model or policy
@@ -272,6 +299,9 @@ class ChatFacade:
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": p, "object": "model", "created": 0, "owned_by": "astraflow",
                                             "version": h.engine.version} for p, h in self.handles.items()]}
+
+
+_PLACEHOLDER = "\x00astraflow-turn-{}\x00"  # where a produced assistant turn's exact ids go in the rendered chat
 
 
 def _text(content: Any) -> str:
