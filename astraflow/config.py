@@ -623,10 +623,14 @@ def _inheriting_policies(data: dict[str, Any], path: list[str]) -> list[dict[str
 
 
 def _recipe_files(data: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
-    """Where a raw recipe names a file, as (section, key): ``data.path`` and every ``sft.demonstrations``."""
+    """Where a raw recipe names a file, as (section, key): ``data.path``, every ``sft.demonstrations``, and an agent
+    given as ``file.py:function`` (``workflow.agent``)."""
     out = []
     if isinstance(data.get("data"), dict) and data["data"].get("path"):
         out.append((data["data"], "path"))
+    workflow = data.get("workflow")
+    if isinstance(workflow, dict) and isinstance(workflow.get("agent"), str) and ".py:" in workflow["agent"]:
+        out.append((workflow, "agent"))
     policies: dict[str, Any] = data["policies"] if isinstance(data.get("policies"), dict) else {}
     for section in [data.get("sft"), *((over or {}).get("sft") for over in policies.values() if isinstance(over, dict))]:
         if isinstance(section, dict) and section.get("demonstrations"):

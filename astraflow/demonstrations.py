@@ -9,7 +9,8 @@ the trainer's warm start reads them (``train/sft.py``, ``sft.demonstrations`` in
      "eos": true, "reward": 1.0}
 
 A segment is text and whether the model wrote it (``true``: trained on) or the workflow inserted it
-(``false``: tool output, an observation; masked out of the loss, as in a trajectory's ``loss_mask``).
+(``false``: tool output, an observation; masked out of the loss, as in a trajectory's ``loss_mask``); an
+end-of-turn token inside the episode is written in its segment's text (``</s>`` after an agent's tool call).
 ``eos``: the episode's last turn ended with the end-of-sequence token. ``reward`` is what the workflow
 scored the episode (for reading: a warm start imitates the noisy episodes too).
 """
@@ -60,12 +61,17 @@ def write_demonstrations(path: str | Path, demos: Iterable[Demonstration]) -> in
     return len(lines)
 
 
+def segment_ids(tokenizer: Any, text: str) -> list[int]:
+    """A segment's token ids: its text as written, an end-of-turn token in it included (``</s>`` after a tool call)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def demonstration_tokens(demo: Demonstration, tokenizer: Any) -> tuple[list[int], list[bool]]:
     """Token ids of the whole episode and, aligned with them, whether each is trained on (model-written)."""
     ids = encode_prompt(tokenizer, demo.prompt)
     trained = [False] * len(ids)
     for text, learn in demo.segments:
-        seg = encode_prompt(tokenizer, text)
+        seg = segment_ids(tokenizer, text)
         ids += seg
         trained += [learn] * len(seg)
     if demo.eos:

@@ -42,6 +42,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated, Any, Generic, Literal, TypeVar, cast
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, SerializeAsAny, ValidationError, create_model
@@ -272,17 +273,19 @@ def load_plugins(paths: list[str]) -> None:
     for item in paths:
         try:
             if item.endswith(".py"):
-                _load_file(Path(item).resolve())
+                load_file(Path(item))
             else:
                 importlib.import_module(item)
         except Exception as e:  # ImportError, or whatever the plug-in raises while importing
             raise ValueError(f"cannot import {item!r} ({type(e).__name__}: {e})") from e
 
 
-def _load_file(path: Path) -> None:
+def load_file(path: Path) -> ModuleType:
+    """The Python file at ``path`` imported as a module (once: a second load returns the first)."""
+    path = path.resolve()
     name = f"astraflow_plugin_{path.stem}"
     if name in sys.modules:
-        return
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None or not path.exists():
         raise ImportError(f"no Python file at {path}")
@@ -293,3 +296,4 @@ def _load_file(path: Path) -> None:
     except BaseException:
         del sys.modules[name]  # a fixed file can be loaded again
         raise
+    return module

@@ -121,7 +121,7 @@ async def every(seconds: float, fn: Callable[[], Awaitable[object]], stop: async
 
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("nats", "httpx", "urllib3"):
+    for noisy in ("nats", "httpx", "httpx2", "httpcore", "openai", "urllib3"):  # a request line per agent call is noise
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -9,7 +9,8 @@ shows the mean and its 95 % t-interval over seeds (benchmarks/stats.py). ``--set
 passed to every run (``--set eval.k=8``). With ``--figures DIR`` the first seed's ``reward.png`` of each recipe is
 copied to ``DIR/recipe-NAME.png``. For a team recipe the table also shows the team's held-out reward
 (the partner's pick of k samples) against the solver alone at the same k samples, and their difference
-paired by seed (significant when its interval excludes 0).
+paired by seed (significant when its interval excludes 0). For an agent recipe it also counts the tool calls its
+nodes read back and those that did not parse (the largest sums the live nodes reported, ``pool.jsonl``).
 
 Run: ``python benchmarks/bench_recipes.py [--only search,terminal] [--steps N] [--seeds 3] [--set eval.k=8] [--figures DIR] [--keep DIR]``.
 Last stdout line: JSON.
@@ -35,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stats import over_seeds, paired
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ["arithmetic", "math", "math-multi-agent", "math-efficient-data", "search", "calculator", "alfworld", "webshop",
-           "terminal", "code", "code-multi-agent", "code-multi-agent/verifier.yaml"]
+RECIPES = ["arithmetic", "math", "math-multi-agent", "math-efficient-data", "search", "calculator", "calculator-agent", "alfworld",
+           "webshop", "terminal", "code", "code-multi-agent", "code-multi-agent/verifier.yaml"]
 
 
 def label(name: str) -> str:
@@ -62,10 +63,12 @@ def run(name: str, steps: int | None, seed: int, base: Path, overrides: list[str
         return {"recipe": name, "seed": seed, "ok": False, "wall_s": round(wall, 1), "error": f"no final evaluation ({s['outcome']})"}
     team = s.get("held_out_others", {}).get("team", {})
     last = str(s["policies"][s["eval_policy"]]["steps"])
+    pool = [json.loads(x) for x in (run_dir / "pool.jsonl").read_text().splitlines() if x.strip()]
+    tools = {k: max((row.get(k, 0) for row in pool), default=0) for k in ("tool_calls", "tool_call_parse_failures")}
     return {"recipe": name, "seed": seed, "ok": True, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "run_dir": str(run_dir),
             "policies": list(s["policies"]), "steps": int(last), "held_out_initial": s["initial_reward"],
             "held_out_final": s["final_reward"], "held_out": s["held_out_reward"],
-            "team": {v: (r["reward"], r["avg@k"]) for v, r in team.items()},
+            "team": {v: (r["reward"], r["avg@k"]) for v, r in team.items()}, **tools,
             "partners": {p: rows for p, rows in s.get("held_out_others", {}).items() if p != "team"}}
 
 
@@ -101,7 +104,7 @@ def main() -> list[dict[str, Any]]:
             results += runs
     t = Table(title="CPU recipes: wall time and held-out reward (greedy), mean ± 95 % t-interval over seeds")
     for c in ("recipe", "runs", "steps", "wall s", "CPU s", "held-out v0", "held-out final", "team final: pick / alone",
-              "pick - alone (paired)"):
+              "pick - alone (paired)", "tool calls (unparsed)"):
         t.add_column(c)
     for name in args.only.split(","):
         ok = [r for r in results if r["recipe"] == name and r["ok"]]
@@ -110,7 +113,9 @@ def main() -> list[dict[str, Any]]:
                   spread([r["cpu_s"] for r in ok]),
                   spread([r["held_out_initial"] for r in ok]), spread([r["held_out_final"] for r in ok]),
                   f"{spread([p for p, _ in team])} / {spread([a for _, a in team])}" if team else "—",
-                  difference([p for p, _ in team], [a for _, a in team]))
+                  difference([p for p, _ in team], [a for _, a in team]),
+                  f"{sum(r['tool_calls'] for r in ok):.0f} ({sum(r['tool_call_parse_failures'] for r in ok):.0f})"
+                  if any(r["tool_calls"] for r in ok) else "—")
     Console().print("* the paired interval excludes 0; n.s.: not significant at 95 %")
     Console().print(t)
     return results

@@ -107,7 +107,16 @@ def lora(r: dict[str, Any]) -> str:
             "recipe's 3e-4); intervals are 95 % Student-t over seeds. " + provenance(r) + "\n".join(rows) + "\n")
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"partial_rollouts": partial_rollouts,
+def facade(r: dict[str, Any]) -> str:
+    rows = ["| way | wall per call (median) | engine time inside | overhead (median) | overhead (p90) |", "|---|---|---|---|---|"]
+    for name, w in r["ways"].items():
+        rows.append(f"| {name} | {w['wall_ms_median']:.1f} ms | {w['engine_ms_median']:.1f} ms | {w['overhead_ms_median']:.2f} ms | "
+                    f"{w['overhead_ms_p90']:.2f} ms |")
+    return (f"{r['calls']} calls each way, interleaved; {r['prompt_tokens']} prompt tokens, up to {r['max_new_tokens']} new. "
+            + provenance(r) + "\n".join(rows) + "\n")
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"facade": facade, "partial_rollouts": partial_rollouts,
                                                           "generation_stall": generation_stall, "house": house,
                                                           "hostile_node": hostile_node, "lora": lora}
 

@@ -259,3 +259,30 @@ def test_the_trained_tokens_are_the_sampled_tokens_for_any_session(model: Model,
     assert [lp for lp, m in zip(traj.behaviour_logprobs().tolist(), mask) if m] == pytest.approx([lp for s in chosen for lp in s.logprobs])
     assert [v for v, m in zip(traj.token_versions().tolist(), mask) if m] == [v for s in chosen for v in s.versions]
     assert all(lp == 0.0 for lp, m in zip(traj.behaviour_logprobs().tolist(), mask) if not m)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+          "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}</s>{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_models_own_template_chains_its_turns_without_doubling_the_end_token():
+    """A pretrained model's template ends each turn with the end-of-turn token the model itself sampled: the turn's exact
+    ids already hold it, so the template's copy is not inserted again, and the trajectory chains."""
+    tok = load_tokenizer("byt5")
+    tok.chat_template = CHATML
+    replies = deque([call("add", a=2, b=3), "5"])
+    engine = Recording(replies)
+    facade = ChatFacade({"solver": PolicyHandle(engine, tok, SamplingParams(max_new_tokens=200), name="solver")})
+    try:
+        token = facade.open_sample("solver")
+        c = openai.OpenAI(base_url=facade.base_url(token), api_key="unused", max_retries=0, timeout=30)
+        first = c.chat.completions.create(model="m", messages=USER, tools=[ADD]).choices[0].message
+        messages = [*USER, first.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "5"}]
+        c.chat.completions.create(model="m", messages=messages, tools=[ADD])
+        one, two = facade.close_sample(token)
+    finally:
+        facade.close()
+    assert two.prompt_ids[: len(one.prompt_ids) + len(one.completion_ids)] == one.prompt_ids + one.completion_ids
+    between = tok.decode(two.prompt_ids[len(one.prompt_ids) + len(one.completion_ids) :])
+    assert between == "<|im_start|>tool\n5</s><|im_start|>assistant\n"  # one </s> ends the turn: the sampled one

@@ -23,7 +23,7 @@ from typing import Any
 from astraflow.config import Recipe
 from astraflow.launch.rundir import RunDir
 from astraflow.streams.dataflow_state import DataflowState, Quarantine
-from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat, RolloutStats, TrainerStats, WeightVersion
+from astraflow.streams.messages import HEARTBEAT_PERIOD_S, TOOL_COUNTS, Heartbeat, RolloutStats, TrainerStats, WeightVersion
 from astraflow.streams.plane import Plane, Subscription
 from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord, StateSchemaError
 from astraflow.weights.checks import announcement_problem, order_problem
@@ -206,6 +206,10 @@ class RunWatcher:
         for hb in alive.values():  # a trainer's wait exists only once the trainer does
             if isinstance(hb.stats, TrainerStats):
                 row[f"wait.{hb.policy}"] = round(hb.stats.wait_frac, 4)
+        nodes = [hb.stats.counters for hb in alive.values() if isinstance(hb.stats, RolloutStats)]
+        for key in TOOL_COUNTS:  # agents' tool calls, and those that did not parse, over the live nodes
+            if any(key in c for c in nodes):
+                row[key] = sum(c.get(key, 0.0) for c in nodes)
         self.rundir.append("pool.jsonl", row)
         self._write_targets(alive)
         self.live.advice = await self.plane.state.get(AutoscaleRecord, self.recipe.rollout.pool)

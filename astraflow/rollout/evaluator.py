@@ -10,7 +10,8 @@ of prompts with at least one passing sample). With k = 1 both equal the greedy n
 workflow says how it is evaluated (``Workflow.evaluation``): ``workflow`` plays each prompt
 through the recipe's own workflow, so a tool-using agent is scored with its tools;
 ``single_turn`` scores the evaluated policy's single-turn answers with the recipe's reward
-(multi-policy workflows, agent code); ``team`` lets the workflow score every policy and the team
+(multi-policy workflows, external agents); agent code in the node (``openai_agent``) is played
+through a facade over the evaluator's weights; ``team`` lets the workflow score every policy and the team
 (``solver_verifier``: the solver, the verifier's accuracy, and the answer the verifier picks out of
 k samples against the solver alone at the same k), each under its own subject
 (``eval.{policy}.{version}``, ``eval.team.{version}``), every policy held at the same version.
@@ -85,11 +86,16 @@ def evaluate_with_workflow(recipe: Recipe, handle: Any, policy: str, problems: l
                 scores[t.task_id].append(t.reward or 0.0)
         return [s for s in scores.values() if s]
 
-    greedy = [r for s in play(SamplingParams(recipe.rollout.max_new_tokens, temperature=0.0), 1, "eval") for r in s[:1]]
-    samples = None
-    if k > 1:
-        params = SamplingParams(recipe.rollout.max_new_tokens, temperature=temperature, top_p=recipe.rollout.top_p)
-        samples = play(params, k, "eval-k")
+    try:
+        greedy = [r for s in play(SamplingParams(recipe.rollout.max_new_tokens, temperature=0.0), 1, "eval") for r in s[:1]]
+        samples = None
+        if k > 1:
+            params = SamplingParams(recipe.rollout.max_new_tokens, temperature=temperature, top_p=recipe.rollout.top_p)
+            samples = play(params, k, "eval-k")
+    finally:
+        close = getattr(workflow, "close", None)  # one that serves an endpoint (openai_agent) lets it go
+        if close is not None:
+            close()
     return _summary(greedy, samples, k)
 
 
@@ -116,7 +122,8 @@ def evaluate(handle: Any, problems: list[Any], reward_name: str, max_new_tokens:
 def scorable(recipe: Recipe, problems: list[Problem]) -> list[Problem]:
     """The problems a rollout node would play (``task_checks``: prompt length and fit, the reward's meta check);
     each one left out is logged with its reason. None left is a bad data set: that raises."""
-    uses_reward = getattr(workflow_class(recipe.workflow), "uses_reward", True) or evaluation_of(recipe.workflow) == "single_turn"
+    single_turn = evaluation_of(recipe.workflow, recipe.workflow_options) == "single_turn"
+    uses_reward = getattr(workflow_class(recipe.workflow), "uses_reward", True) or single_turn
     rules = TaskRules.of(recipe, uses_reward)
 
     def count(policy: str, text: str) -> int:
@@ -160,7 +167,7 @@ async def _announced(plane: Plane, policy: str) -> int:
 def eval_subjects(recipe: Recipe) -> tuple[str, ...]:
     """What gets an ``eval.{subject}.{version}`` record: the evaluated policy; for a team workflow, every policy
     and the team (``TEAM``)."""
-    if evaluation_of(recipe.workflow) == "team":
+    if evaluation_of(recipe.workflow, recipe.workflow_options) == "team":
         return (*recipe.policy_names, TEAM)
     return (recipe.eval_policy,)
 
@@ -175,7 +182,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
                 metrics_port: int | None = None) -> None:
     torch.set_num_threads(recipe.rollout.threads)
     policy = recipe.eval_policy
-    team = evaluation_of(recipe.workflow) == "team"
+    team = evaluation_of(recipe.workflow, recipe.workflow_options) == "team"
     async with Role("evaluator", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port, policy=policy) as role:
         plane = role.plane
         await plane.ensure_topology(recipe.topology(), create=False)
@@ -220,7 +227,7 @@ async def _evaluate(recipe: Recipe, handles: dict[str, Any], held_out: list[Any]
     policy, ev = recipe.eval_policy, recipe.eval
     if team:
         return await asyncio.to_thread(evaluate_team, recipe, handles, held_out)
-    if evaluation_of(recipe.workflow) == "workflow":
+    if evaluation_of(recipe.workflow, recipe.workflow_options) == "workflow":
         return {policy: await asyncio.to_thread(evaluate_with_workflow, recipe, handles[policy], policy, held_out)}
     return {policy: await asyncio.to_thread(evaluate, handles[policy], held_out, recipe.reward, recipe.rollout.max_new_tokens, ev.k,
                                             ev.temperature, recipe.rollout.top_p)}

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from astraflow.config import Recipe, load_recipe
-from astraflow.demonstrations import Demonstration, write_demonstrations
+from astraflow.demonstrations import Demonstration, segment_ids, write_demonstrations
 from astraflow.models import encode_prompt, load_tokenizer
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.rollout.engines.testing import ScriptEngine
@@ -42,18 +42,20 @@ ExpertFactory = Callable[[random.Random], Expert]
 
 
 def demonstration(traj: Trajectory, tokenizer: Any) -> Demonstration:
-    """A trajectory as text segments: runs of equal ``loss_mask``, the final end-of-sequence token as ``eos``."""
+    """A trajectory as text segments: runs of equal ``loss_mask``, the final end-of-sequence token as ``eos``. An
+    end-of-turn token inside the episode (an agent's turn that ends in a tool call) stays in its segment's text."""
     ids, mask = traj.completion().tolist(), traj.mask().tolist()
     eos = bool(ids) and ids[-1] == tokenizer.eos_token_id and mask[-1] == 1
     if eos:
         ids, mask = ids[:-1], mask[:-1]
-    if tokenizer.eos_token_id in ids:
-        raise ValueError(f"{traj.traj_id}: an end-of-sequence token before the last turn cannot be replayed as text")
     segments: list[tuple[str, bool]] = []
     start = 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or mask[i] != mask[start]:
-            segments.append((tokenizer.decode(ids[start:i]), bool(mask[start])))
+            text = tokenizer.decode(ids[start:i])
+            if segment_ids(tokenizer, text) != ids[start:i]:
+                raise ValueError(f"{traj.traj_id}: tokens {ids[start:i]} do not come back from their text {text!r}")
+            segments.append((text, bool(mask[start])))
             start = i
     prompt = tokenizer.decode(traj.prompt_tokens().tolist())
     return Demonstration(prompt_id=traj.prompt_id, prompt=prompt, segments=segments, eos=eos, reward=traj.reward)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from astraflow.metrics import Metrics
 from astraflow.rollout.node_weights import NodeWeights
-from astraflow.streams.messages import RolloutStats, Trajectory
+from astraflow.streams.messages import TOOL_COUNTS, RolloutStats, Trajectory
 
 NODE_STATS = ("tasks", "trajectories", "tokens", "gen_s", "pull_s", "publish_s", "failed", "stale_naks", "drained_naks", "held",
               "refreshes", "refresh_s", "refresh_errors", "joined", "rejected_tasks",
@@ -39,6 +39,10 @@ class NodeReport:
         self.stats["trajectories"] += len(trajectories)
         self.stats["tokens"] += sum(len(t.completion_ids) // 4 for t in trajectories)
         self.stats["switched"] += sum(_switched(t) for t in trajectories)
+        for key in TOOL_COUNTS:  # agents' tool use (openai_agent, multi_turn_tools), when their trajectories count it
+            n = sum(_count(t.meta.get(key)) for t in trajectories)
+            if n or key in self.stats:
+                self.stats[key] = self.stats.get(key, 0.0) + n
 
     def heartbeat_stats(self, endpoint: str) -> RolloutStats:
         typed = set(RolloutStats.model_fields) - {"role", "counters", "weights", "joined", "endpoint"}
@@ -69,6 +73,10 @@ class NodeReport:
                 deltas[key] = delta
                 self._exported[(policy, key)] = total
         m.inc(deltas)
+
+
+def _count(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _switched(t: Trajectory) -> bool:

@@ -307,6 +307,10 @@ class _Stats(BaseModel):
         return {k: float(v) for k, v in self.model_dump().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+TOOL_COUNTS = ("tool_calls", "tool_call_parse_failures")
+"""A node's ``counters`` of agents' tool use, summed from its trajectories' ``meta`` once its workflow reports them."""
+
+
 class RolloutStats(_Stats):
     """A RaaS node's cumulative counters. Read by the dataflow (``gen_s``: autoscale) and the launcher (``trajectories``)."""
 

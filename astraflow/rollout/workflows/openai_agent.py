@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from importlib import import_module
+from pathlib import Path
 from typing import Any
 
-from astraflow.registry import WORKFLOWS
+from astraflow.registry import WORKFLOWS, load_file
 from astraflow.rollout.rewards import Reward
 from astraflow.rollout.workflows.agent_sessions import NodeServices, Outcome, TaskSessions, sample_trajectory
 from astraflow.rollout.workflows.base import Evaluation, PolicyHandle, by_policy, min_version
@@ -40,8 +41,12 @@ Agent = Callable[[str, str, dict[str, Any]], str]
 
 
 def load_agent(spec: str) -> Agent:
-    """The agent function ``module:function`` names (the options checked its shape at load)."""
-    module, _, name = spec.partition(":")
+    """The agent function ``module:function`` or ``path/to/file.py:function`` names (a recipe's file path is relative to
+    its folder; the options checked the shape at load)."""
+    module, _, name = spec.rpartition(":")
+    if module.endswith(".py"):
+        file_agent: Agent = getattr(load_file(Path(module)), name)
+        return file_agent
     agent: Agent = getattr(import_module(module), name)
     return agent
 
@@ -51,7 +56,13 @@ class OpenAIAgent:
     """Agents against the node's facade, one sample per base URL; in-process (``module:function``) or ``external``."""
 
     policies = ("solver",)
-    evaluation: Evaluation = "single_turn"  # agent code is not replayed on held-out prompts
+    evaluation: Evaluation = "single_turn"  # external agents: out of the evaluator's reach (see evaluation_for)
+
+    @staticmethod
+    def evaluation_for(options: OpenAIAgentOptions) -> Evaluation:
+        """Agent code in the node is evaluated as it is trained: each held-out prompt played through the agent against a
+        facade over the evaluator's weights. External agents run elsewhere: their policy is scored on single-turn answers."""
+        return "single_turn" if options.agent == "external" else "workflow"
 
     def __init__(self, reward: Reward, options: OpenAIAgentOptions) -> None:
         self.reward = reward

@@ -49,9 +49,12 @@ def get_workflow(options: Options | str | Mapping[str, Any], reward: Reward) -> 
     return workflow_class(parsed.type)(reward, parsed)
 
 
-def evaluation_of(name: str) -> Evaluation:
-    """How the evaluator scores the workflow ``name`` (its class says)."""
-    evaluation: Evaluation = getattr(workflow_class(name), "evaluation")  # noqa: B009 (a class attribute of Workflow classes)
+def evaluation_of(name: str, options: Options | None = None) -> Evaluation:
+    """How the evaluator scores the workflow ``name``: its class says, or, when the class has ``evaluation_for``, its
+    options do (``openai_agent``: agent code in the node is played, external agents are not)."""
+    cls = workflow_class(name)
+    chosen = getattr(cls, "evaluation_for", None)
+    evaluation: Evaluation = chosen(options) if chosen is not None and options is not None else getattr(cls, "evaluation")  # noqa: B009
     return evaluation
 
 

@@ -1,0 +1,54 @@
+"""Noisy demonstrations for the `calculator-agent` warm start, played through the real agent.
+
+The problems are the `calculator` recipe's (``../calculator/problems.jsonl``). Each demonstration is an
+episode of ``examples/agents/calculator_agent.py`` (the OpenAI Agents SDK against the facade) in which a
+scripted demonstrator writes the model's turns: the facade renders the agent's tools with the chat template,
+reads the demonstrator's ``<tool_call>`` back, the agent runs the tool, and the result comes back as a
+``tool`` message, so a recorded episode is exactly what the model will see. A careful demonstrator evaluates
+the whole expression and copies the result; a careless one multiplies and copies the product (the addition
+forgotten); now and then one answers with an estimate and calls no tool.
+
+Run: ``python recipes/calculator-agent/make_data.py`` (deterministic).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+from astraflow.rollout.experts import Expert, record_recipe_demonstrations
+from astraflow.streams.messages import Task
+
+HERE = Path(__file__).resolve().parent
+CAREFUL, GUESS = 0.3, 0.1  # shares of careful demonstrations and of estimates; the rest multiply and forget the addition
+
+
+def call(name: str, arguments: dict[str, object]) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def careful_or_careless(rng: random.Random) -> Expert:
+    draw = rng.random()
+    careful, guess = draw < CAREFUL, draw >= 1 - GUESS
+
+    def expert(task: Task, context: str) -> str:
+        a, b, c = (int(x) for x in re.findall(r"\d+", task.prompt))
+        if guess:
+            return str(round(a, -1) * round(b, -1) + round(c, -2))
+        result = re.search(r"<\|tool\|>\n(-?\d+)\n<\|assistant\|>\n$", context)
+        if result:
+            return result.group(1)
+        return call("evaluate", {"expression": f"{a}*{b}+{c}"}) if careful else call("multiply", {"a": a, "b": b})
+
+    return expert
+
+
+def main() -> None:
+    demos = record_recipe_demonstrations(HERE, careful_or_careless)
+    print(f"{len(demos)} demonstrations")
+
+
+if __name__ == "__main__":
+    main()
