@@ -9,7 +9,7 @@ import yaml
 
 from astraflow.config import RecipeError, dump_recipe, load_recipe, parse_recipe
 from astraflow.models import build_model, load_tokenizer
-from astraflow.registry import BACKENDS, ENGINES
+from astraflow.registry import BACKENDS, ENGINES, WORKFLOWS
 from astraflow.rollout.engines.base import GenerationRequest, checked_engine
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.workflows.registry import check_policies, evaluation_of
@@ -140,6 +140,9 @@ def test_workflows_declare_their_roles_and_evaluation():
     assert evaluation_of("single_turn") == evaluation_of("multi_turn_tools") == evaluation_of("env_http") == "workflow"
     assert evaluation_of("solver_verifier") == evaluation_of("solver_testgen") == "team"  # every policy and the team, each recorded
     assert evaluation_of("openai_agent") == evaluation_of("solver_selector") == "single_turn"
+    agent_options = WORKFLOWS.parse({"type": "openai_agent", "agent": "my_agents:solve"})
+    assert evaluation_of("openai_agent", agent_options) == "workflow"  # agent code in the node is played on held-out prompts
+    assert evaluation_of("openai_agent", WORKFLOWS.parse({"type": "openai_agent", "agent": "external"})) == "single_turn"
     check_policies("solver_verifier", ("codegen", "verifier"))
     with pytest.raises(ValueError, match=r"workflow 'solver_verifier' calls 2 policies \(solver, verifier\); the recipe has 1: solver"):
         check_policies("solver_verifier", ("solver",))

@@ -21,7 +21,7 @@ from astraflow.config import load_recipe
 ROOT = Path(__file__).resolve().parent.parent
 ALL_YAML = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "recipes").glob("*/*.yaml"))
 CPU_RECIPES = ["math", "math-efficient-data", "code", "code-multi-agent", "code-multi-agent/verifier.yaml", "search", "calculator",
-               "alfworld", "webshop", "terminal", "arithmetic/moe.yaml"]
+               "calculator-agent", "alfworld", "webshop", "terminal", "arithmetic/moe.yaml"]
 
 
 @pytest.mark.parametrize("path", ALL_YAML)
