@@ -286,3 +286,16 @@ def test_a_models_own_template_chains_its_turns_without_doubling_the_end_token()
     assert two.prompt_ids[: len(one.prompt_ids) + len(one.completion_ids)] == one.prompt_ids + one.completion_ids
     between = tok.decode(two.prompt_ids[len(one.prompt_ids) + len(one.completion_ids) :])
     assert between == "<|im_start|>tool\n5</s><|im_start|>assistant\n"  # one </s> ends the turn: the sampled one
+
+
+def test_messages_the_models_template_refuses_are_a_400_not_a_server_error():
+    tok = load_tokenizer("byt5")
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    facade = ChatFacade({"solver": PolicyHandle(Recording(deque(["x"])), tok, SamplingParams(max_new_tokens=8), name="solver")})
+    try:
+        c = openai.OpenAI(base_url=f"{facade.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.chat.completions.create(model="m", messages=USER)
+    finally:
+        facade.close()
+    assert bad.value.body["param"] == "messages" and "roles must alternate" in bad.value.body["message"]

@@ -220,20 +220,24 @@ class ChatFacade:
         from text: the template renders a placeholder in its place, and the ids go where the placeholder is."""
         messages: list[dict[str, Any]] = []
         turns: list[list[int]] = []
+        mark = f"\x00astraflow-turn-{secrets.token_hex(8)}-{{}}\x00"  # where a produced turn's exact ids go
         for m in call.messages:
             ids = sample.turn_ids(m) if sample is not None and m["role"] == "assistant" else None
             if ids is None:
                 messages.append(m)
             else:
-                messages.append({"role": "assistant", "content": _PLACEHOLDER.format(len(turns))})
+                messages.append({"role": "assistant", "content": mark.format(len(turns))})
                 turns.append(ids)
         template = None if getattr(h.tokenizer, "chat_template", None) else CHAT_TEMPLATE
         tools = list(call.tools.tools) if call.tools is not None else None
-        text = h.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                               chat_template=template)
+        try:
+            text = h.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                   chat_template=template)
+        except Exception as e:  # the template's own checks (roles that must alternate, …): the request's fault
+            raise BadRequest(f"the model's chat template refused the messages: {type(e).__name__}: {e}", "messages") from None
         out: list[int] = []
         for k, ids in enumerate(turns):
-            before, _, text = text.partition(_PLACEHOLDER.format(k))
+            before, _, text = text.partition(mark.format(k))
             out += h.encode(before) + ids
             end = h.tokenizer.decode(ids[-1:]) if ids and ids[-1] in h.tokenizer.all_special_ids else ""
             text = text[len(end) :] if end and text.startswith(end) else text  # the turn's own end-of-turn token, once
@@ -299,9 +303,6 @@ class ChatFacade:
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": p, "object": "model", "created": 0, "owned_by": "astraflow",
                                             "version": h.engine.version} for p, h in self.handles.items()]}
-
-
-_PLACEHOLDER = "\x00astraflow-turn-{}\x00"  # where a produced assistant turn's exact ids go in the rendered chat
 
 
 def _text(content: Any) -> str:
