@@ -22,7 +22,7 @@ from astraflow.rollout.experts import Expert, record_recipe_demonstrations
 from astraflow.streams.messages import Task
 
 HERE = Path(__file__).resolve().parent
-CAREFUL, GUESS = 0.3, 0.1  # shares of careful demonstrations and of estimates; the rest multiply and forget the addition
+CAREFUL, GUESS = 0.4, 0.1  # shares of careful demonstrations and of estimates; the rest multiply and forget the addition
 
 
 def call(name: str, arguments: dict[str, object]) -> str:
