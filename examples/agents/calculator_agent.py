@@ -1,12 +1,13 @@
 """A tool-calling agent written with the OpenAI Agents SDK (``openai-agents``), as anyone would write it.
 
-Nothing in it knows about astraflow: it talks to an OpenAI-compatible ``base_url`` and calls its tools
-through the API's ``tools`` / ``tool_calls``. The recipe ``recipes/calculator-agent`` trains it
+Nothing in it knows about training: it talks to an OpenAI-compatible ``base_url`` and calls its tools
+through the API's ``tools`` / ``tool_calls`` (it borrows astraflow's safe arithmetic evaluator for one tool;
+any would do). The recipe ``recipes/calculator-agent`` trains it
 unchanged: its workflow is ``{type: openai_agent, agent: ../../examples/agents/calculator_agent.py:solve}``,
 so each sample's ``solve`` runs against a rollout node's facade, whose recorded tokens are what is trained.
 
-Two tools: ``multiply(a, b)`` and ``evaluate(expression)``. A problem "Compute 347*829+512." is solved by
-evaluating the whole expression and answering with the result; multiplying alone forgets the addition.
+Two tools: ``evaluate(expression)``, exact, and ``estimate(expression)``, to the nearest thousand. A problem
+"Compute 347*829+512." is solved by evaluating the expression and answering with the result; an estimate is wrong.
 
 Run it against any OpenAI-compatible server: ``python examples/agents/calculator_agent.py URL "Compute 3*4+5."``.
 """
@@ -27,21 +28,21 @@ INSTRUCTIONS = "Answer with the number."
 
 
 @function_tool
-def multiply(a: int, b: int) -> str:
-    """Multiply two integers."""
-    return str(a * b)
+def evaluate(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly."""
+    return calculator(expression, {})
 
 
 @function_tool
-def evaluate(expression: str) -> str:
-    """Evaluate an arithmetic expression."""
-    return calculator(expression, {})
+def estimate(expression: str) -> str:
+    """Estimate an arithmetic expression to the nearest thousand."""
+    return str(int(round(float(calculator(expression, {})), -3)))
 
 
 async def episode(base_url: str, prompt: str) -> str:
     """The agent's final answer to ``prompt`` (at most three model calls)."""
     async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
-        agent = Agent(name="calculator", instructions=INSTRUCTIONS, tools=[multiply, evaluate],
+        agent = Agent(name="calculator", instructions=INSTRUCTIONS, tools=[evaluate, estimate],
                       model=OpenAIChatCompletionsModel(model="solver", openai_client=client))
         result = await Runner.run(agent, prompt, max_turns=3)
         return str(result.final_output)

@@ -4,9 +4,11 @@ The problems are the `calculator` recipe's (``../calculator/problems.jsonl``). E
 episode of ``examples/agents/calculator_agent.py`` (the OpenAI Agents SDK against the facade) in which a
 scripted demonstrator writes the model's turns: the facade renders the agent's tools with the chat template,
 reads the demonstrator's ``<tool_call>`` back, the agent runs the tool, and the result comes back as a
-``tool`` message, so a recorded episode is exactly what the model will see. A careful demonstrator evaluates
-the whole expression and copies the result; a careless one multiplies and copies the product (the addition
-forgotten); now and then one answers with an estimate and calls no tool.
+``tool`` message, so a recorded episode is exactly what the model will see. A careful demonstrator calls
+``evaluate`` on the expression and copies the result; a careless one calls ``estimate`` (the nearest thousand)
+and copies that; now and then one answers from its head with a rough guess and calls no tool. Both tools take
+the same argument at the same place, so the warm start learns one way to write a call, and RL has one choice to
+make: which tool.
 
 Run: ``python recipes/calculator-agent/make_data.py`` (deterministic).
 """
@@ -22,7 +24,7 @@ from astraflow.rollout.experts import Expert, record_recipe_demonstrations
 from astraflow.streams.messages import Task
 
 HERE = Path(__file__).resolve().parent
-CAREFUL, GUESS = 0.4, 0.1  # shares of careful demonstrations and of estimates; the rest multiply and forget the addition
+CAREFUL, GUESS = 0.3, 0.1  # shares of careful demonstrations and of guesses in the head; the rest call estimate
 
 
 def call(name: str, arguments: dict[str, object]) -> str:
@@ -40,7 +42,7 @@ def careful_or_careless(rng: random.Random) -> Expert:
         result = re.search(r"<\|tool\|>\n(-?\d+)\n<\|assistant\|>\n$", context)
         if result:
             return result.group(1)
-        return call("evaluate", {"expression": f"{a}*{b}+{c}"}) if careful else call("multiply", {"a": a, "b": b})
+        return call("evaluate" if careful else "estimate", {"expression": f"{a}*{b}+{c}"})
 
     return expert
 
