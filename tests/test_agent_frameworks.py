@@ -104,6 +104,6 @@ def test_the_example_agent_solves_with_the_right_tool(model: Model):
 
     token = model.facade.open_sample("solver")
     model.say(call("evaluate", expression="347*829+512"), "288175")
-    assert solve(model.facade.base_url(token), "Compute 347*829+512.\n", {}) == "288175"
+    assert solve(model.facade.base_url(token), "Compute \"347*829+512\".\n", {}) == "288175"
     _, masked = trained(model, token)
     assert masked == f"\n<|tool|>\n{347 * 829 + 512}\n<|assistant|>\n"

@@ -1,6 +1,9 @@
 """Noisy demonstrations for the `calculator-agent` warm start, played through the real agent.
 
-The problems are the `calculator` recipe's (``../calculator/problems.jsonl``). Each demonstration is an
+The problems are the `calculator` recipe's (``../calculator/problems.jsonl``), asked with the expression quoted
+(``Compute "347*829+512".``, written to ``problems.jsonl``): the model copies it into the call's JSON string, where
+it also stands between quotes, so every character it copies follows the same character in the prompt. Each
+demonstration is an
 episode of ``examples/agents/calculator_agent.py`` (the OpenAI Agents SDK against the facade) in which a
 scripted demonstrator writes the model's turns: the facade renders the agent's tools with the chat template,
 reads the demonstrator's ``<tool_call>`` back, the agent runs the tool, and the result comes back as a
@@ -48,6 +51,10 @@ def careful_or_careless(rng: random.Random) -> Expert:
 
 
 def main() -> None:
+    rows = [json.loads(line) for line in (HERE.parent / "calculator" / "problems.jsonl").read_text().splitlines() if line.strip()]
+    for row in rows:
+        row["prompt"] = f'Compute "{row["prompt"].removeprefix("Compute ").strip().removesuffix(".")}".\n'
+    (HERE / "problems.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     demos = record_recipe_demonstrations(HERE, careful_or_careless)
     print(f"{len(demos)} demonstrations")
 
