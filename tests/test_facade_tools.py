@@ -17,6 +17,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import ByT5Tokenizer
 
 from astraflow.models import load_tokenizer
 from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
@@ -269,7 +270,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }
 def test_a_models_own_template_chains_its_turns_without_doubling_the_end_token():
     """A pretrained model's template ends each turn with the end-of-turn token the model itself sampled: the turn's exact
     ids already hold it, so the template's copy is not inserted again, and the trajectory chains."""
-    tok = load_tokenizer("byt5")
+    tok = ByT5Tokenizer()  # a tokenizer of its own: load_tokenizer's is shared
     tok.chat_template = CHATML
     replies = deque([call("add", a=2, b=3), "5"])
     engine = Recording(replies)
@@ -289,7 +290,7 @@ def test_a_models_own_template_chains_its_turns_without_doubling_the_end_token()
 
 
 def test_messages_the_models_template_refuses_are_a_400_not_a_server_error():
-    tok = load_tokenizer("byt5")
+    tok = ByT5Tokenizer()  # a tokenizer of its own: load_tokenizer's is shared
     tok.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
     facade = ChatFacade({"solver": PolicyHandle(Recording(deque(["x"])), tok, SamplingParams(max_new_tokens=8), name="solver")})
     try:
