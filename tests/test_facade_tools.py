@@ -54,12 +54,17 @@ class Recording(ScriptEngine):
 
 
 class Model:
-    """A facade over a recording script engine; ``say`` queues what the model writes next."""
+    """A facade over a recording script engine; ``say`` queues what the model writes next. ``template``: a chat
+    template of the model's own, on a tokenizer of its own (load_tokenizer's is shared)."""
 
-    def __init__(self) -> None:
+    def __init__(self, template: str | None = None) -> None:
         self.replies: deque[str] = deque()
         self.engine = Recording(self.replies)
-        self.facade = ChatFacade({"solver": PolicyHandle(self.engine, TOK, SamplingParams(max_new_tokens=200), name="solver")})
+        self.tok = TOK
+        if template is not None:
+            self.tok = ByT5Tokenizer()
+            self.tok.chat_template = template
+        self.facade = ChatFacade({"solver": PolicyHandle(self.engine, self.tok, SamplingParams(max_new_tokens=200), name="solver")})
 
     def say(self, *texts: str) -> None:
         self.replies.extend(texts)
@@ -270,33 +275,28 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }
 def test_a_models_own_template_chains_its_turns_without_doubling_the_end_token():
     """A pretrained model's template ends each turn with the end-of-turn token the model itself sampled: the turn's exact
     ids already hold it, so the template's copy is not inserted again, and the trajectory chains."""
-    tok = ByT5Tokenizer()  # a tokenizer of its own: load_tokenizer's is shared
-    tok.chat_template = CHATML
-    replies = deque([call("add", a=2, b=3), "5"])
-    engine = Recording(replies)
-    facade = ChatFacade({"solver": PolicyHandle(engine, tok, SamplingParams(max_new_tokens=200), name="solver")})
+    m = Model(CHATML)
+    m.say(call("add", a=2, b=3), "5")
     try:
-        token = facade.open_sample("solver")
-        c = openai.OpenAI(base_url=facade.base_url(token), api_key="unused", max_retries=0, timeout=30)
+        token = m.facade.open_sample("solver")
+        c = m.client(token)
         first = c.chat.completions.create(model="m", messages=USER, tools=[ADD]).choices[0].message
         messages = [*USER, first.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "5"}]
         c.chat.completions.create(model="m", messages=messages, tools=[ADD])
-        one, two = facade.close_sample(token)
+        one, two = m.facade.close_sample(token)
     finally:
-        facade.close()
+        m.facade.close()
     assert two.prompt_ids[: len(one.prompt_ids) + len(one.completion_ids)] == one.prompt_ids + one.completion_ids
-    between = tok.decode(two.prompt_ids[len(one.prompt_ids) + len(one.completion_ids) :])
+    between = m.tok.decode(two.prompt_ids[len(one.prompt_ids) + len(one.completion_ids) :])
     assert between == "<|im_start|>tool\n5</s><|im_start|>assistant\n"  # one </s> ends the turn: the sampled one
 
 
 def test_messages_the_models_template_refuses_are_a_400_not_a_server_error():
-    tok = ByT5Tokenizer()  # a tokenizer of its own: load_tokenizer's is shared
-    tok.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
-    facade = ChatFacade({"solver": PolicyHandle(Recording(deque(["x"])), tok, SamplingParams(max_new_tokens=8), name="solver")})
+    m = Model("{{ raise_exception('Conversation roles must alternate user/assistant') }}")
+    m.say("x")
     try:
-        c = openai.OpenAI(base_url=f"{facade.url}/v1", api_key="unused", max_retries=0, timeout=30)
         with pytest.raises(openai.BadRequestError) as bad:
-            c.chat.completions.create(model="m", messages=USER)
+            m.client(m.facade.open_sample("solver")).chat.completions.create(model="m", messages=USER)
     finally:
-        facade.close()
+        m.facade.close()
     assert bad.value.body["param"] == "messages" and "roles must alternate" in bad.value.body["message"]

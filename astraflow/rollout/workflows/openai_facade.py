@@ -284,11 +284,10 @@ class ChatFacade:
         for c in comps:
             text = trim_stop(h.decode(c.token_ids), shown)
             reading = read_calls(prefix_text + text, call.tools) if call.kind == "chat" else Reading(text)
-            finish = "tool_calls" if reading.calls else c.finish_reason
-            choices.append(Choice(reading.content or "", [h.tokenizer.decode([t]) for t in c.token_ids], list(c.logprobs), finish,
-                                  reading.calls))
+            content, finish = reading.content or "", "tool_calls" if reading.calls else c.finish_reason
+            choices.append(Choice(content, [h.tokenizer.decode([t]) for t in c.token_ids], list(c.logprobs), finish, reading.calls))
             if sample is not None:
-                rec = CallRecord(prompt, list(c.token_ids), list(c.logprobs), list(c.versions), c.finish_reason, reading.content or "",
+                rec = CallRecord(prompt, list(c.token_ids), list(c.logprobs), list(c.versions), c.finish_reason, content,
                                  on_policy, call.prompt if isinstance(call.prompt, str) and call.kind == "completion" else None,
                                  call.tools is not None, len(reading.calls), reading.failed)
                 with self.lock:
