@@ -303,6 +303,13 @@ class TrainerConfig(Strict):
     """Mixture-of-Experts models, torch backend: ``step``: plain AdamW, whose momentum and weight decay move an expert
     even in a step where no token was routed to it; ``hold``: such an expert keeps its weights and AdamW moments
     through the step (lazy per expert), so it stays out of the weight delta (train/experts.py, docs/training.md)."""
+    routing: Literal["own", "measured", "replayed"] = "own"
+    """Mixture-of-Experts models: whose expert choices the trainer's forward takes (astraflow/moe_routing.py). ``own``:
+    its own top-k, nothing recorded. ``measured``: the nodes record each position's experts with the trajectory and
+    the trainer reports the share its own top-k differs on (``routing_mismatch``). ``replayed``: the trainer forces the
+    recorded experts, weighted by its own router, when it recomputes logprobs and steps (routing replay); it still
+    reports the mismatch. Engines that record: ``hf`` (a node whose engine cannot fails at start); a trajectory
+    without routing (a node of your own) is routed by the trainer."""
     max_grad_norm: float = Field(1.0, gt=0)
     keyframe_every: int = Field(10, ge=1)
     """A full keyframe every K versions (and at start); deltas in between."""
@@ -410,6 +417,13 @@ class PolicyConfig(Strict):
     @classmethod
     def _token(cls, v: str) -> str:
         return check_token("policy", v)
+
+    @model_validator(mode="after")
+    def _recorded_routing(self) -> PolicyConfig:
+        if self.trainer.routing != "own" and self.model.arch != "qwen3_moe" and not self.model.pretrained:
+            raise ValueError(f"trainer.routing: {self.trainer.routing} applies only to Mixture-of-Experts models "
+                             f"(model.arch is {self.model.arch})")
+        return self
 
     @model_validator(mode="after")
     def _held_experts(self) -> PolicyConfig:

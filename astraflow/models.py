@@ -94,23 +94,31 @@ class ModelLimits:
 
     vocab: int  # rows of the input embedding
     context: int  # positions the model was built for (prompt + completion)
+    experts: int | None = None  # Mixture-of-Experts: experts per layer (None: dense)
+    top_k: int | None = None  # experts each position is routed to
+    moe_layers: int | None = None  # layers that route (None: not known from the config)
 
 
 def model_limits(cfg: ModelConfig) -> ModelLimits:
     """The embedding size and context of the model ``build_model(cfg, load_tokenizer(cfg.tokenizer))`` makes, cheaply:
 
     * a pretrained model: ``vocab_size`` and ``max_position_embeddings`` of its ``config.json``
-      (a local directory, or the hub id's file in the local cache; ``text_config`` for multimodal ones);
+      (a local directory, or the hub id's file in the local cache; ``text_config`` for multimodal ones), and its
+      experts (``num_experts`` or ``num_local_experts``, ``num_experts_per_tok``) when it has any;
     * built from the config: the tokenizer's size (``byt5``: 384; a tokenizer's ``tokenizer.json``:
-      its highest id + 1, added tokens included) and ``max_positions``.
+      its highest id + 1, added tokens included), ``max_positions``, and a ``qwen3_moe``'s experts (every layer routes).
     """
     if cfg.pretrained:
         conf = json.loads(_hub_file(cfg.pretrained, "config.json").read_text())
         conf = conf.get("text_config", conf) if "vocab_size" not in conf else conf
-        return ModelLimits(vocab=int(conf["vocab_size"]), context=int(conf.get("max_position_embeddings", cfg.max_positions)))
+        experts = conf.get("num_experts") or conf.get("num_local_experts")
+        return ModelLimits(vocab=int(conf["vocab_size"]), context=int(conf.get("max_position_embeddings", cfg.max_positions)),
+                           experts=int(experts) if experts else None,
+                           top_k=int(conf["num_experts_per_tok"]) if experts and conf.get("num_experts_per_tok") else None)
+    moe = {"experts": cfg.num_experts, "top_k": cfg.experts_per_token, "moe_layers": cfg.num_layers} if cfg.arch == "qwen3_moe" else {}
     if cfg.tokenizer == "byt5":
-        return ModelLimits(vocab=BYT5_VOCAB, context=cfg.max_positions)
-    return ModelLimits(vocab=tokenizer_size(_hub_file(cfg.tokenizer, "tokenizer.json")), context=cfg.max_positions)
+        return ModelLimits(vocab=BYT5_VOCAB, context=cfg.max_positions, **moe)
+    return ModelLimits(vocab=tokenizer_size(_hub_file(cfg.tokenizer, "tokenizer.json")), context=cfg.max_positions, **moe)
 
 
 def tokenizer_size(path: Path) -> int:

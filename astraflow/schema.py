@@ -48,7 +48,11 @@ RULES: dict[str, list[str]] = {
         "traj_id is '{task_id}.{policy}.{index}' and is the Nats-Msg-Id it is published with (the server deduplicates on it)",
         "versions hold, per completion token, the weight version that produced it (inserted tokens: the version of the turn "
         "before); loss_mask holds 0 or 1",
-        "with payload_ref set, the five per-token arrays are empty and held by that object in the bucket af_{run}_traj_objects",
+        "with payload_ref set, the six per-token arrays (routing included) are empty and held by that object in the bucket "
+        "af_{run}_traj_objects",
+        "routing and routing_layout come together: routing holds whole positions of routing_layout (layers x top_k ids, "
+        "1 byte each up to 256 experts, else 2), at most prompt + completion - 1 of them; ids below experts, distinct "
+        "within a position's top_k (astraflow/moe_routing.py)",
     ],
     "trajectory_group": [
         "every trajectory has the group's task_id and policy, a distinct traj_id, and no payload_ref (a trajectory too large "

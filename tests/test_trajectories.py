@@ -111,7 +111,7 @@ async def test_a_trajectory_over_max_payload_travels_by_reference(plane: Plane):
 
 def arrays_object(*arrays: bytes, claimed: tuple[int, ...] | None = None) -> bytes:
     """An object in the layout of ``pack_arrays``, with these arrays (and these lengths in its header)."""
-    header = struct.pack("<5Q", *(claimed or tuple(len(a) for a in arrays)))
+    header = struct.pack(f"<{len(arrays)}Q", *(claimed or tuple(len(a) for a in arrays)))
     return zstandard.ZstdCompressor().compress(header + b"".join(arrays))
 
 
@@ -127,8 +127,8 @@ async def test_arrays_that_cannot_be_read_whole_are_named(plane: Plane):
     garbage = await stub_of(b"not a zstd frame")
     with pytest.raises(PayloadUnavailable, match=r"t1\.solver\.0: its arrays .* not a zstd frame"):
         await resolve(store, garbage)
-    unaligned = await stub_of(arrays_object(t.prompt_ids, t.completion_ids, t.logprobs[:-4], t.versions, t.loss_mask))
-    lying = await stub_of(arrays_object(*(getattr(t, k) for k in PER_TOKEN), claimed=(64, 32, 32, 32, 9)))
+    unaligned = await stub_of(arrays_object(t.prompt_ids, t.completion_ids, t.logprobs[:-4], t.versions, t.loss_mask, t.routing))
+    lying = await stub_of(arrays_object(*(getattr(t, k) for k in PER_TOKEN), claimed=(64, 32, 32, 32, 9, 0)))
     gone = garbage.model_copy(update={"payload_ref": garbage.payload_ref.model_copy(update={"nuid": "nothing-here"})})
     huge = garbage.model_copy(update={"payload_ref": ObjectRef(name="x", nuid="y", size=MAX_ARRAYS + 1, chunk_size=1 << 20,
                                                                 digests=[], digest="")})

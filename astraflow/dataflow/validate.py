@@ -19,6 +19,8 @@ task's fate ``invalid:{code}`` (see ``ingest.py``), and a detail for the dead-le
 |  | ``max_turns × max_new_tokens`` generated tokens, or prompt + completion longer than the model's context |
 | ``logprob`` | a behaviour logprob is NaN, infinite, or above 0 (by more than 1e-3 of rounding) |
 | ``mask`` | a ``loss_mask`` value is not 0 or 1 |
+| ``routing`` | recorded MoE routing (``trainer.routing``) in another layout than the model's layers, top-k and experts, |
+|  | an expert id beyond the layer's experts, or one expert twice among a position's top-k |
 | ``version`` | a token newer than the policy's newest announced version, a generated token older than its |
 |  | task's ``min_versions``, an inserted token below -1 |
 | ``payload`` | its arrays, in the object store (a trajectory too large for one message), are gone, fail a digest |
@@ -64,6 +66,7 @@ class PolicyLimits:
     max_completion: int | None  # completion tokens (single-turn: max_new_tokens); None: bounded by the two below
     max_generated: int | None  # generated (loss_mask 1) tokens: max_new_tokens per turn; None: unbounded turns (an agent)
     max_row: int | None  # prompt + completion (multi-turn: the model's context); None: not checked
+    routing: tuple[int | None, int, int] | None = None  # recorded routing's (MoE layers or None: any, top-k, experts)
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,12 @@ class Limits:
         out = {}
         for name, p in recipe.policies.items():
             model = model_limits(p.model)
+            routing = None
+            if p.trainer.routing != "own" and model.experts and model.top_k:
+                routing = (model.moe_layers, model.top_k, model.experts)
             out[name] = PolicyLimits(vocab=model.vocab, max_completion=r.max_new_tokens if single else None,
                                      max_generated=r.max_new_tokens * turns if turns else None,
-                                     max_row=None if single else model.context)
+                                     max_row=None if single else model.context, routing=routing)
         return cls(group_size=recipe.dataflow.group_size, policies=out)
 
 
@@ -170,6 +176,23 @@ def check_trajectory(t: Trajectory, limits: PolicyLimits, group_size: int, s: St
         return Invalid("length", f"{s.generated} generated tokens, the limit is {limits.max_generated}")
     if not (s.lp_max <= LOGPROB_SLACK and s.lp_min > -math.inf):  # NaN fails both comparisons
         return Invalid("logprob", f"behaviour logprobs span [{s.lp_min}, {s.lp_max}]; they must be finite and <= 0")
+    if t.routing_layout is not None and limits.routing is not None:
+        return check_routing(t, *limits.routing)
+    return None
+
+
+def check_routing(t: Trajectory, layers: int | None, top_k: int, experts: int) -> Invalid | None:
+    """The recorded routing names ``top_k`` distinct experts below ``experts`` per position and layer (``layers`` of them)."""
+    layout = t.routing_layout
+    assert layout is not None
+    if (layout.top_k, layout.experts) != (top_k, experts) or layers not in (None, layout.layers):
+        return Invalid("routing", f"routing of {layout.layers} layers x top-{layout.top_k} of {layout.experts} experts; the "
+                                  f"model routes {layers or 'its'} layers x top-{top_k} of {experts}")
+    ids = np.sort(layout.ids(t.routing), axis=-1)  # (positions, layers, k)
+    if ids.size and int(ids[..., -1].max()) >= experts:
+        return Invalid("routing", f"expert id {int(ids.max())}, the layers have {experts} experts")
+    if ids.size and top_k > 1 and bool((ids[..., 1:] == ids[..., :-1]).any()):
+        return Invalid("routing", "an expert twice among one position's top-k")
     return None
 
 

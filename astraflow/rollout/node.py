@@ -38,7 +38,7 @@ from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving
 from astraflow.models import load_tokenizer, model_limits
 from astraflow.role import Role
-from astraflow.rollout.engines.base import SamplingParams, StaleWeights
+from astraflow.rollout.engines.base import RecordsRouting, SamplingParams, StaleWeights
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.node_report import NODE_STATS, NodeReport
 from astraflow.rollout.node_weights import NodeWeights
@@ -59,10 +59,17 @@ log = logging.getLogger(__name__)
 WATCH_S = 0.25  # ``rollout.partial_rollouts``: how often a node looks for a new version while it generates
 
 
-def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = None) -> PolicyHandle:
+def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = None, rollout: bool = False) -> PolicyHandle:
+    """``policy``'s engine and sampling; ``rollout``: for a node's trajectories, which record the MoE routing the
+    trainer asks for (``trainer.routing``)."""
     model_cfg = recipe.policies[policy].model
     tokenizer = load_tokenizer(model_cfg.tokenizer)
     engine = build_engine(model_cfg, recipe.rollout, tokenizer)
+    if rollout and recipe.policies[policy].trainer.routing != "own":
+        if not isinstance(engine, RecordsRouting):
+            raise ValueError(f"trainer.routing: {recipe.policies[policy].trainer.routing}: engine "
+                             f"{recipe.rollout.engine.type} cannot record routing (hf can)")
+        engine.record_routing()
     r = recipe.rollout
     return PolicyHandle(engine, tokenizer, params or SamplingParams(r.max_new_tokens, r.temperature, r.top_p), name=policy,
                         context=model_limits(model_cfg).context)
@@ -84,7 +91,7 @@ class RolloutNode:
             check_policies(recipe.workflow, recipe.policy_names)
             workflow = get_workflow(recipe.workflow_options, get_reward(recipe.reward))
         self.workflow = workflow
-        self.handles = handles if handles is not None else {p: make_handle(recipe, p) for p in recipe.policy_names}
+        self.handles = handles if handles is not None else {p: make_handle(recipe, p, rollout=True) for p in recipe.policy_names}
         self.stats = dict.fromkeys(NODE_STATS, 0.0)
         self.weights = NodeWeights(plane, self.handles, recipe.rollout.weights_domain, self.stats)
         self.report = NodeReport(self.stats, self.weights, metrics)  # heartbeat stats, Prometheus (``--metrics-port``)

@@ -116,7 +116,30 @@ class ObjectRef(BaseModel):
     digest: str  # sha256 hex of the whole payload
 
 
-PER_TOKEN = ("prompt_ids", "completion_ids", "logprobs", "versions", "loss_mask")  # a Trajectory's packed arrays
+class RoutingLayout(BaseModel):
+    """How a trajectory's ``routing`` bytes read (``astraflow/moe_routing.py``): expert ids per routed position, MoE
+    layer and top-k slot, (positions, layers, top_k), uint8 when ``experts`` <= 256, else little-endian uint16."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    schema_version: Literal[1] = 1  # moe_routing.ROUTING_SCHEMA
+    layers: int = Field(ge=1, le=4096)  # MoE layers, in model order
+    top_k: int = Field(ge=1, le=256)  # experts per position
+    experts: int = Field(ge=2, le=65536)  # experts of each layer
+
+    @property
+    def itemsize(self) -> int:
+        return 1 if self.experts <= 256 else 2
+
+    @property
+    def position_bytes(self) -> int:
+        return self.layers * self.top_k * self.itemsize
+
+    def ids(self, raw: bytes) -> np.ndarray:
+        """(positions, layers, top_k) of ``raw`` (a whole number of positions)."""
+        return np.frombuffer(raw, "u1" if self.itemsize == 1 else "<u2").reshape(-1, self.layers, self.top_k)
+
+
+PER_TOKEN = ("prompt_ids", "completion_ids", "logprobs", "versions", "loss_mask", "routing")  # a Trajectory's packed arrays
 
 
 class Trajectory(Message):
@@ -138,6 +161,8 @@ class Trajectory(Message):
     logprobs: F32  # behaviour logprob of each completion token, aligned with completion_ids
     versions: I32  # weight version that produced each completion token, aligned with completion_ids
     loss_mask: U8  # 1 = trained on (generated), 0 = masked (tool output), aligned with completion_ids
+    routing: U8 = b""  # MoE: the experts the engine routed each position of prompt + completion to (``routing_layout``)
+    routing_layout: RoutingLayout | None = None  # how ``routing`` reads; None: no routing recorded
     reward: float | None
     finish_reason: Literal["stop", "length", "error"] = "stop"
     node_id: str = ""
@@ -160,7 +185,23 @@ class Trajectory(Message):
         bad = {k: s for k, s in sizes.items() if s != n}
         if bad:
             raise ValueError(f"per-token arrays must align with {n} completion tokens, got {bad}")
+        if self.routing or self.routing_layout is not None:
+            self._routing_aligned(len(self.prompt_ids) // 4 + n - 1)
         return self
+
+    def _routing_aligned(self, positions: int) -> None:
+        """``routing`` holds whole positions of its layout, at most ``positions`` (prompt + completion - 1)."""
+        layout = self.routing_layout
+        if layout is None or not self.routing:
+            raise ValueError("routing and routing_layout come together")
+        size = layout.position_bytes
+        if len(self.routing) % size or len(self.routing) // size > positions:
+            raise ValueError(f"routing: {len(self.routing)} bytes, not a whole number of {size}-byte positions "
+                             f"(layers x top_k x id size) up to {positions} (prompt + completion - 1)")
+
+    def routes(self) -> np.ndarray | None:
+        """The recorded routing, (positions, layers, top_k), or None."""
+        return None if self.routing_layout is None else self.routing_layout.ids(self.routing)
 
     def completion(self) -> np.ndarray:
         return unpack(self.completion_ids, "<i4")

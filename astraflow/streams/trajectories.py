@@ -6,8 +6,8 @@ names one object in the run's trajectory bucket (``af_{run}_traj_objects``) hold
 per-token arrays, and whose arrays are empty (:func:`publish_trajectories`). The object is written
 first (chunked, a sha256 per chunk and for the whole, ``streams/objects.py``) and the message last,
 so a message never names an object that is not whole. Its layout (:func:`pack_arrays`): zstd of
-five little-endian lengths (``<5Q``, in bytes) then the five arrays end to end, in the order of
-``messages.PER_TOKEN``.
+six little-endian lengths (``<6Q``, in bytes) then the six arrays end to end, in the order of
+``messages.PER_TOKEN`` (``routing`` empty unless the engine recorded it).
 
 **Resolving.** Readers that need the arrays (the dataflow's value checks, the trainer) call
 :func:`resolve`: a trajectory with a ``payload_ref`` comes back whole (``payload_ref`` None), its
@@ -43,7 +43,7 @@ from astraflow.streams.subjects import Names
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
 
-_LENGTHS = struct.Struct("<5Q")
+_LENGTHS = struct.Struct(f"<{len(PER_TOKEN)}Q")
 MAX_ARRAYS = 1 << 30  # bytes of arrays one trajectory may unpack to (~80M tokens): a bound on what a node can make us hold
 INLINE_DECODE_BYTES = 1 << 20  # a batch's messages up to this size are decoded on the event loop, larger ones on a thread
 _zc = zstandard.ZstdCompressor(level=3)
@@ -55,7 +55,7 @@ class PayloadUnavailable(RuntimeError):
 
 
 def pack_arrays(t: Trajectory) -> bytes:
-    """The per-token arrays of ``t`` as one object: zstd(``<5Q`` lengths + the arrays end to end)."""
+    """The per-token arrays of ``t`` as one object: zstd(``<6Q`` lengths + the arrays end to end)."""
     arrays = [getattr(t, k) for k in PER_TOKEN]
     return _zc.compress(b"".join([_LENGTHS.pack(*(len(a) for a in arrays)), *arrays]))
 

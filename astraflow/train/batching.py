@@ -1,16 +1,19 @@
 """Turn a batch (its trajectories in hand) into padded tensors, and split them into micro-batches by token budget.
 
 A row is prompt + completion, right-padded to the longest row; per-token tensors are aligned
-with the completion (T = longest completion). A micro-batch is a subset of rows, trimmed to its
-own longest row, so padding does not grow with the batch's outliers.
+with the completion (T = longest completion), the recorded MoE routing with the row (``routing``).
+A micro-batch is a subset of rows, trimmed to its own longest row, so padding does not grow
+with the batch's outliers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
+from astraflow.streams.messages import Trajectory
 from astraflow.streams.trajectories import TrainingBatch
 
 
@@ -27,6 +30,7 @@ class Tensors:
     versions: torch.Tensor  # (B, T) weight version that sampled each token
     comp_lens: torch.Tensor  # (B,) completion length of each row
     rows: torch.Tensor  # (B,) index of each row in the full batch
+    routing: torch.Tensor | None = None  # (B, L, layers, k) experts the engine routed each position to, -1: not recorded
 
     @property
     def n_tokens(self) -> int:
@@ -43,10 +47,13 @@ class Tensors:
         idx = torch.tensor(rows, dtype=torch.long)
         L = max(int(self.attention_mask[idx].sum(-1).max()), 1)
         T = max(int(self.comp_lens[idx].max()), 1)
-        out = {}
+        out: dict[str, Any] = {}
         for f in fields(self):
+            if getattr(self, f.name) is None:
+                out[f.name] = None
+                continue
             t = getattr(self, f.name)[idx]
-            if f.name in ("input_ids", "attention_mask"):
+            if f.name in ("input_ids", "attention_mask", "routing"):
                 t = t[:, :L]
             elif t.dim() == 2:
                 t = t[:, :T]
@@ -54,10 +61,12 @@ class Tensors:
         return Tensors(**out)
 
     def to(self, device: str | torch.device) -> Tensors:
-        return Tensors(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved: dict[str, Any] = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device) for f in fields(self)}
+        return Tensors(**moved)
 
 
-def to_tensors(batch: TrainingBatch, pad_id: int) -> Tensors:
+def to_tensors(batch: TrainingBatch, pad_id: int, routing: bool = False) -> Tensors:
+    """``routing``: with the routing the trajectories recorded (rows of another layout, or none, stay -1)."""
     trajs = batch.trajectories
     B = len(trajs)
     L = max(len(t.prompt_ids) // 4 + len(t.completion_ids) // 4 for t in trajs)
@@ -83,7 +92,22 @@ def to_tensors(batch: TrainingBatch, pad_id: int) -> Tensors:
         lens[b] = n_c
     adv = torch.from_numpy(batch.advantage_array().copy())
     rewards = torch.tensor([t.reward if t.reward is not None else 0.0 for t in trajs])
-    return Tensors(ids, att, idx, tgt, blp, mask, adv, rewards, ver, lens, torch.arange(B))
+    routes = routing_tensor(trajs, L) if routing else None
+    return Tensors(ids, att, idx, tgt, blp, mask, adv, rewards, ver, lens, torch.arange(B), routes)
+
+
+def routing_tensor(trajs: list[Trajectory], width: int) -> torch.Tensor | None:
+    """(B, width, layers, k) int32 of the recorded routing, -1 where none; None when no trajectory recorded any."""
+    layouts = [t.routing_layout for t in trajs if t.routing_layout is not None]
+    if not layouts:
+        return None
+    layout = layouts[0]
+    out = torch.full((len(trajs), width, layout.layers, layout.top_k), -1, dtype=torch.int32)
+    for b, t in enumerate(trajs):
+        ids = t.routes()
+        if ids is not None and t.routing_layout == layout:
+            out[b, : len(ids)] = torch.from_numpy(ids.astype("int32"))
+    return out
 
 
 def micro_batches(x: Tensors, token_budget: int | None) -> list[Tensors]:

@@ -88,6 +88,7 @@ class Objective:
         parts["loss"] = loss.detach()
         parts["suspect_trajectories"] = suspect.sum()
         parts["logprob_gap_max"] = gap.max() if gap.numel() else gap.new_zeros(())
+        parts["logprob_gap_mean"] = gap.mean() if gap.numel() else gap.new_zeros(())
         values = torch.stack([v.float() for v in parts.values()]).tolist()
         return LossOutput(loss=loss, metrics={**out.metrics, **dict(zip(parts, values))}, gaps=torch.where(suspect, gap, 0.0))
 

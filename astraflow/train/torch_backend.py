@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_model, save_file, save_model
 
 from astraflow.config import TrainerConfig
+from astraflow.moe_routing import RoutingCounts, routed
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.batching import Tensors, micro_batches, to_tensors
 from astraflow.train.experts import expert_params, hold_quiet_experts
@@ -56,6 +57,7 @@ class TorchBackend:
         self.model, self.opt = self._wrap(self.module)
         # trainer.unrouted_experts: hold: the experts no token was routed to sit the step out (train/experts.py)
         self.held_experts = expert_params(self.module) if cfg.unrouted_experts == "hold" else []
+        self.routing_counts: RoutingCounts | None = None  # the last forward's, with recorded routing in the batch
 
     # ------------------------------------------------------------------ hooks for subclasses
     def _device(self) -> torch.device:
@@ -103,9 +105,11 @@ class TorchBackend:
 
     # ------------------------------------------------------------------ the step
     def _logprobs(self, model: Any, mb: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log π(y_t|s_t) (b, t) float32, completion logits (b, t, V) / temperature)."""
-        with self._autocast():
+        """(log π(y_t|s_t) (b, t) float32, completion logits (b, t, V) / temperature). With the routing the nodes
+        recorded (``trainer.routing``), the forward takes it (``replayed``) and counts where its own differs."""
+        with self._autocast(), routed(model, mb.routing, self.cfg.routing == "replayed") as counts:
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits  # (b, l, V)
+        self.routing_counts = counts
         rows = torch.arange(logits.shape[0], device=logits.device)[:, None]  # (b, 1)
         comp_logits = logits[rows, mb.logit_index] / self.temperature  # (b, t, V)
         return gather_logprobs(comp_logits, mb.targets), comp_logits
@@ -122,7 +126,7 @@ class TorchBackend:
     def step(self, batch: TrainingBatch) -> dict[str, float]:
         t0 = time.perf_counter()
         self.module.train()
-        x = to_tensors(batch, self.tokenizer.pad_token_id).to(self.device)
+        x = to_tensors(batch, self.tokenizer.pad_token_id, routing=self.cfg.routing != "own").to(self.device)
         mbs = micro_batches(x, self.cfg.micro_batch_tokens)
         mine = self._share(mbs)
         plan: StepPlan | None = None
@@ -135,6 +139,7 @@ class TorchBackend:
         gaps = torch.zeros(x.rewards.shape[0], device=x.rewards.device)  # (B,) of the rows the token check leaves out
         for i, (mb, scale) in enumerate(mine):
             logprobs, comp_logits = self._logprobs(self.model, mb)  # (b, t), (b, t, V)
+            counts = self.routing_counts
             if plan is None:  # a single micro-batch is the whole batch
                 full = torch.zeros_like(x.behave_logprobs)
                 full[mb.rows, : logprobs.shape[1]] = logprobs.detach()
@@ -146,6 +151,8 @@ class TorchBackend:
                 m = mb.mask
                 entropy = float((token_entropy(comp_logits.detach()) * m).sum() / m.sum().clamp(min=1))
             mets = {**out.metrics, "entropy": entropy}
+            if counts is not None:  # the share of recorded (position, layer) routes this forward chose otherwise
+                mets["routing_mismatch"] = counts.share()
             if not scale:  # a stand-in that only joins the gradient reduction: counts for nothing
                 mets = {k: 0.0 if k in SUMMED else v for k, v in mets.items()}
             elif out.gaps is not None:
@@ -156,6 +163,8 @@ class TorchBackend:
         self.suspects = {int(i): float(gaps[i]) for i in gaps.nonzero().flatten().tolist()}
         grad_norm, stepped = self._optimizer_step(math.isfinite(metrics["loss"]))
         dt = time.perf_counter() - t0
+        if self.cfg.routing != "own":  # what recording it costs on the wire
+            metrics["routing_bytes"] = sum(len(t.routing) for t in batch.trajectories) / max(len(batch.trajectories), 1)
         return {**metrics, "grad_norm": grad_norm, "reward_mean": float(x.rewards.mean()), "tokens": float(x.n_tokens),
                 "tokens_per_s": x.n_tokens / dt, "step_s": dt, "micro_batches": float(len(mbs)), "skipped": float(not stepped)}
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from astraflow.moe_routing import Routes
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,6 +42,15 @@ class Completion:
     logprobs: list[float]  # behaviour logprob of each token under the sampling distribution
     versions: list[int]  # weight version that produced each token
     finish_reason: str  # "stop" | "length"
+    routing: Routes | None = None  # the experts its prompt and tokens were routed to (engines that ``record_routing``)
+
+
+@runtime_checkable
+class RecordsRouting(Protocol):
+    """An engine that can record each position's Mixture-of-Experts routing (``trainer.routing``; ``hf`` can)."""
+
+    def record_routing(self) -> None:
+        """From now on every completion carries its ``routing``; ValueError when the model has no routers."""
 
 
 class StaleWeights(RuntimeError):

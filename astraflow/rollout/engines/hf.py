@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from astraflow.moe_routing import Routes, RoutingRecorder
 from astraflow.registry import ENGINES
 from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from astraflow.rollout.engines.options import HfOptions
@@ -65,6 +66,7 @@ class HFEngine:
         self._callers = 1  # threads that call at once (a node's slots: ``expect_callers``)
         self._loads_waiting = 0  # loads waiting for the engine: they go before new batches (and paused ones)
         self._paused = 0  # generations paused for a load (``partial_rollouts``): they go before new batches
+        self._routing: RoutingRecorder | None = None  # records each token's experts (``record_routing``)
 
     @property
     def version(self) -> int:
@@ -75,6 +77,12 @@ class HFEngine:
 
     def close(self) -> None:
         """Nothing to release: the model is an in-process module, freed with the engine."""
+
+    def record_routing(self) -> None:
+        """From now on each completion carries the experts its positions were routed to (``moe_routing.py``): a
+        Mixture-of-Experts model only (ValueError otherwise)."""
+        if self._routing is None:
+            self._routing = RoutingRecorder(self.model)
 
     @torch.no_grad()
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -208,7 +216,7 @@ class HFEngine:
                 break
             if self._decode(live, params):
                 self._let_loads_in()
-        return [Completion(row.tokens, row.logprobs, row.versions, row.reason or "length") for row in rows]
+        return [Completion(row.tokens, row.logprobs, row.versions, row.reason or "length", row.routes()) for row in rows]
 
     def _decode(self, rows: list[_Row], params: SamplingParams) -> bool:
         """Decode ``rows`` (prompt + tokens so far) until each finishes, or until a weight load is waiting (then True)."""
@@ -223,6 +231,8 @@ class HFEngine:
         budget = params.max_new_tokens - min(len(row.tokens) for row in rows)
         interrupt = _LoadWaiting(self) if self.partial_rollouts else None
         version, greedy = self._version, params.temperature == 0
+        if self._routing is not None:
+            self._routing.start()
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=att.to(self.device),
             max_new_tokens=budget, do_sample=greedy is False, temperature=None if greedy else params.temperature,
@@ -234,8 +244,13 @@ class HFEngine:
         new = out.sequences[:, width:].cpu()  # (B, T)
         logits = torch.stack(out.logits, dim=1).float().cpu() / (params.temperature or 1.0)  # (B, T, V)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        before = [len(row.tokens) for row in rows]
         for i, row in enumerate(rows):
             row.extend(self.tokenizer, new[i].tolist(), logp[i].tolist(), version, params)
+        if self._routing is not None:  # this run re-read each row's context: its routes replace the row's
+            kept = [len(row.tokens) - b for row, b in zip(rows, before, strict=True)]
+            for row, routes in zip(rows, self._routing.rows([len(c) for c in contexts], width, kept), strict=True):
+                row.routing = routes
         return interrupt is not None and interrupt.fired and any(row.reason is None for row in rows)
 
 
@@ -260,6 +275,12 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     reason: str | None = None  # None: still decoding
+    routing: Routes | None = None  # the experts of its positions, as the last decoding run routed them
+
+    def routes(self) -> Routes | None:
+        """The routed positions that shape the completion's logprobs: prompt + tokens - 1 (a stop string may have
+        cut tokens the last run routed)."""
+        return None if self.routing is None else self.routing.head(len(self.prompt) + len(self.tokens) - 1)
 
     def extend(self, tokenizer: Any, toks: list[int], logps: list[float], version: int, params: SamplingParams) -> None:
         """Append a decoding run's tokens (up to the row's end) and settle whether the row finished."""

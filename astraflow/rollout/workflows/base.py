@@ -24,8 +24,9 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from astraflow.models import encode_prompt
+from astraflow.moe_routing import Routes
 from astraflow.rollout.engines.base import Completion, Engine, GenerationRequest, SamplingParams, StaleWeights
-from astraflow.streams.messages import Task, Trajectory
+from astraflow.streams.messages import RoutingLayout, Task, Trajectory
 from astraflow.tasks import Problem
 
 
@@ -79,8 +80,11 @@ class Episode:
     mask: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     turns: int = 0
+    routing: Routes | None = None  # MoE: the last turn's routes, when its prompt was this episode's context
 
     def add_generated(self, c: Completion) -> None:
+        context = len(self.prompt_ids) + len(self.ids)
+        self.routing = c.routing if c.routing is not None and c.routing.positions == context + len(c.token_ids) - 1 else None
         self.ids += c.token_ids
         self.logprobs += c.logprobs
         self.versions += c.versions
@@ -113,14 +117,20 @@ class Episode:
 
     def trajectory(self, task: Task, policy: str, index: int, group_size: int, reward: float | None, node_id: str,
                    meta: dict[str, Any] | None = None) -> Trajectory:
+        routing = None if self.routing is None else self.routing.head(len(self.prompt_ids) + len(self.ids) - 1)  # fit() cuts
         return make_trajectory(task, policy, index, group_size, self.prompt_ids, self.ids, self.logprobs, self.versions,
-                               self.mask, reward, self.finish_reason, node_id, {"turns": self.turns, **(meta or {})})
+                               self.mask, reward, self.finish_reason, node_id, {"turns": self.turns, **(meta or {})}, routing)
 
 
 def make_trajectory(task: Task, policy: str, index: int, group_size: int, prompt_ids: list[int], ids: list[int],
                     logprobs: list[float], versions: list[int], mask: list[int] | None, reward: float | None,
-                    finish_reason: str, node_id: str, meta: dict[str, Any] | None = None) -> Trajectory:
-    """A trajectory with the id convention ``{task_id}.{policy}.{index}`` (the plane dedups on it)."""
+                    finish_reason: str, node_id: str, meta: dict[str, Any] | None = None, routing: Routes | None = None) -> Trajectory:
+    """A trajectory with the id convention ``{task_id}.{policy}.{index}`` (the plane dedups on it); ``routing``: the
+    experts its positions were routed to, when the engine recorded them."""
+    wire: dict[str, Any] = {}
+    if routing is not None and routing.positions:
+        _, layers, k = routing.ids.shape
+        wire = {"routing": routing.packed(), "routing_layout": RoutingLayout(layers=layers, top_k=k, experts=routing.experts)}
     return Trajectory(
         traj_id=f"{task.task_id}.{policy}.{index}", task_id=task.task_id, prompt_id=task.prompt_id, policy=policy,
         index=index, group_size=group_size, prompt_ids=np.asarray(prompt_ids, np.int32),
@@ -128,7 +138,7 @@ def make_trajectory(task: Task, policy: str, index: int, group_size: int, prompt
         versions=np.asarray(versions, np.int32),
         loss_mask=np.asarray(mask if mask is not None else [1] * len(ids), np.uint8),
         reward=reward, finish_reason=finish_reason if finish_reason in ("stop", "length", "error") else "stop", node_id=node_id,
-        created_at=time.time(), meta=dict(meta or {}),
+        created_at=time.time(), meta=dict(meta or {}), **wire,
     )
 
 

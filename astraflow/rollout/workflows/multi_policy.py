@@ -102,7 +102,7 @@ class _TwoPolicy:
     def solver_trajectories(self, tasks: list[Task], hs: PolicyHandle, solver: str, comps: list[list[Completion]],
                             rewards: list[list[float]], node_id: str) -> list[Trajectory]:
         return [make_trajectory(t, solver, i, t.group_size, hs.encode(t.prompt), c.token_ids, c.logprobs, c.versions, None,
-                                rewards[k][i], c.finish_reason, node_id, {"role": "solver"})
+                                rewards[k][i], c.finish_reason, node_id, {"role": "solver"}, c.routing)
                 for k, t in enumerate(tasks) for i, c in enumerate(comps[k])]
 
 
@@ -136,7 +136,8 @@ class SolverVerifier(_TwoPolicy):
                 truth = rewards[k][i] >= 0.5
                 out.append(make_trajectory(t, verifier, i, t.group_size, vprompts[k][i], c.token_ids, c.logprobs, c.versions, None,
                                            1.0 if verdict is not None and verdict == truth else 0.0, c.finish_reason, node_id,
-                                           {"role": "verifier", "judged": f"{t.task_id}.{solver}.{i}", "verdict": verdict, "truth": truth}))
+                                           {"role": "verifier", "judged": f"{t.task_id}.{solver}.{i}", "verdict": verdict, "truth": truth},
+                                           c.routing))
         return out
 
     def evaluate(self, problems: list[Problem], policies: Mapping[str, PolicyHandle], k: int,
@@ -182,7 +183,7 @@ class SolverSelector(_TwoPolicy):
                 choice = parse_choice(hsel.decode(c.token_ids), len(texts[k]))
                 out.append(make_trajectory(t, selector, i, t.group_size, sprompts[k], c.token_ids, c.logprobs, c.versions, None,
                                            rewards[k][choice] if choice is not None else 0.0, c.finish_reason, node_id,
-                                           {"role": "selector", "choice": choice}))
+                                           {"role": "selector", "choice": choice}, c.routing))
         return out
 
 
@@ -235,7 +236,8 @@ class SolverTestgen(_TwoPolicy):
                 tests = self.parse_tests(hg.decode(c.token_ids))
                 valid, reward, _ = self.judge_tests(run, t, tests, texts[k], hidden_pass[k])
                 out.append(make_trajectory(t, gen, i, t.group_size, gprompts[k], c.token_ids, c.logprobs, c.versions, None, reward,
-                                           c.finish_reason, node_id, {"role": "testgen", "tests": len(tests), "valid": valid}))
+                                           c.finish_reason, node_id, {"role": "testgen", "tests": len(tests), "valid": valid},
+                                           c.routing))
         return out
 
     def evaluate(self, problems: list[Problem], policies: Mapping[str, PolicyHandle], k: int,

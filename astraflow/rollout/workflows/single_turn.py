@@ -33,5 +33,6 @@ class SingleTurn:
                 for i in range(task.group_size):
                     c = next(comps)
                     out.append(make_trajectory(task, policy, i, task.group_size, prompt, c.token_ids, c.logprobs, c.versions,
-                                               None, self.reward(h.decode(c.token_ids), task.meta), c.finish_reason, node_id))
+                                               None, self.reward(h.decode(c.token_ids), task.meta), c.finish_reason, node_id,
+                                               routing=c.routing))
         return out
