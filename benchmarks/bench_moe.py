@@ -10,7 +10,7 @@ routes whose top-k set differs, and the mean |log π_trainer − log π_engine| 
 and with the engine's replayed. The runs' own metrics add the share during training (staleness included).
 
 **Learning.** ``--seeds`` seeds of dense, MoE and MoE with routing replay (``trainer.routing: replayed``), the recipe's
-80 steps each, seed for seed the same warm start: held-out v0, the last evaluation, the mean of the last five, the
+80 steps each, a seed setting the split, the initial weights and the sampling (so seed for seed the same warm start): held-out v0, the last evaluation, the mean of the last five, the
 rise; the trainer's median step; the routing's bytes per trajectory. ``--variant "label:key=value,…"`` adds MoE runs
 with other settings. Writes ``benchmarks/results/moe.json`` and ``benchmarks/figures/moe-learning.png``.
 
@@ -69,7 +69,7 @@ def up(recipe: Path, run_dir: Path, sets: dict[str, Any]) -> dict[str, Any]:
 
 def learning_run(base: Path, config: str, base_recipe: str, sets: dict[str, Any], seed: int) -> dict[str, Any]:
     run = up(RECIPES[base_recipe], base / f"{config.replace(' ', '_').replace(',', '')}-{seed}",
-             {**sets, "model.seed": seed, "trainer.seed": seed})
+             {**sets, "model.seed": seed, "trainer.seed": seed, "data.seed": seed})
     curve, steps = run["curve"], run["steps"]
     out = {"config": config, "seed": seed, "held_out_v0": curve[0][1], "held_out_last": curve[-1][1],
            "held_out_last5": round(statistics.mean(r for _, r in curve[-5:]), 4), "curve": curve,
