@@ -1,18 +1,21 @@
 """Mixture-of-Experts against dense on live ``astraflow up recipes/arithmetic`` runs: the routing mismatch, and what
 routing replay changes.
 
-**Mismatch.** One ``moe.yaml`` run per expert count (``--experts``; top-2, each expert as wide as the recipe's, so the
-active width per token stays the dense recipe's) with ``trainer.routing: measured``, and one dense run. The last
-checkpoint of each is then read the two ways the run reads it: as a node holds it (the announced bf16 image in an
-``hf`` engine that records routing) and as the trainer does (its fp32 weights). The engine samples ``--samples``
-completions of every held-out prompt; at that same version the trainer's forward gives the share of (position, layer)
-routes whose top-k set differs, and the mean |log π_trainer − log π_engine| per completion token, with its own routing
-and with the engine's replayed. The runs' own metrics add the share during training (staleness included).
+**Mismatch.** One ``moe.yaml`` run per expert count (``--experts``; top-2, each expert as wide as the recipe's) with
+``trainer.routing: measured``, and one dense run. The last checkpoint of each is then read the two ways the run
+reads it: as a node holds it (the announced bf16 image in an ``hf`` engine that records routing, computing in fp32 as
+a CPU node does, and in bf16 as a GPU engine does) and as the trainer does (its fp32 weights). The engine samples
+``--samples`` completions of every held-out prompt; at that same version the trainer's forward gives the share of
+(position, layer) routes whose top-k set differs, and the mean |log π_trainer − log π_engine| per completion token,
+with its own routing and with the engine's replayed. The runs' own metrics add the share during training
+(staleness included).
 
-**Learning.** ``--seeds`` seeds of dense, MoE and MoE with routing replay (``trainer.routing: replayed``), the recipe's
-80 steps each, a seed setting the split, the initial weights and the sampling (so seed for seed the same warm start): held-out v0, the last evaluation, the mean of the last five, the
-rise; the trainer's median step; the routing's bytes per trajectory. ``--variant "label:key=value,…"`` adds MoE runs
-with other settings. Writes ``benchmarks/results/moe.json`` and ``benchmarks/figures/moe-learning.png``.
+**Learning.** ``--seeds`` seeds of dense, MoE (routing measured, the trainer's own), MoE with routing replay, and
+both again with nodes computing in bf16 (``rollout.engine.dtype``), the recipe's 80 steps each. A seed sets the
+split, the initial weights and the sampling, so seed for seed the runs share a warm start. Reported: held-out v0,
+the last evaluation, the mean of the last five, the rise; the trainer's median step; the routing's bytes per
+trajectory. ``--variant "label:key=value,…"`` adds MoE runs with other settings. Writes
+``benchmarks/results/moe.json`` and ``benchmarks/figures/moe-learning.png``.
 
     python benchmarks/bench_moe.py [--seeds 6] [--experts 4 8 16 32] [--variant "MoE, unrouted step:trainer.unrouted_experts=step"]
 """
@@ -53,7 +56,13 @@ from astraflow.train.batching import to_tensors  # noqa: E402
 from astraflow.train.losses.functional import gather_logprobs  # noqa: E402
 
 RECIPES = {"dense": ROOT / "recipes" / "arithmetic", "MoE": ROOT / "recipes" / "arithmetic" / "moe.yaml"}
-CONFIGS = {"dense": ("dense", {}), "MoE": ("MoE", {}), "MoE, routing replay": ("MoE", {"trainer.routing": "replayed"})}
+BF16_NODES = {"rollout.engine.dtype": "bfloat16"}
+CONFIGS = {"dense": ("dense", {}), "MoE": ("MoE", {"trainer.routing": "measured"}),
+           "MoE, routing replay": ("MoE", {"trainer.routing": "replayed"}),
+           "MoE, bf16 nodes": ("MoE", {**BF16_NODES, "trainer.routing": "measured"}),
+           "MoE, bf16 nodes, routing replay": ("MoE", {**BF16_NODES, "trainer.routing": "replayed"})}
+PAIRS = {"replay − own": ("MoE, routing replay", "MoE"),
+         "replay − own, bf16 nodes": ("MoE, bf16 nodes, routing replay", "MoE, bf16 nodes")}
 
 
 def up(recipe: Path, run_dir: Path, sets: dict[str, Any]) -> dict[str, Any]:
@@ -95,13 +104,23 @@ def same_version(run_dir: Path, recipe_path: Path, sets: dict[str, Any], samples
     trainer = build_model(pcfg.model, tok).eval()
     load_model(trainer, str(last / "model.safetensors"))
     state = {k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()}
-    engine = HFEngine(build_model(pcfg.model, tok), tok)
-    engine.load_state(state, int(last.name[1:]))
-    moe = pcfg.model.arch == "qwen3_moe"
-    if moe:
-        engine.record_routing()
     _, held_out = load_split(recipe.data)
     prompts = [encode_prompt(tok, p.prompt) for p in held_out]
+    out: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16):  # a CPU node computes in the model's fp32; a GPU engine in bf16
+        engine = HFEngine(build_model(pcfg.model, tok).to(dtype), tok)
+        engine.load_state(state, int(last.name[1:]))
+        suffix = "" if dtype == torch.float32 else "_bf16"
+        out |= {f"{k}{suffix}": v for k, v in against_trainer(trainer, engine, prompts, samples, recipe, tok).items()}
+    return out
+
+
+def against_trainer(trainer: Any, engine: HFEngine, prompts: list[list[int]], samples: int, recipe: Any, tok: Any) -> dict[str, float]:
+    """``engine`` samples every prompt ``samples`` times; the trainer's forward reads the completions with its own
+    routing and the engine's replayed."""
+    moe = recipe.policies["solver"].model.arch == "qwen3_moe"
+    if moe:
+        engine.record_routing()
     params = SamplingParams(recipe.rollout.max_new_tokens, recipe.rollout.temperature)
     comps = engine.generate([GenerationRequest(p, params) for p in prompts for _ in range(samples)])
     task = Task(task_id="t", workflow="single_turn", policy="solver", prompt_id="p", prompt="-", group_size=len(comps))
@@ -110,7 +129,7 @@ def same_version(run_dir: Path, recipe_path: Path, sets: dict[str, Any], samples
     manifest = Batch(batch_id="solver-bench", policy="solver", task_ids=["t"], advantages=np.zeros(len(trajs), "<f4").tobytes(),
                      refs=[TrajRef(seq=i + 1, traj_id=t.traj_id, task_id="t") for i, t in enumerate(trajs)])
     x = to_tensors(TrainingBatch(manifest, trajs), tok.pad_token_id, routing=moe)
-    out = {}
+    out: dict[str, float] = {}
     for name, replay in (("own", False), ("replayed", True)) if moe else (("own", False),):
         with routed(trainer, x.routing, replay) as counts:
             logits = trainer(input_ids=x.input_ids, attention_mask=x.attention_mask, use_cache=False).logits
@@ -186,8 +205,8 @@ def main() -> None:
         summary[name] |= {k: statistics.mean(r[k] for r in mine) for k in ("step_s_median", "logprob_gap_mean", "wall_s")}
         summary[name] |= {k: statistics.mean(r[k] for r in mine) for k in ("routing_mismatch_training", "routing_bytes") if k in mine[0]}
     by = {n: [r for r in runs if r["config"] == n] for n in configs}
-    replay_minus_moe = {k: list(vars(paired([r[k] for r in by["MoE, routing replay"]], [r[k] for r in by["MoE"]])).values())
-                        for k in ("held_out_last5", "rise")}
+    differences = {label: {k: list(vars(paired([r[k] for r in by[mine]], [r[k] for r in by[base]])).values())
+                           for k in ("held_out_last5", "rise")} for label, (mine, base) in PAIRS.items()}
     t = Table(title=f"dense, MoE and routing replay: {a.seeds} seeds")
     for c in ("config", "held-out v0", "last 5", "rise", "step", "|Δ logprob|", "mismatch", "routing bytes"):
         t.add_column(c)
@@ -199,7 +218,7 @@ def main() -> None:
     figure = ROOT / "benchmarks" / "figures" / "moe-learning.png"
     plot(runs, figure)
     write("moe", {"seeds": a.seeds, "samples": a.samples, "sweep": sweep, "runs": runs, "summary": summary,
-                  "replay_minus_moe": replay_minus_moe, "configs": {k: v[1] for k, v in configs.items()},
+                  "differences": differences, "configs": {k: v[1] for k, v in configs.items()},
                   "figure": str(figure.relative_to(ROOT))})
 
 

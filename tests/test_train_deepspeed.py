@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,9 @@ deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed 
 
 from astraflow.config import TrainerConfig, parse_recipe  # noqa: E402
 from astraflow.models import build_model, load_tokenizer  # noqa: E402
+from astraflow.moe_routing import RoutingRecorder  # noqa: E402
+from astraflow.streams.messages import RoutingLayout, Trajectory  # noqa: E402
+from astraflow.streams.trajectories import TrainingBatch  # noqa: E402
 from astraflow.tasks import load_split  # noqa: E402
 from astraflow.train.backend import build_backend  # noqa: E402
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta  # noqa: E402
@@ -132,21 +136,45 @@ def test_checkpoint_roundtrip_and_weight_reload(setup, tmp_path, stage, lora):
     assert {g["lr"] for g in b.opt.param_groups} == {g["lr"] for g in inner.param_groups} == {cfg.lr * 10}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_moe_same_loss_and_weights_as_torch(setup, stage):
-    """A Qwen3-MoE policy (fused expert tensors, top-k routing) trains under ZeRO as under the torch backend."""
+@pytest.mark.parametrize("stage,routing", [(2, "own"), (3, "replayed")])
+def test_moe_same_loss_and_weights_as_torch(setup, stage, routing):
+    """A Qwen3-MoE policy (fused expert tensors, top-k routing) trains under ZeRO as under the torch backend; with
+    routing replay too, the recorded routing being another model's (so replay changes what the layers take)."""
     _, tok, _ = setup
     moe = {**MODEL, "arch": "qwen3_moe", "num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 32}
     pcfg = parse_recipe({"name": "t", "model": moe}).policies["solver"]
     train, _ = load_split(parse_recipe({"name": "t"}).data)
     batches = sample_batches(build_model(pcfg.model, tok), tok, [p.prompt for p in train[:8]], n_batches=2, groups_per_batch=3,
                              group_size=4, logprob_noise=0.4, seed=5)
-    _, ref_m, ref_w = _run((pcfg, tok, batches), "torch", micro_batch_tokens=40)
-    _, ds_m, ds_w = _run((pcfg, tok, batches), "deepspeed", zero_stage=stage, micro_batch_tokens=40)
+    if routing == "replayed":
+        batches = routed_by(build_model(pcfg.model.model_copy(update={"seed": 9}), tok), batches)
+    _, ref_m, ref_w = _run((pcfg, tok, batches), "torch", micro_batch_tokens=40, routing=routing)
+    _, ds_m, ds_w = _run((pcfg, tok, batches), "deepspeed", zero_stage=stage, micro_batch_tokens=40, routing=routing)
     assert any(".experts." in k for k in ds_w)
     for a, b in zip(ref_m, ds_m):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
+        assert (a.get("routing_mismatch", 0) > 0.1) == (routing == "replayed")
+        assert b.get("routing_mismatch") == a.get("routing_mismatch")
     assert _max_diff(ref_w, ds_w) < 1e-6
+
+
+@torch.no_grad()
+def routed_by(model, batches: list[TrainingBatch]) -> list[TrainingBatch]:
+    """The batches with the routing ``model`` gives each trajectory's positions (prompt + completion - 1)."""
+    recorder = RoutingRecorder(model)
+    out = []
+    for b in batches:
+        trajs = []
+        for t in b.trajectories:
+            ids = np.concatenate([t.prompt_tokens(), t.completion()])
+            recorder.start()
+            model(input_ids=torch.tensor(ids[None].astype("int64")), use_cache=False)
+            (routes,) = recorder.rows([len(ids)], len(ids), [1])
+            routes = routes.head(len(ids) - 1)
+            layout = RoutingLayout(layers=routes.ids.shape[1], top_k=routes.ids.shape[2], experts=routes.experts)
+            trajs.append(Trajectory.model_validate({**t.model_dump(), "routing": routes.packed(), "routing_layout": layout}))
+        out.append(TrainingBatch(b.manifest, trajs))
+    return out
 
 
 def test_every_rank_runs_as_many_micro_batches():

@@ -307,5 +307,7 @@ def build_hf(options: HfOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: An
     from astraflow.models import build_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return HFEngine(build_model(model_cfg, tokenizer), tokenizer, device=device, gather=options.gather,
-                    partial_rollouts=rollout_cfg.partial_rollouts)
+    model = build_model(model_cfg, tokenizer)
+    if options.dtype != "model":
+        model = model.to(getattr(torch, options.dtype))
+    return HFEngine(model, tokenizer, device=device, gather=options.gather, partial_rollouts=rollout_cfg.partial_rollouts)

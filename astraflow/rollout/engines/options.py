@@ -34,6 +34,9 @@ class HfOptions(Options):
     gather: float = Field(0.5, ge=0)
     """Once the engine is free, how long a batch short of the node's generation slots waits for the rest of their
     calls, as a fraction of the last batch's time (0: start with whoever is waiting)."""
+    dtype: Literal["model", "float32", "bfloat16", "float16"] = "model"
+    """Compute dtype of the engine's model: ``model`` (``model.dtype``, what the trainer computes in), or another, as a
+    GPU engine computes in bf16 while the trainer keeps fp32 weights (weights arrive as bf16 either way)."""
 
 
 @ENGINES.declare
