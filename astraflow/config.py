@@ -180,6 +180,13 @@ class RolloutConfig(Strict):
         load_plugins(paths)
         return paths
 
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _default_engine(cls, v: Any) -> Any:
+        """Options without a ``type`` are the default engine's (``--set rollout.engine.dtype=bfloat16`` on a recipe that
+        names no engine)."""
+        return {"type": "hf", **v} if isinstance(v, dict) and "type" not in v else v
+
     @model_validator(mode="after")
     def _engine_switches(self) -> RolloutConfig:
         if self.partial_rollouts and not getattr(type(self.engine), "switches_inside_generation", False):

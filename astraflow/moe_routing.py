@@ -94,9 +94,9 @@ class RoutingRecorder:
         for c in self.calls:
             c.clear()
 
-    def rows(self, lengths: list[int], width: int, new: list[int]) -> list[Routes]:
-        """Each row's routes: its ``lengths[i]`` context positions (right-aligned in the prefill of ``width``), then
-        one per decoding step for all but the last of its ``new[i]`` tokens."""
+    def rows(self, lengths: list[int], width: int) -> list[Routes]:
+        """Each row's routes: its ``lengths[i]`` context positions (right-aligned in the prefill of ``width``), then one
+        per decoding step; a row that ended before the others has steps past its end (cut them: :meth:`Routes.head`)."""
         import torch
 
         B = len(lengths)
@@ -106,8 +106,8 @@ class RoutingRecorder:
             steps = torch.stack(calls[1:], dim=1) if len(calls) > 1 else prefill[:, :0]  # (B, S, k)
             per_layer.append((prefill, steps))
         out = []
-        for i, (n, k) in enumerate(zip(lengths, new, strict=True)):
-            layers = [torch.cat([pre[i, width - n:], steps[i, : max(k - 1, 0)]]) for pre, steps in per_layer]
+        for i, n in enumerate(lengths):
+            layers = [torch.cat([pre[i, width - n:], steps[i]]) for pre, steps in per_layer]
             ids = torch.stack(layers, dim=1).cpu().numpy()  # (positions, layers, k)
             out.append(Routes(ids.astype(id_dtype(self.experts)), self.experts))
         return out

@@ -116,7 +116,38 @@ def facade(r: dict[str, Any]) -> str:
             + provenance(r) + "\n".join(rows) + "\n")
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"facade": facade, "partial_rollouts": partial_rollouts,
+def moe(r: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
+        return "—" if x is None else f"{100 * x:.2f} %"
+
+    def est(e: list[float], sign: str = "") -> str:
+        return f"{e[0]:{sign}.3f} ± {e[1]:.3f}" if e[2] > 1 else f"{e[0]:{sign}.3f} (1 run)"
+
+    sweep = ["| model | routes differing, fp32 node | mean |Δ logprob|: own / replayed | routes differing, bf16 node | "
+             "mean |Δ logprob|: own / replayed | routes differing in training | mean |Δ logprob| in training |",
+             "|---|---|---|---|---|---|---|"]
+    for m in r["sweep"]:
+        replayed = f" / {m['logprob_gap_replayed']:.4f}" if "logprob_gap_replayed" in m else ""
+        replayed_bf16 = f" / {m['logprob_gap_replayed_bf16']:.4f}" if "logprob_gap_replayed_bf16" in m else ""
+        sweep.append(f"| {m['model']} | {pct(m.get('routing_mismatch'))} | {m['logprob_gap_own']:.4f}{replayed} | "
+                     f"{pct(m.get('routing_mismatch_bf16'))} | {m['logprob_gap_own_bf16']:.4f}{replayed_bf16} | "
+                     f"{pct(m.get('routing_mismatch_training'))} | {m['logprob_gap_training']:.4f} |")
+    learning = ["| configuration | held-out v0 | held-out, last 5 evaluations | rise | routes differing in training | "
+                "mean |Δ logprob| in training | trainer step (median) | routing bytes per trajectory |",
+                "|---|---|---|---|---|---|---|---|"]
+    for name, s in r["summary"].items():
+        routing_bytes = f"{s['routing_bytes']:.0f}" if "routing_bytes" in s else "—"
+        learning.append(f"| {name} | {est(s['held_out_v0'])} | {est(s['held_out_last5'])} | {est(s['rise'], '+')} | "
+                        f"{pct(s.get('routing_mismatch_training'))} | {s['logprob_gap_mean']:.4f} | {1e3 * s['step_s_median']:.1f} ms | "
+                        f"{routing_bytes} |")
+    for label, d in r["differences"].items():
+        learning.append(f"| {label}, paired by seed | | {est(d['held_out_last5'], '+')} | {est(d['rise'], '+')} | | | | |")
+    return (f"The mismatch at one version, {r['samples']} samples of each held-out prompt:\n\n" + "\n".join(sweep) + "\n\n"
+            f"Learning, {r['seeds']} seeds (intervals: 95 % Student-t over seeds); figure `{r['figure']}`. " + provenance(r)
+            + "\n".join(learning) + "\n")
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"facade": facade, "moe": moe, "partial_rollouts": partial_rollouts,
                                                           "generation_stall": generation_stall, "house": house,
                                                           "hostile_node": hostile_node, "lora": lora}
 

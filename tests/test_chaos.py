@@ -147,3 +147,55 @@ def test_up_restarts_a_trainer_killed_during_its_warm_start(repo_root: Path, tmp
     text = trainer_log.read_text()  # one log per role and session: the restarted trainer appends to it
     assert re.findall(r"SFT warm start begins: 3000 steps on (\d+) threads", text) == [str(threads)] * 2
     assert re.findall(r"SFT warm start: 3000 steps in \d+ s on (\d+) threads", text) == [str(threads)]  # one finished
+
+
+def server_of(launcher: int) -> int | None:
+    """The live nats-server child of the launcher, if any."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat[1]) == launcher and stat[0] != "Z" and b"nats-server" in cmd.split(b"\0")[0]:
+                return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_up_restarts_its_killed_server_and_a_sigint_to_the_launcher_alone_stops_it(repo_root: Path, tmp_path: Path):
+    """kill -9 of the embedded nats-server, twice: ``up`` reaps it and starts it again on its address with its store,
+    the roles reconnect and training goes on. Then SIGINT to the launcher alone (as ``timeout`` sends it, not to the
+    process group as a terminal's Ctrl-C does): the run ends ``stopped``, without a traceback, and nothing outlives it."""
+    run_dir, steps = tmp_path / "server-kill", 400
+    sets = ["--set", f"trainer.steps={steps}", "--set", "sft.steps=150", "--set", "eval.every=100", "--timeout", "500"]
+    log_path = tmp_path / "up.log"
+    log = open(log_path, "w")
+    launcher = subprocess.Popen([sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "arithmetic"),
+                                 "--run-dir", str(run_dir), *sets], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait(lambda: len(versions(run_dir)) >= 3, "training to start", 240)
+        for _ in range(2):
+            pid, at = server_of(launcher.pid), len(versions(run_dir))
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            wait(lambda: server_of(launcher.pid) not in (None, pid), "the server to be restarted", 30)
+            wait(lambda: len(versions(run_dir)) >= at + 5, "training to go on after the restart", 120)
+        assert launcher.poll() is None and len(versions(run_dir)) < steps + 1, "the run ended before the SIGINT: lengthen it"
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        log.close()
+    output = log_path.read_text()
+    assert "Traceback" not in output, output[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "stopped" and summary["restarts"].get("nats-server") == 2, (summary["outcome"], summary["restarts"])
+    seen = versions(run_dir)
+    assert seen == list(range(len(seen)))  # every version once, across both restarts
+    acc = summary["accounting"]["solver"]
+    assert acc["adds_up"], acc
+    assert not processes_of(run_dir)

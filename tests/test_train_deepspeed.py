@@ -169,7 +169,7 @@ def routed_by(model, batches: list[TrainingBatch]) -> list[TrainingBatch]:
             ids = np.concatenate([t.prompt_tokens(), t.completion()])
             recorder.start()
             model(input_ids=torch.tensor(ids[None].astype("int64")), use_cache=False)
-            (routes,) = recorder.rows([len(ids)], len(ids), [1])
+            (routes,) = recorder.rows([len(ids)], len(ids))
             routes = routes.head(len(ids) - 1)
             layout = RoutingLayout(layers=routes.ids.shape[1], top_k=routes.ids.shape[2], experts=routes.experts)
             trajs.append(Trajectory.model_validate({**t.model_dump(), "routing": routes.packed(), "routing_layout": layout}))

@@ -214,9 +214,42 @@ def act(view: View, sup: Supervisor, watcher: RunWatcher, access: ServerAccess |
             view.note(f"[bold]autoscale[/]: {did} — {advice.reason}")
 
 
+class ServerKeeper:
+    """The embedded server supervised like a role: an exit (``kill -9``, a crash) is reaped and the server started
+    again on its address with its store, so the roles reconnect and the run goes on; more than ``MAX_RESTARTS``
+    exits within ``WINDOW_S`` is a crash loop and fails the run."""
+
+    MAX_RESTARTS, WINDOW_S = 5, 60.0
+
+    def __init__(self, server: EmbeddedServer | None, rundir: RunDir) -> None:
+        self.server = server
+        self.rundir = rundir
+        self.exits: list[float] = []  # monotonic times of the server's exits in this session
+
+    def keep(self, view: View) -> None:
+        """Restart the server if it has exited since the last call, noted in the view and in ``restarts.jsonl``."""
+        server = self.server
+        code = server.exited() if server is not None else None
+        if server is None or code is None:
+            return
+        now = time.monotonic()
+        self.exits = [t for t in self.exits if now - t < self.WINDOW_S] + [now]
+        if len(self.exits) > self.MAX_RESTARTS:
+            raise RunFailed(f"nats-server exited {len(self.exits)} times within {self.WINDOW_S:.0f}s (last: {exit_text(code)}); "
+                            f"see {server.run_dir / 'nats' / 'nats-server.log'}")
+        try:  # on this thread: the server dies with the thread that started it (PR_SET_PDEATHSIG), so not a worker's
+            server.restart()
+        except (RuntimeError, TimeoutError) as e:
+            raise RunFailed(f"nats-server ended ({exit_text(code)}) and did not start again: {e}") from None
+        view.note(f"[bold]supervisor[/]: nats-server ended ({exit_text(code)}); restarted on {redact(server.url)} with its store")
+        self.rundir.append("restarts.jsonl", {"session": len(self.rundir.sessions()), "role": "nats-server",
+                                              "after": exit_text(code), "ts": time.time()})
+
+
 async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supervisor, specs: list[RoleSpec], timeout: float,
-                    autoscale: bool, join: str, access: ServerAccess | None = None) -> str:
-    """Start the roles and watch the run until it finishes; returns how it ended."""
+                    autoscale: bool, join: str, access: ServerAccess | None = None, server: EmbeddedServer | None = None) -> str:
+    """Start the roles and watch the run until it finishes; returns how it ended. ``server``: the embedded one, kept
+    running (:class:`ServerKeeper`)."""
     plane = await Plane.connect(opts, rundir.run, "launcher", wait=30)
     await plane.ensure_topology(recipe.topology())  # before any role: they only look for it
     from astraflow.rollout.evaluator import eval_subjects, eval_versions  # lazy: pulls in the model stack
@@ -227,20 +260,20 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
     early = enforce(access, sup, watcher.live.quarantined)
     for spec in specs:
         sup.start(spec)
-    pool = None
-    if autoscale:
-        pool = LocalPool(sup, added_node(recipe, specs), max_nodes=recipe.dataflow.autoscale.max_nodes)
+    pool = LocalPool(sup, added_node(recipe, specs), max_nodes=recipe.dataflow.autoscale.max_nodes) if autoscale else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
     failing_since: float | None = None
+    keeper = ServerKeeper(server, rundir)
     try:
         with View(recipe, console, join) as view:
             for change in early:
                 view.note(f"[bold red]access[/]: {change}")
             while not stop.is_set():
+                keeper.keep(view)
                 try:  # the plane may hiccup (a cluster node lost, a leader elected): the run goes on
                     await watcher.poll(0.5)
                     finished = await watcher.finished()
@@ -265,7 +298,8 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
                     session = len(rundir.sessions())
                     raise RunFailed(f"run did not finish in {timeout:.0f}s",
                                     stall_report(watcher.live, {s.name: rundir.log(s.name, session) for s in specs}))
-            await watcher.record_accounting()
+            with contextlib.suppress(Exception):  # told to stop: the summary says what could be read
+                await watcher.record_accounting()
             return "stopped"
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -356,7 +390,7 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     outcome, summary = "failed", {}
     try:
         outcome = asyncio.run(supervise(recipe, rundir, opts, sup, specs, timeout, autoscale,
-                                        join_command(rundir, url, creds is not None), access))
+                                        join_command(rundir, url, creds is not None), access, server))
     except CrashLoop as e:
         outcome = f"crash loop: {e.child.name}"
         raise RunFailed(str(e)) from None

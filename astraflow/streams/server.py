@@ -135,7 +135,8 @@ class EmbeddedServer:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=_server_setup(self.cores),
-        )
+            start_new_session=True,  # a Ctrl-C or `timeout` signals the run's process group: the server outlives the
+        )  # roles' drain, and its owner stops it (or it dies with its owner)
         log.close()
         self.port = self._wait_ready(ports, timeout)
         return self
@@ -198,6 +199,17 @@ class EmbeddedServer:
             time.sleep(0.02)
         self.stop()
         raise TimeoutError(f"nats-server not ready after {timeout:.0f}s")
+
+    def exited(self) -> int | None:
+        """The exit code of a server that was started and has exited since (its process reaped), else None."""
+        return None if self.proc is None else self.proc.poll()
+
+    def restart(self, timeout: float = 20.0) -> EmbeddedServer:
+        """Start again after an exit, on the port it had and with its store: clients reconnect to the same address and
+        JetStream recovers its streams from the store."""
+        if self.port is not None:
+            self.listen = f"{self.listen.rsplit(':', 1)[0]}:{self.port}"
+        return self.start(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -79,10 +79,8 @@ class HFEngine:
         """Nothing to release: the model is an in-process module, freed with the engine."""
 
     def record_routing(self) -> None:
-        """From now on each completion carries the experts its positions were routed to (``moe_routing.py``): a
-        Mixture-of-Experts model only (ValueError otherwise)."""
-        if self._routing is None:
-            self._routing = RoutingRecorder(self.model)
+        """Completions carry their positions' experts from now on (``moe_routing.py``; ValueError: not an MoE model)."""
+        self._routing = self._routing or RoutingRecorder(self.model)
 
     @torch.no_grad()
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
@@ -220,38 +218,45 @@ class HFEngine:
 
     def _decode(self, rows: list[_Row], params: SamplingParams) -> bool:
         """Decode ``rows`` (prompt + tokens so far) until each finishes, or until a weight load is waiting (then True)."""
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         contexts = [row.prompt + row.tokens for row in rows]
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        att = torch.zeros_like(ids)
-        for i, c in enumerate(contexts):  # left padding
-            ids[i, width - len(c):] = torch.tensor(c)
-            att[i, width - len(c):] = 1
-        budget = params.max_new_tokens - min(len(row.tokens) for row in rows)
+        ids, att = left_padded(contexts, self.tokenizer.pad_token_id)
         interrupt = _LoadWaiting(self) if self.partial_rollouts else None
-        version, greedy = self._version, params.temperature == 0
+        version = self._version
         if self._routing is not None:
             self._routing.start()
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=att.to(self.device),
-            max_new_tokens=budget, do_sample=greedy is False, temperature=None if greedy else params.temperature,
-            top_p=None if greedy else params.top_p, top_k=None if greedy else 0, pad_token_id=pad, eos_token_id=eos,
-            stop_strings=list(params.stop) or None, tokenizer=self.tokenizer if params.stop else None,
-            stopping_criteria=StoppingCriteriaList([interrupt]) if interrupt else None,
-            output_logits=True, return_dict_in_generate=True,
+            max_new_tokens=params.max_new_tokens - min(len(row.tokens) for row in rows), **sampling(params, self.tokenizer),
+            stopping_criteria=StoppingCriteriaList([interrupt]) if interrupt else None, output_logits=True, return_dict_in_generate=True,
         )
-        new = out.sequences[:, width:].cpu()  # (B, T)
+        new = out.sequences[:, ids.shape[1]:].cpu()  # (B, T)
         logits = torch.stack(out.logits, dim=1).float().cpu() / (params.temperature or 1.0)  # (B, T, V)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        before = [len(row.tokens) for row in rows]
         for i, row in enumerate(rows):
             row.extend(self.tokenizer, new[i].tolist(), logp[i].tolist(), version, params)
-        if self._routing is not None:  # this run re-read each row's context: its routes replace the row's
-            kept = [len(row.tokens) - b for row, b in zip(rows, before, strict=True)]
-            for row, routes in zip(rows, self._routing.rows([len(c) for c in contexts], width, kept), strict=True):
+        if self._routing is not None:  # this run re-read each row's context: its routes replace the row's (``_Row.routes``)
+            for row, routes in zip(rows, self._routing.rows([len(c) for c in contexts], ids.shape[1]), strict=True):
                 row.routing = routes
         return interrupt is not None and interrupt.fired and any(row.reason is None for row in rows)
+
+
+def left_padded(contexts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), each (B, W): ``contexts`` left-padded to the longest."""
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, c in enumerate(contexts):
+        ids[i, width - len(c):] = torch.tensor(c)
+        att[i, width - len(c):] = 1
+    return ids, att
+
+
+def sampling(params: SamplingParams, tokenizer: Any) -> dict[str, Any]:
+    """``generate``'s sampling arguments for ``params`` (temperature 0: greedy)."""
+    greedy = params.temperature == 0
+    return dict(do_sample=not greedy, temperature=None if greedy else params.temperature, top_p=None if greedy else params.top_p,
+                top_k=None if greedy else 0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                stop_strings=list(params.stop) or None, tokenizer=tokenizer if params.stop else None)
 
 
 class _LoadWaiting(StoppingCriteria):
@@ -278,8 +283,8 @@ class _Row:
     routing: Routes | None = None  # the experts of its positions, as the last decoding run routed them
 
     def routes(self) -> Routes | None:
-        """The routed positions that shape the completion's logprobs: prompt + tokens - 1 (a stop string may have
-        cut tokens the last run routed)."""
+        """The routed positions that shape the completion's logprobs: prompt + tokens - 1 (the last run routed steps
+        past a row's end while others went on, and a stop string may have cut tokens)."""
         return None if self.routing is None else self.routing.head(len(self.prompt) + len(self.tokens) - 1)
 
     def extend(self, tokenizer: Any, toks: list[int], logps: list[float], version: int, params: SamplingParams) -> None:
