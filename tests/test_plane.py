@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -14,8 +17,9 @@ from nats.js.errors import ServiceUnavailableError
 from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
 from astraflow.streams.consuming import Delivery, IncompleteHistory, read_history
 from astraflow.streams.messages import Rejected, Task, Trajectory
-from astraflow.streams.objects import CorruptObject, get_object, object_stream, put_object
+from astraflow.streams.objects import CorruptObject, WriteInterrupted, get_object, object_stream, put_object
 from astraflow.streams.plane import NatsOptions, Plane, Topology
+from astraflow.streams.server import EmbeddedServer
 
 
 def make_traj(i: int = 0, n: int = 5) -> Trajectory:
@@ -193,3 +197,30 @@ async def test_object_readable_by_standard_object_store(plane: Plane):
     obs = await plane._js.object_store(plane.names.object_bucket)
     res = await obs.get("compat")
     assert res.data == data
+
+
+async def test_a_write_the_servers_restart_cut_off_fails_at_once_and_the_next_one_lands(tmp_path, run_id):
+    """A chunk published into a connection that then drops is never acknowledged. The writer sees the reconnect and
+    gives up at once (chunks purged) rather than after its 60 s timeout; written again, the object lands whole."""
+    server = EmbeddedServer(tmp_path).start()
+    plane = await Plane.connect(NatsOptions(url=server.url), run_id, "test")
+    try:
+        await plane.ensure_topology(Topology(policies=("solver",)))
+        store = plane.objects()
+        payload = os.urandom(1 << 20)
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)  # the chunk goes into the socket; no ack comes back
+        write = asyncio.ensure_future(store.put("w", payload))
+        await asyncio.sleep(0.5)
+        server.proc.kill()
+        server.proc.wait()
+        server.restart()  # same port, same store: the client reconnects
+        t0 = time.monotonic()
+        with pytest.raises(WriteInterrupted, match="the connection was lost during the write"):
+            await write
+        assert time.monotonic() - t0 < 10
+        ref = await store.put("w", payload)
+        assert await store.get(ref) == payload
+    finally:
+        await plane.close()
+        server.stop()

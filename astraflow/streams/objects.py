@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
 
 DEFAULT_CHUNK = 2 * 1024 * 1024  # measured (benchmarks/bench_weight_transfer.py): 2-4 MiB read fastest
+ACK_POLL_S = 0.5  # how often a write waiting for acks looks whether its connection was lost meanwhile
 IN_FLIGHT = 32  # chunks a writer has unacknowledged at most (64 MiB at the default size)
 READ_AHEAD = 16  # chunks a reader checks ahead of its consumer
 _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="af-objects-sha")  # one thread: chunks hash in order
@@ -61,6 +62,12 @@ _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="af-objects-sha")
 
 class ObjectError(RuntimeError):
     """An object could not be read back whole."""
+
+
+class WriteInterrupted(ObjectError):
+    """The connection to the server was lost while a write waited for its chunks' acks: a chunk published into the
+    dropped connection is never acknowledged, so the write is abandoned (its chunks purged) at once, not after the
+    timeout; writing it again is safe (a fresh nuid)."""
 
 
 class MissingObject(ObjectError):
@@ -150,6 +157,7 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
     whole = hashlib.sha256()
     size = 0
     futs: list[asyncio.Future[Any]] = []
+    reconnects = _reconnects(js)
     pulling = asyncio.ensure_future(asyncio.to_thread(_next_chunk, chunks, whole))
     try:
         while True:
@@ -163,10 +171,10 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
             size += len(chunk)
             futs.append(await js.publish_async(subject, chunk, stream=object_stream(bucket)))
             if len(futs) > in_flight:  # bounded memory: wait for the oldest unacknowledged chunk
-                await asyncio.wait_for(futs[-in_flight - 1], timeout)
+                await _acked(js, futs[-in_flight - 1], timeout, reconnects)
             if nxt is None:
                 break
-        await asyncio.wait_for(asyncio.gather(*futs), timeout)
+        await _acked(js, asyncio.gather(*futs), timeout, reconnects)
         name = name if isinstance(name, str) else await name
         meta = {
             "name": name, "bucket": bucket, "nuid": nuid, "size": size, "chunks": len(digests),
@@ -175,12 +183,12 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
             "options": {"max_chunk_size": chunk_size},
         }
         await js.publish(_meta_subject(bucket, name), json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
-    except BaseException:
+    except BaseException as e:
         await asyncio.gather(pulling, return_exceptions=True)  # the pieces' producer is not left running
         if inspect.iscoroutine(name):  # never awaited: the write ended before its metadata
             name.close()
-        try:  # let in-flight chunks land (briefly), then purge them
-            await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 5.0)
+        try:  # let in-flight chunks land (briefly; those sent into a lost connection never will), then purge them
+            await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 0.0 if isinstance(e, WriteInterrupted) else 5.0)
         except asyncio.TimeoutError:
             pass
         try:
@@ -189,6 +197,30 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
             pass
         raise
     return ObjectRef(name=name, nuid=nuid, size=size, chunk_size=chunk_size, digests=digests, digest=whole.hexdigest())
+
+
+def _reconnects(js: JetStreamContext) -> int:
+    """How often the connection under ``js`` has been re-established so far."""
+    return int(js._nc.stats["reconnects"])
+
+
+async def _acked(js: JetStreamContext, acks: Awaitable[Any], timeout: float, reconnects: int) -> None:
+    """Wait up to ``timeout`` seconds for ``acks``; :class:`WriteInterrupted` as soon as the connection has been lost
+    and re-established since the write began (``reconnects``: the count then)."""
+    pending = asyncio.ensure_future(acks)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(asyncio.shield(pending), min(ACK_POLL_S, max(left, 0.0)))
+            return
+        except asyncio.TimeoutError:
+            if _reconnects(js) != reconnects:
+                pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # left behind: its outcome is read
+                raise WriteInterrupted(f"the connection was lost during the write: {_reconnects(js) - reconnects} "
+                                       "reconnect(s)") from None
+            if left <= ACK_POLL_S:
+                raise
 
 
 async def delete_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None) -> None:

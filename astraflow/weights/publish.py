@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 
 from astraflow.streams.messages import ObjectRef, Suspect, WeightVersion
+from astraflow.streams.objects import WriteInterrupted
 from astraflow.streams.plane import Plane, PublishConflict, PublishRefused
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.checks import foreign_harmless
@@ -51,6 +52,7 @@ from astraflow.weights.retention import key_of
 
 log = logging.getLogger(__name__)
 Encoding = Literal["keyframe", "delta"]
+WRITE_ATTEMPTS = 3  # writes of one version a lost connection may interrupt before the store gives up
 STEP_OVERS = 8  # refused publishes in a row before a foreign writer counts as another trainer anyway
 
 
@@ -188,7 +190,14 @@ class WeightPublisher:
                                    "not published")
         digesting = asyncio.ensure_future(asyncio.to_thread(state_digest, new))  # releases the GIL: overlaps the encoding
         try:
-            encoding, ref, why = await self._put(new, version, force_keyframe or requested, digesting)
+            for attempt in range(WRITE_ATTEMPTS):  # a write the server's restart interrupted is written again at once
+                try:
+                    encoding, ref, why = await self._put(new, version, force_keyframe or requested, digesting)
+                    break
+                except WriteInterrupted as e:
+                    if attempt + 1 == WRITE_ATTEMPTS:
+                        raise
+                    log.warning("weights %s v%d: %s; writing it again", self.policy, version, e)
         finally:
             await asyncio.gather(digesting, return_exceptions=True)
         digest = digesting.result()
