@@ -44,6 +44,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, NotFoundError
 
+from astraflow.streams.acks import AcksLost, acked, reconnects_of
 from astraflow.streams.direct import DirectGetError, read_subject
 from astraflow.streams.messages import ObjectRef
 from astraflow.streams.subjects import Names
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
 
 DEFAULT_CHUNK = 2 * 1024 * 1024  # measured (benchmarks/bench_weight_transfer.py): 2-4 MiB read fastest
-ACK_POLL_S = 0.5  # how often a write waiting for acks looks whether its connection was lost meanwhile
 IN_FLIGHT = 32  # chunks a writer has unacknowledged at most (64 MiB at the default size)
 READ_AHEAD = 16  # chunks a reader checks ahead of its consumer
 _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="af-objects-sha")  # one thread: chunks hash in order
@@ -157,7 +157,7 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
     whole = hashlib.sha256()
     size = 0
     futs: list[asyncio.Future[Any]] = []
-    reconnects = _reconnects(js)
+    reconnects = reconnects_of(js)
     pulling = asyncio.ensure_future(asyncio.to_thread(_next_chunk, chunks, whole))
     try:
         while True:
@@ -199,28 +199,11 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
     return ObjectRef(name=name, nuid=nuid, size=size, chunk_size=chunk_size, digests=digests, digest=whole.hexdigest())
 
 
-def _reconnects(js: JetStreamContext) -> int:
-    """How often the connection under ``js`` has been re-established so far."""
-    return int(js._nc.stats["reconnects"])
-
-
 async def _acked(js: JetStreamContext, acks: Awaitable[Any], timeout: float, reconnects: int) -> None:
-    """Wait up to ``timeout`` seconds for ``acks``; :class:`WriteInterrupted` as soon as the connection has been lost
-    and re-established since the write began (``reconnects``: the count then)."""
-    pending = asyncio.ensure_future(acks)
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        left = deadline - asyncio.get_running_loop().time()
-        try:
-            await asyncio.wait_for(asyncio.shield(pending), min(ACK_POLL_S, max(left, 0.0)))
-            return
-        except asyncio.TimeoutError:
-            if _reconnects(js) != reconnects:
-                pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # left behind: its outcome is read
-                raise WriteInterrupted(f"the connection was lost during the write: {_reconnects(js) - reconnects} "
-                                       "reconnect(s)") from None
-            if left <= ACK_POLL_S:
-                raise
+    try:
+        await acked(js, acks, timeout, reconnects)
+    except AcksLost as e:
+        raise WriteInterrupted(f"the connection was lost during the write: {e}") from None
 
 
 async def delete_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream: str | None = None) -> None:

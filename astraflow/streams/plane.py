@@ -28,6 +28,7 @@ from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from pydantic import BaseModel, ConfigDict
 
+from astraflow.streams.acks import AcksLost, acked, reconnects_of
 from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, decode_either, encode
 from astraflow.streams.consuming import (
     Check,
@@ -289,15 +290,19 @@ class Plane:
                     raise
                 data = encode(await oversize(msg), self.max_payload)
             encoded.append((subject, data, msg_id))
+        reconnects = reconnects_of(self._js)
         futs = [await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None)
                 for subject, data, msg_id in encoded]
         if not futs:
             return []
         # an ack lost with a server (a cluster member killed mid-publish) never arrives: nats-py's futures wait forever
-        _, pending = await asyncio.wait(futs, timeout=PUBLISH_ACK_TIMEOUT_S)
-        if pending:
-            raise TimeoutError(f"{len(pending)} of {len(futs)} publications unacknowledged after {PUBLISH_ACK_TIMEOUT_S:.0f}s "
-                               "(publish again: Nats-Msg-Id deduplicates)")
+        try:
+            await acked(self._js, asyncio.wait(futs), PUBLISH_ACK_TIMEOUT_S, reconnects)
+        except AcksLost as e:
+            raise AcksLost(f"publications unacknowledged: {e} (publish again: Nats-Msg-Id deduplicates)") from None
+        except TimeoutError:
+            raise TimeoutError(f"{sum(not f.done() for f in futs)} of {len(futs)} publications unacknowledged after "
+                               f"{PUBLISH_ACK_TIMEOUT_S:.0f}s (publish again: Nats-Msg-Id deduplicates)") from None
         return [int(f.result().seq) for f in futs]
 
     async def reject(self, subject: str, payload: bytes, reason: str, headers: dict[str, str] | None = None, code: str = "") -> None:
