@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js.errors import ServiceUnavailableError
 
+from astraflow.streams.acks import AcksLost
 from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
 from astraflow.streams.consuming import Delivery, IncompleteHistory, read_history
 from astraflow.streams.messages import Rejected, Task, Trajectory
@@ -199,26 +200,32 @@ async def test_object_readable_by_standard_object_store(plane: Plane):
     assert res.data == data
 
 
-async def test_a_write_the_servers_restart_cut_off_fails_at_once_and_the_next_one_lands(tmp_path, run_id):
-    """A chunk published into a connection that then drops is never acknowledged. The writer sees the reconnect and
-    gives up at once (chunks purged) rather than after its 60 s timeout; written again, the object lands whole."""
+async def test_publications_and_writes_a_servers_restart_cut_off_fail_at_once_and_go_through_again(tmp_path, run_id):
+    """A publication or an object chunk sent into a connection that then drops is never acknowledged. The publisher
+    sees the reconnect and gives up at once (AcksLost, WriteInterrupted) rather than at its timeout (10 s, 60 s);
+    published again, the messages land once (Nats-Msg-Id) and the object whole."""
     server = EmbeddedServer(tmp_path).start()
     plane = await Plane.connect(NatsOptions(url=server.url), run_id, "test")
     try:
         await plane.ensure_topology(Topology(policies=("solver",)))
         store = plane.objects()
         payload = os.urandom(1 << 20)
-        assert server.proc is not None
-        server.proc.send_signal(signal.SIGSTOP)  # the chunk goes into the socket; no ack comes back
-        write = asyncio.ensure_future(store.put("w", payload))
-        await asyncio.sleep(0.5)
-        server.proc.kill()
-        server.proc.wait()
-        server.restart()  # same port, same store: the client reconnects
-        t0 = time.monotonic()
-        with pytest.raises(WriteInterrupted, match="the connection was lost during the write"):
-            await write
-        assert time.monotonic() - t0 < 10
+        tasks = [(plane.names.task("single_turn"), Task(task_id=f"t{i}", workflow="single_turn", policy="solver", prompt_id="p",
+                                                          prompt="1+1=", group_size=1), f"t{i}") for i in range(3)]
+        for cut_off, what in ((lambda: plane.publish_many(tasks), AcksLost), (lambda: store.put("w", payload), WriteInterrupted)):
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGSTOP)  # what is sent goes into the socket; no ack comes back
+            sending = asyncio.ensure_future(cut_off())
+            await asyncio.sleep(0.5)
+            server.proc.kill()
+            server.proc.wait()
+            server.restart()  # same port, same store: the client reconnects
+            t0 = time.monotonic()
+            with pytest.raises(what):
+                await sending
+            assert time.monotonic() - t0 < 5
+        seqs = await plane.publish_many(tasks)
+        assert await plane.publish_many(tasks) == seqs and len(set(seqs)) == 3
         ref = await store.put("w", payload)
         assert await store.get(ref) == payload
     finally:
