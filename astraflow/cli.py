@@ -70,6 +70,8 @@ def up(
     listen: str | None = typer.Option(None, help="Where the embedded server listens, HOST:PORT (default 127.0.0.1, a free port). "
                                                     "Beyond loopback, TLS is on and the credential files carry the CA."),
     credentials: Path | None = typer.Option(None, help="With --nats: a directory of role credential files for that server."),
+    cluster: int = typer.Option(1, min=1, max=5, help="Embedded servers forming one JetStream cluster on loopback (3: the "
+                                                        "run's streams replicated on all three; any one may die and return)."),
 ) -> None:
     """Start the embedded server (or use --nats) and every role as a supervised process; watch; summarise."""
     from astraflow.launch import RunFailed, new_run_dir
@@ -82,14 +84,14 @@ def up(
         if resume is not None:
             r = _load(recipe or str(resume / "recipe.yaml"), set_)
             run_up(r, resume, nats, timeout, autoscale, resume=True, metrics_port_base=metrics_port_base, listen=listen,
-                   credentials=credentials)
+                   credentials=credentials, cluster=cluster)
             return
         if recipe is None:
             typer.echo("give a RECIPE, or --resume RUN_DIR", err=True)
             raise typer.Exit(2)
         r = _load(recipe, set_)
         run_up(r, run_dir or new_run_dir(r), nats, timeout, autoscale, metrics_port_base=metrics_port_base, listen=listen,
-               credentials=credentials)
+               credentials=credentials, cluster=cluster)
     except (RunFailed, FileNotFoundError, PermissionError, ConnectionError) as e:
         typer.echo(f"astraflow up: {e}", err=True)
         raise typer.Exit(1) from None

@@ -4,6 +4,7 @@ exactly once, the accounting adds up, no process outlives its launcher, and the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -196,6 +197,62 @@ def test_up_restarts_its_killed_server_and_a_sigint_to_the_launcher_alone_stops_
     assert summary["outcome"] == "stopped" and summary["restarts"].get("nats-server") == 2, (summary["outcome"], summary["restarts"])
     seen = versions(run_dir)
     assert seen == list(range(len(seen)))  # every version once, across both restarts
+    acc = summary["accounting"]["solver"]
+    assert acc["adds_up"], acc
+    assert not processes_of(run_dir)
+
+
+def cluster_members_of(launcher: int) -> dict[int, str]:
+    """The live nats-server children of the launcher -> their member name (``n0``…, from the config path)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if int(stat[1]) == launcher and stat[0] != "Z" and b"nats-server" in cmd[0]:
+                out[int(entry.name)] = re.search(r"/cluster/(n\d+)/", cmd[2].decode()).group(1)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_up_on_an_embedded_cluster_rides_through_members_killed_again_and_again(repo_root: Path, tmp_path: Path):
+    """``up --cluster 3``: the run's streams replicated on three servers. A member killed at random moments, four times
+    (one at a time: each comes back, with its store, before the next): the run finishes with every version once, the
+    accounting adds up, and no kill stalls training for long."""
+    run_dir, steps = tmp_path / "cluster-chaos", 80
+    log_path = tmp_path / "up.log"
+    log = open(log_path, "w")
+    launcher = subprocess.Popen([sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "arithmetic"),
+                                 "--cluster", "3", "--run-dir", str(run_dir), "--set", f"trainer.steps={steps}", "--set",
+                                 "sft.steps=150", "--set", "eval.every=40", "--timeout", "500"], stdout=log, stderr=subprocess.STDOUT)
+    rng = random.Random(1)
+    killed = []
+    try:
+        wait(lambda: len(versions(run_dir)) >= 3, "training to start", 240)
+        for _ in range(4):
+            wait(lambda: len(cluster_members_of(launcher.pid)) == 3, "every member to be up", 30)
+            pid, name = rng.choice(sorted(cluster_members_of(launcher.pid).items()))
+            at = len(versions(run_dir))
+            os.kill(pid, signal.SIGKILL)
+            killed.append(name)
+            wait(lambda: len(versions(run_dir)) >= at + 3 or launcher.poll() is not None, "training to go on", 120)
+            time.sleep(rng.uniform(0.5, 3.0))
+        assert launcher.wait(timeout=400) == 0, log_path.read_text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        log.close()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "finished", summary["outcome"]
+    assert sum(v for k, v in summary["restarts"].items() if k.startswith("nats-server-")) == len(killed), summary["restarts"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == list(range(steps + 1))  # every version once, across the kills
+    stalls = [b["ts"] - a["ts"] for a, b in itertools.pairwise(rows[1:])]  # v0 -> v1 waits for the nodes to start
+    assert max(stalls) < 30, max(stalls)  # no kill waits out a timeout
     acc = summary["accounting"]["solver"]
     assert acc["adds_up"], acc
     assert not processes_of(run_dir)

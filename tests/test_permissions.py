@@ -254,7 +254,8 @@ async def test_a_node_is_cut_off_on_the_running_server_and_let_back_in(tmp_path)
     cred_dir = tmp_path / "credentials"
     issue(cred_dir, RUN, POLICIES, nodes=("honest", "liar"))
     access = ServerAccess(cred_dir, RUN, POLICIES, Scope(RUN, POLICIES, ("raas",)))
-    server = access.server = EmbeddedServer(tmp_path, access.config()).start()
+    server = EmbeddedServer(tmp_path, access.config()).start()
+    access.servers = [server]
     try:
         def opts(name: str) -> NatsOptions:
             return NatsOptions.from_credential(str(node_path(cred_dir, name)), url=server.url)

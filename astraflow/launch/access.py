@@ -27,12 +27,13 @@ from astraflow.streams.server import EmbeddedServer
 
 
 class ServerAccess:
-    """The embedded server's users, from the credential files under ``cred_dir`` (``server``: attached once started)."""
+    """The embedded server's users, from the credential files under ``cred_dir`` (``servers``: attached once started;
+    a cluster's members each)."""
 
     def __init__(self, cred_dir: Path, run: str, policies: tuple[str, ...], scope: Scope, tail: str = "") -> None:
         self.cred_dir, self.run, self.policies, self.scope = cred_dir, run, policies, scope
         self.tail = tail  # config after the accounts (TLS)
-        self.server: EmbeddedServer | None = None
+        self.servers: list[EmbeddedServer] = []
         self.quarantined: frozenset[str] = frozenset()
         self._applied: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # (nodes, shut out) the server has
 
@@ -47,7 +48,7 @@ class ServerAccess:
 
     def let_in(self, name: str) -> Credential:
         """Node ``name``'s credential (made if new), known to the running server before this returns."""
-        cred = issue_node(self.cred_dir, self.run, name, self.server.url if self.server is not None else "")
+        cred = issue_node(self.cred_dir, self.run, name, ",".join(s.url for s in self.servers))
         self.sync(self.quarantined)
         return cred
 
@@ -57,10 +58,12 @@ class ServerAccess:
         nodes = frozenset(node_names(self.cred_dir))
         shut = self.quarantined & nodes
         before_nodes, before_shut = self._applied
-        if self.server is None or (nodes, shut) == self._applied:
+        if not self.servers or (nodes, shut) == self._applied:
             return []
         try:
-            self.server.reload(self.config())
+            config = self.config()
+            for server in self.servers:
+                server.reload(config)
         except Exception:
             self._applied = (before_nodes, before_shut)  # tried again next turn
             raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import resource
 import signal
@@ -37,7 +38,7 @@ from astraflow.streams.credentials import Credential, is_loopback, issue, make_t
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S
 from astraflow.streams.permissions import Scope
 from astraflow.streams.plane import NatsOptions, Plane
-from astraflow.streams.server import EmbeddedServer
+from astraflow.streams.server import EmbeddedServer, cluster_members, free_port
 from astraflow.train.threads import pin, shared_cores, usable_core_ids, usable_cores, with_core_plan, with_thread_counts
 
 console = Console()
@@ -72,13 +73,17 @@ def port_free(host: str, port: int) -> bool:
             return False
 
 
-def start_server(rundir: RunDir, recipe: Recipe, listen: str | None,
-                 cores: tuple[int, ...] | None = None) -> tuple[EmbeddedServer, dict[str, Credential], ServerAccess]:
+def start_server(rundir: RunDir, recipe: Recipe, listen: str | None, cores: tuple[int, ...] | None = None,
+                 cluster: int = 1) -> tuple[list[EmbeddedServer], dict[str, Credential], ServerAccess]:
     """The run's embedded server with authentication (a credential per role, and one per rollout node: the run's own
-    ``rollout-{i}`` and any added before), on the address it had before when it can."""
+    ``rollout-{i}`` and any added before), on the address it had before when it can; ``cluster`` > 1: that many
+    servers on loopback forming one JetStream cluster (:func:`start_cluster`)."""
     address_file = rundir.nats / "address"
     host, _, port = (listen or "127.0.0.1:-1").rpartition(":")
-    if address_file.exists() and port == "-1":
+    if cluster > 1 and not is_loopback(host):
+        raise RunFailed(f"--cluster runs its servers on loopback; --listen {listen} is not (run a cluster of your own: "
+                        "jetstream/cluster/, and up --nats)")
+    if address_file.exists() and port == "-1" and cluster == 1:
         old_host, _, old_port = address_file.read_text().strip().rpartition(":")
         if port_free(old_host, int(old_port)):
             host, port = old_host, old_port
@@ -95,12 +100,31 @@ def start_server(rundir: RunDir, recipe: Recipe, listen: str | None,
     issue(rundir.credentials, rundir.run, policies, tls_ca_pem=tls.ca_pem if tls else None, nodes=nodes)
     tail = f'tls {{ cert_file: "{tls.cert_file}", key_file: "{tls.key_file}" }}\n' if tls else ""
     access = ServerAccess(rundir.credentials, rundir.run, policies, Scope(rundir.run, policies, (recipe.rollout.pool,)), tail)
-    server = EmbeddedServer(rundir.path, access.config(), listen=f"{host}:{port}", scheme="tls" if tls else "nats", cores=cores).start()
-    access.server = server
-    address_file.write_text(f"{host}:{server.port}")
-    url = server.url
+    if cluster > 1:
+        access.servers = start_cluster(rundir, access.config(), cluster, cores)
+    else:
+        server = EmbeddedServer(rundir.path, access.config(), listen=f"{host}:{port}", scheme="tls" if tls else "nats", cores=cores)
+        access.servers = [server.start()]
+        address_file.write_text(f"{host}:{server.port}")
+    url = ",".join(s.url for s in access.servers)
     creds = issue(rundir.credentials, rundir.run, policies, url=url, tls_ca_pem=tls.ca_pem if tls else None)
-    return server, creds, access
+    return access.servers, creds, access
+
+
+def start_cluster(rundir: RunDir, config: str, size: int, cores: tuple[int, ...] | None) -> list[EmbeddedServer]:
+    """``size`` servers forming one cluster, each with its store under ``RUN_DIR/nats/cluster/n{i}``, on the client and
+    route ports of the previous session when they are free (kept in ``nats/cluster/ports.json``)."""
+    base = rundir.nats / "cluster"
+    base.mkdir(parents=True, exist_ok=True)
+    kept = base / "ports.json"
+    ports = [tuple(p) for p in json.loads(kept.read_text())] if kept.exists() else []
+    if len(ports) != size or not all(port_free("127.0.0.1", p) for pair in ports for p in pair):
+        ports = [(free_port(), free_port()) for _ in range(size)]
+    kept.write_text(json.dumps(ports))
+    members = cluster_members(base, size, config, [(int(c), int(r)) for c, r in ports], cores)
+    for m in members:
+        m.start()
+    return members
 
 
 def worker_command(rundir: RunDir, url: str, creds: dict[str, Credential] | None, spec: RoleSpec) -> list[str]:
@@ -215,43 +239,44 @@ def act(view: View, sup: Supervisor, watcher: RunWatcher, access: ServerAccess |
 
 
 class ServerKeeper:
-    """The embedded server supervised like a role: an exit (``kill -9``, a crash) is reaped and the server started
-    again on its address with its store, so the roles reconnect and the run goes on; more than ``MAX_RESTARTS``
-    exits within ``WINDOW_S`` is a crash loop and fails the run."""
+    """The embedded servers supervised like roles: a member that exits (``kill -9``, a crash) is reaped and started
+    again on its address with its store, so the roles reconnect (or ride on the other members of a cluster) and the
+    run goes on; more than ``MAX_RESTARTS`` exits within ``WINDOW_S`` is a crash loop and fails the run."""
 
     MAX_RESTARTS, WINDOW_S = 5, 60.0
 
-    def __init__(self, server: EmbeddedServer | None, rundir: RunDir) -> None:
-        self.server = server
+    def __init__(self, servers: list[EmbeddedServer], rundir: RunDir) -> None:
+        self.servers = servers
         self.rundir = rundir
-        self.exits: list[float] = []  # monotonic times of the server's exits in this session
+        self.exits: list[float] = []  # monotonic times of the servers' exits in this session
 
     def keep(self, view: View) -> None:
-        """Restart the server if it has exited since the last call, noted in the view and in ``restarts.jsonl``."""
-        server = self.server
-        code = server.exited() if server is not None else None
-        if server is None or code is None:
-            return
-        now = time.monotonic()
-        self.exits = [t for t in self.exits if now - t < self.WINDOW_S] + [now]
-        if len(self.exits) > self.MAX_RESTARTS:
-            raise RunFailed(f"nats-server exited {len(self.exits)} times within {self.WINDOW_S:.0f}s (last: {exit_text(code)}); "
-                            f"see {server.run_dir / 'nats' / 'nats-server.log'}")
-        try:  # on this thread: the server dies with the thread that started it (PR_SET_PDEATHSIG), so not a worker's
-            server.restart()
-        except (RuntimeError, TimeoutError) as e:
-            raise RunFailed(f"nats-server ended ({exit_text(code)}) and did not start again: {e}") from None
-        view.note(f"[bold]supervisor[/]: nats-server ended ({exit_text(code)}); restarted on {redact(server.url)} with its store")
-        self.rundir.append("restarts.jsonl", {"session": len(self.rundir.sessions()), "role": "nats-server",
-                                              "after": exit_text(code), "ts": time.time()})
+        """Restart every server that has exited since the last call, noted in the view and in ``restarts.jsonl``."""
+        for i, server in enumerate(self.servers):
+            code = server.exited()
+            if code is None:
+                continue
+            name = "nats-server" if len(self.servers) == 1 else f"nats-server-{i}"
+            now = time.monotonic()
+            self.exits = [t for t in self.exits if now - t < self.WINDOW_S] + [now]
+            if len(self.exits) > self.MAX_RESTARTS:
+                raise RunFailed(f"{name} exited {len(self.exits)} times within {self.WINDOW_S:.0f}s (last: {exit_text(code)}); "
+                                f"see {server.run_dir / 'nats' / 'nats-server.log'}")
+            try:  # on this thread: a server dies with the thread that started it (PR_SET_PDEATHSIG), so not a worker's
+                server.restart()
+            except (RuntimeError, TimeoutError) as e:
+                raise RunFailed(f"{name} ended ({exit_text(code)}) and did not start again: {e}") from None
+            view.note(f"[bold]supervisor[/]: {name} ended ({exit_text(code)}); restarted on {redact(server.url)} with its store")
+            self.rundir.append("restarts.jsonl", {"session": len(self.rundir.sessions()), "role": name, "after": exit_text(code),
+                                                  "ts": time.time()})
 
 
 async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supervisor, specs: list[RoleSpec], timeout: float,
-                    autoscale: bool, join: str, access: ServerAccess | None = None, server: EmbeddedServer | None = None) -> str:
-    """Start the roles and watch the run until it finishes; returns how it ended. ``server``: the embedded one, kept
-    running (:class:`ServerKeeper`)."""
+                    autoscale: bool, join: str, access: ServerAccess | None = None, servers: list[EmbeddedServer] | None = None) -> str:
+    """Start the roles and watch the run until it finishes; returns how it ended. ``servers``: the embedded one (or a
+    cluster's), kept running (:class:`ServerKeeper`)."""
     plane = await Plane.connect(opts, rundir.run, "launcher", wait=30)
-    await plane.ensure_topology(recipe.topology())  # before any role: they only look for it
+    await plane.ensure_topology(recipe.topology())  # before any role: they only look for it (a fresh cluster: waits for it)
     from astraflow.rollout.evaluator import eval_subjects, eval_versions  # lazy: pulls in the model stack
 
     watcher = RunWatcher(plane, recipe, rundir, set(eval_versions(recipe)) if recipe.eval.enabled else set(), eval_subjects(recipe))
@@ -267,7 +292,7 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
     failing_since: float | None = None
-    keeper = ServerKeeper(server, rundir)
+    keeper = ServerKeeper(servers or [], rundir)
     try:
         with View(recipe, console, join) as view:
             for change in early:
@@ -351,30 +376,38 @@ def external_plane(rundir: RunDir, url: str, credentials: Path | None) -> tuple[
 
 def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0, autoscale: bool = False,
        resume: bool = False, metrics_port_base: int | None = None, listen: str | None = None,
-       credentials: Path | None = None) -> dict[str, Any]:
+       credentials: Path | None = None, cluster: int = 1) -> dict[str, Any]:
     """Run ``recipe`` in ``run_dir`` (or continue it: ``resume``); returns the summary.
 
     ``nats_url``: an existing server or cluster instead of the embedded one (``credentials``: a
     directory of role credential files for it, as ``up`` writes them). ``listen``: where the
-    embedded server listens (default loopback, a free port; beyond loopback, TLS)."""
+    embedded server listens (default loopback, a free port; beyond loopback, TLS). ``cluster``: that
+    many embedded servers on loopback forming one JetStream cluster, the run's streams replicated on
+    (up to) three of them; a resumed run keeps the size it had."""
     cpu_at_start = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
     rundir = RunDir(Path(run_dir))
+    kept = rundir.nats / "cluster" / "ports.json"
+    if resume and kept.exists():
+        cluster = len(json.loads(kept.read_text()))
+    if cluster > 1 and nats_url is None and recipe.plane.replicas == 1:
+        recipe = recipe.model_copy(update={"plane": recipe.plane.model_copy(update={"replicas": min(3, cluster)})})
     recipe = prepare(recipe, rundir, resume)
     session = rundir.begin_session()
     cores = usable_core_ids()
     shared = shared_cores(recipe, cores)
     if shared is not None:  # the launcher too, and what it starts unless told otherwise (until up returns)
         pin(shared)
-    server, access = None, None
+    servers: list[EmbeddedServer] = []
+    access = None
     creds: dict[str, Credential] | None = None
     if nats_url is None:
-        server, creds, access = start_server(rundir, recipe, listen, shared)
-        url = server.url
+        servers, creds, access = start_server(rundir, recipe, listen, shared, cluster)
+        url = ",".join(s.url for s in servers)
         opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"))
     else:
         url = nats_url
         creds, opts = external_plane(rundir, url, credentials)
-    banner(recipe, rundir.run, session, url, server is not None, shared)
+    banner(recipe, rundir.run, session, url, bool(servers), shared)
 
     def record_restart(child: Child) -> None:
         rundir.append("restarts.jsonl", {"session": session, "role": child.name, "after": exit_text(child.last_exit), "ts": time.time()})
@@ -390,7 +423,7 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     outcome, summary = "failed", {}
     try:
         outcome = asyncio.run(supervise(recipe, rundir, opts, sup, specs, timeout, autoscale,
-                                        join_command(rundir, url, creds is not None), access, server))
+                                        join_command(rundir, url, creds is not None), access, servers))
     except CrashLoop as e:
         outcome = f"crash loop: {e.child.name}"
         raise RunFailed(str(e)) from None
@@ -399,9 +432,9 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         raise
     finally:
         sup.stop(timeout=recipe.rollout.drain_timeout + 5)
-        if server is not None:
+        for server in servers:
             server.stop()
-        rundir.end_session(session, outcome, sup.restarts, session_cpu(sup, cpu_at_start, embedded=server is not None))
+        rundir.end_session(session, outcome, sup.restarts, session_cpu(sup, cpu_at_start, embedded=bool(servers)))
         with contextlib.suppress(Exception):  # the summary is best effort on the way out of a failure
             summary = summarize(recipe, rundir, console, outcome)
         if shared is not None:  # a caller of up() from Python gets its cores back

@@ -99,10 +99,11 @@ class EmbeddedServer:
     """
 
     def __init__(self, run_dir: Path | str, extra_config: str = "", *, config_text: str | None = None, listen: str = "127.0.0.1:-1",
-                 scheme: str = "nats", cores: tuple[int, ...] | None = None) -> None:
+                 scheme: str = "nats", cores: tuple[int, ...] | None = None, fixed_config: str = "") -> None:
         self.run_dir = Path(run_dir)
         self.cores = cores  # the CPUs the server runs on (None: any it may)
-        self.extra_config = extra_config
+        self.extra_config = extra_config  # what a reload replaces (users, permissions)
+        self.fixed_config = fixed_config  # what it keeps (a cluster member's name and routes)
         self.config_text = config_text
         self.listen = listen
         self.scheme = scheme  # ``tls`` when the server requires TLS
@@ -147,9 +148,9 @@ class EmbeddedServer:
         store, ports = base / "store", base / "ports"
         conf, part = base / "nats-server.conf", base / "nats-server.conf.part"
         if self.config_text is None:
-            text = render_config(store, ports, self.extra_config, self.listen)
+            text = render_config(store, ports, self.extra_config, self.listen) + self.fixed_config
         else:
-            text = f'{self.config_text}\nports_file_dir: "{ports}"\n{self.extra_config}'
+            text = f'{self.config_text}\nports_file_dir: "{ports}"\n{self.extra_config}{self.fixed_config}'
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the run's passwords
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -226,6 +227,17 @@ class EmbeddedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def cluster_members(base: Path | str, size: int, extra_config: str, ports: list[tuple[int, int]],
+                    cores: tuple[int, ...] | None = None) -> list[EmbeddedServer]:
+    """``size`` servers on loopback forming one JetStream cluster (``astraflow up --cluster``), each with its store under
+    ``base/n{i}``: member i listens for clients on ``ports[i][0]`` and for routes on ``ports[i][1]``, and routes to all."""
+    routes = ", ".join(f"nats://127.0.0.1:{route}" for _, route in ports)
+    return [EmbeddedServer(Path(base) / f"n{i}", extra_config, listen=f"127.0.0.1:{client}", cores=cores,
+                           fixed_config=f"server_name: n{i}\ncluster {{\n  name: astraflow\n  listen: 127.0.0.1:{route}\n"
+                                        f"  routes: [{routes}]\n}}\n")
+            for i, (client, route) in enumerate(ports)]
 
 
 def spawn_kwargs() -> dict[str, object]:
