@@ -147,9 +147,27 @@ def moe(r: dict[str, Any]) -> str:
             + "\n".join(learning) + "\n")
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"facade": facade, "moe": moe, "partial_rollouts": partial_rollouts,
-                                                          "generation_stall": generation_stall, "house": house,
-                                                          "hostile_node": hostile_node, "lora": lora}
+def server_chaos(r: dict[str, Any]) -> str:
+    def plane(run: dict[str, Any]) -> str:
+        return "cluster of 3 (`up --cluster 3`)" if run["cluster"] == 3 else "one server"
+
+    runs = ["| plane | run | wall | every version once | accounting adds up | held-out v0 → last | median gap between versions | "
+            "nats-server CPU |", "|---|---|---|---|---|---|---|---|"]
+    for run in r["runs"]:
+        runs.append(f"| {plane(run)} | {len(run['kills'])} kills | {run['wall_s']:.0f} s | {'yes' if run['versions_once'] else 'no'} | "
+                    f"{'yes' if run['adds_up'] else 'no'} | {run['held_out_v0']:.2f} → {run['held_out_last']:.2f} | "
+                    f"{run['median_gap_s']:.2f} s | {run['server_cpu_s']:.1f} s |")
+    kills = ["| plane | killed | training stalled | roles restarted (crashed on a plane timeout) |", "|---|---|---|---|"]
+    for run in r["runs"]:
+        for k in run["kills"]:
+            kills.append(f"| {plane(run)} | {k['server']} | {k['stall_s']:.1f} s | {', '.join(k['roles_restarted']) or 'none'} |")
+    return (f"{r['steps']} steps each. " + provenance(r) + "\n".join(runs) + "\n\n" + "\n".join(kills) + "\n")
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "facade": facade, "moe": moe, "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
+    "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
+}
 
 
 def render(page: str) -> str:
