@@ -70,6 +70,10 @@ def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
     versions = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     suspects = {r["policy"]: r["logprob_gap_max"] for r in versions if r.get("suspect_trajectories")}
     assert not suspects, suspects  # and the trainer finds none of their tokens contradicted by the model
+    for policy, cfg in recipe.policies.items():  # a recipe that asks for its MoE routing gets it, through the whole plane
+        if cfg.trainer.routing != "own":
+            steps = [r for r in versions if r["policy"] == policy and r["version"]]
+            assert all("routing_mismatch" in r and r["routing_bytes"] > 0 for r in steps), policy
 
 
 def test_loading_every_recipe_imports_no_model_stack():
