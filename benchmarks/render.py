@@ -123,8 +123,8 @@ def moe(r: dict[str, Any]) -> str:
     def est(e: list[float], sign: str = "") -> str:
         return f"{e[0]:{sign}.3f} ± {e[1]:.3f}" if e[2] > 1 else f"{e[0]:{sign}.3f} (1 run)"
 
-    sweep = ["| model | routes differing, fp32 node | mean |Δ logprob|: own / replayed | routes differing, bf16 node | "
-             "mean |Δ logprob|: own / replayed | routes differing in training | mean |Δ logprob| in training |",
+    sweep = ["| model | routes differing, fp32 node | mean \\|Δ logprob\\|: own / replayed | routes differing, bf16 node | "
+             "mean \\|Δ logprob\\|: own / replayed | routes differing in training | mean \\|Δ logprob\\| in training |",
              "|---|---|---|---|---|---|---|"]
     for m in r["sweep"]:
         replayed = f" / {m['logprob_gap_replayed']:.4f}" if "logprob_gap_replayed" in m else ""
@@ -133,7 +133,7 @@ def moe(r: dict[str, Any]) -> str:
                      f"{pct(m.get('routing_mismatch_bf16'))} | {m['logprob_gap_own_bf16']:.4f}{replayed_bf16} | "
                      f"{pct(m.get('routing_mismatch_training'))} | {m['logprob_gap_training']:.4f} |")
     learning = ["| configuration | held-out v0 | held-out, last 5 evaluations | rise | routes differing in training | "
-                "mean |Δ logprob| in training | trainer step (median) | routing bytes per trajectory |",
+                "mean \\|Δ logprob\\| in training | trainer step (median) | routing bytes per trajectory |",
                 "|---|---|---|---|---|---|---|---|"]
     for name, s in r["summary"].items():
         routing_bytes = f"{s['routing_bytes']:.0f}" if "routing_bytes" in s else "—"

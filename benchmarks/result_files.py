@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ def commit() -> str:
 def write(name: str, figures: dict[str, Any], path: str | Path | None = None) -> Path:
     """Record ``figures`` as ``benchmarks/results/<name>.json`` (or ``path``) with their provenance."""
     out = Path(path) if path else RESULTS / f"{name}.json"
-    record = {"benchmark": name, "command": " ".join(["python", *[Path(sys.argv[0]).as_posix().split(str(ROOT) + "/")[-1]],
+    record = {"benchmark": name, "command": shlex.join(["python", *[Path(sys.argv[0]).as_posix().split(str(ROOT) + "/")[-1]],
                                                        *sys.argv[1:]]),
               "machine": machine(), "date": datetime.date.today().isoformat(), "commit": commit(), **figures}
     out.parent.mkdir(parents=True, exist_ok=True)
