@@ -232,7 +232,11 @@ class RunWatcher:
                 json.dumps({p: a.model_dump() for p, a in state.accounting.items()}, indent=2))
 
     async def finished(self) -> bool:
+        """Every trainer done, its last version's announcement recorded in ``metrics.jsonl`` (after a server's restart
+        the announcements may reach the launcher after the trainer's done record), and every wanted evaluation in."""
         for p, c in self.recipe.policies.items():
+            if self.live.versions.get(p, -1) < c.trainer.steps:
+                return False
             done = await self.plane.state.get(DoneRecord, p)
             if done is None or done.version < c.trainer.steps:
                 return False
