@@ -71,6 +71,12 @@ def require_routers(model: Any, what: str) -> list[Any]:
     return routers
 
 
+def routing_shape(model: Any) -> tuple[int, int, int]:
+    """(MoE layers, top-k, experts) of the model (ValueError when it has no routers)."""
+    routers = require_routers(model, "routing")
+    return len(routers), int(routers[0].top_k), int(routers[0].num_experts)
+
+
 class RoutingRecorder:
     """Records what a model's routers choose during a ``generate`` (the engine held, one generation at a time).
 
@@ -137,6 +143,9 @@ def routed(model: Any, forced: torch.Tensor | None, replay: bool) -> Iterator[Ro
     import torch
 
     routers = require_routers(model, "routing replay")
+    if forced.shape[2:] != (len(routers), routers[0].top_k):
+        raise ValueError(f"routing replay: recorded routing of {forced.shape[2]} layers x top-{forced.shape[3]}, the model "
+                         f"routes {len(routers)} layers x top-{routers[0].top_k}")
     counts = RoutingCounts(forced.new_zeros((), dtype=torch.long), forced.new_zeros((), dtype=torch.long))
     k = forced.shape[-1]
 
@@ -147,7 +156,7 @@ def routed(model: Any, forced: torch.Tensor | None, replay: bool) -> Iterator[Ro
             if want.shape[0] != own.shape[0]:
                 raise ValueError(f"routing replay: the router saw {own.shape[0]} positions, the recorded routing has "
                                  f"{want.shape[0]}")
-            known = want[:, 0] >= 0
+            known = (want >= 0).all(-1) & (want < module.num_experts).all(-1)  # the dataflow checked; an id beyond is free
             differs = (own.sort(-1).values != want.sort(-1).values).any(-1) & known
             counts.recorded += known.sum()
             counts.mismatched += differs.sum()

@@ -45,7 +45,7 @@ from stats import over_seeds, paired  # noqa: E402
 
 from astraflow.config import load_recipe  # noqa: E402
 from astraflow.models import build_model, encode_prompt, load_tokenizer  # noqa: E402
-from astraflow.moe_routing import routed  # noqa: E402
+from astraflow.moe_routing import routed, routing_shape  # noqa: E402
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams  # noqa: E402
 from astraflow.rollout.engines.hf import HFEngine  # noqa: E402
 from astraflow.rollout.workflows.base import make_trajectory  # noqa: E402
@@ -128,7 +128,7 @@ def against_trainer(trainer: Any, engine: HFEngine, prompts: list[list[int]], sa
                              0.0, c.finish_reason, "bench", routing=c.routing) for i, c in enumerate(comps)]
     manifest = Batch(batch_id="solver-bench", policy="solver", task_ids=["t"], advantages=np.zeros(len(trajs), "<f4").tobytes(),
                      refs=[TrajRef(seq=i + 1, traj_id=t.traj_id, task_id="t") for i, t in enumerate(trajs)])
-    x = to_tensors(TrainingBatch(manifest, trajs), tok.pad_token_id, routing=moe)
+    x = to_tensors(TrainingBatch(manifest, trajs), tok.pad_token_id, routing=routing_shape(trainer) if moe else None)
     out: dict[str, float] = {}
     for name, replay in (("own", False), ("replayed", True)) if moe else (("own", False),):
         with routed(trainer, x.routing, replay) as counts:

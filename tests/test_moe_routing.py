@@ -13,7 +13,7 @@ import torch
 from astraflow.config import RecipeError, parse_recipe
 from astraflow.dataflow.validate import Limits, check_trajectory
 from astraflow.models import build_model, encode_prompt, load_tokenizer, model_limits
-from astraflow.moe_routing import RoutingRecorder, find_routers, routed
+from astraflow.moe_routing import RoutingRecorder, find_routers, routed, routing_shape
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams
 from astraflow.rollout.engines.hf import HFEngine
 from astraflow.rollout.workflows.base import make_trajectory
@@ -82,7 +82,7 @@ def pair():
 
 def logprobs_under(model, trajs: list[Trajectory], replay: bool | None) -> tuple[torch.Tensor, float]:
     """Mean |log π_model − log π_behave| per token, and the mismatch share (replay None: routing not in hand)."""
-    x = to_tensors(batch_of(trajs), TOK.pad_token_id, routing=replay is not None)
+    x = to_tensors(batch_of(trajs), TOK.pad_token_id, routing=routing_shape(model) if replay is not None else None)
     with torch.no_grad(), routed(model, x.routing, bool(replay)) as counts:
         logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask, use_cache=False).logits
     lp = gather_logprobs(logits[torch.arange(len(trajs))[:, None], x.logit_index], x.targets)
@@ -117,7 +117,7 @@ def test_under_replay_every_recorded_position_takes_the_recorded_experts(pair):
     _, trainer, _, trajs = pair
     model = build_model(recipe().policies["solver"].model, TOK)
     model.load_state_dict(trainer.state_dict())
-    x = to_tensors(batch_of(trajs), TOK.pad_token_id, routing=True)
+    x = to_tensors(batch_of(trajs), TOK.pad_token_id, routing=routing_shape(model))
     with torch.no_grad(), routed(model, x.routing, replay=True):
         seen = RoutingRecorder(model)  # hooked after the replay: sees what the layers were given
         model(input_ids=x.input_ids, attention_mask=x.attention_mask, use_cache=False)
@@ -135,7 +135,7 @@ def test_a_replayed_step_trains_the_router_and_splits_into_micro_batches_exactly
         backend.module.load_state_dict(trainer.state_dict())
         routers = find_routers(backend.module)
         backend.opt.register_step_pre_hook(lambda opt, a, k, rs=routers: grads.append([r.weight.grad.abs().sum() for r in rs]))
-        x = to_tensors(batch_of(trajs), TOK.pad_token_id, routing=True)
+        x = to_tensors(batch_of(trajs), TOK.pad_token_id, routing=(2, 2, 8))
         if budget:
             assert len(micro_batches(x, budget)) > 1
         m = backend.step(batch_of(trajs))
@@ -189,3 +189,14 @@ def test_routing_applies_only_to_mixture_of_experts():
     dense = build_model(parse_recipe({"name": "t"}).policies["solver"].model, TOK)
     with pytest.raises(ValueError, match="recording routing needs a Mixture-of-Experts model"):
         HFEngine(dense, TOK).record_routing()
+
+
+def test_routing_in_another_layout_is_left_to_the_trainer(pair):
+    """The trainer takes recorded routing only in its model's layout; another row (or none) is routed by the model."""
+    trajs = pair[3][:2]
+    layout = trajs[1].routing_layout.model_copy(update={"experts": 16})
+    other = Trajectory.model_validate({**trajs[1].model_dump(), "routing_layout": layout})
+    x = to_tensors(batch_of([trajs[0], other]), TOK.pad_token_id, routing=(2, 2, 8))
+    n = len(trajs[0].routes())
+    assert (x.routing[0, :n] >= 0).all() and (x.routing[0, n:] == -1).all() and (x.routing[1] == -1).all()
+    assert to_tensors(batch_of(trajs), TOK.pad_token_id).routing is None  # routing not asked for

@@ -65,8 +65,9 @@ class Tensors:
         return Tensors(**moved)
 
 
-def to_tensors(batch: TrainingBatch, pad_id: int, routing: bool = False) -> Tensors:
-    """``routing``: with the routing the trajectories recorded (rows of another layout, or none, stay -1)."""
+def to_tensors(batch: TrainingBatch, pad_id: int, routing: tuple[int, int, int] | None = None) -> Tensors:
+    """``routing``: the model's (MoE layers, top-k, experts), to take the routing the trajectories recorded in that
+    layout (rows of another, or with none, stay -1: routed by the model itself)."""
     trajs = batch.trajectories
     B = len(trajs)
     L = max(len(t.prompt_ids) // 4 + len(t.completion_ids) // 4 for t in trajs)
@@ -92,20 +93,20 @@ def to_tensors(batch: TrainingBatch, pad_id: int, routing: bool = False) -> Tens
         lens[b] = n_c
     adv = torch.from_numpy(batch.advantage_array().copy())
     rewards = torch.tensor([t.reward if t.reward is not None else 0.0 for t in trajs])
-    routes = routing_tensor(trajs, L) if routing else None
+    routes = routing_tensor(trajs, L, routing) if routing else None
     return Tensors(ids, att, idx, tgt, blp, mask, adv, rewards, ver, lens, torch.arange(B), routes)
 
 
-def routing_tensor(trajs: list[Trajectory], width: int) -> torch.Tensor | None:
-    """(B, width, layers, k) int32 of the recorded routing, -1 where none; None when no trajectory recorded any."""
-    layouts = [t.routing_layout for t in trajs if t.routing_layout is not None]
-    if not layouts:
+def routing_tensor(trajs: list[Trajectory], width: int, shape: tuple[int, int, int]) -> torch.Tensor | None:
+    """(B, width, layers, k) int32 of the routing recorded in the layout ``shape`` (layers, k, experts), -1 where none;
+    None when no trajectory recorded any."""
+    layers, k, _ = shape
+    if not any(t.routing_layout is not None for t in trajs):
         return None
-    layout = layouts[0]
-    out = torch.full((len(trajs), width, layout.layers, layout.top_k), -1, dtype=torch.int32)
+    out = torch.full((len(trajs), width, layers, k), -1, dtype=torch.int32)
     for b, t in enumerate(trajs):
-        ids = t.routes()
-        if ids is not None and t.routing_layout == layout:
+        layout, ids = t.routing_layout, t.routes()
+        if layout is not None and ids is not None and (layout.layers, layout.top_k, layout.experts) == shape:
             out[b, : len(ids)] = torch.from_numpy(ids.astype("int32"))
     return out
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_model, save_file, save_model
 
 from astraflow.config import TrainerConfig
-from astraflow.moe_routing import RoutingCounts, routed
+from astraflow.moe_routing import RoutingCounts, routed, routing_shape
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.batching import Tensors, micro_batches, to_tensors
 from astraflow.train.experts import expert_params, hold_quiet_experts
@@ -58,6 +58,7 @@ class TorchBackend:
         # trainer.unrouted_experts: hold: the experts no token was routed to sit the step out (train/experts.py)
         self.held_experts = expert_params(self.module) if cfg.unrouted_experts == "hold" else []
         self.routing_counts: RoutingCounts | None = None  # the last forward's, with recorded routing in the batch
+        self.route_shape = routing_shape(self.module) if cfg.routing != "own" else None  # (layers, k, experts) it routes
 
     # ------------------------------------------------------------------ hooks for subclasses
     def _device(self) -> torch.device:
@@ -126,7 +127,7 @@ class TorchBackend:
     def step(self, batch: TrainingBatch) -> dict[str, float]:
         t0 = time.perf_counter()
         self.module.train()
-        x = to_tensors(batch, self.tokenizer.pad_token_id, routing=self.cfg.routing != "own").to(self.device)
+        x = to_tensors(batch, self.tokenizer.pad_token_id, routing=self.route_shape).to(self.device)
         mbs = micro_batches(x, self.cfg.micro_batch_tokens)
         mine = self._share(mbs)
         plan: StepPlan | None = None
