@@ -2,8 +2,9 @@
 with its store), and members of an embedded three-server cluster (``up --cluster 3``: every stream replicated on the
 three), each beside a clean run of the same recipe on the same plane.
 
-Per kill: how long training stalled (the gap between the versions announced around the kill, minus the clean run's
-median gap) and which roles the kill made the supervisor restart (a role that crashes on a plane timeout is started
+Per kill: how long training stalled (the longest gap between versions from the kill until the next one, minus the
+clean run's median gap: a role may crash on a timeout seconds after the kill) and which roles the kill made the
+supervisor restart (a role that crashes on a plane timeout is started
 again and resumes from its durable state). Per run: every version announced once, the accounting adding up, held-out
 v0 → last, wall time. Writes ``benchmarks/results/server_chaos.json``.
 
@@ -87,11 +88,10 @@ def run(run_dir: Path, steps: int, cluster: int, kills: int, seed: int) -> dict[
     rows = announced(run_dir)
     gaps = [b["ts"] - a["ts"] for a, b in itertools.pairwise(rows[1:])]  # v0 -> v1 waits for the nodes to start
     restarts = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()] if killed else []
-    for i, k in enumerate(killed):
-        before = max((r for r in rows if r["ts"] <= k["at"]), key=lambda r: r["ts"])
-        after = min((r for r in rows if r["ts"] > k["at"]), key=lambda r: r["ts"], default=before)
+    for i, k in enumerate(killed):  # the longest wait for a version from the kill until the next (roles crash later too)
         until = killed[i + 1]["at"] if i + 1 < len(killed) else float("inf")
-        k["gap_s"] = round(after["ts"] - before["ts"], 2)
+        k["gap_s"] = round(max((b["ts"] - a["ts"] for a, b in itertools.pairwise(rows) if b["ts"] > k["at"] and a["ts"] < until),
+                               default=0.0), 2)
         k["roles_restarted"] = sorted({r["role"] for r in restarts if k["at"] <= r["ts"] < until and not r["role"].startswith("nats")})
     acc = summary["accounting"]["solver"]
     return {"cluster": cluster, "kills": killed, "outcome": summary["outcome"], "wall_s": summary["wall_s"],
