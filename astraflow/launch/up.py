@@ -386,6 +386,8 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     (up to) three of them; a resumed run keeps the size it had."""
     cpu_at_start = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
     rundir = RunDir(Path(run_dir))
+    if cluster > 1 and nats_url is not None:
+        raise RunFailed(f"--cluster {cluster} starts embedded servers; --nats names servers of your own (drop one of them)")
     kept = rundir.nats / "cluster" / "ports.json"
     if resume and kept.exists():
         cluster = len(json.loads(kept.read_text()))
