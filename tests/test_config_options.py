@@ -53,10 +53,16 @@ def test_unknown_types_fail_at_load_naming_the_registered_ones():
     fails({"rollout": {"engine": "tgi"}}, "rollout.engine: Value error, unknown engine 'tgi'; registered:", "hf, scripted, sglang, vllm")
     fails({"workflow": {"type": "debate"}}, "workflow: Value error, unknown workflow 'debate'", "single_turn")
     fails({"trainer": {"loss": "grpo"}}, "trainer.loss: Value error, unknown loss 'grpo'", "decoupled_ppo, m2po, ppo")
-    fails({"rollout": {"engine": {"repeat": 2}}}, "rollout.engine: Value error, the engine must be a name or a mapping with a type")
+    fails({"rollout": {"engine": {"repeat": 2}}}, "rollout.engine.repeat: not an option of engine hf")  # no type: the default's
+    fails({"rollout": {"engine": 7}}, "rollout.engine: Value error, the engine must be a name or a mapping with a type")
     fails({"rollout": {"plugins": ["no_such_plugin_module"]}}, "rollout.plugins: Value error, cannot import 'no_such_plugin_module'")
     fails({"trainer": {"backend": "jax"}}, "trainer: Value error, backend: unknown backend 'jax'; registered: deepspeed, torch")
     fails({"data": {"type": "mazes"}}, "data.type: unknown source 'mazes'; registered: arithmetic, jsonl, reasoning_gym")
+
+
+def test_engine_options_without_a_type_are_the_default_engines():
+    r = parse_recipe({"name": "t", "rollout": {"engine": {"dtype": "bfloat16"}}})  # as --set rollout.engine.dtype=… makes it
+    assert (r.rollout.engine.type, r.rollout.engine.dtype) == ("hf", "bfloat16")
 
 
 def test_bare_names_defaults_and_a_dumped_recipe_loads_back(tmp_path):
