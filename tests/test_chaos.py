@@ -149,18 +149,25 @@ def test_up_restarts_a_trainer_killed_during_its_warm_start(repo_root: Path, tmp
     assert re.findall(r"SFT warm start: 3000 steps in \d+ s on (\d+) threads", text) == [str(threads)]  # one finished
 
 
-def server_of(launcher: int) -> int | None:
-    """The live nats-server child of the launcher, if any."""
+def servers_of(launcher: int) -> dict[int, str]:
+    """The launcher's live nats-server children -> their name (``nats-server``, or ``n{i}`` in an embedded cluster)."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                cmd = (entry / "cmdline").read_bytes()
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if int(stat[1]) == launcher and stat[0] != "Z" and b"nats-server" in cmd.split(b"\0")[0]:
-                return int(entry.name)
-    return None
+            if int(stat[1]) == launcher and stat[0] != "Z" and b"nats-server" in cmd[0]:
+                member = re.search(r"/cluster/(n\d+)/", cmd[2].decode())
+                out[int(entry.name)] = member.group(1) if member else "nats-server"
+    return out
+
+
+def server_of(launcher: int) -> int | None:
+    """The live embedded nats-server of the launcher, if any."""
+    return next(iter(servers_of(launcher)), None)
 
 
 @pytest.mark.slow
@@ -201,21 +208,6 @@ def test_up_restarts_its_killed_server_and_a_sigint_to_the_launcher_alone_stops_
     assert not processes_of(run_dir)
 
 
-def cluster_members_of(launcher: int) -> dict[int, str]:
-    """The live nats-server children of the launcher -> their member name (``n0``…, from the config path)."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if int(stat[1]) == launcher and stat[0] != "Z" and b"nats-server" in cmd[0]:
-                out[int(entry.name)] = re.search(r"/cluster/(n\d+)/", cmd[2].decode()).group(1)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_up_on_an_embedded_cluster_rides_through_members_killed_again_and_again(repo_root: Path, tmp_path: Path):
@@ -233,8 +225,8 @@ def test_up_on_an_embedded_cluster_rides_through_members_killed_again_and_again(
     try:
         wait(lambda: len(versions(run_dir)) >= 3, "training to start", 240)
         for _ in range(3):
-            wait(lambda: len(cluster_members_of(launcher.pid)) == 3, "every member to be up", 30)
-            pid, name = rng.choice(sorted(cluster_members_of(launcher.pid).items()))
+            wait(lambda: len(servers_of(launcher.pid)) == 3, "every member to be up", 30)
+            pid, name = rng.choice(sorted(servers_of(launcher.pid).items()))
             at = len(versions(run_dir))
             os.kill(pid, signal.SIGKILL)
             killed.append(name)
