@@ -26,16 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from astraflow.streams.messages import expert_id_dtype
+
 if TYPE_CHECKING:
     import torch
-
-ROUTING_SCHEMA = 1  # the layout above; a trajectory names the one its routing is in
-
-
-def id_dtype(experts: int) -> np.dtype:
-    """How one expert id travels: uint8 up to 256 experts, else little-endian uint16."""
-    return np.dtype("u1") if experts <= 256 else np.dtype("<u2")
-
 
 @dataclass(frozen=True)
 class Routes:
@@ -52,7 +46,7 @@ class Routes:
         return Routes(self.ids[:n], self.experts)
 
     def packed(self) -> bytes:
-        return np.ascontiguousarray(self.ids, id_dtype(self.experts)).tobytes()
+        return np.ascontiguousarray(self.ids, expert_id_dtype(self.experts)).tobytes()
 
 
 def find_routers(model: Any) -> list[Any]:
@@ -115,7 +109,7 @@ class RoutingRecorder:
         for i, n in enumerate(lengths):
             layers = [torch.cat([pre[i, width - n:], steps[i]]) for pre, steps in per_layer]
             ids = torch.stack(layers, dim=1).cpu().numpy()  # (positions, layers, k)
-            out.append(Routes(ids.astype(id_dtype(self.experts)), self.experts))
+            out.append(Routes(ids.astype(expert_id_dtype(self.experts)), self.experts))
         return out
 
 

@@ -116,19 +116,24 @@ class ObjectRef(BaseModel):
     digest: str  # sha256 hex of the whole payload
 
 
+def expert_id_dtype(experts: int) -> np.dtype:
+    """How one expert id of a layer of ``experts`` travels: uint8 up to 256 experts, else little-endian uint16."""
+    return np.dtype("u1") if experts <= 256 else np.dtype("<u2")
+
+
 class RoutingLayout(BaseModel):
     """How a trajectory's ``routing`` bytes read (``astraflow/moe_routing.py``): expert ids per routed position, MoE
     layer and top-k slot, (positions, layers, top_k), uint8 when ``experts`` <= 256, else little-endian uint16."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    schema_version: Literal[1] = 1  # moe_routing.ROUTING_SCHEMA
+    schema_version: Literal[1] = 1  # version of the ids' layout: 1 = (positions, layers, top_k) (astraflow/moe_routing.py)
     layers: int = Field(ge=1, le=4096)  # MoE layers, in model order
     top_k: int = Field(ge=1, le=256)  # experts per position
     experts: int = Field(ge=2, le=65536)  # experts of each layer
 
     @property
     def itemsize(self) -> int:
-        return 1 if self.experts <= 256 else 2
+        return expert_id_dtype(self.experts).itemsize
 
     @property
     def position_bytes(self) -> int:
@@ -136,7 +141,7 @@ class RoutingLayout(BaseModel):
 
     def ids(self, raw: bytes) -> np.ndarray:
         """(positions, layers, top_k) of ``raw`` (a whole number of positions)."""
-        return np.frombuffer(raw, "u1" if self.itemsize == 1 else "<u2").reshape(-1, self.layers, self.top_k)
+        return np.frombuffer(raw, expert_id_dtype(self.experts)).reshape(-1, self.layers, self.top_k)
 
 
 PER_TOKEN = ("prompt_ids", "completion_ids", "logprobs", "versions", "loss_mask", "routing")  # a Trajectory's packed arrays
