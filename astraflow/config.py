@@ -265,6 +265,10 @@ class LoraConfig(Strict):
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
     """Names (last component) of the linear layers that get an adapter."""
+    announce: Literal["adapter", "merged"] = "adapter"
+    """What a version carries on the weight plane. ``adapter``: the adapters alone, against the base model's digest (a few
+    KiB to MiB a version; nodes merge them into a copy of their base: weights/adapters.py). ``merged``: the full merged
+    weights, as full fine-tuning announces them (for engines that take whole states only: sglang, vllm)."""
 
 
 class TrainerConfig(Strict):
@@ -348,7 +352,7 @@ class TrainerConfig(Strict):
     from the other roles too. ``up`` writes what it chose into the run's recipe.yaml."""
     lora: LoraConfig | None = None
     """Train low-rank adapters on ``target_modules`` (base weights frozen) instead of every weight; each version is
-    announced as the merged full weights, so nodes and engines serve it unchanged (torch and deepspeed; train/lora.py)."""
+    announced as the adapters alone (``announce: adapter``) or the merged full weights (torch and deepspeed; train/lora.py)."""
     seed: int = 0
 
     @field_validator("plugins")
@@ -535,6 +539,11 @@ class Recipe(Strict):
                 raise ValueError(f"policy {name!r}: trainer.checkpoint_every ({policy.trainer.checkpoint_every}) must be at most "
                                  f"half of plane.weights_history ({self.plane.weights_history}): a restart reads back the "
                                  "announcements since its last checkpoint; raise plane.weights_history or lower checkpoint_every")
+        for name, policy in self.policies.items():
+            lora = policy.trainer.lora
+            if lora is not None and lora.announce == "adapter" and not getattr(type(self.rollout.engine), "serves_adapters", False):
+                raise ValueError(f"policy {name!r}: trainer.lora.announce: adapter, and engine {self.rollout.engine.type} takes whole "
+                                 "states only (hf serves adapters); set trainer.lora.announce: merged")
         for name, policy in self.policies.items():  # no prompt would fit: every task would be turned away, for ever
             if policy.model.pretrained is None and self.rollout.max_new_tokens >= policy.model.max_positions:
                 raise ValueError(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt in "

@@ -326,6 +326,18 @@ class Suspect(BaseModel):
     gap: float = Field(ge=0, allow_inf_nan=False)
 
 
+class AdapterSpec(BaseModel):
+    """What a LoRA version's state is (``trainer.lora.announce: adapter``, train/lora.py): each adapted linear layer's
+    ``{module}.lora_A`` (r x in) and ``{module}.lora_B`` (out x r), served as W = W0 + scale * B A over the base model
+    whose bf16 state digest is ``base_digest`` (weights/adapters.py). ``base``: where that base lies in the object store
+    when nodes cannot build it from the recipe (a warm start trained every weight); None: every node's model is it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    base_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    scale: float = Field(gt=0, allow_inf_nan=False)  # lora alpha / rank
+    base: ObjectRef | None = None
+
+
 class WeightVersion(Message):
     """Announcement of a weight version. Written by a trainer (last, as the commit point); read by RaaS nodes."""
 
@@ -342,6 +354,7 @@ class WeightVersion(Message):
     metrics: dict[str, float] = {}
     suspects: list[Suspect] = []  # of the batches trained: the trajectories the token check left out (the dataflow blames their nodes)
     lineage: str = ""  # the weight lineage this version belongs to (a trainer that starts over makes a new one)
+    adapter: AdapterSpec | None = None  # a LoRA version: the state is adapters over a base model; None: the full weights
     created_at: float = Field(default_factory=time.time)
 
 

@@ -37,8 +37,13 @@ class TrainerBackend(Protocol):
         """The full weights as contiguous CPU bf16 tensors: what a weight version publishes.
         A collective call when the weights are sharded (every rank must call it)."""
 
+    def base_bf16(self) -> dict[str, torch.Tensor] | None:
+        """The frozen base weights (bf16) a LoRA model's versions are adapters of (``trainer.lora.announce: adapter``), or
+        None when a version is the full weights. A collective call when the weights are sharded."""
+
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Overwrite the trained weights (any float dtype), keeping the optimizer state."""
+        """Overwrite the trained weights (any float dtype; a LoRA model's adapters when ``state`` is adapters), keeping
+        the optimizer state."""
 
     def reference_state(self) -> dict[str, torch.Tensor] | None:
         """The frozen reference policy's weights (KL penalty), or None without one."""

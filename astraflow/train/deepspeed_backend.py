@@ -150,11 +150,15 @@ class DeepSpeedBackend(TorchBackend):
 
     def state_dict_bf16(self) -> dict[str, torch.Tensor]:
         with self._gathered():
-            return to_bf16_state(self._weights())
+            return to_bf16_state(self._published())
 
     def full_state(self) -> dict[str, torch.Tensor]:
         with self._gathered():
             return super().full_state()
+
+    def base_bf16(self) -> dict[str, torch.Tensor] | None:
+        with self._gathered():
+            return super().base_bf16()
 
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -43,6 +43,7 @@ class Op(str, Enum):
 
     STEP = "step"
     STATE = "state"
+    BASE = "base"
     RETUNE = "retune"
     LOAD_WEIGHTS = "load_weights"
     SAVE = "save"
@@ -64,7 +65,7 @@ class Collective:
         self._done = threading.Event()
         b = backend
         self._handlers: dict[Op, Callable[..., Any]] = {
-            Op.STEP: b.step, Op.STATE: b.state_dict_bf16, Op.RETUNE: b.retune, Op.LOAD_WEIGHTS: b.load_weights,
+            Op.STEP: b.step, Op.STATE: b.state_dict_bf16, Op.BASE: b.base_bf16, Op.RETUNE: b.retune, Op.LOAD_WEIGHTS: b.load_weights,
             Op.SAVE: lambda meta: self._checkpointer().save(b, meta), Op.SNAPSHOT: lambda meta: self._checkpointer().snapshot(b, meta),
             Op.LOAD: lambda path: self._checkpointer().load(b, path), Op.NOOP: lambda: None, Op.STOP: self._stopped}
         self.watch: PeerWatch | None = None
@@ -85,6 +86,11 @@ class Collective:
     def state(self) -> dict[str, torch.Tensor]:
         """The bf16 image of the weights (``state_dict_bf16``)."""
         result: dict[str, torch.Tensor] = self._call(Op.STATE)
+        return result
+
+    def base(self) -> dict[str, torch.Tensor] | None:
+        """The bf16 base weights LoRA versions adapt (``base_bf16``), or None."""
+        result: dict[str, torch.Tensor] | None = self._call(Op.BASE)
         return result
 
     def retune(self) -> dict[str, tuple[float, float]]:

@@ -69,10 +69,11 @@ class TrainerLoop:
     ``_pull``, ``_vet``, ``_train``; then finishes (everything trained durable and acked)."""
 
     def __init__(self, recipe: Recipe, policy: str, role: Role, run_op: Collective, ckpt: Checkpointer | None, vocab: int,
-                 fresh_lineage: bool) -> None:
+                 fresh_lineage: bool, built_digest: str | None = None) -> None:
         self.recipe, self.policy, self.role, self.run_op, self.ckpt = recipe, policy, role, run_op, ckpt
         self.cfg = recipe.policies[policy].trainer
         self.vocab, self.fresh_lineage = vocab, fresh_lineage
+        self.built_digest = built_digest  # of the model as the recipe builds it (LoRA: nodes hold that base themselves)
         self.plane: Plane = role.plane
         self.metrics = role.metrics or Metrics("trainer", policy=policy, worker=role.worker_id)
         self.max_lag = allowed_lag(recipe)
@@ -86,7 +87,9 @@ class TrainerLoop:
 
     # ------------------------------------------------------------ start and finish
     async def run(self) -> None:
-        at = await start(self.plane, self.publisher, self.run_op, self.ckpt, self.policy, self.fresh_lineage, skip=self.max_lag)
+        lora = self.cfg.lora
+        at = await start(self.plane, self.publisher, self.run_op, self.ckpt, self.policy, self.fresh_lineage, skip=self.max_lag,
+                         lora_scale=lora.alpha / lora.rank if lora is not None else None, built_digest=self.built_digest)
         self.lineage, self.base, self.version, self.trained = at.lineage, at.base, at.version, list(at.trained)
         self.seen = set(self.trained)
         for key, (was, now) in self.run_op.retune().items():  # after the replay, which needs the values it was trained with

@@ -4,10 +4,14 @@ the base weights frozen.
 For each adapted linear layer, y = W₀x + (α/r)·B·A·x, with A (r × in) random and B (out × r) zero at the start, so
 version 0 is the base model. Only A and B are trained (the optimizer holds their state alone); the losses are unchanged.
 
-A version is announced as the merged full weights, W = W₀ + (α/r)·B·A for every adapted layer, under the base model's
-own names (:func:`merged_state`): every node, engine and the weight plane serve it as they serve full fine-tuning, and
-the state digest is that of what nodes run. Its delta is that of the merged weights: every adapted matrix changes at
-every step (announcing the adapter alone, against the base model's digest, is not built).
+What a version announces (``trainer.lora.announce``):
+
+* ``adapter`` (the default): the adapters alone (:func:`adapter_state`: ``m.lora_A`` and ``m.lora_B`` under the base
+  model's name ``m`` of each adapted layer), against the base model's bf16 state digest (:func:`base_state`); nodes
+  merge them into a copy of their base (weights/adapters.py). Every adapted matrix still changes at every step, but a
+  version is the size of the adapters, not of the adapted matrices;
+* ``merged``: the merged full weights, W = W₀ + (α/r)·B·A for every adapted layer, under the base model's own names
+  (:func:`merged_state`), which every engine serves as it serves full fine-tuning.
 
 Checkpoints hold the whole adapted model (base, adapters) and the adapters' optimizer state, so a resume is exact.
 """
@@ -77,3 +81,32 @@ def load_merged(module: Any, state: Mapping[str, torch.Tensor]) -> None:
         t.copy_(state[name])
     for layer in _layers(module).values():
         layer.lora_B[ADAPTER].weight.zero_()
+
+
+def adapter_state(module: Any) -> dict[str, torch.Tensor]:
+    """The adapters of an adapted model: ``m.lora_A`` (r × in) and ``m.lora_B`` (out × r) for each adapted layer ``m``
+    (the base model's name)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in _layers(module).items():
+        out[f"{name}.lora_A"] = layer.lora_A[ADAPTER].weight
+        out[f"{name}.lora_B"] = layer.lora_B[ADAPTER].weight
+    return out
+
+
+def base_state(module: Any) -> dict[str, torch.Tensor]:
+    """The frozen base weights of an adapted model, as the base model names them (what nodes must hold)."""
+    return {name: t for name, t, _ in _base_tensors(module)}
+
+
+def is_adapter_state(state: Mapping[str, torch.Tensor]) -> bool:
+    return bool(state) and all(k.endswith((".lora_A", ".lora_B")) for k in state)
+
+
+@torch.no_grad()
+def load_adapters(module: Any, state: Mapping[str, torch.Tensor]) -> None:
+    """``state`` (:func:`adapter_state`'s names, any float dtype) as the adapters; the base stays."""
+    own = adapter_state(module)
+    if set(own) != set(state):
+        raise ValueError(f"adapters do not match the model's: {sorted(set(own) ^ set(state))[:3]}")
+    for name, t in own.items():
+        t.copy_(state[name])

@@ -109,11 +109,23 @@ class _Image:
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         self.state, self.version = state, version
 
+    def load_adapter(self, adapters: Mapping[str, torch.Tensor], version: int, spec: object) -> None:
+        self.load_state(adapters, version)  # a LoRA version's adapters, as the trainer holds them
+
 
 async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ckpt: Checkpointer | None, policy: str,
-                fresh_lineage: bool = False, skip: int = 0) -> Start:
-    """Publish the first version of a lineage, or resume from the newest checkpoint; returns where the trainer stands."""
+                fresh_lineage: bool = False, skip: int = 0, lora_scale: float | None = None, built_digest: str | None = None) -> Start:
+    """Publish the first version of a lineage, or resume from the newest checkpoint; returns where the trainer stands.
+    ``lora_scale``: a LoRA model's, whose versions may be its adapters (``run_op.base()`` is then their base, whose digest
+    is ``built_digest`` when it is the model the recipe builds)."""
     history = await announcements(plane, publisher, policy)
+
+    async def adapt() -> None:  # once the weights are those the trainer starts from
+        base = run_op.base() if lora_scale is not None else None
+        if base is not None:
+            spec = await publisher.adapt(base, lora_scale or 1.0, built_digest, history)
+            log.info("%s: versions are LoRA adapters over base %s (%s)", policy, spec.base_digest[:12],
+                     "nodes build it" if spec.base is None else f"stored, {spec.base.size} B")
     last = history[-1] if history else None
     found = None if fresh_lineage else (ckpt.latest() if ckpt else None)
     if found is None:
@@ -128,6 +140,7 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
             log.warning("%s: a fresh lineage %s at v%d, after v%d of lineage %s", policy, lineage, base, last.version, last.lineage or "-")
         if ckpt is not None:
             run_op.save(CheckpointMeta(version=base, policy=policy, trained=[], lineage=lineage, lineage_base=base))
+        await adapt()
         await publisher.publish(run_op.state(), base, force_keyframe=True)
         return Start(base, [], lineage, base)
 
@@ -138,6 +151,7 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
                            f"v{last.version} of lineage {last.lineage}: resume with that lineage's checkpoints, or start a "
                            "--fresh-lineage")
     run_op.load(path)
+    await adapt()
     log.info("%s: restored checkpoint v%d of lineage %s (%d batches trained); last announced: %s", policy, meta.version,
              lineage or "-", len(meta.trained), "none" if last is None else f"v{last.version}")
     at = Start(meta.version, list(meta.trained), lineage, meta.lineage_base)

@@ -25,7 +25,16 @@ from astraflow.moe_routing import RoutingCounts, routed, routing_shape
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.batching import Tensors, micro_batches, to_tensors
 from astraflow.train.experts import expert_params, hold_quiet_experts
-from astraflow.train.lora import is_adapted, load_merged, merged_state, with_lora
+from astraflow.train.lora import (
+    adapter_state,
+    base_state,
+    is_adapted,
+    is_adapter_state,
+    load_adapters,
+    load_merged,
+    merged_state,
+    with_lora,
+)
 from astraflow.train.losses.functional import gather_logprobs, token_entropy
 from astraflow.train.objective import SUMMED, Objective, StepPlan, combine
 from astraflow.weights.delta import to_bf16_state
@@ -179,8 +188,19 @@ class TorchBackend:
         """The policy's weights as the model names them (a LoRA model's merged: train/lora.py)."""
         return merged_state(self.module) if is_adapted(self.module) else self.module.state_dict()
 
+    def _published(self) -> Mapping[str, torch.Tensor]:
+        """What a version announces: the weights, or a LoRA model's adapters alone (``trainer.lora.announce: adapter``)."""
+        return adapter_state(self.module) if self.announces_adapters else self._weights()
+
+    @property
+    def announces_adapters(self) -> bool:
+        return self.cfg.lora is not None and self.cfg.lora.announce == "adapter" and is_adapted(self.module)
+
     def state_dict_bf16(self) -> dict[str, torch.Tensor]:
-        return to_bf16_state(self._weights())
+        return to_bf16_state(self._published())
+
+    def base_bf16(self) -> dict[str, torch.Tensor] | None:
+        return to_bf16_state(base_state(self.module)) if self.announces_adapters else None
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Float32 CPU copies of the module's weights (gathered when sharded; for tests and benchmarks)."""
@@ -189,7 +209,7 @@ class TorchBackend:
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         if is_adapted(self.module):
-            return load_merged(self.module, state)
+            return load_adapters(self.module, state) if is_adapter_state(state) else load_merged(self.module, state)
         own = self.module.state_dict()
         missing = set(own) - set(state)
         if missing:

@@ -25,6 +25,7 @@ from astraflow.train.distributed import Collective, barrier_for
 from astraflow.train.loop import TrainerLoop
 from astraflow.train.sft import sft
 from astraflow.train.threads import pin, threads_for
+from astraflow.weights.delta import state_digest, to_bf16_state
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(pcfg.model.tokenizer)
     model = build_model(pcfg.model, tokenizer)
+    built = None  # LoRA adapters over the model the recipe builds: every node holds their base already
+    if cfg.lora is not None and cfg.lora.announce == "adapter":
+        built = await asyncio.to_thread(lambda: state_digest(to_bf16_state(model.state_dict())))
     resuming = not fresh_lineage and checkpoint_dir is not None and any(Path(checkpoint_dir).glob("v*/meta.json"))
     if pcfg.sft.steps and not resuming and not await warm_start(recipe, policy, model, tokenizer, nats, run, worker_id):
         return  # told to stop during the warm start
@@ -94,6 +98,6 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
     try:
         async with Role("trainer", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port, policy=policy) as role:
             await role.plane.ensure_topology(recipe.topology(), create=False)
-            await TrainerLoop(recipe, policy, role, run_op, ckpt, embedding_rows(model), fresh_lineage).run()
+            await TrainerLoop(recipe, policy, role, run_op, ckpt, embedding_rows(model), fresh_lineage, built).run()
     finally:
         run_op.stop()

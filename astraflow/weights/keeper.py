@@ -31,6 +31,12 @@ def payload_name(policy: str, version: int, digest: str, encoding: Literal["keyf
     return f"{policy}/v{version}-{digest[:12]}.{encoding}"
 
 
+def base_name(policy: str, digest: str) -> str:
+    """The object name of the base model a LoRA policy's adapters apply onto: ``{policy}/base-{digest12}.keyframe``
+    (never a version's payload: retention and the sweep leave it)."""
+    return f"{policy}/base-{digest[:12]}.keyframe"
+
+
 def payload_version(name: str, policy: str) -> int | None:
     """The version a :func:`payload_name` of ``policy`` names (None: not one)."""
     found = _PAYLOAD_NAME.fullmatch(name)
@@ -93,7 +99,7 @@ class PayloadKeeper:
         subject): no chain the stream names reaches them, and a trainer restarted past that many versions would otherwise
         find them here, unnamed, at every start (retention works from announcements and never sees them). Any object an
         announcement names is kept, a foreign one's too (``ObjectStore.sweep``)."""
-        keep = {ref.nuid for a in anns for ref in a.objects}
+        keep = {ref.nuid for a in anns for ref in a.objects} | {a.adapter.base.nuid for a in anns if a.adapter and a.adapter.base}
         newest = max((a.version for a in anns), default=-1)
         floor = min((a.keyframe_version for a in anns), default=-1) if self.keep_versions is not None else -1
 

@@ -34,20 +34,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from astraflow.streams.messages import ObjectRef, Suspect, WeightVersion
+from astraflow.streams.messages import AdapterSpec, ObjectRef, Suspect, WeightVersion
 from astraflow.streams.objects import WriteInterrupted
 from astraflow.streams.plane import Plane, PublishConflict, PublishRefused
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.checks import foreign_harmless
 from astraflow.weights.delta import iter_encode_delta, iter_encode_keyframe, state_digest, to_bf16_state
 from astraflow.weights.finite import non_finite
-from astraflow.weights.keeper import PayloadKeeper, payload_name
+from astraflow.weights.keeper import PayloadKeeper, base_name, payload_name
 from astraflow.weights.retention import key_of
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class WeightPublisher:
         self.image_version: int | None = None
         self.keyframe_version = -1
         self.lineage = ""  # the weight lineage announced with every version (set by the trainer's start)
+        self.adapter: AdapterSpec | None = None  # versions are LoRA adapters over this base (:meth:`adapt`); None: full weights
         self.bytes_sent = 0
         self._request_rev = 0  # KV revision of the last keyframe request served
         self._subject_seq: int | None = None  # stream sequence of the newest announcement on our subject, as we know it
@@ -119,6 +120,22 @@ class WeightPublisher:
         """The announcement this publisher's next version follows is at stream sequence ``seq`` (0: none yet):
         the server refuses the next announcement if anything else was announced on the subject since."""
         self._subject_seq = seq
+
+    async def adapt(self, base: Mapping[str, torch.Tensor], scale: float, built_digest: str | None,
+                    history: Iterable[WeightVersion] = ()) -> AdapterSpec:
+        """Announce LoRA adapters over ``base`` (bf16), scale ``scale``, from now on. The base is stored in the object store
+        (:func:`base_name`, once: a copy an earlier trainer of the run announced is reused) unless every node builds it
+        itself: its digest is ``built_digest``, the model the recipe builds (None: unknown, stored)."""
+        digest = await asyncio.to_thread(state_digest, base)
+        ref = None
+        if digest != built_digest:
+            ref = next((a.adapter.base for a in reversed(list(history))
+                        if a.adapter is not None and a.adapter.base is not None and a.adapter.base_digest == digest), None)
+            if ref is None:
+                ref = await self.plane.objects().put(base_name(self.policy, digest), iter_encode_keyframe(base), self.policy)
+                self.bytes_sent += ref.size
+        self.adapter = AdapterSpec(base_digest=digest, scale=scale, base=ref)
+        return self.adapter
 
     # ------------------------------------------------------------------ decisions
     async def _keyframe_request_rev(self) -> int:
@@ -210,6 +227,7 @@ class WeightPublisher:
             base_digest=None if is_key else self.image_digest,
             state_digest=digest, keyframe_version=version if is_key else self.keyframe_version, objects=[ref],
             batch_ids=list(batch_ids or []), metrics=dict(metrics or {}), suspects=list(suspects or []), lineage=self.lineage,
+            adapter=self.adapter,
         )
         return Stored(ann, new, request_rev, why)
 

@@ -37,6 +37,12 @@ goes to the DLQ (``dlq.weights``) with the reason (``rejected``), from the histo
 through base digests that name them; picking a version by its number (``goto``) takes the first
 announcement of it a node would have followed (``in_order``), never a later copy.
 
+A LoRA version (``adapter`` in its announcement) is planned, fetched and checked like any other: its state is the
+adapters. Installing it merges them into a copy of the base (``weights/adapters.py``) unless the target takes adapters
+itself (``load_adapter(adapters, version, spec)``: the trainer's resume). Before its chain is fetched the node checks that
+it holds that base, or fetches the base the version names; a version over a base it can neither hold nor fetch is refused
+with the reason (``base_refused``), without asking for a keyframe, which would not help.
+
 A node in a region reads the mirrors in its leaf's JetStream domain (``domain=``).
 """
 
@@ -52,9 +58,10 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from astraflow.streams.messages import ObjectRef, WeightVersion
+from astraflow.streams.messages import AdapterSpec, ObjectRef, WeightVersion
 from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError, ObjectStore
 from astraflow.streams.plane import Plane
+from astraflow.weights.adapters import AdapterError, BaseMismatch, MergedAdapters
 from astraflow.weights.checks import announcement_problem, in_order, order_problem
 from astraflow.weights.delta import DeltaApplier, DeltaError, KeyframeDecoder, state_digest
 from astraflow.weights.publish import request_keyframe
@@ -161,6 +168,8 @@ class WeightSync:
         self.image: dict[str, torch.Tensor] | None = None  # bf16 image of image_version
         self.image_version = -1
         self.digest: str | None = None
+        self.adapter: AdapterSpec | None = None  # the image is that LoRA version's adapters (None: full weights)
+        self.adapters = MergedAdapters(engine)  # how the engine serves adapters, merged into a copy of its base
         self.stats: Counter[str] = Counter()
         self.last_error = ""
         self.known: dict[Key, WeightVersion] = {}
@@ -247,6 +256,8 @@ class WeightSync:
 
     async def _reach(self, target: WeightVersion, history: dict[Key, WeightVersion] | None = None, ask: bool = True) -> bool:
         """Bring the node to ``target``; False (weights unchanged; a keyframe requested if ``ask``) if it cannot."""
+        if target.adapter is not None and not await self._hold_base(target):
+            return False
         holding = self.image is not None
         try:
             chain = plan_chain(target, self.known, self._held())
@@ -282,7 +293,7 @@ class WeightSync:
             await self._apply_chain(chain)
             return True
         except Exception as second:
-            if not isinstance(second, (ObjectError, DeltaError, WeightSyncError)):
+            if not isinstance(second, (ObjectError, DeltaError, WeightSyncError, AdapterError)):
                 log.exception("weights %s: unexpected error reaching v%d", self.policy, target.version)
             self.stats["failures"] += 1
             self.last_error = f"v{target.version}: {second}"
@@ -292,6 +303,41 @@ class WeightSync:
             if ask and self.request_keyframes:
                 await self.request_keyframe(f"{self.plane.worker_id} cannot reach v{target.version}: {second}")
             return False
+
+    async def _hold_base(self, target: WeightVersion) -> bool:
+        """Whether the engine can serve ``target``'s adapters: it holds their base, or fetched the base the version names
+        (checked against its digest). False: refused, with the reason logged and in ``last_error``."""
+        spec = target.adapter
+        if spec is None or hasattr(self.engine, "load_adapter"):
+            return True
+        try:
+            if await asyncio.to_thread(self.adapters.needs_base, spec):
+                assert spec.base is not None
+                base, digest = await fetch_into(self.objects, spec.base, KeyframeDecoder(), finish=_with_digest)
+                self.adapters.take_base(base, digest, spec)
+                self.stats["bases"] += 1
+                self.stats["bytes"] += spec.base.size
+            return True
+        except (BaseMismatch, ObjectError, DeltaError) as e:
+            self.stats["base_refused"] += 1
+            self.last_error = f"v{target.version}: {e}"
+            log.error("weights %s: v%d refused: %s; keeping v%d", self.policy, target.version, e, self.version)
+            return False
+
+    def _install(self, changed: set[str] | None) -> None:
+        """Put the image into the engine: full weights as they are, a LoRA version's adapters merged into a copy of the
+        base (or to an engine that takes adapters itself)."""
+        assert self.image is not None
+        if self.adapter is None:
+            install(self.engine, self.image, self.image_version, changed)
+            if self.adapters.served or self.adapters.digest is not None:
+                self.adapters = MergedAdapters(self.engine)  # the engine's weights are no base any more
+        elif hasattr(self.engine, "load_adapter"):
+            self.engine.load_adapter(self.image, self.image_version, self.adapter)
+        else:
+            tensors, whole = self.adapters.merged(self.image, self.adapter.scale)
+            install(self.engine, tensors, self.image_version, None if whole else set(tensors))
+            self.adapters.installed(self.image)
 
     # ------------------------------------------------------------------ fetching and applying
     def _drop_image(self) -> None:
@@ -322,12 +368,12 @@ class WeightSync:
                     self._drop_image()
                     self.stats["corrupt"] += 1
                     raise WeightSyncError(f"v{ann.version}: state digest mismatch after applying")
-                self.image, self.digest, self.image_version = image, digest, ann.version
+                self.image, self.digest, self.image_version, self.adapter = image, digest, ann.version, ann.adapter
                 self.stats[ann.encoding + "s"] += 1
                 self.stats["bytes"] += ann.objects[0].size
         finally:
             if self.image is not None and self.image_version != self.engine.version:
-                await asyncio.to_thread(install, self.engine, self.image, self.image_version, changed)
+                await asyncio.to_thread(self._install, changed)
 
 
 async def feed(objects: ObjectStore, ann: WeightVersion, make: Callable[[], Sink], in_place: bool, stats: Counter[str],

@@ -31,6 +31,7 @@ class HfOptions(Options):
 
     type: Literal["hf"] = "hf"
     switches_inside_generation: ClassVar[bool] = True  # ``rollout.partial_rollouts`` applies
+    serves_adapters: ClassVar[bool] = True  # LoRA versions announced as adapters, merged into a copy (weights/adapters.py)
     gather: float = Field(0.5, ge=0)
     """Once the engine is free, how long a batch short of the node's generation slots waits for the rest of their
     calls, as a fraction of the last batch's time (0: start with whoever is waiting)."""
@@ -44,6 +45,7 @@ class ScriptedOptions(Options):
     """A BENCHMARK ENGINE: real tokens from the recipe's tiny model, latency drawn from a distribution (``scripted.py``)."""
 
     type: Literal["scripted"] = "scripted"
+    serves_adapters: ClassVar[bool] = True  # its tokens come from an hf engine, which merges them
     concurrency: int = Field(8, ge=1)
     """Requests a node serves at once (their latencies overlap up to this many)."""
     latency: Literal["lognormal", "pareto", "constant"] = "lognormal"
