@@ -166,6 +166,11 @@ class RolloutConfig(Strict):
     generation goes on under it (its KV cache recomputed), so a long completion does not hold a version back. Each
     token carries the version that sampled it, which the trainer's per-token correction uses. Engines that can:
     ``hf``. Off: versions land between generations."""
+    shared_base: bool = False
+    """Every policy on one base model: a node holds the base once with each policy's LoRA adapter beside it (peft,
+    unmerged; ``rollout/engines/shared_base.py``) and serves each task with its policy's adapter, instead of one merged
+    model per policy. Needs every policy to train LoRA announcing adapters (``trainer.lora``) over the same model, on
+    the ``hf`` engine."""
     plugins: list[str] = []
     """Modules (``pkg.mod``) or ``.py`` files that register the recipe's own workflows, rewards, tools or engines.
     They are imported when the recipe is loaded (before ``engine`` and ``workflow`` are resolved), in every role."""
@@ -544,11 +549,32 @@ class Recipe(Strict):
             if lora is not None and lora.announce == "adapter" and not getattr(type(self.rollout.engine), "serves_adapters", False):
                 raise ValueError(f"policy {name!r}: trainer.lora.announce: adapter, and engine {self.rollout.engine.type} takes whole "
                                  "states only (hf serves adapters); set trainer.lora.announce: merged")
+        if self.rollout.shared_base:
+            self._check_shared_base()
         for name, policy in self.policies.items():  # no prompt would fit: every task would be turned away, for ever
             if policy.model.pretrained is None and self.rollout.max_new_tokens >= policy.model.max_positions:
                 raise ValueError(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt in "
                                  f"policy {name!r}'s context (model.max_positions {policy.model.max_positions})")
         return self
+
+    def _check_shared_base(self) -> None:
+        if self.rollout.engine.type != "hf":
+            raise ValueError(f"rollout.shared_base: engine {self.rollout.engine.type} does not serve several adapters on one "
+                             "base (hf does)")
+        models = {p.model.model_dump_json() for p in self.policies.values()}
+        if len(models) > 1:
+            raise ValueError("rollout.shared_base: the policies' models differ; one base serves them all (set one model)")
+        for name, policy in self.policies.items():
+            lora = policy.trainer.lora
+            if lora is None or lora.announce != "adapter":
+                raise ValueError(f"rollout.shared_base: policy {name!r} must train LoRA announcing adapters (trainer.lora, "
+                                 "announce: adapter)")
+            if policy.sft.steps:
+                raise ValueError(f"rollout.shared_base: policy {name!r}'s warm start (sft.steps) trains every weight, so its "
+                                 "base would be its own; start every policy from the shared model (sft.steps: 0, or a "
+                                 "model.pretrained that was warm-started)")
+            if policy.trainer.routing != "own":
+                raise ValueError(f"rollout.shared_base: policy {name!r}: trainer.routing needs an engine of its own")
 
     @property
     def workflow(self) -> str:

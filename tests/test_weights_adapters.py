@@ -111,3 +111,70 @@ async def test_a_base_a_warm_start_changed_travels_once_and_nodes_check_it(plane
     anns = await plane.history(plane.names.weights("solver"), WeightVersion)
     assert (await again.adapt(backend.base_bf16() or {}, SCALE, built, anns)).base == spec.base and again.bytes_sent == 0
 
+
+
+async def test_several_policies_share_one_base_each_served_with_its_own_adapter(plane, setup):
+    """``rollout.shared_base``: one base, one adapter per policy (peft, unmerged). A batch mixing both policies gives each
+    request what its policy's merged copy gives, each token under its own policy's version, and a version over another
+    base is refused."""
+    from astraflow.config import LoraConfig
+    from astraflow.rollout.engines.base import GenerationRequest, SamplingParams
+    from astraflow.rollout.engines.shared_base import SharedBase
+    from astraflow.streams.plane import Topology
+
+    pcfg, tok, batches = setup
+    await plane.ensure_topology(Topology(policies=("solver", "verifier")))
+    solver, built = trainer(setup)
+    pcfg_v = TrainerConfig.model_validate({**pcfg.trainer.model_dump(), "lr": 2e-2, "lora": {"rank": 2, "alpha": 4}})
+    verifier = TorchBackend(build_model(pcfg.model, tok), tok, pcfg_v)
+    for name, backend, versions in (("solver", solver, 3), ("verifier", verifier, 1)):
+        pub = WeightPublisher(plane, name)
+        await pub.adapt(backend.base_bf16() or {}, 2.0, built)
+        await pub.publish(backend.state_dict_bf16(), 0, force_keyframe=True)
+        for v in range(1, versions + 1):
+            backend.step(batches[v - 1])
+            await pub.publish(backend.state_dict_bf16(), v)
+
+    shared = SharedBase(build_model(pcfg.model, tok), tok, {"solver": LoraConfig(rank=4, alpha=8), "verifier": LoraConfig(rank=2, alpha=4)})
+    views = {p: shared.view(p) for p in ("solver", "verifier")}
+    for p, want in (("solver", 3), ("verifier", 1)):
+        await WeightSync(plane, p, views[p]).wait_for(want, timeout=30)
+    separate = {p: node(setup) for p in views}  # one merged copy per policy: what a node holds without a shared base
+    for p, want in (("solver", 3), ("verifier", 1)):
+        await WeightSync(plane, p, separate[p]).wait_for(want, timeout=30)
+    held = sum(t.numel() for t in shared.engine.model.parameters())
+    one = sum(t.numel() for t in separate["solver"].model.parameters())
+    assert held < 1.1 * one  # one base and two small adapters, not two models
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    prompts = [list(tok.encode("12+7=", add_special_tokens=False)), list(tok.encode("3+4=", add_special_tokens=False))]
+    mixed = shared.engine.generate([GenerationRequest(prompts[0], params, "solver"), GenerationRequest(prompts[1], params, "verifier"),
+                                    GenerationRequest(prompts[1], params, "solver")])
+    for c, (p, prompt) in zip(mixed, (("solver", prompts[0]), ("verifier", prompts[1]), ("solver", prompts[1])), strict=True):
+        (alone,) = separate[p].generate([GenerationRequest(prompt, params)])
+        assert c.token_ids == alone.token_ids
+        assert max(abs(a - b) for a, b in zip(c.logprobs, alone.logprobs, strict=True)) < 1e-2
+        assert set(c.versions) == {3 if p == "solver" else 1}
+
+    other, _ = trainer(setup, warm=0.05)  # a policy whose trainer starts from another base cannot share this one
+    await plane.ensure_topology(Topology(policies=("critic",)))
+    pub = WeightPublisher(plane, "critic")
+    await pub.adapt(other.base_bf16() or {}, 2.0, built)
+    await pub.publish(other.state_dict_bf16(), 0, force_keyframe=True)
+    shared_critic = SharedBase(build_model(pcfg.model, tok), tok, {"critic": LoraConfig(rank=4, alpha=8)})
+    sync = WeightSync(plane, "critic", shared_critic.view("critic"))
+    assert not await sync.refresh(wait=1.0)
+    assert sync.stats["base_refused"] == 1 and "shared_base" in sync.last_error and shared_critic.view("critic").version == -1
+
+
+def test_the_recipe_says_what_a_shared_base_needs():
+    from astraflow.config import RecipeError, parse_recipe
+
+    lora = {"trainer": {"lora": {"rank": 4}}, "sft": {"steps": 0}}
+    base = {"name": "t", "workflow": "solver_verifier", "reward": "math", "rollout": {"shared_base": True}}
+    parse_recipe({**base, "policies": {"solver": lora, "verifier": lora}})
+    for policies, said in (({"solver": lora, "verifier": {"sft": {"steps": 0}}}, "must train LoRA"),
+                           ({"solver": lora, "verifier": {**lora, "sft": {"steps": 10}}}, "warm start"),
+                           ({"solver": lora, "verifier": {**lora, "model": {"hidden_size": 32}}}, "models differ")):
+        with pytest.raises((RecipeError, ValueError), match=said):
+            parse_recipe({**base, "policies": policies})

@@ -75,6 +75,19 @@ def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = Non
                         context=model_limits(model_cfg).context)
 
 
+def make_handles(recipe: Recipe, rollout: bool = False) -> dict[str, PolicyHandle]:
+    """A handle per policy: each its own engine, or (``rollout.shared_base``) views of one engine holding the base once
+    and every policy's adapter."""
+    if not recipe.rollout.shared_base:
+        return {p: make_handle(recipe, p, rollout=rollout) for p in recipe.policy_names}
+    from astraflow.rollout.engines.shared_base import SharedBase
+
+    shared = SharedBase.build(recipe)
+    r = recipe.rollout
+    return {p: PolicyHandle(shared.view(p), shared.engine.tokenizer, SamplingParams(r.max_new_tokens, r.temperature, r.top_p),
+                            name=p, context=model_limits(recipe.policies[p].model).context) for p in recipe.policy_names}
+
+
 class RolloutNode:
     """One RaaS node on an open plane. ``run(stop)`` serves until ``stop`` is set, then drains."""
 
@@ -91,7 +104,7 @@ class RolloutNode:
             check_policies(recipe.workflow, recipe.policy_names)
             workflow = get_workflow(recipe.workflow_options, get_reward(recipe.reward))
         self.workflow = workflow
-        self.handles = handles if handles is not None else {p: make_handle(recipe, p, rollout=True) for p in recipe.policy_names}
+        self.handles = handles if handles is not None else make_handles(recipe, rollout=True)
         self.stats = dict.fromkeys(NODE_STATS, 0.0)
         self.weights = NodeWeights(plane, self.handles, recipe.rollout.weights_domain, self.stats)
         self.report = NodeReport(self.stats, self.weights, metrics)  # heartbeat stats, Prometheus (``--metrics-port``)

@@ -308,10 +308,14 @@ class WeightSync:
         """Whether the engine can serve ``target``'s adapters: it holds their base, or fetched the base the version names
         (checked against its digest). False: refused, with the reason logged and in ``last_error``."""
         spec = target.adapter
-        if spec is None or hasattr(self.engine, "load_adapter"):
+        if spec is None:
             return True
         try:
-            if await asyncio.to_thread(self.adapters.needs_base, spec):
+            if hasattr(self.engine, "load_adapter"):  # it serves adapters itself (shared_base.py), or keeps them (a trainer)
+                problem = getattr(self.engine, "adapter_problem", lambda _spec: None)(spec)
+                if problem is not None:
+                    raise BaseMismatch(problem)
+            elif await asyncio.to_thread(self.adapters.needs_base, spec):
                 assert spec.base is not None
                 base, digest = await fetch_into(self.objects, spec.base, KeyframeDecoder(), finish=_with_digest)
                 self.adapters.take_base(base, digest, spec)

@@ -32,6 +32,7 @@ class SamplingParams:
 class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None  # the LoRA adapter that generates it, on an engine serving several on one base (shared_base.py)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +44,9 @@ class HFEngine:
     The behaviour logprob is ``log_softmax(logits / T)`` of the sampled token: the distribution
     the token was actually drawn from (top-p aside), which the trainer recomputes the same way.
     The engine runs one batch or one weight load at a time (``_busy``, under a monitor), so a
-    token's version is always the version of the weights that produced it. A load waits for the
+    token's version is always the version of the weights that produced it. A model with several LoRA adapters (peft;
+    ``shared_base.py``) generates each request with its ``adapter``, requests of different adapters in one batch
+    (peft's mixed-adapter batches), each token under the version of its adapter (``adapter_versions``). A load waits for the
     batch in flight, or with ``partial_rollouts`` for its current decoding step only: the batch
     pauses, the load runs, and the batch goes on under the new version (``_generate``).
     """
@@ -67,6 +69,7 @@ class HFEngine:
         self._loads_waiting = 0  # loads waiting for the engine: they go before new batches (and paused ones)
         self._paused = 0  # generations paused for a load (``partial_rollouts``): they go before new batches
         self._routing: RoutingRecorder | None = None  # records each token's experts (``record_routing``)
+        self.adapter_versions: dict[str, int] = {}  # the version each LoRA adapter of the model holds (shared_base.py)
 
     @property
     def version(self) -> int:
@@ -92,6 +95,17 @@ class HFEngine:
             for name, tensor in own.items():
                 tensor.copy_(state[name])
             self._version = version
+
+    @torch.no_grad()
+    def update(self, write: Callable[[], None], version: int, adapter: str | None = None) -> None:
+        """Run ``write`` (it changes the model's weights) holding the engine, as a load does; then the model (or its
+        ``adapter``) is at ``version``."""
+        with self._held():
+            write()
+            if adapter is None:
+                self._version = version
+            else:
+                self.adapter_versions[adapter] = version
 
     @contextmanager
     def _held(self) -> Iterator[None]:
@@ -207,7 +221,7 @@ class HFEngine:
         params = requests[0].params
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        rows = [_Row(list(r.prompt_ids)) for r in requests]
+        rows = [_Row(list(r.prompt_ids), adapter=r.adapter) for r in requests]
         while True:
             live = [row for row in rows if row.reason is None]
             if not live:
@@ -221,19 +235,21 @@ class HFEngine:
         contexts = [row.prompt + row.tokens for row in rows]
         ids, att = left_padded(contexts, self.tokenizer.pad_token_id)
         interrupt = _LoadWaiting(self) if self.partial_rollouts else None
-        version = self._version
+        versions = [self._version if row.adapter is None else self.adapter_versions.get(row.adapter, -1) for row in rows]
+        adapters = {"adapter_names": [row.adapter or "__base__" for row in rows]} if any(row.adapter for row in rows) else {}
         if self._routing is not None:
             self._routing.start()
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=att.to(self.device),
             max_new_tokens=params.max_new_tokens - min(len(row.tokens) for row in rows), **sampling(params, self.tokenizer),
             stopping_criteria=StoppingCriteriaList([interrupt]) if interrupt else None, output_logits=True, return_dict_in_generate=True,
+            **adapters,
         )
         new = out.sequences[:, ids.shape[1]:].cpu()  # (B, T)
         logits = torch.stack(out.logits, dim=1).float().cpu() / (params.temperature or 1.0)  # (B, T, V)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
         for i, row in enumerate(rows):
-            row.extend(self.tokenizer, new[i].tolist(), logp[i].tolist(), version, params)
+            row.extend(self.tokenizer, new[i].tolist(), logp[i].tolist(), versions[i], params)
         if self._routing is not None:  # this run re-read each row's context: its routes replace the row's (``_Row.routes``)
             for row, routes in zip(rows, self._routing.rows([len(c) for c in contexts], ids.shape[1]), strict=True):
                 row.routing = routes
@@ -276,6 +292,7 @@ class _Row:
     """One request's completion as it grows: a row of one or more decoding runs (one per weight version)."""
 
     prompt: list[int]
+    adapter: str | None = None  # the LoRA adapter generating it (None: the model as loaded)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
