@@ -91,20 +91,44 @@ def lora(r: dict[str, Any]) -> str:
     def est(e: list[float]) -> str:
         return f"{e[0]:.3f} ± {e[1]:.3f}" if e[2] > 1 else f"{e[0]:.3f} (1 run)"
 
+    def kib(n: float) -> str:
+        return f"{n / 1024:.1f} KiB" if n < 1024 ** 2 else f"{n / 1024 ** 2:.2f} MiB"
+
     rows = ["| run | seed | held-out v0 | held-out, last 5 evaluations | at equal wall time | bytes per version (mean delta) | "
-            "trainer step (median) | trainer CPU per 64 samples | wall |", "|---|---|---|---|---|---|---|---|---|"]
+            "base stored | trainer step (median) | trainer CPU per 64 samples | node CPU per 64 samples | wall |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in sorted(r["runs"], key=lambda x: (x["seed"], x["mode"])):
         rows.append(f"| {run['mode']} | {run['seed']} | {run['held_out_v0']:.3f} | {run['held_out_last5']:.3f} | "
-                    f"{run['held_out_equal_time']:.3f} | {run['delta_bytes_mean'] / 1024:.1f} KiB | {1e3 * run['step_s_median']:.1f} ms | "
-                    f"{run['trainer_cpu_s_per_64']:.3f} s | {run['wall_s']:.0f} s |")
+                    f"{run['held_out_equal_time']:.3f} | {kib(run['delta_bytes_mean'])} | "
+                    f"{kib(run['base_bytes']) if run['base_bytes'] else '–'} | "
+                    f"{1e3 * run['step_s_median']:.1f} ms | {run['trainer_cpu_s_per_64']:.3f} s | {run['node_cpu_s_per_64']:.3f} s | "
+                    f"{run['wall_s']:.0f} s |")
     for mode, s in r["summary"].items():
         rows.append(f"| mean: {mode} | | | {est(s['held_out_last5'])} | {est(s['held_out_equal_time'])} | "
-                    f"{s['delta_bytes_mean'] / 1024:.1f} KiB | {1e3 * s['step_s_median']:.1f} ms | | {s['wall_s']:.0f} s |")
+                    f"{kib(s['delta_bytes_mean'])} | | {1e3 * s['step_s_median']:.1f} ms | | {s['node_cpu_s_per_64']:.3f} s | "
+                    f"{s['wall_s']:.0f} s |")
     d = r["lora_minus_full"]
     rows.append(f"| LoRA − full, paired by seed | | | {d['held_out_last5'][0]:+.3f} ± {d['held_out_last5'][1]:.3f} | "
-                f"{d['held_out_equal_time'][0]:+.3f} ± {d['held_out_equal_time'][1]:.3f} | | | | |")
+                f"{d['held_out_equal_time'][0]:+.3f} ± {d['held_out_equal_time'][1]:.3f} | | | | | | |")
+    path = ["| model | parameters | version announces | bytes per version (median) | first keyframe | trainer: image + publish | "
+            "node: fetch + apply + install |", "|---|---|---|---|---|---|---|"]
+    for row in r["path"]:
+        path.append(f"| {row['model']} | {row['params'] / 1e6:.1f} M | {row['mode']} | {kib(row['bytes'])} | "
+                    f"{kib(row['keyframe_bytes'])} | "
+                    f"{1e3 * row['publish_s']:.1f} ms | {1e3 * row['apply_s']:.1f} ms |")
     return (f"{r['steps']} steps, {r['seeds']} seeds, LoRA rank {r['rank']} at lr {r['lora_lr']:g} (full fine-tuning at the "
-            "recipe's 3e-4); intervals are 95 % Student-t over seeds. " + provenance(r) + "\n".join(rows) + "\n")
+            "recipe's 3e-4); intervals are 95 % Student-t over seeds. " + provenance(r) + "\n".join(rows)
+            + f"\n\nThe per-version path, {r['path'][0]['versions']} versions each (medians, the first left out):\n\n"
+            + "\n".join(path) + "\n")
+
+
+def shared_base(r: dict[str, Any]) -> str:
+    rows = ["| policies | the node holds | memory for the models | generation (median) | tokens/s |", "|---|---|---|---|---|"]
+    for row in r["rows"]:
+        rows.append(f"| {row['policies']} | {'one base + an adapter per policy' if row['shared_base'] else 'a merged model per policy'} | "
+                    f"{row['rss_growth_mib']:.0f} MiB | {row['generate_s']:.2f} s | {row['tokens_per_s']:.0f} |")
+    return (f"{r['requests']} requests per policy, {r['tokens']} new tokens each, median of {r['repeats']}. " + provenance(r)
+            + "\n".join(rows) + "\n")
 
 
 def facade(r: dict[str, Any]) -> str:
@@ -167,6 +191,7 @@ def server_chaos(r: dict[str, Any]) -> str:
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "facade": facade, "moe": moe, "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
+    "shared_base": shared_base,
 }
 
 
