@@ -172,7 +172,12 @@ def test_the_recipe_says_what_a_shared_base_needs():
 
     lora = {"trainer": {"lora": {"rank": 4}}, "sft": {"steps": 0}}
     base = {"name": "t", "workflow": "solver_verifier", "reward": "math", "rollout": {"shared_base": True}}
-    parse_recipe({**base, "policies": {"solver": lora, "verifier": lora}})
+    recipe = parse_recipe({**base, "model": MODEL, "policies": {"solver": lora, "verifier": lora}})
+    from astraflow.rollout.node import make_handles
+
+    handles = make_handles(recipe, rollout=True)  # what a node holds: one engine, a view per policy
+    engines = {p: h.engine for p, h in handles.items()}
+    assert engines["solver"].shared is engines["verifier"].shared and engines["solver"].version == -1  # type: ignore[attr-defined]
     for policies, said in (({"solver": lora, "verifier": {"sft": {"steps": 0}}}, "must train LoRA"),
                            ({"solver": lora, "verifier": {**lora, "sft": {"steps": 10}}}, "warm start"),
                            ({"solver": lora, "verifier": {**lora, "model": {"hidden_size": 32}}}, "models differ")):
