@@ -546,9 +546,17 @@ class Recipe(Strict):
                                  "announcements since its last checkpoint; raise plane.weights_history or lower checkpoint_every")
         for name, policy in self.policies.items():
             lora = policy.trainer.lora
-            if lora is not None and lora.announce == "adapter" and not getattr(type(self.rollout.engine), "serves_adapters", False):
+            if lora is None or lora.announce != "adapter":
+                continue
+            if not getattr(self.rollout.engine, "serves_adapters", False):
                 raise ValueError(f"policy {name!r}: trainer.lora.announce: adapter, and engine {self.rollout.engine.type} takes whole "
-                                 "states only (hf serves adapters); set trainer.lora.announce: merged")
+                                 "states only (hf serves adapters, vllm with max_lora_rank); set trainer.lora.announce: merged")
+            max_rank = getattr(self.rollout.engine, "max_lora_rank", None)
+            if max_rank is not None and lora.rank > max_rank:
+                raise ValueError(f"policy {name!r}: trainer.lora.rank {lora.rank} is above rollout.engine.max_lora_rank {max_rank}")
+            if max_rank is not None and policy.sft.steps:
+                raise ValueError(f"policy {name!r}: its warm start (sft.steps) trains every weight, and vllm serves adapters over "
+                                 "the model it loads; announce merged weights (trainer.lora.announce: merged) or drop the warm start")
         if self.rollout.shared_base:
             self._check_shared_base()
         for name, policy in self.policies.items():  # no prompt would fit: every task would be turned away, for ever

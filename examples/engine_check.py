@@ -3,6 +3,7 @@
     python examples/engine_check.py --engine vllm --mode inprocess   # vllm.LLM inside this process
     python examples/engine_check.py --engine vllm                    # a launched vLLM server (pause, reload, resume)
     python examples/engine_check.py --engine sglang                  # an SGLang server (a GPU)
+    python examples/engine_check.py --engine vllm --lora [--mode inprocess]   # LoRA versions through vLLM's LoRA support
 
 Run it with the Python that has the engine installed (for vLLM on CPU: ``bash examples/vllm_cpu_env.sh``, then
 ``.venv-vllm/bin/python examples/engine_check.py …``). No download: the engine loads a tiny Qwen2 built from a
@@ -10,6 +11,8 @@ config (head size 32, which the CPU attention kernels support) and saved locally
 internet. It applies weight version 0, generates, recomputes the behaviour logprobs of the same tokens with
 transformers (teacher forcing, same temperature) and reports the largest difference; then applies version 1
 (perturbed weights) and checks that tokens carry version 1 and that their logprobs are those of the new weights.
+With ``--lora`` the versions are LoRA adapters (rank 8 on q_proj and v_proj, scale 2) over the model vLLM loaded, and
+the logprobs are recomputed with the merged weights W0 + 2 B A; a version over another base must be refused.
 Its report is one stdout line of JSON, starting ``{"engine"`` (vLLM may log after it), with ``ok``.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 import torch
 
@@ -39,17 +43,21 @@ def main() -> dict[str, object]:
     ap.add_argument("--engine", choices=["sglang", "vllm"], required=True)
     ap.add_argument("--mode", choices=["server", "inprocess"], default="server")
     ap.add_argument("--url", default=None, help="attach to a running server instead of launching one")
+    ap.add_argument("--lora", action="store_true", help="versions are LoRA adapters (vllm, max_lora_rank 8)")
     args = ap.parse_args()
     tok = load_tokenizer("byt5")
     mcfg = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=256)
     options: dict[str, object] = {"type": args.engine, "url": args.url}
     if args.engine == "vllm":
         options["mode"] = args.mode
+        options["max_lora_rank"] = 8 if args.lora else 0
     t0 = time.perf_counter()
     engine = build_engine(mcfg, RolloutConfig(engine=options), tok)
     model = build_model(mcfg, tok).eval()
     out: dict[str, object] = {"engine": args.engine, "mode": args.mode, "build_s": round(time.perf_counter() - t0, 1)}
     try:
+        if args.lora:
+            return out | lora_check(engine, model, tok)
         engine.load_state(model.state_dict(), 0)
         params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1)
         prompts = [list(tok("12+7=", add_special_tokens=False)["input_ids"]), list(tok("3+4=", add_special_tokens=False)["input_ids"])]
@@ -79,6 +87,43 @@ def main() -> dict[str, object]:
         engine.close()
     out["ok"] = (out.get("v0_versions") == [0] and out.get("v1_versions") == [1] and float(out["v0_max_logprob_diff"]) < 0.1  # type: ignore[arg-type]
                  and float(out.get("v1_max_logprob_diff", 9)) < 0.1)  # type: ignore[arg-type]
+    return out
+
+
+def lora_check(engine: Any, model: torch.nn.Module, tok: Any) -> dict[str, object]:
+    from astraflow.streams.messages import AdapterSpec
+    from astraflow.weights.adapters import merged_weight
+    from astraflow.weights.delta import state_digest, to_bf16_state
+
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    spec = AdapterSpec(base_digest=state_digest(to_bf16_state(base)), scale=2.0)
+    layers = [n.removesuffix(".weight") for n in base if n.endswith(("q_proj.weight", "v_proj.weight"))]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1)
+    prompt = list(tok("12+7=", add_special_tokens=False)["input_ids"])
+    out: dict[str, object] = {"lora": True, "refused_other_base": engine.adapter_problem(spec.model_copy(update={"base_digest": "0" * 64}))
+                              is not None}
+    for version in (0, 1):
+        gen = torch.Generator().manual_seed(version)
+        adapters = {}
+        for m in layers:
+            w = base[m + ".weight"]
+            adapters[m + ".lora_A"] = (torch.randn(8, w.shape[1], generator=gen) * 0.1).to(torch.bfloat16)
+            adapters[m + ".lora_B"] = (torch.randn(w.shape[0], 8, generator=gen) * 0.1).to(torch.bfloat16)
+        assert engine.adapter_problem(spec) is None
+        t0 = time.perf_counter()
+        engine.load_adapter(adapters, version, spec)
+        out[f"v{version}_apply_s"] = round(time.perf_counter() - t0, 3)
+        (c,) = engine.generate([GenerationRequest(prompt, params)])
+        with torch.no_grad():  # what the adapters mean: the merged weights
+            model.load_state_dict({**base, **{m + ".weight": merged_weight(base[m + ".weight"], adapters[m + ".lora_A"],
+                                                                          adapters[m + ".lora_B"], spec.scale) for m in layers}})
+        out[f"v{version}_versions"] = sorted(set(c.versions))
+        out[f"v{version}_max_logprob_diff"] = max(abs(a - b) for a, b in zip(c.logprobs, recompute(model, prompt, c.token_ids, 1.0)))
+        model.load_state_dict(base)
+        (plain,) = [recompute(model, prompt, c.token_ids, 1.0)]
+        out[f"v{version}_max_diff_from_base"] = max(abs(a - b) for a, b in zip(c.logprobs, plain))  # the adapters did something
+    out["ok"] = (out["refused_other_base"] and out["v0_versions"] == [0] and out["v1_versions"] == [1]
+                 and all(float(out[f"v{v}_max_logprob_diff"]) < 0.1 < float(out[f"v{v}_max_diff_from_base"]) for v in (0, 1)))  # type: ignore[arg-type]
     return out
 
 

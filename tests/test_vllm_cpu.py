@@ -4,7 +4,8 @@ applied in place (the server paused, reloaded, resumed).
 
 vLLM pins its own torch and transformers, so it lives in an environment of its own, built by
 ``examples/vllm_cpu_env.sh`` (``.venv-vllm``; or point ``ASTRAFLOW_VLLM_PYTHON`` at another one's Python). Without
-that environment this test is skipped; ``.ci/run`` builds it when it can.
+that environment these tests are skipped; ``.ci/run`` builds it when it can. LoRA versions go through vLLM's own LoRA
+support (``max_lora_rank``).
 """
 
 from __future__ import annotations
@@ -35,4 +36,22 @@ def test_vllm_generates_the_policys_tokens_and_applies_versions_in_place(mode: s
     assert out["v0_tokens"] == [16, 16], out
     if mode == "server":
         assert out["paused_updates"] == 2, out  # each version applied between /pause and /resume
+    assert out["ok"], out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["inprocess", "server"])
+def test_vllm_serves_lora_versions_through_its_lora_support(mode: str, tmp_path: Path):
+    """``max_lora_rank``: each version is a PEFT adapter directory vLLM loads (a LoRARequest in-process, the runtime
+    LoRA API on a server); tokens carry its version, their logprobs are those of the merged weights W0 + s B A and not of
+    the base, and adapters over another base are refused."""
+    if not PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {PYTHON} (bash examples/vllm_cpu_env.sh builds one)")
+    proc = subprocess.run([str(PYTHON), str(ROOT / "examples" / "engine_check.py"), "--engine", "vllm", "--mode", mode, "--lora"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith('{"engine"')))
+    assert out["refused_other_base"] and out["v0_versions"] == [0] and out["v1_versions"] == [1], out
+    for v in (0, 1):
+        assert out[f"v{v}_max_logprob_diff"] < 0.05 < out[f"v{v}_max_diff_from_base"], out
     assert out["ok"], out

@@ -183,3 +183,10 @@ def test_the_recipe_says_what_a_shared_base_needs():
                            ({"solver": lora, "verifier": {**lora, "model": {"hidden_size": 32}}}, "models differ")):
         with pytest.raises((RecipeError, ValueError), match=said):
             parse_recipe({**base, "policies": policies})
+    vllm = {"name": "t", "sft": {"steps": 0}, "trainer": {"lora": {"rank": 8}}, "rollout": {"engine": {"type": "vllm", "max_lora_rank": 8}}}
+    parse_recipe(vllm)  # vllm serves adapters through its LoRA support (tests/test_vllm_cpu.py), within its rank
+    for over, said in (({"rollout": {"engine": {"type": "vllm"}}}, "takes whole states only"),
+                       ({"trainer": {"lora": {"rank": 16}}}, "above rollout.engine.max_lora_rank"),
+                       ({"sft": {"steps": 5}}, "over the model it loads")):
+        with pytest.raises((RecipeError, ValueError), match=said):
+            parse_recipe({**vllm, **over})

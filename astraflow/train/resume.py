@@ -122,8 +122,8 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
 
     async def adapt() -> None:  # once the weights are those the trainer starts from
         base = run_op.base() if lora_scale is not None else None
-        if base is not None:
-            spec = await publisher.adapt(base, lora_scale or 1.0, built_digest, history)
+        if base is not None and lora_scale is not None:
+            spec = await publisher.adapt(base, lora_scale, built_digest, history)
             log.info("%s: versions are LoRA adapters over base %s (%s)", policy, spec.base_digest[:12],
                      "nodes build it" if spec.base is None else f"stored, {spec.base.size} B")
     last = history[-1] if history else None

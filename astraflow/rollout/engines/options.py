@@ -95,9 +95,16 @@ class VllmOptions(ServerOptions):
     type: Literal["vllm"] = "vllm"
     mode: Literal["server", "inprocess"] = "server"
     """Talk to its server, or run ``vllm.LLM`` inside the node."""
+    max_lora_rank: int = Field(0, ge=0)
+    """Serve LoRA versions announced as adapters (``trainer.lora.announce: adapter``) through vLLM's LoRA support, up to
+    this rank (0: off; a LoRA policy then announces merged weights)."""
     cpu_kv_cache_gib: float = Field(1.0, gt=0)
     """Without a GPU (vLLM's CPU build): GiB of memory for the KV cache (vLLM's ``VLLM_CPU_KVCACHE_SPACE``, unless that
     is set). vLLM's own default reserves most of the machine's memory and refuses to start beside other roles."""
+
+    @property
+    def serves_adapters(self) -> bool:
+        return self.max_lora_rank > 0
 
     @model_validator(mode="after")
     def _server_only(self) -> VllmOptions:

@@ -134,6 +134,29 @@ class WeightStager:
         save_file(_untie(tensors), str(path / "model.safetensors"))
         return path
 
+    def stage_adapter(self, adapters: Mapping[str, torch.Tensor], scale: float, version: int) -> Path:
+        """A LoRA version (``m.lora_A`` / ``m.lora_B`` per adapted layer ``m``: weights/adapters.py) as a PEFT adapter
+        directory, the format the servers' LoRA support loads: ``adapter_config.json`` (rank, alpha = scale x rank, the
+        target modules) and ``adapter_model.safetensors`` (``base_model.model.{m}.lora_A.weight``, …)."""
+        import torch
+        from safetensors.torch import save_file
+
+        from astraflow.weights.adapters import A, B, adapted_layers
+
+        layers = adapted_layers(adapters)
+        rank = int(adapters[layers[0] + A].shape[0])
+        path = self.root / f"adapter-v{version}"
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        tensors = {f"base_model.model.{m}.{part}.weight": adapters[m + suffix].detach().to("cpu", torch.bfloat16).contiguous()
+                   for m in layers for part, suffix in (("lora_A", A), ("lora_B", B))}
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank, "lora_dropout": 0.0,
+                  "bias": "none", "target_modules": sorted({m.rsplit(".", 1)[-1] for m in layers}), "base_model_name_or_path": None}
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        return path
+
     def commit(self, path: Path) -> None:
         """``path`` is loaded: the previous version's directory can go."""
         if self.current is not None and self.current != path:
@@ -167,6 +190,14 @@ def model_dir(model_cfg: ModelConfig, tokenizer: Any, where: Path) -> str:
     build_model(model_cfg, tokenizer).save_pretrained(where)
     tokenizer.save_pretrained(where)
     return str(where)
+
+
+def model_digest(model_cfg: ModelConfig, tokenizer: Any) -> str:
+    """The bf16 state digest of the model a server loads (``model_dir``'s): the base LoRA versions must adapt."""
+    from astraflow.models import build_model
+    from astraflow.weights.delta import state_digest, to_bf16_state
+
+    return state_digest(to_bf16_state(build_model(model_cfg, tokenizer).state_dict()))
 
 
 def template_dir(model_path: str, where: Path) -> Path:

@@ -24,11 +24,19 @@ Server mode (``rollout.engine: {type: vllm, mode: server}``, the default):
 In-process mode (``mode: inprocess``): ``vllm.LLM(model, worker_extension_cls=...,
 logprobs_mode="processed_logprobs")``; ``LLM.generate`` with token prompts and
 ``SamplingParams(logprobs=0)``; updates through ``LLM.collective_rpc`` with the same extension.
+
+LoRA versions (``max_lora_rank`` > 0, ``trainer.lora.announce: adapter``): vLLM's own LoRA support serves them over the
+model it loaded, which must be their base (its digest is checked before a version is fetched: ``adapter_problem``). A
+version is staged as a PEFT adapter directory and loaded under a new name (``v{version}``): in-process as the
+``LoRARequest`` every generation passes, on a server through ``POST /v1/load_lora_adapter`` (the launched server gets
+``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) and then named as the requests' model; the
+previous version's adapter is removed once the new one is in place. The base weights are never written.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Mapping
@@ -44,8 +52,10 @@ from astraflow.rollout.engines.remote import (
     WeightStager,
     free_port,
     http_json,
+    model_digest,
     prepare,
 )
+from astraflow.streams.messages import AdapterSpec
 
 EXTENSION = "astraflow.rollout.engines.vllm.WeightLoaderExtension"
 SERVED_NAME = "policy"
@@ -95,11 +105,41 @@ def parse_choice(choice: Mapping[str, Any], version: int) -> Completion:
     return Completion(ids, [float(x) for x in logprobs], [version] * len(ids), "length" if reason == "length" else "stop")
 
 
+def base_problem(base_digest: str | None, spec: AdapterSpec) -> str | None:
+    """Why adapters of ``spec`` cannot be served over the engine's model (its digest ``base_digest``), or None."""
+    if base_digest is None:
+        return "this vllm engine does not serve LoRA adapters (rollout.engine.max_lora_rank is 0)"
+    if spec.base_digest != base_digest:
+        return (f"adapters over base {spec.base_digest[:12]}, and the model vllm loaded is {base_digest[:12]}: vllm serves "
+                "adapters over the model it loaded (model.pretrained); a base a warm start changed needs merged versions")
+    return None
+
+
 class VLLMServerEngine(RemoteEngine):
-    def __init__(self, url: str, server: ServerProcess | None, stager: WeightStager, tokenizer: Any, model: str = SERVED_NAME) -> None:
+    def __init__(self, url: str, server: ServerProcess | None, stager: WeightStager, tokenizer: Any, model: str = SERVED_NAME,
+                 base_digest: str | None = None) -> None:
         super().__init__(url, server, stager, tokenizer)
         self.model = model
+        self.base_digest = base_digest  # of the model the server loaded: LoRA versions adapt it (None: no LoRA)
+        self.adapter_name: str | None = None  # the adapter the requests name (LoRA versions)
+        self.adapter_dir: Any = None
         self.paused_updates = 0  # weight updates made between /pause and /resume (a server without them: none)
+
+    def adapter_problem(self, spec: AdapterSpec) -> str | None:
+        return base_problem(self.base_digest, spec)
+
+    def load_adapter(self, adapters: Mapping[str, Any], version: int, spec: AdapterSpec) -> None:
+        path = self.stager.stage_adapter(adapters, spec.scale, version)
+        name = f"v{version}"
+        with self.lock.write():
+            self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            old, self.adapter_name, self.model = self.adapter_name, name, name
+            if old is not None and old != name:
+                self.post_optional("/v1/unload_lora_adapter", {"lora_name": old})
+            self._version = version
+        if self.adapter_dir is not None and self.adapter_dir != path:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        self.adapter_dir = path
 
     def generate_group(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Completion]:
         reply = self.post("/v1/completions", completion_body(self.model, prompts, params))
@@ -127,9 +167,12 @@ class VLLMServerEngine(RemoteEngine):
 class VLLMInProcessEngine:
     """``vllm.LLM`` inside the node (one GPU process: no HTTP, same update path through collective_rpc)."""
 
-    def __init__(self, llm: Any, stager: WeightStager) -> None:
+    def __init__(self, llm: Any, stager: WeightStager, base_digest: str | None = None) -> None:
         self.llm = llm
         self.stager = stager
+        self.base_digest = base_digest  # of the model vllm loaded: LoRA versions adapt it (None: no LoRA)
+        self.lora: Any = None  # the LoRARequest of the version served (LoRA versions)
+        self.adapter_dir: Any = None
         self._version = -1
         self._state: Mapping[str, Any] = {}
         self.lock = threading.Lock()  # ``vllm.LLM`` is not thread-safe: a node's slots call it one at a time
@@ -154,7 +197,8 @@ class VLLMInProcessEngine:
             sps = [VSP(max_tokens=r.params.max_new_tokens, temperature=r.params.temperature, top_p=r.params.top_p,
                        stop=list(r.params.stop) or None, seed=r.params.seed, logprobs=0, include_stop_str_in_output=True,
                        skip_special_tokens=False) for r in requests]
-            outs = self.llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], sps, use_tqdm=False)
+            outs = self.llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], sps, use_tqdm=False,
+                                     lora_request=self.lora)
         comps = []
         for o in outs:
             co = o.outputs[0]
@@ -172,6 +216,22 @@ class VLLMInProcessEngine:
             self._state = state
         self.stager.commit(path)
 
+    def adapter_problem(self, spec: AdapterSpec) -> str | None:
+        return base_problem(self.base_digest, spec)
+
+    def load_adapter(self, adapters: Mapping[str, Any], version: int, spec: AdapterSpec) -> None:
+        from vllm.lora.request import LoRARequest
+
+        path = self.stager.stage_adapter(adapters, spec.scale, version)
+        with self.lock:
+            old, self.lora = self.lora, LoRARequest(f"v{version}", version + 1, str(path))
+            if old is not None:
+                self.llm.llm_engine.remove_lora(old.lora_int_id)
+            self._version = version
+        if self.adapter_dir is not None and self.adapter_dir != path:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        self.adapter_dir = path
+
     def close(self) -> None:
         self.stager.close()
 
@@ -185,18 +245,24 @@ def launch_command(model_path: str, port: int, extra: list[str]) -> list[str]:
 @ENGINES.register("vllm", VllmOptions)
 def build_vllm(options: VllmOptions, model_cfg: Any, rollout_cfg: Any, tokenizer: Any) -> Any:
     path, stager = prepare("vllm", model_cfg, options, tokenizer)
+    base = model_digest(model_cfg, tokenizer) if options.max_lora_rank else None
+    lora_args = ["--enable-lora", "--max-lora-rank", str(options.max_lora_rank)] if base else []
     cpu_env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", f"{options.cpu_kv_cache_gib:g}")}  # read on a CPU only
     if options.mode == "inprocess":
         from vllm import LLM
 
         os.environ.update(cpu_env)  # vLLM reads it in the engine processes it starts, which inherit it
-        return VLLMInProcessEngine(LLM(model=path, worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs"), stager)
+        lora = {"enable_lora": True, "max_lora_rank": options.max_lora_rank, "max_loras": 2} if base else {}
+        return VLLMInProcessEngine(LLM(model=path, worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs", **lora), stager,
+                                   base)
     server = None
     url = options.url
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = ServerProcess(launch_command(path, port, list(options.args)), {"VLLM_SERVER_DEV_MODE": "1", **cpu_env},
+        lora_env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if base else {}
+        server = ServerProcess(launch_command(path, port, lora_args + list(options.args)),
+                               {"VLLM_SERVER_DEV_MODE": "1", **cpu_env, **lora_env},
                                stager.root / "vllm-server.log")
         try:
             server.wait_healthy(url + VLLMServerEngine.health_path, options.startup_timeout)
@@ -205,4 +271,4 @@ def build_vllm(options: VllmOptions, model_cfg: Any, rollout_cfg: Any, tokenizer
             stager.close()
             raise
     models = http_json(f"{url.rstrip('/')}/v1/models", timeout=30.0).get("data") or [{"id": SERVED_NAME}]
-    return VLLMServerEngine(url, server, stager, tokenizer, model=models[0]["id"])
+    return VLLMServerEngine(url, server, stager, tokenizer, model=models[0]["id"], base_digest=base)
