@@ -170,7 +170,7 @@ class RolloutConfig(Strict):
     """Every policy on one base model: a node holds the base once with each policy's LoRA adapter beside it (peft,
     unmerged; ``rollout/engines/shared_base.py``) and serves each task with its policy's adapter, instead of one merged
     model per policy. Needs every policy to train LoRA announcing adapters (``trainer.lora``) over the same model, on
-    the ``hf`` engine."""
+    the ``hf`` engine; each policy's warm start then trains its adapters, the base staying every policy's."""
     plugins: list[str] = []
     """Modules (``pkg.mod``) or ``.py`` files that register the recipe's own workflows, rewards, tools or engines.
     They are imported when the recipe is loaded (before ``engine`` and ``workflow`` are resolved), in every role."""
@@ -577,10 +577,6 @@ class Recipe(Strict):
             if lora is None or lora.announce != "adapter":
                 raise ValueError(f"rollout.shared_base: policy {name!r} must train LoRA announcing adapters (trainer.lora, "
                                  "announce: adapter)")
-            if policy.sft.steps:
-                raise ValueError(f"rollout.shared_base: policy {name!r}'s warm start (sft.steps) trains every weight, so its "
-                                 "base would be its own; start every policy from the shared model (sft.steps: 0, or a "
-                                 "model.pretrained that was warm-started)")
             if policy.trainer.routing != "own":
                 raise ValueError(f"rollout.shared_base: policy {name!r}: trainer.routing needs an engine of its own")
 

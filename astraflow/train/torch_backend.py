@@ -56,7 +56,7 @@ class TorchBackend:
         self.tokenizer = tokenizer
         self.temperature = temperature
         self.device = self._device()
-        if cfg.lora is not None:  # adapters trained, the base frozen (train/lora.py)
+        if cfg.lora is not None and not is_adapted(model):  # adapters trained, the base frozen (train/lora.py)
             model = with_lora(model, cfg.lora)
         self.module = model.to(self.device)
         self.objective = Objective(cfg)
