@@ -9,13 +9,12 @@ adapters into that policy's adapter (``load_adapter``, holding the engine as a l
 
 Served unmerged: every decoded token pays two thin matmuls per adapted layer and policy present in the batch (the
 price of holding one base for all; a policy alone is served cheaper merged into a copy: weights/adapters.py). Every
-policy must announce adapters over this node's base (its digest is checked before a version is fetched: ``base_digest``);
+policy must announce adapters over this node's base (WeightSync asks ``adapter_problem`` before it fetches a version);
 a version over another base is refused, since the base is every policy's.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -29,8 +28,6 @@ from astraflow.streams.messages import AdapterSpec
 from astraflow.weights.adapters import A, AdapterError, B, BaseMismatch, adapted_layers
 from astraflow.weights.delta import state_digest, to_bf16_state
 
-log = logging.getLogger(__name__)
-
 
 class SharedBase:
     """One ``hf`` engine over a base model carrying one LoRA adapter per policy (``loras``: each policy's)."""
@@ -39,6 +36,7 @@ class SharedBase:
         try:
             from peft import LoraConfig as PeftLoraConfig
             from peft import get_peft_model
+            from peft.tuners.lora import LoraLayer
         except ImportError as e:
             raise RuntimeError(f"rollout.shared_base needs a missing package ({e.name}); pip install 'astraflow[lora]'") from e
         if not loras:
@@ -54,8 +52,6 @@ class SharedBase:
                 wrapped.add_adapter(name, peft_cfg)
         self.engine = HFEngine(wrapped, tokenizer, **engine_options)
         self.layers: dict[str, dict[str, Any]] = {}  # policy -> its adapted layers (the base model's names) -> peft layer
-        from peft.tuners.lora import LoraLayer
-
         for module_name, module in wrapped.get_base_model().named_modules():
             if isinstance(module, LoraLayer):
                 for policy in module.lora_A:
