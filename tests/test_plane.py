@@ -231,3 +231,40 @@ async def test_publications_and_writes_a_servers_restart_cut_off_fail_at_once_an
     finally:
         await plane.close()
         server.stop()
+
+
+async def test_a_request_the_plane_did_not_answer_is_asked_again_a_bounded_number_of_times(monkeypatch):
+    """``ask_again``: a request lost with its server (a timeout, no responders) is asked again, and answered once the
+    plane is back; one that never is fails after ``ATTEMPTS``; any other error is not asked again."""
+    from nats.errors import TimeoutError as NatsTimeoutError
+
+    from astraflow.streams import retry
+
+    monkeypatch.setattr(retry, "PAUSE_S", 0.0)
+    calls: list[int] = []
+
+    async def lost_twice() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise NatsTimeoutError
+        return "answered"
+
+    assert await retry.ask_again(lost_twice, "a read") == "answered" and len(calls) == 3
+    calls.clear()
+
+    async def never() -> str:
+        calls.append(1)
+        raise NatsTimeoutError
+
+    with pytest.raises(NatsTimeoutError):
+        await retry.ask_again(never, "a read")
+    assert len(calls) == retry.ATTEMPTS
+    calls.clear()
+
+    async def refused() -> str:
+        calls.append(1)
+        raise ValueError("not a lost request")
+
+    with pytest.raises(ValueError):
+        await retry.ask_again(refused, "a read")
+    assert len(calls) == 1
