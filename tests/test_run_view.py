@@ -3,16 +3,21 @@ not as JSON (``astraflow/launch/view.py``, ``astraflow/launch/summary_tables.py`
 
 from __future__ import annotations
 
+import hashlib
 import io
 import time
 
+import pytest
 from rich.console import Console
 
-from astraflow.config import load_recipe
+from astraflow.config import load_recipe, parse_recipe
+from astraflow.launch.rundir import RunDir
 from astraflow.launch.summary_tables import duration, held_out, size, summary_tables
 from astraflow.launch.view import NO_NODE_HINT_S, View
-from astraflow.launch.watcher import Live
-from astraflow.streams.messages import DataflowStats, Heartbeat, RolloutStats, TrainerStats
+from astraflow.launch.watcher import Live, RunWatcher
+from astraflow.streams.messages import DataflowStats, Heartbeat, ObjectRef, RolloutStats, TrainerStats, WeightVersion
+from astraflow.streams.plane import Plane
+from astraflow.streams.state import StateReadError
 
 SUMMARY = {
     "recipe": "arithmetic", "outcome": "finished", "wall_s": 37.1, "sessions": 2, "restarts": {"rollout-0": 1},
@@ -95,3 +100,37 @@ def test_the_live_view_says_what_the_dataflow_refused(repo_root):
     line = view.line(live, {}, 1.0, None)
     assert line.endswith("| refused 4,827: reward_claim 2,414, prompt_claim 2,400, reward_range 12")
     assert "refused 4,827" in str(view.table(live, {}).caption)
+
+
+def keyframe(version: int) -> WeightVersion:
+    digest = hashlib.sha256(f"solver-{version}".encode()).hexdigest()
+    ref = ObjectRef(name=f"solver/v{version}", nuid=f"n{version}", size=0, chunk_size=1, digests=[digest], digest=digest)
+    return WeightVersion(policy="solver", version=version, encoding="keyframe", state_digest=digest, keyframe_version=version,
+                         objects=[ref])
+
+
+async def test_versions_fetched_in_a_turn_whose_state_read_fails_are_recorded_in_the_next(plane: Plane, tmp_path, monkeypatch):
+    """A server restarting under the launcher fails the state read that follows the announcements' fetch: the versions
+    fetched in that turn are recorded in the next one (the follower hands each over once), none is skipped."""
+    rundir = RunDir(tmp_path / "run")
+    rundir.prepare()
+    watcher = RunWatcher(plane, parse_recipe({"name": "w", "trainer": {"steps": 10}}), rundir, set())
+    read = plane.state.get
+
+    async def failing(*args, **kwargs):
+        raise StateReadError("dataflow state: TimeoutError (the server is restarting)")
+
+    for v in range(3):
+        await plane.publish(plane.names.weights("solver"), keyframe(v), msg_id=f"w{v}")
+    monkeypatch.setattr(plane.state, "get", failing)
+    with pytest.raises(StateReadError):
+        await watcher.poll(2.0)
+    monkeypatch.setattr(plane.state, "get", read)
+    for v in range(3, 5):
+        await plane.publish(plane.names.weights("solver"), keyframe(v), msg_id=f"w{v}")
+    for _ in range(10):
+        await watcher.poll(0.5)
+        if len(list(rundir.rows("metrics.jsonl"))) == 5:
+            break
+    assert [r["version"] for r in rundir.rows("metrics.jsonl")] == [0, 1, 2, 3, 4]
+    await watcher.stop()

@@ -77,6 +77,7 @@ class RunWatcher:
         self._sampled: tuple[float, int] | None = None
         self._targets: list[dict[str, Any]] = []
         self._newest: dict[str, WeightVersion] = {}  # per policy: the newest announcement recorded
+        self._unrecorded: list[WeightVersion] = []  # fetched from the followers, not yet in metrics.jsonl
         self._announcements = [plane.follower(plane.names.weights(p), WeightVersion, start="all", check=self._possible_on(p))
                                for p in recipe.policy_names]
 
@@ -130,9 +131,12 @@ class RunWatcher:
     async def poll(self, wait: float) -> None:
         """One turn: announcements, evaluations, lags and a pool sample. The dataflow's count is read after the
         announcements arrive: read before, a version trained while the fetch waited would be recorded with a count
-        from before its own batch."""
-        anns = [a for i, f in enumerate(self._announcements) for a in await f.fetch(wait if i == 0 else 0.0)]
+        from before its own batch. Announcements fetched in a turn that fails after the fetch (the server restarting
+        under the read) are recorded in the next one: a follower hands each over once."""
+        for i, f in enumerate(self._announcements):
+            self._unrecorded += await f.fetch(wait if i == 0 else 0.0)
         await self.read_dataflow()
+        anns, self._unrecorded = self._unrecorded, []
         for ann in anns:
             key = (ann.policy, ann.version, ann.state_digest)
             if key in self._recorded:
