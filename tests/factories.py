@@ -8,13 +8,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from astraflow.models import encode_prompt, load_tokenizer
-from astraflow.streams.messages import Task, Trajectory
+from astraflow.streams.messages import ObjectRef, Task, Trajectory, WeightVersion
 
 BYT5 = load_tokenizer("byt5")
 
@@ -32,6 +33,14 @@ def a_task(i: int | str = 1, *, prompt: str = "1+2=", answer: str | None = "3", 
                                   group_size=group_size, meta={"answer": answer} if answer is not None else {})
     fields.update(over)
     return Task(**fields)
+
+
+def a_keyframe_announcement(version: int, policy: str = "solver") -> WeightVersion:
+    """A well-formed keyframe announcement (its object is not stored: for what reads announcements only)."""
+    digest = hashlib.sha256(f"{policy}-{version}".encode()).hexdigest()
+    ref = ObjectRef(name=f"{policy}/v{version}", nuid=f"n{version}", size=0, chunk_size=1, digests=[digest], digest=digest)
+    return WeightVersion(policy=policy, version=version, encoding="keyframe", state_digest=digest, keyframe_version=version,
+                         objects=[ref])
 
 
 def a_trajectory(task: int | str = 1, index: int = 0, *, policy: str = "solver", group_size: int = 2, n: int = 2,

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from factories import a_trajectory
+from factories import a_keyframe_announcement, a_trajectory
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js.errors import ServiceUnavailableError
@@ -17,7 +17,7 @@ from nats.js.errors import ServiceUnavailableError
 from astraflow.streams.acks import AcksLost
 from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
 from astraflow.streams.consuming import Delivery, IncompleteHistory, read_history
-from astraflow.streams.messages import Rejected, Task, Trajectory
+from astraflow.streams.messages import Rejected, Task, Trajectory, WeightVersion
 from astraflow.streams.objects import CorruptObject, WriteInterrupted, get_object, object_stream, put_object
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import EmbeddedServer
@@ -231,3 +231,79 @@ async def test_publications_and_writes_a_servers_restart_cut_off_fail_at_once_an
     finally:
         await plane.close()
         server.stop()
+
+
+async def test_a_follower_resumes_as_soon_as_its_restarted_server_is_back_and_skips_nothing(tmp_path, run_id):
+    """A killed server takes the followers' (ephemeral) consumers with it. Once the connection is back the follower
+    makes its consumer again at once, from the message after the last it handed in; not two missed heartbeats later
+    (4-8 s), when a fast subject has run past what its stream keeps (here 4 announcements) and those are lost to it."""
+    server = EmbeddedServer(tmp_path).start()
+    plane = await Plane.connect(NatsOptions(url=server.url), run_id, "test")
+    subject = plane.names.weights("solver")
+    try:
+        await plane.ensure_topology(Topology(policies=("solver",), weights_history=4))
+        follower = plane.follower(subject, WeightVersion, start="all")
+        seen: list[int] = []
+
+        async def follow_until(n: int, within: float) -> None:
+            deadline = time.monotonic() + within
+            while len(seen) < n and time.monotonic() < deadline:
+                seen.extend(a.version for a in await follower.fetch(0.1))
+
+        for v in range(3):
+            await plane.publish(subject, a_keyframe_announcement(v), msg_id=f"w{v}")
+        await follow_until(3, 5.0)
+        assert server.proc is not None
+        server.proc.kill()
+        server.proc.wait()
+        server.restart()
+        deadline = time.monotonic() + 10
+        while plane.disconnected_for() > 0 or not plane._nc.is_connected:
+            assert time.monotonic() < deadline, "the client did not reconnect"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        for v in range(3, 11):
+            await plane.publish(subject, a_keyframe_announcement(v), msg_id=f"w{v}")
+        await follow_until(11, 3.0)
+        assert seen == list(range(11))
+        await follower.close()
+    finally:
+        await plane.close()
+        server.stop()
+
+
+async def test_a_request_the_plane_did_not_answer_is_asked_again_a_bounded_number_of_times(monkeypatch):
+    """``ask_again``: a request lost with its server (a timeout, no responders) is asked again, and answered once the
+    plane is back; one that never is fails after ``ATTEMPTS``; any other error is not asked again."""
+    from nats.errors import TimeoutError as NatsTimeoutError
+
+    from astraflow.streams import retry
+
+    monkeypatch.setattr(retry, "PAUSE_S", 0.0)
+    calls: list[int] = []
+
+    async def lost_twice() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise NatsTimeoutError
+        return "answered"
+
+    assert await retry.ask_again(lost_twice, "a read") == "answered" and len(calls) == 3
+    calls.clear()
+
+    async def never() -> str:
+        calls.append(1)
+        raise NatsTimeoutError
+
+    with pytest.raises(NatsTimeoutError):
+        await retry.ask_again(never, "a read")
+    assert len(calls) == retry.ATTEMPTS
+    calls.clear()
+
+    async def refused() -> str:
+        calls.append(1)
+        raise ValueError("not a lost request")
+
+    with pytest.raises(ValueError):
+        await retry.ask_again(refused, "a read")
+    assert len(calls) == 1

@@ -3,11 +3,11 @@ not as JSON (``astraflow/launch/view.py``, ``astraflow/launch/summary_tables.py`
 
 from __future__ import annotations
 
-import hashlib
 import io
 import time
 
 import pytest
+from factories import a_keyframe_announcement
 from rich.console import Console
 
 from astraflow.config import load_recipe, parse_recipe
@@ -15,7 +15,7 @@ from astraflow.launch.rundir import RunDir
 from astraflow.launch.summary_tables import duration, held_out, size, summary_tables
 from astraflow.launch.view import NO_NODE_HINT_S, View
 from astraflow.launch.watcher import Live, RunWatcher
-from astraflow.streams.messages import DataflowStats, Heartbeat, ObjectRef, RolloutStats, TrainerStats, WeightVersion
+from astraflow.streams.messages import DataflowStats, Heartbeat, RolloutStats, TrainerStats
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import StateReadError
 
@@ -102,13 +102,6 @@ def test_the_live_view_says_what_the_dataflow_refused(repo_root):
     assert "refused 4,827" in str(view.table(live, {}).caption)
 
 
-def keyframe(version: int) -> WeightVersion:
-    digest = hashlib.sha256(f"solver-{version}".encode()).hexdigest()
-    ref = ObjectRef(name=f"solver/v{version}", nuid=f"n{version}", size=0, chunk_size=1, digests=[digest], digest=digest)
-    return WeightVersion(policy="solver", version=version, encoding="keyframe", state_digest=digest, keyframe_version=version,
-                         objects=[ref])
-
-
 async def test_versions_fetched_in_a_turn_whose_state_read_fails_are_recorded_in_the_next(plane: Plane, tmp_path, monkeypatch):
     """A server restarting under the launcher fails the state read that follows the announcements' fetch: the versions
     fetched in that turn are recorded in the next one (the follower hands each over once), none is skipped."""
@@ -121,13 +114,13 @@ async def test_versions_fetched_in_a_turn_whose_state_read_fails_are_recorded_in
         raise StateReadError("dataflow state: TimeoutError (the server is restarting)")
 
     for v in range(3):
-        await plane.publish(plane.names.weights("solver"), keyframe(v), msg_id=f"w{v}")
+        await plane.publish(plane.names.weights("solver"), a_keyframe_announcement(v), msg_id=f"w{v}")
     monkeypatch.setattr(plane.state, "get", failing)
     with pytest.raises(StateReadError):
         await watcher.poll(2.0)
     monkeypatch.setattr(plane.state, "get", read)
     for v in range(3, 5):
-        await plane.publish(plane.names.weights("solver"), keyframe(v), msg_id=f"w{v}")
+        await plane.publish(plane.names.weights("solver"), a_keyframe_announcement(v), msg_id=f"w{v}")
     for _ in range(10):
         await watcher.poll(0.5)
         if len(list(rundir.rows("metrics.jsonl"))) == 5:

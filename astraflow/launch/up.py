@@ -249,6 +249,24 @@ class ServerKeeper:
         self.servers = servers
         self.rundir = rundir
         self.exits: list[float] = []  # monotonic times of the servers' exits in this session
+        self.failed: RunFailed | None = None  # a crash loop, or a server that did not start again (:meth:`check`)
+
+    async def watch(self, view: View, every_s: float = 0.2) -> None:
+        """:meth:`keep` every ``every_s`` seconds, apart from the launcher's loop, whose plane calls wait out their
+        timeouts while a server is down (a kill was seen 11 s late that way). On the event loop's thread: a server dies
+        with the thread that started it (PR_SET_PDEATHSIG), so not on a worker's."""
+        while self.failed is None:
+            try:
+                self.keep(view)
+            except RunFailed as e:
+                self.failed = e
+                return
+            await asyncio.sleep(every_s)
+
+    def check(self) -> None:
+        """Raise what :meth:`watch` found the run cannot go on with."""
+        if self.failed is not None:
+            raise self.failed
 
     def keep(self, view: View) -> None:
         """Restart every server that has exited since the last call, noted in the view and in ``restarts.jsonl``."""
@@ -262,7 +280,7 @@ class ServerKeeper:
             if len(self.exits) > self.MAX_RESTARTS:
                 raise RunFailed(f"{name} exited {len(self.exits)} times within {self.WINDOW_S:.0f}s (last: {exit_text(code)}); "
                                 f"see {server.run_dir / 'nats' / 'nats-server.log'}")
-            try:  # on this thread: a server dies with the thread that started it (PR_SET_PDEATHSIG), so not a worker's
+            try:
                 server.restart()
             except (RuntimeError, TimeoutError) as e:
                 raise RunFailed(f"{name} ended ({exit_text(code)}) and did not start again: {e}") from None
@@ -293,12 +311,14 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
     started = time.monotonic()
     failing_since: float | None = None
     keeper = ServerKeeper(servers or [], rundir)
+    keeping: asyncio.Task[None] | None = None
     try:
         with View(recipe, console, join) as view:
             for change in early:
                 view.note(f"[bold red]access[/]: {change}")
+            keeping = asyncio.create_task(keeper.watch(view))
             while not stop.is_set():
-                keeper.keep(view)
+                keeper.check()
                 try:  # the plane may hiccup (a cluster node lost, a leader elected): the run goes on
                     await watcher.poll(0.5)
                     finished = await watcher.finished()
@@ -327,6 +347,9 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
                 await watcher.record_accounting()
             return "stopped"
     finally:
+        if keeping is not None:
+            keeping.cancel()
+            await asyncio.gather(keeping, return_exceptions=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await watcher.stop()

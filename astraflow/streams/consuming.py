@@ -169,7 +169,10 @@ class Follower(Generic[M]):
     An ordered consumer is ephemeral and flow-controlled: the server pushes into this
     process's own inbox (no pull request per window, no permission to pull anyone's durable),
     and the client remakes it from the next sequence when a heartbeat or a sequence is missed
-    (a server restart, a lost message), so the follower never waits on a consumer that is gone.
+    (a lost message). A server that restarted has lost the consumer: :meth:`resume`, called when
+    the connection is back, makes it again at once from the sequence after the last one handed
+    in, rather than two missed heartbeats later (seconds in which a fast subject can run past
+    what its stream keeps).
     """
 
     def __init__(self, js: JetStreamContext, stream: str, subject: str, model: type[M], start: Literal["last", "all"] = "last",
@@ -178,22 +181,51 @@ class Follower(Generic[M]):
         self._start, self._on_bad = start, on_bad
         self._check, self._dead_letter = check, dead_letter
         self._sub: JetStreamContext.PushSubscription | None = None
+        self._subscribing = asyncio.Lock()
+        self._last_seq = 0  # the stream sequence of the newest message handed in (0: none yet)
         self._got: list[Msg] = []
         self._arrived = asyncio.Event()
         self._missing = 0
         self.rejected = 0
 
     async def _on_msg(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self._last_seq:  # a consumer remade from an earlier sequence than it had reached: once each
+            return
+        self._last_seq = seq
         self._got.append(msg)
         self._arrived.set()
+
+    async def _subscribe(self) -> None:
+        """The ordered consumer, from the sequence after the last one handed in (or from ``start`` when none was)."""
+        async with self._subscribing:
+            if self._sub is not None:
+                return
+            if self._last_seq:
+                self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, cb=self._on_msg,
+                                                     idle_heartbeat=2.0, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                                                     config=api.ConsumerConfig(opt_start_seq=self._last_seq + 1))
+            else:
+                deliver = api.DeliverPolicy.LAST if self._start == "last" else api.DeliverPolicy.ALL
+                self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, cb=self._on_msg,
+                                                     idle_heartbeat=2.0, deliver_policy=deliver)
+
+    async def resume(self) -> None:
+        """Make the consumer again from the sequence after the last one handed in (the connection is back, maybe to a
+        server that restarted and lost it). One that cannot be made now is made by the next :meth:`fetch`."""
+        if self._sub is None:
+            return
+        await self.close()
+        try:
+            await self._subscribe()
+        except Exception as e:  # the server may be gone again: the next fetch tries
+            log.debug("following %s again: %s", self.subject, e)
 
     async def fetch(self, wait: float) -> list[M]:
         """What arrived since the last call; waits up to ``wait`` seconds when nothing has."""
         if self._sub is None:
-            deliver = api.DeliverPolicy.LAST if self._start == "last" else api.DeliverPolicy.ALL
             try:
-                self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, deliver_policy=deliver,
-                                                     cb=self._on_msg, idle_heartbeat=2.0)
+                await self._subscribe()
             except NotFoundError:  # not there yet (a region whose mirror is being made): nothing to read, ask again later
                 self._missing += 1
                 if self._missing == 1 or self._missing % 30 == 0:
@@ -232,12 +264,12 @@ class Follower(Generic[M]):
         return out
 
     async def close(self) -> None:
-        if self._sub is not None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
             try:
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
             except Exception:  # the connection may be gone already
                 pass
-            self._sub = None
 
 
 class IncompleteHistory(TimeoutError):

@@ -16,6 +16,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
+from astraflow.streams.retry import ask_again
 from astraflow.streams.state import Record, StateReadError
 from astraflow.streams.subjects import Names
 
@@ -44,7 +45,8 @@ class RunState:
     async def _entry(self, cls: type[Record], key: str) -> tuple[bytes | None, int]:
         name = self._bucket_name(cls)
         try:
-            entry = await (await self._bucket(name)).get(key)
+            bucket = await self._bucket(name)
+            entry = await ask_again(lambda: bucket.get(key), f"reading {key} from {name}")
         except KeyNotFoundError:  # never written, deleted or purged
             return None, 0
         except (BucketNotFoundError, NotFoundError) as e:
@@ -69,13 +71,17 @@ class RunState:
         return f"$JS.{self._domain}.API.{subject}" if self._domain else subject
 
     async def put(self, record: Record) -> None:
-        await self._js.publish(self._subject(record), record.encode())
+        await ask_again(lambda: self._js.publish(self._subject(record), record.encode()), f"writing {record.key}")
 
     async def put_many(self, records: list[Record]) -> None:
         """Pipelined writes, each acknowledged by the server before this returns."""
-        futs = [await self._js.publish_async(self._subject(r), r.encode()) for r in records]
-        if futs:
-            await asyncio.gather(*futs)
+
+        async def write() -> None:
+            futs = [await self._js.publish_async(self._subject(r), r.encode()) for r in records]
+            if futs:
+                await asyncio.gather(*futs)
+
+        await ask_again(write, f"writing {len(records)} records")
 
     async def delete(self, cls: type[Record], *parts: str | int) -> None:
         await (await self._bucket(self._bucket_name(cls))).delete(cls.key_for(*parts))

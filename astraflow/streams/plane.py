@@ -16,6 +16,7 @@ import logging
 import os
 import ssl
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -49,6 +50,7 @@ from astraflow.streams.kv import RunState
 from astraflow.streams.messages import Heartbeat, Message, Rejected, Trajectory, TrajectoryGroup
 from astraflow.streams.objects import ObjectStore, object_stream
 from astraflow.streams.permissions import inbox_prefix, node_of
+from astraflow.streams.retry import ask_again
 from astraflow.streams.subjects import Names
 from astraflow.streams.topology import Topology, TopologyMaker
 
@@ -132,10 +134,13 @@ class NatsOptions(BaseModel):
 
 
 class _Gone:
-    """When the connection went down (nats-py callbacks), so a role can bound how long it waits for its server."""
+    """When the connection went down (nats-py callbacks), so a role can bound how long it waits for its server; and
+    the followers to resume when it is back (a restarted server has lost their consumers)."""
 
     def __init__(self) -> None:
         self.since: float | None = None
+        self.followers: weakref.WeakSet[Follower[Any]] = weakref.WeakSet()
+        self._resuming: set[asyncio.Task[None]] = set()
 
     async def down(self) -> None:
         if self.since is None:
@@ -143,6 +148,10 @@ class _Gone:
 
     async def up(self) -> None:
         self.since = None
+        for follower in list(self.followers):  # in tasks: the client is still finishing its reconnect in this callback
+            task = asyncio.create_task(follower.resume())
+            self._resuming.add(task)
+            task.add_done_callback(self._resuming.discard)
 
     async def error(self, e: Exception) -> None:
         log.debug("nats: %s", e)
@@ -324,7 +333,7 @@ class Plane:
         return Consumer(self, self.names.traj_stream, durable, functools.partial(decode_either, first=Trajectory, second=TrajectoryGroup))
 
     async def lag(self, stream: str, durable: str) -> Lag:
-        info = await self._jsm.consumer_info(stream, durable)
+        info = await ask_again(lambda: self._jsm.consumer_info(stream, durable), f"the lag of {durable} on {stream}")
         delivered = int(info.delivered.stream_seq or 0) if info.delivered is not None else 0
         return Lag(info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0, delivered)
 
@@ -400,8 +409,10 @@ class Plane:
                  start: Literal["last", "all"] = "last", on_bad: OnBad = log_bad, check: Check[M] | None = None) -> Follower[M]:
         """Follow ``subject`` of ``stream`` (default: the family's own stream; a mirror's name in ``domain``).
         ``check``: a message it returns a reason against goes to the DLQ (``dlq.{family}``) with its original bytes."""
-        return Follower(self._js_for(domain or self.domain), stream or self._stream_of(subject), subject, model, start, on_bad,
-                        check, self.reject)
+        follower = Follower(self._js_for(domain or self.domain), stream or self._stream_of(subject), subject, model, start, on_bad,
+                            check, self.reject)
+        self._gone.followers.add(follower)
+        return follower
 
     async def history(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
                       last_only: bool = False, on_bad: OnBad = log_bad) -> list[M]:
