@@ -426,19 +426,30 @@ class Plane:
 
     async def follow(self, subject: str, model: type[M], cb: Callable[[M], Awaitable[None]], history: bool = True,
                      on_bad: OnBad = log_bad) -> Subscription:
-        """Call ``cb`` with every message on ``subject`` (from the start of its stream when ``history``), in order."""
+        """Call ``cb`` with every message on ``subject`` (from the start of its stream when ``history``, else from the
+        newest), in order, from a task of its own; through a :meth:`follower`, so it resumes as soon as a restarted
+        server is back. An error of ``cb`` is logged and the messages after it are still handed over."""
+        follower = self.follower(subject, model, start="all" if history else "last", on_bad=on_bad)
+        first = await follower.fetch(0.0)  # subscribed before this returns: what is published from now on is handed over
 
-        async def handle(msg: Msg) -> None:
-            try:
-                decoded = decode(msg.data, model)
-            except DecodeError as e:
-                on_bad(msg.subject, str(e))
-                return
-            await cb(decoded)
+        async def hand_over() -> None:
+            arrived = first
+            while True:
+                for msg in arrived:
+                    try:
+                        await cb(msg)
+                    except Exception:
+                        log.exception("following %s: the handler failed on a message; going on", subject)
+                arrived = await follower.fetch(1.0)
 
-        deliver = api.DeliverPolicy.ALL if history else api.DeliverPolicy.NEW
-        sub = await self._js.subscribe(subject, ordered_consumer=True, deliver_policy=deliver, cb=handle)
-        return Subscription(sub.unsubscribe)
+        task = asyncio.create_task(hand_over())
+
+        async def stop() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await follower.close()
+
+        return Subscription(stop)
 
     def _stream_of(self, subject: str) -> str:
         return self.names.stream(subject.split(".")[2])
