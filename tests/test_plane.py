@@ -21,6 +21,7 @@ from astraflow.streams.messages import Rejected, Task, Trajectory, WeightVersion
 from astraflow.streams.objects import CorruptObject, WriteInterrupted, get_object, object_stream, put_object
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import EmbeddedServer
+from astraflow.streams.state import VersionRecord
 
 
 def make_traj(i: int = 0, n: int = 5) -> Trajectory:
@@ -228,6 +229,22 @@ async def test_publications_and_writes_a_servers_restart_cut_off_fail_at_once_an
         assert await plane.publish_many(tasks) == seqs and len(set(seqs)) == 3
         ref = await store.put("w", payload)
         assert await store.get(ref) == payload
+        # a run-state read or write in that dropped connection is asked again at once on the new one, not after its
+        # request's own timeout (10 s)
+        await plane.state.put(VersionRecord(policy="solver", version=3))
+        for request in (lambda: plane.state.get(VersionRecord, "solver"),
+                        lambda: plane.state.put(VersionRecord(policy="solver", version=4))):
+            server.proc.send_signal(signal.SIGSTOP)
+            asking = asyncio.ensure_future(request())
+            await asyncio.sleep(0.5)
+            server.proc.kill()
+            server.proc.wait()
+            server.restart()
+            t0 = time.monotonic()
+            await asking
+            assert time.monotonic() - t0 < 5
+        got = await plane.state.get(VersionRecord, "solver")
+        assert got is not None and got.version == 4
     finally:
         await plane.close()
         server.stop()

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, JetStreamManager
 
 POLL_S = 0.5  # how often a wait looks whether the connection was lost meanwhile
 
@@ -21,12 +21,12 @@ class AcksLost(TimeoutError):
     """The connection was lost and re-established while acks were awaited: some may never come."""
 
 
-def reconnects_of(js: JetStreamContext) -> int:
+def reconnects_of(js: JetStreamContext | JetStreamManager) -> int:
     """How often the connection under ``js`` has been re-established so far."""
     return int(js._nc.stats["reconnects"])
 
 
-async def acked(js: JetStreamContext, acks: Awaitable[Any], timeout: float, reconnects: int) -> Any:
+async def acked(js: JetStreamContext | JetStreamManager, acks: Awaitable[Any], timeout: float, reconnects: int) -> Any:
     """``acks``' result within ``timeout`` seconds (``asyncio.TimeoutError`` after); :class:`AcksLost` as soon as the
     connection has been re-established since the publications went out (``reconnects``: the count then)."""
     pending = asyncio.ensure_future(acks)

@@ -44,9 +44,12 @@ class RunState:
 
     async def _entry(self, cls: type[Record], key: str) -> tuple[bytes | None, int]:
         name = self._bucket_name(cls)
+
+        async def read() -> KeyValue.Entry:
+            return await (await self._bucket(name)).get(key)
+
         try:
-            bucket = await self._bucket(name)
-            entry = await ask_again(lambda: bucket.get(key), f"reading {key} from {name}")
+            entry = await ask_again(read, f"reading {key} from {name}", self._js)
         except KeyNotFoundError:  # never written, deleted or purged
             return None, 0
         except (BucketNotFoundError, NotFoundError) as e:
@@ -71,7 +74,7 @@ class RunState:
         return f"$JS.{self._domain}.API.{subject}" if self._domain else subject
 
     async def put(self, record: Record) -> None:
-        await ask_again(lambda: self._js.publish(self._subject(record), record.encode()), f"writing {record.key}")
+        await ask_again(lambda: self._js.publish(self._subject(record), record.encode()), f"writing {record.key}", self._js)
 
     async def put_many(self, records: list[Record]) -> None:
         """Pipelined writes, each acknowledged by the server before this returns."""
@@ -81,7 +84,7 @@ class RunState:
             if futs:
                 await asyncio.gather(*futs)
 
-        await ask_again(write, f"writing {len(records)} records")
+        await ask_again(write, f"writing {len(records)} records", self._js)
 
     async def delete(self, cls: type[Record], *parts: str | int) -> None:
         await (await self._bucket(self._bucket_name(cls))).delete(cls.key_for(*parts))

@@ -333,7 +333,7 @@ class Plane:
         return Consumer(self, self.names.traj_stream, durable, functools.partial(decode_either, first=Trajectory, second=TrajectoryGroup))
 
     async def lag(self, stream: str, durable: str) -> Lag:
-        info = await ask_again(lambda: self._jsm.consumer_info(stream, durable), f"the lag of {durable} on {stream}")
+        info = await ask_again(lambda: self._jsm.consumer_info(stream, durable), f"the lag of {durable} on {stream}", self._jsm)
         delivered = int(info.delivered.stream_seq or 0) if info.delivered is not None else 0
         return Lag(info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0, delivered)
 

@@ -6,6 +6,9 @@ that gave up on the first timeout crashed and was restarted with its supervisor'
 server that was back in a tenth of a second. Only requests that can be repeated are asked again: reads, and writes
 of a whole value under its key (a run-state record), which leave the same state however often they land. An append to
 a stream is not: its repeat is a second message (those writers deduplicate by message id, or check, instead).
+
+Given the connection, a request is not waited for past a reconnect: one sent into the connection that dropped is
+never answered, and its timeout (10 s) would stall the role; it is asked again at once on the new connection.
 """
 
 from __future__ import annotations
@@ -17,23 +20,31 @@ from typing import TypeVar
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext, JetStreamManager
 from nats.js.errors import ServiceUnavailableError
+
+from astraflow.streams.acks import AcksLost, acked, reconnects_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-UNANSWERED = (NatsTimeoutError, NoRespondersError, ServiceUnavailableError)  # no answer came (it may have landed)
+UNANSWERED = (NatsTimeoutError, NoRespondersError, ServiceUnavailableError, AcksLost)  # no answer came (it may have landed)
 ATTEMPTS = 3
 PAUSE_S = 0.5  # before the second attempt; twice that before the third
+LONGER_THAN_ANY_REQUEST_S = 3600.0  # the request's own timeout ends an attempt first
 
 
-async def ask_again(request: Callable[[], Awaitable[T]], what: str, attempts: int = ATTEMPTS) -> T:
-    """``request()``, asked again up to ``attempts`` times in all while the plane does not answer; its last error then."""
+async def ask_again(request: Callable[[], Awaitable[T]], what: str, js: JetStreamContext | JetStreamManager | None = None,
+                    attempts: int = ATTEMPTS) -> T:
+    """``request()``, asked again up to ``attempts`` times in all while the plane does not answer; its last error then.
+    With ``js`` (the connection it goes out on), an attempt the connection was re-established under is given up at once."""
     for attempt in range(1, attempts + 1):
         try:
-            return await request()
+            if js is None:
+                return await request()
+            return await acked(js, request(), LONGER_THAN_ANY_REQUEST_S, reconnects_of(js))
         except UNANSWERED as e:
             if attempt == attempts:
                 raise
             log.info("%s: no answer (%s); asking again", what, type(e).__name__)
-            await asyncio.sleep(PAUSE_S * attempt)
+            await asyncio.sleep(0.0 if isinstance(e, AcksLost) else PAUSE_S * attempt)
     raise AssertionError("unreachable")
