@@ -299,11 +299,16 @@ class Plane:
                     raise
                 data = encode(await oversize(msg), self.max_payload)
             encoded.append((subject, data, msg_id))
+        if not encoded:
+            return []
+        if all(msg_id for _, _, msg_id in encoded):  # a repeat lands once (Nats-Msg-Id): sent again at once after a reconnect
+            return await ask_again(lambda: self._publish_encoded(encoded), f"publishing {len(encoded)} messages")
+        return await self._publish_encoded(encoded)
+
+    async def _publish_encoded(self, encoded: list[tuple[str, bytes, str | None]]) -> list[int]:
         reconnects = reconnects_of(self._js)
         futs = [await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id} if msg_id else None)
                 for subject, data, msg_id in encoded]
-        if not futs:
-            return []
         # an ack lost with a server (a cluster member killed mid-publish) never arrives: nats-py's futures wait forever
         try:
             await acked(self._js, asyncio.wait(futs), PUBLISH_ACK_TIMEOUT_S, reconnects)

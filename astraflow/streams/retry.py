@@ -41,7 +41,8 @@ async def ask_again(request: Callable[[], Awaitable[T]], what: str, js: JetStrea
         try:
             if js is None:
                 return await request()
-            return await acked(js, request(), LONGER_THAN_ANY_REQUEST_S, reconnects_of(js))
+            answer: T = await acked(js, request(), LONGER_THAN_ANY_REQUEST_S, reconnects_of(js))
+            return answer
         except UNANSWERED as e:
             if attempt == attempts:
                 raise
