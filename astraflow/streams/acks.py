@@ -37,6 +37,8 @@ async def acked(js: JetStreamContext | JetStreamManager, acks: Awaitable[Any], t
         try:
             return await asyncio.wait_for(asyncio.shield(pending), min(POLL_S, max(left, 0.0)))
         except asyncio.TimeoutError:
+            if pending.done():  # its own outcome, not this poll's: nats-py's timeouts are asyncio.TimeoutErrors too
+                return pending.result()
             lost = reconnects_of(js) - reconnects
             if lost or left <= POLL_S:
                 pending.cancel()  # what is still awaited is given up
