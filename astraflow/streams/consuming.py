@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import NotFoundError, ServiceUnavailableError
@@ -232,6 +233,13 @@ class Follower(Generic[M]):
                     log.warning("waiting for stream %s (%s): not there yet", self.stream, self.subject)
                 await asyncio.sleep(wait)
                 return []
+            except (NatsError, TimeoutError) as e:  # no server to make it on now (a restart, an election): ask again later
+                self._missing += 1
+                if self._missing == 1 or self._missing % 30 == 0:
+                    log.warning("following %s: its consumer cannot be made now (%s); trying again", self.subject, type(e).__name__)
+                await asyncio.sleep(wait)
+                return []
+            self._missing = 0
         if not self._got:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), wait)

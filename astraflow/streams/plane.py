@@ -445,7 +445,12 @@ class Plane:
                         await cb(msg)
                     except Exception:
                         log.exception("following %s: the handler failed on a message; going on", subject)
-                arrived = await follower.fetch(1.0)
+                try:
+                    arrived = await follower.fetch(1.0)
+                except Exception as e:  # whatever the plane did, following goes on: a dead task would stop it unseen
+                    log.warning("following %s: %s: %s; going on", subject, type(e).__name__, e)
+                    arrived = []
+                    await asyncio.sleep(1.0)
 
         task = asyncio.create_task(hand_over())
 
