@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
@@ -35,6 +36,7 @@ M = TypeVar("M", bound=Message)
 OnBad = Callable[[str, str], None]  # (subject, reason) of a message that did not decode
 Check = Callable[[M], str | None]  # a reason to turn a decoded message away, or None
 DeadLetter = Callable[[str, bytes, str], Awaitable[None]]  # (subject, original bytes, reason): to the DLQ
+UNAVAILABLE_PATIENCE_S = 30.0  # how long pulls answered "unavailable" count as nothing to pull (a leader being elected)
 
 
 def log_bad(subject: str, reason: str) -> None:
@@ -133,6 +135,7 @@ class Consumer(Generic[M]):
         self._plane = plane
         self.stream, self.durable, self.decoder = stream, durable, decoder  # decoder: bytes -> message, or DecodeError
         self._pulls: PullRequests | None = None
+        self._unavailable_since: float | None = None  # when pulls began to be answered "unavailable" (None: they are not)
 
     async def pull(self, batch: int = 1, timeout: float = 1.0) -> list[Delivery[M]]:
         """Fetch up to ``batch`` messages; an empty list on timeout. Bad ones go to the DLQ."""
@@ -142,10 +145,22 @@ class Consumer(Generic[M]):
             raws = await self._pulls.fetch(batch, timeout)
         except (NatsTimeout, asyncio.TimeoutError):
             return []
-        except ServiceUnavailableError:  # no one answers: JetStream is not up, or the server forgot the consumer
-            if await self._plane.remake_consumer(self.stream, self.durable):  # (a restart without its store): made again
-                return []
-            raise
+        except ServiceUnavailableError as unavailable:  # JetStream is not up, a cluster is electing the consumer's leader, or forgot it
+            try:
+                if await self._plane.remake_consumer(self.stream, self.durable):  # forgotten (a restart without its store)
+                    return []
+                await self._plane.consumer_settings(self.stream, self.durable)
+            except NotFoundError:  # forgotten, and not this role's to make again: it says so
+                raise unavailable from None
+            except (NatsError, TimeoutError):  # no answer either: the plane is still coming back
+                pass
+            now = time.monotonic()
+            self._unavailable_since = self._unavailable_since or now
+            if now - self._unavailable_since > UNAVAILABLE_PATIENCE_S:
+                raise unavailable from None
+            await asyncio.sleep(min(timeout, 0.5))
+            return []
+        self._unavailable_since = None
         out: list[Delivery[M]] = []
         for raw in raws:
             try:
