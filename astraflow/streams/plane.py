@@ -272,8 +272,12 @@ class Plane:
         headers = {"Nats-Msg-Id": msg_id} if msg_id else {}
         if after is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(after)
-        try:
-            ack = await self._js.publish(subject, data, headers=headers or None)
+
+        async def send() -> api.PubAck:
+            return await self._js.publish(subject, data, headers=headers or None)
+
+        try:  # with an id it lands once, however often it is sent: sent again while the plane does not answer
+            ack = await (ask_again(send, f"publishing on {subject}", self._js) if msg_id else send())
         except APIError as e:
             if after is not None and e.err_code == WRONG_LAST_SEQUENCE:
                 raise PublishConflict(f"{subject}: another message was published after sequence {after}: {e.description}") from None
