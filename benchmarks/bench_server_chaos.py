@@ -70,12 +70,20 @@ def run(run_dir: Path, steps: int, cluster: int, kills: int, seed: int) -> dict[
     """One ``up`` of recipes/arithmetic; ``kills`` times, spread over the run, a server (a random member) killed."""
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(ROOT / "recipes" / "arithmetic"), "--run-dir", str(run_dir),
            "--cluster", str(cluster), "--set", f"trainer.steps={steps}", "--set", f"eval.every={steps // 4}", "--timeout", "1200"]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "up.log", "wb") as out:
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     rng, killed = random.Random(seed), []
+
+    def announced_or_ended(at: int) -> bool:
+        if launcher.poll() is not None and len(announced(run_dir)) < at:
+            raise RuntimeError(f"up ended ({launcher.returncode}) before v{at}: {(run_dir / 'up.log').read_text()[-2000:]}")
+        return len(announced(run_dir)) >= at
+
     try:
         for k in range(kills):
             at = 3 + (k + 1) * (steps - 10) // (kills + 1)
-            wait(lambda: len(announced(run_dir)) >= at, 900)
+            wait(lambda: announced_or_ended(at), 900)
             wait(lambda: len(servers_of(launcher.pid)) == cluster, 60)
             pid, name = rng.choice(sorted(servers_of(launcher.pid).items()))
             os.kill(pid, signal.SIGKILL)
