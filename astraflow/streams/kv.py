@@ -16,7 +16,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from astraflow.streams.retry import ask_again
+from astraflow.streams.retry import QUICK_S, ask_again
 from astraflow.streams.state import Record, StateReadError
 from astraflow.streams.subjects import Names
 
@@ -49,7 +49,7 @@ class RunState:
             return await (await self._bucket(name)).get(key)
 
         try:
-            entry = await ask_again(read, f"reading {key} from {name}", self._js)
+            entry = await ask_again(read, f"reading {key} from {name}", self._js, attempt_s=QUICK_S)
         except KeyNotFoundError:  # never written, deleted or purged
             return None, 0
         except (BucketNotFoundError, NotFoundError) as e:
@@ -74,7 +74,8 @@ class RunState:
         return f"$JS.{self._domain}.API.{subject}" if self._domain else subject
 
     async def put(self, record: Record) -> None:
-        await ask_again(lambda: self._js.publish(self._subject(record), record.encode()), f"writing {record.key}", self._js)
+        await ask_again(lambda: self._js.publish(self._subject(record), record.encode()), f"writing {record.key}", self._js,
+                        attempt_s=QUICK_S)
 
     async def put_many(self, records: list[Record]) -> None:
         """Pipelined writes, each acknowledged by the server before this returns."""
@@ -84,7 +85,7 @@ class RunState:
             if futs:
                 await asyncio.gather(*futs)
 
-        await ask_again(write, f"writing {len(records)} records", self._js)
+        await ask_again(write, f"writing {len(records)} records", self._js, attempt_s=QUICK_S)
 
     async def delete(self, cls: type[Record], *parts: str | int) -> None:
         await (await self._bucket(self._bucket_name(cls))).delete(cls.key_for(*parts))

@@ -50,7 +50,7 @@ from astraflow.streams.kv import RunState
 from astraflow.streams.messages import Heartbeat, Message, Rejected, Trajectory, TrajectoryGroup
 from astraflow.streams.objects import ObjectStore, object_stream
 from astraflow.streams.permissions import inbox_prefix, node_of
-from astraflow.streams.retry import ask_again
+from astraflow.streams.retry import QUICK_S, ask_again
 from astraflow.streams.subjects import Names
 from astraflow.streams.topology import Topology, TopologyMaker
 
@@ -342,7 +342,8 @@ class Plane:
         return Consumer(self, self.names.traj_stream, durable, functools.partial(decode_either, first=Trajectory, second=TrajectoryGroup))
 
     async def lag(self, stream: str, durable: str) -> Lag:
-        info = await ask_again(lambda: self._jsm.consumer_info(stream, durable), f"the lag of {durable} on {stream}", self._jsm)
+        info = await ask_again(lambda: self._jsm.consumer_info(stream, durable), f"the lag of {durable} on {stream}", self._jsm,
+                               attempt_s=QUICK_S)
         delivered = int(info.delivered.stream_seq or 0) if info.delivered is not None else 0
         return Lag(info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0, delivered)
 

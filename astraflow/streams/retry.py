@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, JetStreamManager
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
@@ -29,26 +28,28 @@ from astraflow.streams.acks import AcksLost, acked, reconnects_of
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # no answer came (the request may have landed): a timeout, nobody listening, a stream without a leader yet
-UNANSWERED = (NatsTimeoutError, NoRespondersError, NoStreamResponseError, ServiceUnavailableError, AcksLost)
+UNANSWERED = (TimeoutError, NoRespondersError, NoStreamResponseError, ServiceUnavailableError, AcksLost)
 PATIENCE_S = 20.0  # how long a request is asked again in all: a cluster elects a stream's new leader within it
 PAUSE_S = 0.25  # before the second attempt, doubling up to MAX_PAUSE_S
 MAX_PAUSE_S = 2.0
-LONGER_THAN_ANY_REQUEST_S = 3600.0  # the request's own timeout ends an attempt first
+QUICK_S = 2.0  # an attempt at a small request (a run-state record, a consumer's info) not answered by then is lost
+LONGER_THAN_ANY_REQUEST_S = 3600.0  # without ``attempt_s``, the request's own timeout ends an attempt first
 
 
 async def ask_again(request: Callable[[], Awaitable[T]], what: str, js: JetStreamContext | JetStreamManager | None = None,
-                    patience: float | None = None) -> T:
+                    patience: float | None = None, attempt_s: float | None = None) -> T:
     """``request()``, asked again while the plane does not answer, for up to ``patience`` seconds (``PATIENCE_S``);
     its last error then. With ``js`` (the connection it goes out on), an attempt the connection was re-established
-    under is given up, and asked again, at once."""
+    under is given up, and asked again, at once. ``attempt_s``: how long one attempt may take (one sent to a server
+    still recovering its streams may never be answered; its own timeout is 10 s)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (PATIENCE_S if patience is None else patience)
     pause = PAUSE_S
     while True:
         try:
             if js is None:
-                return await request()
-            answer: T = await acked(js, request(), LONGER_THAN_ANY_REQUEST_S, reconnects_of(js))
+                return await (request() if attempt_s is None else asyncio.wait_for(request(), attempt_s))
+            answer: T = await acked(js, request(), attempt_s or LONGER_THAN_ANY_REQUEST_S, reconnects_of(js))
             return answer
         except UNANSWERED as e:
             lost = isinstance(e, AcksLost)
