@@ -131,6 +131,18 @@ def shared_base(r: dict[str, Any]) -> str:
             + "\n".join(rows) + "\n")
 
 
+def fanout(r: dict[str, Any]) -> str:
+    rows = ["| nodes | nodes read from | delta | copies the hub sent | copies the busiest leaf sent | to every node | slowest version |",
+            "|---|---|---|---|---|---|---|"]
+    for run in r["runs"]:
+        where = "the hub" if run["mode"] == "direct" else f"their region's leaf mirror ({run['regions']} regions)"
+        leaf = f"{run['leaf_copies_max']:.2f}" if run["regions"] else "—"
+        rows.append(f"| {run['nodes']} | {where} | {run['delta_bytes'] / 2**20:.2f} MiB | {run['hub_copies']:.2f} | {leaf} | "
+                    f"{1000 * run['to_all_s']:.0f} ms | {1000 * run['to_all_s_max']:.0f} ms |")
+    return (f"Medians over the delta versions of each run ({r['elements']:,} elements, {100 * r['changed_fraction']:.0f} % changed "
+            "per version). " + provenance(r) + "\n".join(rows) + "\n")
+
+
 def facade(r: dict[str, Any]) -> str:
     rows = ["| way | wall per call (median) | engine time inside | overhead (median) | overhead (p90) |", "|---|---|---|---|---|"]
     for name, w in r["ways"].items():
@@ -189,7 +201,7 @@ def server_chaos(r: dict[str, Any]) -> str:
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "facade": facade, "moe": moe, "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
+    "facade": facade, "fanout": fanout, "moe": moe, "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
     "shared_base": shared_base,
 }
