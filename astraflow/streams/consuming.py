@@ -242,16 +242,11 @@ class Follower(Generic[M]):
         if self._sub is None:
             try:
                 await self._subscribe()
-            except NotFoundError:  # not there yet (a region whose mirror is being made): nothing to read, ask again later
-                self._missing += 1
+            except (NatsError, TimeoutError) as e:  # the stream is not there yet (a region whose mirror is being made), or no
+                self._missing += 1  # server can make the consumer now (a restart, an election): nothing to read, ask again later
                 if self._missing == 1 or self._missing % 30 == 0:
-                    log.warning("waiting for stream %s (%s): not there yet", self.stream, self.subject)
-                await asyncio.sleep(wait)
-                return []
-            except (NatsError, TimeoutError) as e:  # no server to make it on now (a restart, an election): ask again later
-                self._missing += 1
-                if self._missing == 1 or self._missing % 30 == 0:
-                    log.warning("following %s: its consumer cannot be made now (%s); trying again", self.subject, type(e).__name__)
+                    why = "not there yet" if isinstance(e, NotFoundError) else f"its consumer cannot be made now ({type(e).__name__})"
+                    log.warning("waiting for stream %s (%s): %s", self.stream, self.subject, why)
                 await asyncio.sleep(wait)
                 return []
             self._missing = 0
