@@ -7,14 +7,13 @@ helpers step the service loop until a condition holds, with a bound on the numbe
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from factories import honest
+from factories import a_keyframe_announcement, honest
 
 from astraflow.config import parse_recipe
 from astraflow.dataflow.autoscale import Meter
@@ -25,13 +24,11 @@ from astraflow.streams.messages import (
     Batch,
     DataflowStats,
     Heartbeat,
-    ObjectRef,
     RolloutStats,
     Suspect,
     Task,
     TrainerStats,
     Trajectory,
-    WeightVersion,
 )
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.state import AutoscaleRecord, FateRecord, VersionRecord
@@ -140,10 +137,7 @@ class Harness:
 
     async def announce(self, policy: str, version: int, batch_ids: list[str], suspects: list[Suspect] | None = None) -> None:
         """A keyframe announcement as a trainer makes it (well formed: the dataflow follows only possible ones)."""
-        digest = hashlib.sha256(f"{policy}-{version}".encode()).hexdigest()
-        ref = ObjectRef(name=f"{policy}/v{version}", nuid=f"n{version}", size=0, chunk_size=1, digests=[digest], digest=digest)
-        ann = WeightVersion(policy=policy, version=version, encoding="keyframe", state_digest=digest, keyframe_version=version,
-                            objects=[ref], batch_ids=batch_ids, suspects=suspects or [])
+        ann = a_keyframe_announcement(version, policy).model_copy(update={"batch_ids": batch_ids, "suspects": suspects or []})
         await self.trainer.publish(self.trainer.names.weights(policy), ann, msg_id=f"{policy}-w{version}")
         await self.trainer.state.put(VersionRecord(policy=policy, version=version))
         self.versions[policy] = version

@@ -34,14 +34,12 @@ async def acked(js: JetStreamContext | JetStreamManager, acks: Awaitable[Any], t
     deadline = loop.time() + timeout
     while True:
         left = deadline - loop.time()
-        try:
-            return await asyncio.wait_for(asyncio.shield(pending), min(POLL_S, max(left, 0.0)))
-        except asyncio.TimeoutError:
-            if pending.done():  # its own outcome, not this poll's: nats-py's timeouts are asyncio.TimeoutErrors too
-                return pending.result()
-            lost = reconnects_of(js) - reconnects
-            if lost or left <= POLL_S:
-                pending.cancel()  # what is still awaited is given up
-                if lost:
-                    raise AcksLost(f"{lost} reconnect(s) while acks were awaited") from None
-                raise
+        await asyncio.wait((pending,), timeout=min(POLL_S, max(left, 0.0)))  # never raises: its outcome is pending's
+        if pending.done():
+            return pending.result()
+        lost = reconnects_of(js) - reconnects
+        if lost or left <= POLL_S:
+            pending.cancel()  # what is still awaited is given up
+            if lost:
+                raise AcksLost(f"{lost} reconnect(s) while acks were awaited")
+            raise asyncio.TimeoutError

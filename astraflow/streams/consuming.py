@@ -217,14 +217,11 @@ class Follower(Generic[M]):
         async with self._subscribing:
             if self._sub is not None:
                 return
-            if self._last_seq:
-                self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, cb=self._on_msg,
-                                                     idle_heartbeat=2.0, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                                                     config=api.ConsumerConfig(opt_start_seq=self._last_seq + 1))
-            else:
-                deliver = api.DeliverPolicy.LAST if self._start == "last" else api.DeliverPolicy.ALL
-                self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, cb=self._on_msg,
-                                                     idle_heartbeat=2.0, deliver_policy=deliver)
+            config = api.ConsumerConfig(opt_start_seq=self._last_seq + 1) if self._last_seq else None
+            deliver = api.DeliverPolicy.BY_START_SEQUENCE if self._last_seq else \
+                api.DeliverPolicy.LAST if self._start == "last" else api.DeliverPolicy.ALL
+            self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, cb=self._on_msg,
+                                                 idle_heartbeat=2.0, deliver_policy=deliver, config=config)
 
     async def resume(self) -> None:
         """Make the consumer again from the sequence after the last one handed in (the connection is back, maybe to a

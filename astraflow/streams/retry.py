@@ -40,15 +40,15 @@ async def ask_again(request: Callable[[], Awaitable[T]], what: str, js: JetStrea
                     patience: float | None = None, attempt_s: float | None = None) -> T:
     """``request()``, asked again while the plane does not answer, for up to ``patience`` seconds (``PATIENCE_S``);
     its last error then. With ``js`` (the connection it goes out on), an attempt the connection was re-established
-    under is given up, and asked again, at once. ``attempt_s``: how long one attempt may take (one sent to a server
-    still recovering its streams may never be answered; its own timeout is 10 s)."""
+    under is given up, and asked again, at once, and ``attempt_s`` bounds one attempt (one sent to a server still
+    recovering its streams may never be answered; its own timeout is 10 s)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (PATIENCE_S if patience is None else patience)
     pause = PAUSE_S
     while True:
         try:
             if js is None:
-                return await (request() if attempt_s is None else asyncio.wait_for(request(), attempt_s))
+                return await request()
             answer: T = await acked(js, request(), attempt_s or LONGER_THAN_ANY_REQUEST_S, reconnects_of(js))
             return answer
         except UNANSWERED as e:
