@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import math
 
 import pytest
+from rich.console import Console
+from weights_helpers import Trainer, node
 
 from astraflow.config import parse_recipe
-from astraflow.rollout.evaluator import evaluate, evaluate_with_workflow
+from astraflow.launch.report import summarize
+from astraflow.launch.rundir import RunDir
+from astraflow.launch.watcher import RunWatcher
+from astraflow.rollout import evaluator
+from astraflow.rollout.evaluator import evaluate, evaluate_with_workflow, reach
 from astraflow.rollout.node import make_handle
 from astraflow.rollout.scores import pass_at_k, sample_metrics
+from astraflow.streams.plane import NatsOptions, Plane, Topology
+from astraflow.streams.state import EvalRecord
 from astraflow.tasks import load_split
+from astraflow.weights.publish import WeightPublisher
+from astraflow.weights.sync import WeightSyncError
 
 
 def test_pass_at_k_unbiased_estimator():
@@ -77,3 +89,47 @@ def test_writing_a_workflow_example(repo_root):
         exec(compile(usage, "writing-a-workflow.md", "exec", dont_inherit=True), module.__dict__)
     finally:
         del sys.modules[module.__name__]
+
+
+async def test_a_version_gone_from_the_history_is_skipped_with_why_and_the_run_still_finishes(nats_server, run_id, tmp_path,
+                                                                                                monkeypatch):
+    """An evaluator that falls more than ``weights_history`` versions behind cannot evaluate the trimmed ones: each gets
+    a record saying why (not a crash at every restart), the launcher counts it done and the summary names it. A version
+    not reached yet is waited for; one that never comes fails after the patience."""
+    plane = await Plane.connect(NatsOptions(url=nats_server.url), run_id, "evaluator")
+    try:
+        await plane.ensure_topology(Topology(policies=("solver",), weights_history=3))
+        trainer, pub = Trainer(), WeightPublisher(plane, "solver", keyframe_every=4, keep_versions=None)
+        for v in range(6):  # the stream keeps v3..v5; v3 builds on keyframe v0, whose announcement is gone
+            await pub.publish(trainer.step() if v else trainer.model.state_dict(), v)
+        sync, stop = node(plane), asyncio.Event()
+        gone = await reach(sync, 1, stop)
+        assert gone is not None and "keeps v3 and later" in gone
+        assert "builds on keyframe v0" in (await reach(sync, 3, stop) or "")
+        assert await reach(sync, 5, stop) is None and sync.version == 5
+
+        async def later() -> None:
+            await asyncio.sleep(1.0)
+            await pub.publish(trainer.step(), 6)
+
+        publishing = asyncio.create_task(later())
+        assert await reach(sync, 6, stop) is None and sync.version == 6  # announced while it waited
+        await publishing
+        monkeypatch.setattr(evaluator, "GOTO_PATIENCE_S", 1.0)
+        with pytest.raises(WeightSyncError, match="never announced"):
+            await reach(sync, 9, stop)
+
+        r = parse_recipe({"name": "e", "eval": {"every": 5}, "trainer": {"steps": 5}})
+        rundir = RunDir(tmp_path / "run")
+        rundir.prepare()
+        watcher = RunWatcher(plane, r, rundir, {0, 5})
+        await plane.state.put(EvalRecord(policy="solver", version=0, reward=0.0, skipped=gone))
+        await plane.state.put(EvalRecord(policy="solver", version=5, reward=0.25))
+        watcher.live.versions["solver"] = 5
+        await watcher._poll_evals()
+        assert watcher.wanted_evals <= watcher._evals and watcher.live.evals == {5: 0.25}
+        await watcher.stop()
+        summary = summarize(r, rundir, Console(file=io.StringIO()))
+        assert summary["evals_skipped"] == {"solver v0": gone} and summary["held_out_reward"] == {"5": 0.25}
+    finally:
+        await plane.close()

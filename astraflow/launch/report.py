@@ -16,10 +16,12 @@ from astraflow.launch.summary_tables import summary_tables
 
 def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "finished") -> dict[str, Any]:
     versions = list(rundir.rows("metrics.jsonl"))
-    evals = {int(r["version"]): r for r in rundir.rows("evals.jsonl") if r.get("policy") == recipe.eval_policy}
+    eval_rows = list(rundir.rows("evals.jsonl"))
+    skipped = {f"{r['policy']} v{r['version']}": r["skipped"] for r in eval_rows if "skipped" in r}  # gone before it was evaluated
+    evals = {int(r["version"]): r for r in eval_rows if r.get("policy") == recipe.eval_policy and "skipped" not in r}
     others: dict[str, dict[int, dict[str, Any]]] = {}  # a team's other subjects (its partner policies, the team)
-    for r in rundir.rows("evals.jsonl"):
-        if r.get("policy") != recipe.eval_policy:
+    for r in eval_rows:
+        if r.get("policy") != recipe.eval_policy and "skipped" not in r:
             others.setdefault(r["policy"], {})[int(r["version"])] = r
     per_policy = {}
     for p, cfg in recipe.policies.items():
@@ -51,6 +53,7 @@ def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "
         "final_reward": evals[final_v]["reward"] if final_v in evals else None,
         "held_out_others": {subject: {str(v): {k: r[k] for k in ("reward", "avg@k", "pass@k")} for v, r in sorted(rows.items())}
                             for subject, rows in others.items()},
+        "evals_skipped": skipped,
         "eval_at_s": {str(v): r["run_s"] for v, r in sorted(evals.items())},
         "eval_at_rollouts": {str(v): r["rollouts"] for v, r in sorted(evals.items())},
         "policies": per_policy,

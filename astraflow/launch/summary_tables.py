@@ -47,6 +47,8 @@ def headline(summary: dict[str, Any]) -> Table:
     t.add_row(f"held-out reward ({summary['eval_policy']})", held_out(summary["held_out_reward"]))
     for subject, rows in summary["held_out_others"].items():
         t.add_row(f"held-out reward ({subject})", held_out({v: r["reward"] for v, r in rows.items()}))
+    if skipped := summary.get("evals_skipped"):
+        t.add_row("evaluations skipped", "; ".join(f"{what}: {why}" for what, why in skipped.items()))
     wall = max(summary["wall_s"], 1e-9)
     t.add_row("samples generated", f"{summary['samples']:,} ({summary['samples'] / wall:.1f} per second of wall time)")
     restarts = ", ".join(f"{role} ×{n}" for role, n in sorted(summary["restarts"].items())) or "none"

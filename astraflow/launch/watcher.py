@@ -71,7 +71,7 @@ class RunWatcher:
             self._seen_version(r)
         self._evals = {(r["policy"], int(r["version"])) for r in rundir.rows("evals.jsonl")}
         self.live.evals = {int(r["version"]): float(r["reward"]) for r in rundir.rows("evals.jsonl")
-                           if r.get("policy") == recipe.eval_policy}
+                           if r.get("policy") == recipe.eval_policy and "reward" in r}
         self._offset = rundir.wall_s()  # run time before this session
         self._start = time.time()
         self._sampled: tuple[float, int] | None = None
@@ -173,6 +173,11 @@ class RunWatcher:
             if got is None:
                 continue
             self._evals.add((subject, v))
+            if got.skipped:  # gone before the evaluator got to it: no figures, the reason recorded
+                log.warning("evaluation of %s v%d skipped: %s", subject, v, got.skipped)
+                self.rundir.append("evals.jsonl", {"policy": subject, "version": v, "skipped": got.skipped,
+                                                   "run_s": round(self.run_time(), 2)})
+                continue
             if subject == epol:
                 self.live.evals[v] = got.reward
             rollouts = self._trajectories_at.get((epol, v), self.live.trajectories)  # generated when v was trained

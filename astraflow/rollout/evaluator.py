@@ -19,6 +19,12 @@ k samples against the solver alone at the same k), each under its own subject
 Held-out problems pass the rollout node's task checks first (``task_checks.py``: a prompt the
 model can hold, a ``meta`` the reward can score); one that fails is left out with its reason
 logged, so a bad problem never stops evaluations (``n`` in the record counts those scored).
+
+A version the evaluator reaches too late (more than ``plane.weights_history`` versions behind: its announcement, or
+the keyframe its chain starts from, trimmed from the stream) can no longer be evaluated. It gets a record all the same,
+with ``skipped`` saying why and no figures, so the run finishes and its summary shows the gap, instead of the
+evaluator failing on it at every restart. Other failures to reach a version (a history read during a cluster's
+election) are tried again for ``GOTO_PATIENCE_S``, then raised (the supervisor restarts the evaluator).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import time
 from typing import Any
 
 import torch
+from nats.errors import Error as NatsError
 
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving
@@ -45,9 +52,10 @@ from astraflow.streams.messages import HEARTBEAT_PERIOD_S, EvaluatorStats, Heart
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.state import EvalRecord, StateSchemaError, VersionRecord
 from astraflow.tasks import Problem, load_split
-from astraflow.weights.sync import WeightSync
+from astraflow.weights.sync import VersionGone, WeightSync, WeightSyncError
 
 log = logging.getLogger(__name__)
+GOTO_PATIENCE_S = 60.0  # how long an announced version may stay out of reach (a cluster electing a leader) before a restart
 
 
 def eval_versions(recipe: Recipe) -> list[int]:
@@ -208,8 +216,12 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
                 break
             if await evaluated(plane, eval_subjects(recipe)[-1], v):
                 continue  # already evaluated (a restarted evaluator)
-            for p in followed:
-                await syncs[p].goto(at[p])
+            gone = [why for p in followed if (why := await reach(syncs[p], at[p], role.stop))]
+            if gone:
+                for subject in eval_subjects(recipe):
+                    await plane.state.put(EvalRecord(policy=subject, version=v, reward=0.0, skipped="; ".join(gone)))
+                log.warning("eval v%d skipped: %s", v, "; ".join(gone))
+                continue
             t0 = time.perf_counter()
             results = await _evaluate(recipe, handles, held_out, team)
             elapsed = time.perf_counter() - t0
@@ -220,6 +232,25 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
             done.append((v, results[policy]["reward"]))
             if role.metrics is not None:
                 export_eval(role.metrics, results[policy], v, syncs[policy].version, elapsed)
+
+
+async def reach(sync: WeightSync, version: int, stop: asyncio.Event) -> str | None:
+    """Bring ``sync``'s engine to ``version``: None once there, or why the version is gone for good (``VersionGone``).
+    Any other failure is tried again, with doubling pauses, for up to ``GOTO_PATIENCE_S``, then raised."""
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + GOTO_PATIENCE_S, 0.5
+    while True:
+        try:
+            await sync.goto(version)
+            return None
+        except VersionGone as e:
+            return str(e)
+        except (WeightSyncError, TimeoutError, NatsError) as e:  # TimeoutError: also a history read cut short
+            if stop.is_set() or loop.time() + pause > deadline:
+                raise
+            log.warning("%s; trying again in %.1fs", e, pause)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 8.0)
 
 
 async def _evaluate(recipe: Recipe, handles: dict[str, Any], held_out: list[Any], team: bool) -> dict[str, dict[str, float]]:

@@ -118,6 +118,7 @@ class EvalRecord(Record):
     pass_at_k: float = Field(0.0, alias="pass@k", allow_inf_nan=False)
     k: int = Field(1, ge=1)
     n: int = Field(0, ge=0)  # held-out prompts scored
+    skipped: str = ""  # why the version could not be evaluated (gone from the history before the evaluator got to it); no figures then
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     def encode(self) -> bytes:

@@ -75,6 +75,11 @@ class WeightSyncError(RuntimeError):
     """A version cannot be reached from what the node holds and what the plane still stores."""
 
 
+class VersionGone(WeightSyncError):
+    """A version the announcement stream no longer holds the way to: it, or the keyframe its chain starts from, is older
+    than every announcement the stream keeps (``plane.weights_history`` per policy). No retry brings it back."""
+
+
 class Sink(Protocol):
     """What a payload is fed to while it is fetched (``DeltaApplier``, ``KeyframeDecoder``)."""
 
@@ -212,9 +217,15 @@ class WeightSync:
             return
         history = await self._history()
         found = [a for a in self._followed if a.version == version]  # a later copy of a past version never stands in for it
+        oldest = min((a.version for a in self._followed), default=version)
         if not found:
+            if version < oldest:
+                raise VersionGone(f"v{version} of {self.policy} is gone from {self.ann_stream}, which keeps v{oldest} and later")
             raise WeightSyncError(f"v{version} of {self.policy} was never announced or is gone from {self.ann_stream}")
         if not await self._reach(found[0], history, ask=False):
+            if found[0].keyframe_version < oldest:  # the chain's start is trimmed: no read of the history will have it again
+                raise VersionGone(f"v{version} of {self.policy} builds on keyframe v{found[0].keyframe_version}, gone from "
+                                  f"{self.ann_stream} (it keeps v{oldest} and later): {self.last_error}")
             raise WeightSyncError(f"could not reach v{version} of {self.policy}: {self.last_error}")
 
     async def request_keyframe(self, reason: str) -> None:
