@@ -350,6 +350,36 @@ def table(rows: list[dict[str, Any]], offered: float) -> Table:
     return t
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Trajectories/s against what the pool offers, and each part's CPU per trajectory, against the node count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rate, cpu) = plt.subplots(1, 2, figsize=(11, 4))
+    for topology, style in (("single", "-o"), ("cluster3", "--s")):
+        pts = sorted((r for r in rows if r["topology"] == topology), key=lambda r: r["nodes"])
+        if not pts:
+            continue
+        n = [r["nodes"] for r in pts]
+        rate.plot(n, [r["traj_per_s"] for r in pts], style, label=f"measured ({topology})")
+        for part, colour in (("dataflow", "C0"), ("server", "C1"), ("nodes", "C2"), ("trainer", "C3")):
+            cpu.plot(n, [r["cpu_ms_per_traj"][part] for r in pts], style, color=colour, label=f"{part} ({topology})")
+    offered = sorted({(r["nodes"], r["offered_traj_per_s"]) for r in rows})
+    rate.plot([n for n, _ in offered], [o for _, o in offered], ":", color="grey", label="offered by the pool")
+    for ax, title, unit in ((rate, "trajectories per second", "traj/s"), (cpu, "CPU per trajectory", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rollout nodes")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Many nodes on {os.cpu_count()} cores: the nodes' own work fills the machine first", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--host":
         url, run, recipe_file, first, count, out = sys.argv[2:8]
@@ -361,6 +391,7 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=4, help="processes the nodes are spread over")
     ap.add_argument("--window", type=float, default=20.0, help="seconds measured per point")
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds after every node joined, before the window")
+    ap.add_argument("--figure", type=Path, default=ROOT / "benchmarks" / "figures" / "pool-scale.png")
     args = ap.parse_args()
     console = Console()
     rows = []
@@ -374,6 +405,7 @@ def main() -> None:
     for r in rows:
         r["offered_traj_per_s"] = round(offered * r["nodes"], 1)
     console.print(table(rows, offered))
+    plot(rows, args.figure)
     write("pool_scale", {"setup": {"latency": "lognormal", "latency_median_s": MEDIAN_S, "latency_sigma": SIGMA, "slots_per_node": SLOTS,
                                    "group_size": GROUP, "max_new_tokens": NEW_TOKENS, "host_processes": args.hosts,
                                    "cores": os.cpu_count(), "window_s": args.window},
