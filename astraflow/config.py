@@ -417,6 +417,9 @@ class PlaneConfig(Strict):
     retention deletes old versions there too, so a mirror keeps what the hub keeps."""
     server_gone_timeout: float = Field(120.0, gt=0)
     """A role whose server has been unreachable this long leaves (shorter outages are ridden through)."""
+    max_consumers: int = Field(100_000, ge=1000)
+    """Consumers each of the run's streams allows. Every rollout node reads the announcements through one, and a
+    many-chunk version through another; nats-server 2.15 allows 1,000 to a stream that names no limit."""
     fate_ttl: float = Field(24 * 3600, gt=0)
     """Seconds a per-task fate record stays in the run's fates bucket."""
 
@@ -604,7 +607,7 @@ class Recipe(Strict):
         p = self.plane
         return Topology(policies=self.policy_names, pools=(self.rollout.pool,), replicas=p.replicas, task_ack_wait=p.task_ack_wait,
                         traj_ack_wait=p.traj_ack_wait, batch_ack_wait=p.batch_ack_wait, max_deliver=p.max_deliver,
-                        weights_history=p.weights_history, fate_ttl=p.fate_ttl)
+                        weights_history=p.weights_history, fate_ttl=p.fate_ttl, max_consumers=p.max_consumers)
 
 
 class RecipeError(ValueError):

@@ -14,13 +14,14 @@ import pytest
 from factories import a_keyframe_announcement, a_trajectory
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
+from nats.js import api
 from nats.js.errors import ServiceUnavailableError
 
 from astraflow.streams.acks import AcksLost
 from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
 from astraflow.streams.consuming import Delivery, IncompleteHistory, read_history
 from astraflow.streams.messages import Rejected, Task, Trajectory, WeightVersion
-from astraflow.streams.objects import CorruptObject, WriteInterrupted, get_object, object_stream, put_object
+from astraflow.streams.objects import MAX_CONSUMERS, CorruptObject, WriteInterrupted, get_object, object_stream, put_object
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.state import VersionRecord
@@ -330,3 +331,18 @@ async def test_a_request_the_plane_did_not_answer_is_asked_again_for_a_bounded_t
     with pytest.raises(ValueError):
         await retry.ask_again(refused, "a read")
     assert len(calls) == 1
+
+
+async def test_the_run_streams_take_more_consumers_than_the_servers_default_cap(plane: Plane):
+    """nats-server 2.15 allows 1,000 consumers to a stream that names no limit. Every rollout node follows the
+    announcements with a consumer and streams a many-chunk version through another, so a pool of about 500 nodes reached
+    the cap and its nodes stopped getting weights. The run's streams, its object stores' and a region's mirrors name their
+    own limit (``plane.max_consumers``)."""
+    jsm, names = plane._jsm, plane.names
+    for stream in (names.weights_stream, object_stream(names.object_bucket), object_stream(names.traj_object_bucket)):
+        assert (await jsm.stream_info(stream)).config.max_consumers == MAX_CONSUMERS
+    await plane.ensure_topology(Topology(policies=("solver",), max_consumers=2000))  # a run's setting reaches existing streams
+    assert (await jsm.stream_info(names.weights_stream)).config.max_consumers == 2000
+    followers = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=60.0, mem_storage=True)
+    made = await asyncio.gather(*(jsm.add_consumer(names.weights_stream, followers) for _ in range(1001)))
+    assert len({c.name for c in made}) == 1001

@@ -82,6 +82,12 @@ def object_stream(bucket: str) -> str:
     return f"OBJ_{bucket}"
 
 
+MAX_CONSUMERS = 100_000
+"""Consumers each of a run's streams allows. nats-server 2.15 caps a stream that names no limit at 1,000 (and takes
+0 or -1 for "its default"), while every rollout node follows the announcements with a consumer of its own and streams a
+many-chunk version through another: a pool of about 500 nodes reached the cap (``benchmarks/bench_pool_scale.py``)."""
+
+
 def chunk_subject(bucket: str, nuid: str) -> str:
     return f"$O.{bucket}.C.{nuid}"
 
@@ -442,6 +448,14 @@ class ObjectStore:
             return 0
 
 
+async def allow_consumers(jsm: Any, stream: str, limit: int) -> None:
+    """Set ``stream``'s consumer limit to ``limit`` unless it has it (streams nats-py makes, object stores', name none)."""
+    cfg = (await jsm.stream_info(stream)).config
+    if cfg.max_consumers != limit:
+        cfg.max_consumers = limit
+        await jsm.update_stream(cfg)
+
+
 # ------------------------------------------------------------------------------ regions
 
 
@@ -461,19 +475,20 @@ def region_streams(run: str, domain: str | None) -> RegionStreams:
 
 
 async def ensure_region_mirrors(plane_on_leaf: Plane, run: str, hub_domain: str, leaf_domain: str | None = None,
-                                weights_history: int = 64) -> RegionStreams:
+                                weights_history: int = 64, max_consumers: int = MAX_CONSUMERS) -> RegionStreams:
     """Create (idempotently) on the leaf the mirrors of the hub's weights object stream and
     announcement stream, sourced through ``$JS.{hub_domain}.API`` over the leafnode link.
 
     ``plane_on_leaf`` is a :class:`~astraflow.streams.plane.Plane` connected to the leaf server;
-    ``leaf_domain`` (default: the leaf server's own JetStream) is where the mirrors are made.
+    ``leaf_domain`` (default: the leaf server's own JetStream) is where the mirrors are made; each allows
+    ``max_consumers`` (the region's nodes each read through their own).
     """
     jsm = plane_on_leaf._jsm_for(leaf_domain)
     streams = region_streams(run, leaf_domain)
     external = api.ExternalStream(api=f"$JS.{hub_domain}.API")
     for name, per_subject in ((streams.object_stream, -1), (streams.weights_stream, weights_history)):
         cfg = api.StreamConfig(name=name, mirror=api.StreamSource(name=name, external=external), storage=api.StorageType.FILE,
-                               max_msgs_per_subject=per_subject)
+                               max_msgs_per_subject=per_subject, max_consumers=max_consumers)
         try:
             await jsm.add_stream(cfg)
         except BadRequestError:
@@ -482,4 +497,5 @@ async def ensure_region_mirrors(plane_on_leaf: Plane, run: str, hub_domain: str,
             if mirror is None or mirror.name != name or mirror.external is None or mirror.external.api != external.api:
                 raise RuntimeError(f"stream {name} exists on the leaf but is not a mirror of {name} in domain {hub_domain}; "
                                    "delete it or use another leaf domain") from None
+            await allow_consumers(jsm, name, max_consumers)  # a mirror made before the limit was named
     return streams

@@ -16,7 +16,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
-from astraflow.streams.objects import object_stream
+from astraflow.streams.objects import MAX_CONSUMERS, allow_consumers, object_stream
 from astraflow.streams.subjects import Names
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class Topology:
     weights_history: int = 64
     dedup_window: float = 600.0
     fate_ttl: float = 24 * 3600
+    max_consumers: int = MAX_CONSUMERS  # per stream (nats-server 2.15 allows 1,000 where none is named)
 
 
 class TopologyMaker:
@@ -123,7 +124,8 @@ class TopologyMaker:
         except NotFoundError:
             await self._jsm.add_stream(cfg)
             return
-        fields = ("subjects", "retention", "max_age", "max_msgs_per_subject", "num_replicas", "duplicate_window", "allow_direct")
+        fields = ("subjects", "retention", "max_age", "max_msgs_per_subject", "num_replicas", "duplicate_window", "allow_direct",
+                  "max_consumers")
         wanted = {f: getattr(cfg, f) for f in fields if getattr(cfg, f) not in (None, 0)}  # 0 / None: server default
         if any(getattr(have, f) != v for f, v in wanted.items()):
             try:
@@ -153,7 +155,7 @@ class TopologyMaker:
                    per_subject: int = -1, direct: bool = False, also: tuple[str, ...] = ()) -> api.StreamConfig:
             return api.StreamConfig(name=n.stream(family), subjects=[n.all(family), *also], retention=retention, storage=file,
                                     num_replicas=r, duplicate_window=dedup, max_age=max_age, max_msgs_per_subject=per_subject,
-                                    allow_direct=direct or None)
+                                    allow_direct=direct or None, max_consumers=topo.max_consumers)
 
         # TRAJ allows direct gets: trainers read their batches' trajectories by sequence (streams/direct.py). DLQ also keeps
         # the server's max-deliveries advisories of the pools' consumers: a task nobody could serve is a dead letter too, and
@@ -187,3 +189,5 @@ class TopologyMaker:
         except NotFoundError:
             await self._js.create_object_store(n.traj_object_bucket, api.ObjectStoreConfig(storage=file, replicas=r,
                                                                                            ttl=topo.traj_max_age))
+        for bucket in (n.object_bucket, n.traj_object_bucket):  # a node streams a many-chunk payload through a consumer
+            await allow_consumers(self._jsm, object_stream(bucket), topo.max_consumers)
