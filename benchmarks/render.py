@@ -200,10 +200,95 @@ def server_chaos(r: dict[str, Any]) -> str:
     return (f"{r['steps']} steps each. " + provenance(r) + "\n".join(runs) + "\n\n" + "\n".join(kills) + "\n")
 
 
+def pool_model(r: dict[str, Any]) -> str:
+    def pct(e: float | None) -> str:
+        return "—" if e is None else f"{100 * e:+.0f} %"
+
+    def gb(n: float) -> str:
+        return "—" if not n else f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n / 1e6:,.2f} MB"
+
+    c, src = r["calibration"], r["calibration"]["sources"]
+    rates = "; ".join(f"{k.replace('_', ' ')} {a:.2f} per task + {b:.3f} per node-s" for k, (a, b) in c["rates"].items())
+    figures = [("dataflow CPU per trajectory", f"{c['dataflow_ms_per_traj']:.3f} ms", "dataflow_ms_per_traj"),
+               ("dataflow CPU per node and second", f"{c['dataflow_ms_per_node_s']:.3f} ms", "dataflow_ms_per_node_s"),
+               ("server CPU per message (in or out)", f"{c['server_us_per_msg']:.1f} µs", "server_us_per_msg"),
+               ("server messages per trajectory", f"{c['msgs_per_traj']:.2f}", "msgs_per_traj"),
+               ("server messages per node and second", f"{c['msgs_per_node_s']:.2f}", "msgs_per_node_s"),
+               ("the plane's requests", rates, "rates"),
+               ("cluster of 3: server CPU over one server's", f"{c['cluster_cpu_factor']:.2f}×", "cluster_cpu_factor"),
+               ("stall when the streams' leader is killed", f"{c['election_stall_s']:.1f} s", "election_stall_s"),
+               ("fan-out: fixed part", f"{1e3 * c['fanout_base_s']:.1f} ms", "fanout_base_s"),
+               (f"fan-out: per copy of {gb(c['fanout_bytes'])}, hub / a mirror ({c['fanout_cores']} shared cores)",
+                f"{1e3 * c['hub_copy_s']:.2f} / {1e3 * c['leaf_copy_s']:.2f} ms", "hub_copy_s"),
+               ("delta bytes per changed element", f"{c['bytes_per_changed']:.3f}", "bytes_per_changed"),
+               ("elements a step changes", f"{100 * c['changed_fraction']:.2f} %", "changed_fraction")]
+    cal = ["| figure | value | from |", "|---|---|---|"] + [f"| {name} | {v} | {src.get(key, '')} |" for name, v, key in figures]
+    fan = ["| nodes | read from | measured | model, fit on all six | out of sample: fit without this node count | error out of sample "
+           "| hub copies: measured / model | busiest mirror's copies: measured / model |", "|---|---|---|---|---|---|---|---|"]
+    for f in r["fanout_check"]:
+        out_err = (f["out_of_sample_s"] - f["measured_s"]) / f["measured_s"]
+        where = "the hub" if f["mode"] == "direct" else f"their region's mirror ({f['regions']} regions)"
+        fan.append(f"| {f['nodes']} | {where} | "
+                   f"{1e3 * f['measured_s']:.0f} ms | {1e3 * f['fit_s']:.0f} ms | {1e3 * f['out_of_sample_s']:.0f} ms | {pct(out_err)} | "
+                   f"{f['hub_copies']:.2f} / {f['hub_copies_model']} | {f['leaf_copies']:.2f} / {f['leaf_copies_model']} |")
+    check = r["pool_check"]
+    if check["status"] != "checked":
+        pool = f"The pool on one machine: {check['status']}.\n"
+    else:
+        s, src_run = check["setup"], check["source"]
+        pool = (f"The pool on one machine, against `{src_run['command']}` ({src_run['date']}, at {src_run['commit']}): lognormal "
+                f"latency, median {s['latency_median_s']} s, sigma {s['latency_sigma']}; {s['slots_per_node']} slots per node, groups of "
+                f"{s['group_size']}, {s['cores']} shared cores; the model's window is the run's ({check['window_s']:.0f} s after "
+                f"{check['warmup_s']:.0f} s of warm-up), averaged over seeds.\n\n"
+                "| server | nodes | CPU fitted on | trajectories/s: measured / model | task p50 | task p99 | shared cores busy (model) "
+                "| the run's bottleneck |\n|---|---|---|---|---|---|---|---|\n")
+        for p in check["points"]:
+            m, q, e = p["measured"], p["predicted"], p["error"]
+            pool += (f"| {p['topology']} | {p['nodes']} | {p['fit']} | "
+                     f"{m['traj_per_s']:,.1f} / {q['traj_per_s']:,.1f} ({pct(e['traj_per_s'])}) | "
+                     f"{m['p50_s']:.1f} / {q['p50_s']:.1f} s ({pct(e['p50_s'])}) | "
+                     f"{m['p99_s']:.1f} / {q['p99_s']:.1f} s ({pct(e['p99_s'])}) | "
+                     f"{100 * p['machine_util']:.0f} % | {p['bottleneck_measured']} |\n")
+    sc, a = r["scale"], r["scale"]["assumptions"]
+    setup = (f"At scale: {a['nodes']:,} nodes in {a['regions']} regions, a model of {a['params'] / 1e9:g}B parameters (a delta of "
+             f"{gb(sc['delta_bytes'])}: {100 * sc['changed_fraction']:.2f} % of the elements × {c['bytes_per_changed']:.3f} bytes). "
+             f"Assumptions (flags): {a['slots_per_node']} tasks per node, groups of {a['group_size']}, each request {a['latency']} with "
+             f"median {a['latency_median_s']:g} s and sigma {a['latency_sigma']:g} (a task {sc['task_mean_s']:.0f} s on average), "
+             f"max_staleness {a['max_staleness']}, a trainer step of {a['step_s']:g} s, servers of {a['server_cores']} cores behind "
+             f"{a['nic_gbps']:g} Gbit/s (every sender at {gb(sc['links']['hub_bps'])}/s), headroom {100 * a['headroom']:.0f} %. "
+             f"Offered (every slot busy): {sc['offered_traj_per_s']:,.0f} trajectories/s. "
+             f"A batch of {sc['budget_batch']:,} groups is the one whose staleness budget just covers the slots.\n\n")
+    runs = ["| layout | batch (groups) | dataflow shards | trajectories/s | staleness: 0 / 1 / 2 / … | mean | dropped stale | slots busy "
+            "| a version every | hub sends per version | a mirror sends per version | to every node |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for lay in sc["layouts"] + sc["variants"]:
+        u, f = lay["run"], lay["fanout"]
+        top = max((int(k) for k in u["staleness"]), default=-1)
+        lags = " / ".join(f"{100 * u['staleness'].get(str(k), 0):.0f}" for k in range(top + 1)) + " %" if top >= 0 else "none trained"
+        every = f"{u['version_interval_s']:.1f} s" if u["version_interval_s"] else "none in the window"
+        mirror = f"{f['leaf_copies']:,} copies, {gb(f['leaf_bytes'])}" if f["leaf_copies"] else "—"
+        runs.append(f"| {lay['layout']} | {lay['groups_per_batch']:,} | {lay['dataflow_shards']} | {u['traj_per_s']:,.0f} | {lags} | "
+                    f"{u['staleness_mean']:.2f} | {100 * u['dropped_share']:.1f} % | {100 * u['slot_util']:.0f} % | {every} | "
+                    f"{f['hub_copies']:,} copies, {gb(f['hub_bytes'])} | {mirror} | "
+                    f"{f['to_all_s']:,.1f} s |")
+    tiers = ["| layout | tier | messages/s | egress | cores | needs |", "|---|---|---|---|---|---|"]
+    for lay in sc["layouts"]:
+        for t in lay["sizing"]:
+            tiers.append(f"| {lay['layout']} | {t['tier']} | {t['msgs_per_s']:,.0f} | {t['egress_bytes_per_s'] / 1e9:,.2f} GB/s | "
+                         f"{t['cores']:.1f} | {t['needs']} × {t['unit']} |")
+    relayed = sc["layouts"][1]
+    e = relayed["election"]
+    return (provenance(r) + "Calibration:\n\n" + "\n".join(cal) + "\n\nThe fan-out against `benchmarks/results/fanout.json`:\n\n"
+            + "\n".join(fan) + "\n\n" + pool + "\n" + setup + "\n".join(runs) + "\n\nWhat each tier needs at the simulated rate:\n\n"
+            + "\n".join(tiers) + f"\n\nA cluster member leading the streams killed: {e['stall_s']:.1f} s stalled, "
+            f"{e['versions']:.2f} of a version interval, about {e['trajectories']:,.0f} trajectories late ({relayed['layout']}).\n\n"
+            f"![the pool model against the measured points, and staleness at scale]({r['figure']})\n")
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "facade": facade, "fanout": fanout, "moe": moe, "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
-    "shared_base": shared_base,
+    "shared_base": shared_base, "pool_model": pool_model,
 }
 
 
