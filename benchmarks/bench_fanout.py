@@ -1,4 +1,4 @@
-"""Weight fan-out: N nodes fetch every version, from the hub directly or through region leaf mirrors.
+"""Weight fan-out: N nodes fetch every version, from the hub directly, through region leaf mirrors, or through relays.
 
 Real nats-servers on loopback: the shipped ``jetstream/hub.conf`` and one copy of ``jetstream/leaf.conf`` per region
 (its own server name, JetStream domain, ports and store; monitoring on, to read bytes out). A publisher on the hub
@@ -9,14 +9,19 @@ processes), follow the announcements and fetch each version's object, every chun
 
 * ``direct``: every node on the hub, reading the hub's object stream;
 * ``mirrored``: the nodes spread over the regions, each on its region's leaf (run traffic to the hub domain, as
-  ``--domain hub`` does), reading the leaf's mirror.
+  ``--domain hub`` does), reading the leaf's mirror;
+* ``relayed``: each region's leaf also accepts leafnodes from ``--relays`` relay servers (``leaf.conf`` again, each its
+  own domain), each mirroring the region's mirror (``ensure_region_mirrors(..., hub_domain=REGION)``); the nodes spread
+  over the relays and read their relay's mirror. A server then sends one copy per server or node below it, whatever N:
+  on machines of their own, with relays of relays, the time to every node grows with the depth of that tree (log N).
 
-Per version: the hub's bytes out (``/varz`` ``out_bytes``) over the object's size, i.e. the copies the hub sent, and
+Per version: the hub's bytes out (``/varz`` ``out_bytes``) over the object's size, i.e. the copies the hub sent (and
+each leaf and relay, likewise), and
 the time from the announcement until every node holds the version. The nodes fetch and check; they do not apply
 (applying is each node's own CPU, measured in ``bench_per_version.py``). The next version is published once every node
 holds the last. Writes ``benchmarks/results/fanout.json``.
 
-    python benchmarks/bench_fanout.py [--nodes 4 16 64] [--regions 3] [--versions 6] [--elements 4000000]
+    python benchmarks/bench_fanout.py [--nodes 4 16 64] [--regions 3] [--relays 4] [--versions 6] [--elements 4000000]
 """
 
 from __future__ import annotations
@@ -56,19 +61,31 @@ POLICY = "solver"
 CHANGED = 0.25  # the fraction of elements a version changes
 
 
-class Plant:
-    """The hub and its regions' leafs, each with monitoring on a free port."""
+def leaf_config(name: str, uplink: int, listen: int | None = None) -> tuple[str, dict[int, int]]:
+    """``jetstream/leaf.conf`` as server and domain ``name``, dialling the leafnode port ``uplink``; with ``listen``,
+    also accepting leafnodes there (a region's leaf that its relays dial)."""
+    text = (CONF / "leaf.conf").read_text()
+    text = re.sub(r"(?m)^server_name: leaf$", f"server_name: {name}", text)
+    text = re.sub(r"(?m)^(\s*domain:) leaf\b", rf"\1 {name}", text)
+    if listen is not None:
+        text = text.replace("leafnodes {", f"leafnodes {{\n  listen: 127.0.0.1:{listen}", 1)
+    return text, {4223: -1, 7422: uplink}
 
-    def __init__(self, base: Path, regions: int) -> None:
+
+class Plant:
+    """The hub, its regions' leafs and each leaf's relays (leafs of the leaf), each with monitoring on a free port."""
+
+    def __init__(self, base: Path, regions: int, relays: int = 0) -> None:
         link = free_port()
         self.http: dict[str, int] = {}
         self.hub = self._server(base, "hub", (CONF / "hub.conf").read_text(), {4222: -1, 7422: link})
-        self.leafs = []
+        self.leafs: list[EmbeddedServer] = []
+        self.relays: list[list[EmbeddedServer]] = []  # per region
         for k in range(regions):
-            text = (CONF / "leaf.conf").read_text()
-            text = re.sub(r"(?m)^server_name: leaf$", f"server_name: leaf{k}", text)
-            text = re.sub(r"(?m)^(\s*domain:) leaf\b", rf"\1 leaf{k}", text)
-            self.leafs.append(self._server(base, f"leaf{k}", text, {4223: -1, 7422: link}))
+            sublink = free_port() if relays else None
+            self.leafs.append(self._server(base, f"leaf{k}", *leaf_config(f"leaf{k}", link, sublink)))
+            self.relays.append([self._server(base, f"leaf{k}r{j}", *leaf_config(f"leaf{k}r{j}", sublink))
+                                for j in range(relays) if sublink is not None])
 
     def _server(self, base: Path, name: str, text: str, ports: dict[int, int]) -> EmbeddedServer:
         self.http[name] = free_port()
@@ -80,7 +97,7 @@ class Plant:
             return int(json.loads(r.read())["out_bytes"])
 
     def stop(self) -> None:
-        for s in [*self.leafs, self.hub]:
+        for s in [*(r for rs in self.relays for r in rs), *self.leafs, self.hub]:
             s.stop()
 
 
@@ -124,9 +141,9 @@ def held(out: Path) -> dict[int, list[float]]:
     return got
 
 
-async def measure(mode: str, n: int, regions: int, versions: int, elements: int, seed: int) -> dict[str, Any]:
+async def measure(mode: str, n: int, regions: int, versions: int, elements: int, seed: int, relays: int = 0) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix=f"fanout-{mode}-{n}-"))
-    plant = Plant(base, regions if mode == "mirrored" else 0)
+    plant = Plant(base, 0 if mode == "direct" else regions, relays if mode == "relayed" else 0)
     run = "f" + uuid.uuid4().hex[:8]
     out = base / "held.jsonl"
     procs: list[mp.process.BaseProcess] = []
@@ -134,13 +151,16 @@ async def measure(mode: str, n: int, regions: int, versions: int, elements: int,
         trainer = await Plane.connect(NatsOptions(url=plant.hub.url), run, "trainer")
         await trainer.ensure_topology(Topology(policies=(POLICY,)))
         domains = tuple(f"leaf{k}" for k in range(len(plant.leafs)))
-        for leaf in plant.leafs:
-            on_leaf = await Plane.connect(NatsOptions(url=leaf.url, domain="hub"), run, "mirrors")
-            await on_leaf.wait_for_domain("hub")
-            await ensure_region_mirrors(on_leaf, run, hub_domain="hub")
-            await on_leaf.close()
-        placed = [(plant.hub.url, None) if mode == "direct" else (plant.leafs[i % regions].url, f"leaf{i % regions}")
-                  for i in range(n)]
+        for k, leaf in enumerate(plant.leafs):  # a region's mirrors, then its relays' mirrors of those
+            for server, source in ((leaf, "hub"), *((r, f"leaf{k}") for r in plant.relays[k])):
+                on_it = await Plane.connect(NatsOptions(url=server.url, domain="hub"), run, "mirrors")
+                await on_it.wait_for_domain(source)
+                await ensure_region_mirrors(on_it, run, hub_domain=source)
+                await on_it.close()
+        readers = ([(plant.hub.url, None)] if mode == "direct" else  # the servers the nodes read from, regions interleaved
+                   [(leaf.url, f"leaf{k}") for k, leaf in enumerate(plant.leafs)] if mode == "mirrored" else
+                   [(rs[j].url, f"leaf{k}r{j}") for j in range(len(plant.relays[0])) for k, rs in enumerate(plant.relays)])
+        placed = [readers[i % len(readers)] for i in range(n)]
         workers = min(4, n)
         ctx = mp.get_context("spawn")
         for w in range(workers):
@@ -167,12 +187,16 @@ async def measure(mode: str, n: int, regions: int, versions: int, elements: int,
             size = ann.objects[0].size
             sent = {s: plant.out_bytes(s) - before[s] for s in plant.http}
             rows.append({"version": v, "encoding": ann.encoding, "bytes": size, "to_all_s": max(held(out)[v]) - ann.created_at,
-                         "hub_copies": sent["hub"] / size, "leaf_copies": [sent[d] / size for d in domains]})
+                         "hub_copies": sent["hub"] / size, "leaf_copies": [sent[d] / size for d in domains],
+                         "relay_copies": [sent[f"{d}r{j}"] / size for d in domains for j in range(len(plant.relays[0]))]
+                         if mode == "relayed" else []})
         await trainer.close()
         for p in procs:
             p.join(60)
         deltas = [r for r in rows if r["encoding"] == "delta"]
-        return {"mode": mode, "nodes": n, "regions": len(domains), "delta_bytes": statistics.median(r["bytes"] for r in deltas),
+        return {"mode": mode, "nodes": n, "regions": len(domains), "relays": len(plant.relays[0]) if plant.relays else 0,
+                "relay_copies_max": statistics.median(max(r["relay_copies"], default=0.0) for r in deltas),
+                "delta_bytes": statistics.median(r["bytes"] for r in deltas),
                 "keyframe_bytes": rows[0]["bytes"],
                 "hub_copies": statistics.median(r["hub_copies"] for r in deltas),
                 "leaf_copies_max": statistics.median(max(r["leaf_copies"], default=0.0) for r in deltas),
@@ -192,24 +216,27 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=6, help="versions per run: a keyframe, then deltas")
     ap.add_argument("--elements", type=int, default=4_000_000, help="elements of the published state")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--relays", type=int, default=4, help="relays per region (leafs of its leaf, mirroring its mirror); 0: none")
     args = ap.parse_args()
+    modes = ("direct", "mirrored", "relayed") if args.relays else ("direct", "mirrored")
     console = Console()
     results = []
     with Progress(console=console) as progress:
-        task = progress.add_task("fan-out", total=2 * len(args.nodes))
+        task = progress.add_task("fan-out", total=len(modes) * len(args.nodes))
         for n in args.nodes:
-            for mode in ("direct", "mirrored"):
-                r = asyncio.run(measure(mode, n, args.regions, args.versions, args.elements, args.seed))
+            for mode in modes:
+                r = asyncio.run(measure(mode, n, args.regions, args.versions, args.elements, args.seed, args.relays))
                 results.append(r)
                 progress.console.print(f"{mode} N={n}: hub sent {r['hub_copies']:.2f} copies, to all {r['to_all_s']:.3f} s")
                 progress.advance(task)
     table = Table(title="weight fan-out per delta version (medians)")
-    for col in ("nodes", "mode", "delta", "hub copies sent", "busiest leaf copies", "to every node"):
+    for col in ("nodes", "mode", "delta", "hub copies sent", "busiest leaf copies", "busiest relay copies", "to every node"):
         table.add_column(col)
     for r in results:
         table.add_row(str(r["nodes"]), r["mode"] + (f" ({r['regions']} regions)" if r["regions"] else ""),
                       f"{r['delta_bytes'] / 2**20:.2f} MiB", f"{r['hub_copies']:.2f}",
-                      f"{r['leaf_copies_max']:.2f}" if r["regions"] else "—", f"{r['to_all_s']:.3f} s")
+                      f"{r['leaf_copies_max']:.2f}" if r["regions"] else "—", f"{r['relay_copies_max']:.2f}" if r["relays"] else "—",
+                      f"{r['to_all_s']:.3f} s")
     console.print(table)
     write("fanout", {"changed_fraction": CHANGED, "elements": args.elements, "runs": results})
 

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from pool_calibration import RESULTS, fit, fit_fanout, load  # noqa: E402
-from pool_model import Calibration, Latency, Links, Pool, fanout, simulate, size_tiers  # noqa: E402
+from pool_model import Calibration, Latency, Links, Pool, fanout, relayed, simulate, size_tiers  # noqa: E402
 from result_files import write  # noqa: E402
 
 FIGURE = ROOT / "benchmarks" / "figures" / "pool-model.png"
@@ -76,12 +76,18 @@ def fanout_check(cal: Calibration) -> list[dict[str, Any]]:
         rest = [x for x in runs if x["nodes"] != r["nodes"]]
         base, hub, leaf = fit_fanout(rest)
         out = Links(base, cal.fanout_bytes / hub, cal.fanout_bytes / leaf, cal.fanout_bytes / leaf)
-        model = fanout(r["nodes"], r["regions"], r["delta_bytes"], cal.links())
-        rows.append({"mode": r["mode"], "nodes": r["nodes"], "regions": r["regions"], "measured_s": r["to_all_s"],
-                     "fit_s": model.to_all_s,
-                     "out_of_sample_s": fanout(r["nodes"], r["regions"], r["delta_bytes"], out).to_all_s,
+        relays = r.get("relays", 0)
+        if relays:  # never fitted: predicted from the runs without relays
+            model, per_relay = relayed(r["nodes"], r["regions"], relays, r["delta_bytes"], cal.links())
+            held_out, _ = relayed(r["nodes"], r["regions"], relays, r["delta_bytes"], out)
+        else:
+            model, held_out, per_relay = fanout(r["nodes"], r["regions"], r["delta_bytes"], cal.links()), \
+                fanout(r["nodes"], r["regions"], r["delta_bytes"], out), 0
+        rows.append({"mode": r["mode"], "nodes": r["nodes"], "regions": r["regions"], "relays": relays, "measured_s": r["to_all_s"],
+                     "fit_s": model.to_all_s, "out_of_sample_s": held_out.to_all_s,
                      "hub_copies": r["hub_copies"], "hub_copies_model": model.hub_copies,
-                     "leaf_copies": r["leaf_copies_max"], "leaf_copies_model": model.leaf_copies})
+                     "leaf_copies": r["leaf_copies_max"], "leaf_copies_model": model.leaf_copies,
+                     "relay_copies": r.get("relay_copies_max", 0.0), "relay_copies_model": per_relay})
     return rows
 
 

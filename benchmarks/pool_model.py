@@ -284,6 +284,17 @@ def copies(nodes: int, regions: int) -> tuple[int, int]:
     return (nodes, 0) if regions == 0 else (regions, math.ceil(nodes / regions))
 
 
+def relayed(nodes: int, regions: int, relays: int, delta_bytes: float, links: Links) -> tuple[FanOut, int]:
+    """Hub → region mirrors → ``relays`` relay servers per region (each a mirror of its region's) → nodes, store and
+    forward, each server's copies sharing its link; a relay costs a copy as a mirror does. Also the busiest relay's copies.
+
+    to_all = base + regions · b / hub + relays · b / mirror + ⌈nodes / (regions · relays)⌉ · b / mirror"""
+    per_relay = math.ceil(nodes / (regions * relays))
+    to_all = (links.base_s + regions * delta_bytes / links.hub_bps + relays * delta_bytes / links.leaf_bps
+              + per_relay * delta_bytes / links.leaf_bps)
+    return FanOut(regions, relays, 2, regions * delta_bytes, relays * delta_bytes, to_all), per_relay
+
+
 def fanout(nodes: int, regions: int, delta_bytes: float, links: Links, relay: int | None = None) -> FanOut:
     """Hub → mirrors → nodes, each sender's copies sharing its link (so its last copy lands after copies × bytes / rate).
 
@@ -301,8 +312,6 @@ def fanout(nodes: int, regions: int, delta_bytes: float, links: Links, relay: in
     to_all = (links.base_s + hub * delta_bytes / links.hub_bps + f * delta_bytes / links.leaf_bps
               + (depth - 1) * f * delta_bytes / links.relay_bps)
     return FanOut(hub, f, depth, hub * delta_bytes, f * delta_bytes, to_all)
-
-
 
 
 # ------------------------------------------------------------------------------------------------ what was measured

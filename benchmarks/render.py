@@ -132,15 +132,37 @@ def shared_base(r: dict[str, Any]) -> str:
 
 
 def fanout(r: dict[str, Any]) -> str:
-    rows = ["| nodes | nodes read from | delta | copies the hub sent | copies the busiest leaf sent | to every node | slowest version |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| nodes | nodes read from | delta | copies the hub sent | copies the busiest leaf sent | copies the busiest relay sent | "
+            "to every node | slowest version |", "|---|---|---|---|---|---|---|---|"]
     for run in r["runs"]:
-        where = "the hub" if run["mode"] == "direct" else f"their region's leaf mirror ({run['regions']} regions)"
+        relays = run.get("relays", 0)
+        where = ("the hub" if run["mode"] == "direct" else f"their region's leaf mirror ({run['regions']} regions)"
+                 if not relays else f"a relay's mirror of their region's ({run['regions']} regions × {relays} relays)")
         leaf = f"{run['leaf_copies_max']:.2f}" if run["regions"] else "—"
-        rows.append(f"| {run['nodes']} | {where} | {run['delta_bytes'] / 2**20:.2f} MiB | {run['hub_copies']:.2f} | {leaf} | "
+        relay = f"{run['relay_copies_max']:.2f}" if relays else "—"
+        rows.append(f"| {run['nodes']} | {where} | {run['delta_bytes'] / 2**20:.2f} MiB | {run['hub_copies']:.2f} | {leaf} | {relay} | "
                     f"{1000 * run['to_all_s']:.0f} ms | {1000 * run['to_all_s_max']:.0f} ms |")
     return (f"Medians over the delta versions of each run ({r['elements']:,} elements, {100 * r['changed_fraction']:.0f} % changed "
             "per version). " + provenance(r) + "\n".join(rows) + "\n")
+
+
+def pool_scale(r: dict[str, Any]) -> str:
+    s = r["setup"]
+    rows = ["| servers | nodes | traj/s (offered) | CPU ms per trajectory: dataflow · server · nodes · trainer | "
+            "cores: dataflow · server · nodes · all | server RSS | heartbeats · KV reads · pulls · acks per s | "
+            "longest heartbeat gap | task p50 / p99 (from issue) | first bottleneck |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in r["points"]:
+        c, k, q, t = p["cpu_ms_per_traj"], p["cores"], p["rates"], p["task_latency_s"]
+        servers = "1" if p["topology"] == "single" else "3 (cluster, R3)"
+        rows.append(f"| {servers} | {p['nodes']} | {p['traj_per_s']:.0f} ({p['offered_traj_per_s']:.0f}) | {c['dataflow']:.2f} · "
+                    f"{c['server']:.2f} · {c['nodes']:.2f} · {c['trainer']:.2f} | {k['dataflow']:.2f} · {k['server']:.2f} · "
+                    f"{k['nodes']:.2f} · {k['total']:.2f} | {p['server_rss_mib']:.0f} MiB | {q['heartbeats_per_s']:.0f} · "
+                    f"{q['kv_reads_per_s']:.0f} · {q['pulls_per_s']:.0f} · {q['acks_per_s']:.0f} | {q['heartbeat_gap_max_s']:.1f} s | "
+                    f"{t['p50']:.1f} / {t['p99']:.1f} s | {p['bottleneck']} |")
+    return (f"Scripted engine, lognormal latency (median {s['latency_median_s']} s, sigma {s['latency_sigma']}) per request, "
+            f"{s['slots_per_node']} task slots per node, groups of {s['group_size']}, nodes spread over {s['host_processes']} "
+            f"processes; {s['window_s']:.0f} s measured per point; figure `benchmarks/figures/pool-scale.png`. " + provenance(r)
+            + "\n".join(rows) + "\n")
 
 
 def facade(r: dict[str, Any]) -> str:
@@ -223,14 +245,18 @@ def pool_model(r: dict[str, Any]) -> str:
                ("delta bytes per changed element", f"{c['bytes_per_changed']:.3f}", "bytes_per_changed"),
                ("elements a step changes", f"{100 * c['changed_fraction']:.2f} %", "changed_fraction")]
     cal = ["| figure | value | from |", "|---|---|---|"] + [f"| {name} | {v} | {src.get(key, '')} |" for name, v, key in figures]
-    fan = ["| nodes | read from | measured | model, fit on all six | out of sample: fit without this node count | error out of sample "
-           "| hub copies: measured / model | busiest mirror's copies: measured / model |", "|---|---|---|---|---|---|---|---|"]
+    fan = ["| nodes | read from | measured | model, fit on the runs without relays | out of sample: fit without this node count | "
+           "error out of sample | hub copies: measured / model | busiest mirror's copies: measured / model | "
+           "busiest relay's copies: measured / model |", "|---|---|---|---|---|---|---|---|---|"]
     for f in r["fanout_check"]:
         out_err = (f["out_of_sample_s"] - f["measured_s"]) / f["measured_s"]
-        where = "the hub" if f["mode"] == "direct" else f"their region's mirror ({f['regions']} regions)"
+        relays = f.get("relays", 0)
+        where = ("the hub" if f["mode"] == "direct" else f"their region's mirror ({f['regions']} regions)" if not relays
+                 else f"a relay of their region's mirror ({f['regions']} regions × {relays} relays)")
+        relay = f"{f['relay_copies']:.2f} / {f['relay_copies_model']}" if relays else "—"
         fan.append(f"| {f['nodes']} | {where} | "
                    f"{1e3 * f['measured_s']:.0f} ms | {1e3 * f['fit_s']:.0f} ms | {1e3 * f['out_of_sample_s']:.0f} ms | {pct(out_err)} | "
-                   f"{f['hub_copies']:.2f} / {f['hub_copies_model']} | {f['leaf_copies']:.2f} / {f['leaf_copies_model']} |")
+                   f"{f['hub_copies']:.2f} / {f['hub_copies_model']} | {f['leaf_copies']:.2f} / {f['leaf_copies_model']} | {relay} |")
     check = r["pool_check"]
     if check["status"] != "checked":
         pool = f"The pool on one machine: {check['status']}.\n"
@@ -288,7 +314,7 @@ def pool_model(r: dict[str, Any]) -> str:
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "facade": facade, "fanout": fanout, "moe": moe, "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
-    "shared_base": shared_base, "pool_model": pool_model,
+    "shared_base": shared_base, "pool_model": pool_model, "pool_scale": pool_scale,
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from pool_calibration import fit, fit_fanout
-from pool_model import Latency, Links, Pool, fanout, simulate
+from pool_model import Latency, Links, Pool, fanout, relayed, simulate
 
 LAT = Latency("lognormal", median_s=1.0, sigma=1.0)
 
@@ -87,6 +87,16 @@ def test_relays_send_fan_out_copies_per_level():
     assert relayed.to_all_s == pytest.approx(0.01 + 10 * 0.1 + 10 * 0.05 + 2 * 10 * 0.1)
     assert flat.to_all_s == pytest.approx(0.01 + 10 * 0.1 + 1000 * 0.05)
     assert relayed.leaf_bytes == 10 * 1e8
+
+
+def test_relay_servers_bound_each_servers_copies_and_are_never_fitted():
+    links = Links(0.01, 1e9, 2e9, 1e9)
+    tree, per_relay = relayed(64, 3, 4, 1e8, links)  # bench_fanout's relayed runs: 3 regions × 4 relays
+    assert (tree.hub_copies, tree.leaf_copies, per_relay) == (3, 4, 6)
+    assert tree.to_all_s == pytest.approx(0.01 + 3 * 0.1 + 4 * 0.05 + 6 * 0.05)
+    runs = [{"nodes": n, "regions": 3, "to_all_s": 0.004 + 3 * 0.002 + math.ceil(n / 3) * 0.005} for n in (4, 16, 64)]
+    runs += [{"nodes": n, "regions": 0, "to_all_s": 0.004 + n * 0.002} for n in (4, 16, 64)]
+    assert fit_fanout([*runs, {"nodes": 64, "regions": 3, "relays": 4, "to_all_s": 9.0}]) == pytest.approx(fit_fanout(runs))
 
 
 def test_the_fanout_fit_recovers_a_known_law_and_no_cost_is_negative():
