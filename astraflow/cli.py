@@ -194,7 +194,8 @@ def region_mirrors(
     run: str | None = typer.Option(None, help="Run id (default: the credential's)."),
     credential: str | None = Credential,
     user: str | None = typer.Option(None, help="User name; the password comes from $NATS_PASSWORD."),
-    hub_domain: str = typer.Option("hub", help="JetStream domain of the hub (where the trainer publishes)."),
+    hub_domain: str = typer.Option("hub", help="JetStream domain the mirrors copy: the hub's (where the trainer publishes), "
+                                               "or for a relay its region leaf's."),
     leaf_domain: str | None = typer.Option(None, help="JetStream domain of the leaf to make the mirrors in (default: the leaf's own)."),
     weights_history: int = typer.Option(64, help="Announcements kept per policy in the mirror (the recipe's plane.weights_history)."),
     timeout: float = typer.Option(30.0, help="Give up when the hub domain does not answer through the leaf in this many seconds."),

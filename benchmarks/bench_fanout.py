@@ -10,16 +10,16 @@ processes), follow the announcements and fetch each version's object, every chun
 * ``direct``: every node on the hub, reading the hub's object stream;
 * ``mirrored``: the nodes spread over the regions, each on its region's leaf (run traffic to the hub domain, as
   ``--domain hub`` does), reading the leaf's mirror;
-* ``relayed``: each region's leaf also accepts leafnodes from ``--relays`` relay servers (``leaf.conf`` again, each its
-  own domain), each mirroring the region's mirror (``ensure_region_mirrors(..., hub_domain=REGION)``); the nodes spread
-  over the relays and read their relay's mirror. A server then sends one copy per server or node below it, whatever N:
-  on machines of their own, with relays of relays, the time to every node grows with the depth of that tree (log N).
+* ``relayed``: each region's leaf also has ``--relays`` relay servers (``jetstream/relay.conf``, each its own name,
+  domain, ports and store) dialling it, each mirroring the region's mirror (``ensure_region_mirrors(...,
+  hub_domain=REGION)``); the nodes spread over the relays and read their relay's mirror. A server then sends one copy
+  per server or node below it, whatever N: on machines of their own, with relays of relays, the time to every node
+  grows with the depth of that tree (log N).
 
 Per version: the hub's bytes out (``/varz`` ``out_bytes``) over the object's size, i.e. the copies the hub sent (and
-each leaf and relay, likewise), and
-the time from the announcement until every node holds the version. The nodes fetch and check; they do not apply
-(applying is each node's own CPU, measured in ``bench_per_version.py``). The next version is published once every node
-holds the last. Writes ``benchmarks/results/fanout.json``.
+each leaf and relay, likewise), and the time from the announcement until every node holds the version. The nodes fetch
+and check; they do not apply (applying is each node's own CPU, measured in ``bench_per_version.py``). The next version
+is published once every node holds the last. Writes ``benchmarks/results/fanout.json``.
 
     python benchmarks/bench_fanout.py [--nodes 4 16 64] [--regions 3] [--relays 4] [--versions 6] [--elements 4000000]
 """
@@ -61,15 +61,14 @@ POLICY = "solver"
 CHANGED = 0.25  # the fraction of elements a version changes
 
 
-def leaf_config(name: str, uplink: int, listen: int | None = None) -> tuple[str, dict[int, int]]:
-    """``jetstream/leaf.conf`` as server and domain ``name``, dialling the leafnode port ``uplink``; with ``listen``,
-    also accepting leafnodes there (a region's leaf that its relays dial)."""
-    text = (CONF / "leaf.conf").read_text()
-    text = re.sub(r"(?m)^server_name: leaf$", f"server_name: {name}", text)
-    text = re.sub(r"(?m)^(\s*domain:) leaf\b", rf"\1 {name}", text)
-    if listen is not None:
-        text = text.replace("leafnodes {", f"leafnodes {{\n  listen: 127.0.0.1:{listen}", 1)
-    return text, {4223: -1, 7422: uplink}
+def leaf_config(name: str, uplink: int, relay: bool = False) -> tuple[str, dict[int, int]]:
+    """``jetstream/leaf.conf`` (``relay.conf`` for a relay) as server and domain ``name``, dialling the leafnode port
+    ``uplink``, with free ports for its clients and for relays that dial it."""
+    shipped = "relay" if relay else "leaf"
+    text = (CONF / f"{shipped}.conf").read_text()
+    text = re.sub(rf"(?m)^server_name: {shipped}$", f"server_name: {name}", text)
+    text = re.sub(rf"(?m)^(\s*domain:) {shipped}\b", rf"\1 {name}", text)
+    return text, ({4224: -1, 7423: uplink} if relay else {4223: -1, 7422: uplink, 7423: free_port()})
 
 
 class Plant:
@@ -82,10 +81,10 @@ class Plant:
         self.leafs: list[EmbeddedServer] = []
         self.relays: list[list[EmbeddedServer]] = []  # per region
         for k in range(regions):
-            sublink = free_port() if relays else None
-            self.leafs.append(self._server(base, f"leaf{k}", *leaf_config(f"leaf{k}", link, sublink)))
-            self.relays.append([self._server(base, f"leaf{k}r{j}", *leaf_config(f"leaf{k}r{j}", sublink))
-                                for j in range(relays) if sublink is not None])
+            text, ports = leaf_config(f"leaf{k}", link)
+            self.leafs.append(self._server(base, f"leaf{k}", text, ports))
+            self.relays.append([self._server(base, f"leaf{k}r{j}", *leaf_config(f"leaf{k}r{j}", ports[7423], relay=True))
+                                for j in range(relays)])
 
     def _server(self, base: Path, name: str, text: str, ports: dict[int, int]) -> EmbeddedServer:
         self.http[name] = free_port()

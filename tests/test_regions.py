@@ -14,7 +14,7 @@ from weights_helpers import WIDE, Trainer, engine_digest, node
 
 from astraflow.streams.objects import chunk_subject, count_chunks, ensure_region_mirrors, object_stream
 from astraflow.streams.plane import NatsOptions, Plane, Topology
-from astraflow.streams.server import EmbeddedServer, nats_server_binary, start_region_pair
+from astraflow.streams.server import EmbeddedServer, free_port, nats_server_binary, start_region_pair, start_relay
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.weights.publish import WeightPublisher, request_keyframe
 
@@ -43,7 +43,7 @@ async def planes(region):
     await trainer.close()
 
 
-@pytest.mark.parametrize("name", ["hub.conf", "leaf.conf"])
+@pytest.mark.parametrize("name", ["hub.conf", "leaf.conf", "relay.conf"])
 def test_shipped_region_configs_are_valid(name: str):
     res = subprocess.run([nats_server_binary(), "-t", "-c", str(CONF / name)], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stderr + res.stdout
@@ -85,6 +85,44 @@ async def test_node_on_the_leaf_applies_versions_published_on_the_hub(planes):
     assert engine_digest(late) == trainer.digest and late.stats["joins"] == 1
     on_hub = node(remote)  # same node reading the hub instead: the objects are gone there
     assert not await on_hub.refresh(wait=2.0) and on_hub.stats["missing"] > 0
+
+
+async def test_a_node_on_a_relay_applies_versions_through_two_mirrors_and_retention_reaches_it(tmp_path):
+    """The shipped relay (a leaf of the region's leaf) mirrors the region's mirrors: a node connected only to it keeps
+    the run's traffic on the hub and applies every version from the relay's mirror; the leaf sends one copy per relay,
+    not per node; the trainer's retention deletes on the relay too (the hub reaches its domain through the leaf)."""
+    port = free_port()
+    hub, leaf = start_region_pair(CONF, tmp_path, relay_port=port)
+    relay = start_relay(CONF, tmp_path, port)
+    run = "rly" + uuid.uuid4().hex[:6]
+    planes: list[Plane] = []
+    try:
+        trainer_plane = await Plane.connect(NatsOptions(url=hub.url), run, "trainer")
+        await trainer_plane.ensure_topology(Topology(policies=("solver",)))
+        for server, source in ((leaf, "hub"), (relay, "leaf")):
+            planes.append(await Plane.connect(NatsOptions(url=server.url, domain="hub"), run, f"raas-{source}"))
+            await planes[-1].wait_for_domain(source)
+            await ensure_region_mirrors(planes[-1], run, hub_domain=source)
+        on_relay = planes[-1]
+        trainer = Trainer()
+        pub = WeightPublisher(trainer_plane, "solver", keyframe_every=2, keep_versions=2, mirror_domains=("leaf", "relay"))
+        sync = node(on_relay, domain="relay")
+        anns = []
+        for v in range(5):  # keyframes 0, 2, 4
+            anns.append(await pub.publish(trainer.step() if v else trainer.model.state_dict(), v))
+            await sync.wait_for(v, timeout=30)
+            assert engine_digest(sync) == anns[-1].state_digest
+        assert await on_relay.state.get(VersionRecord, "solver") is not None  # the run's state, on the hub, from the relay
+        await pub.keeper.wait()
+        bucket = on_relay.names.object_bucket
+        counts = [[await count_chunks(js, object_stream(bucket), chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
+                  for js in (trainer_plane._js, on_relay._nc.jetstream(domain="relay"))]
+        assert counts[0] == counts[1] == [0, 0, 1, 1, 1]  # v3 needs keyframe v2: both kept, on the hub and on the relay
+    finally:
+        for p in planes:
+            await p.close()
+        for s in (relay, leaf, hub):
+            s.stop()
 
 
 async def test_payloads_of_many_chunks_stream_through_the_mirror(planes):

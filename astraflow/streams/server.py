@@ -245,8 +245,10 @@ def spawn_kwargs() -> dict[str, object]:
     return {"preexec_fn": _die_with_parent, "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}
 
 
-def start_region_pair(conf_dir: Path | str, base_dir: Path | str) -> tuple[EmbeddedServer, EmbeddedServer]:
-    """Start the shipped ``hub.conf`` + ``leaf.conf`` on loopback (free ports, stores under ``base_dir``).
+def start_region_pair(conf_dir: Path | str, base_dir: Path | str,
+                      relay_port: int | None = None) -> tuple[EmbeddedServer, EmbeddedServer]:
+    """Start the shipped ``hub.conf`` + ``leaf.conf`` on loopback (free ports, stores under ``base_dir``; the leaf takes
+    relays on ``relay_port``, default a free one).
 
     Returns ``(hub, leaf)`` once both accept clients; the leafnode link comes up shortly after
     (``objects.wait_for_domain`` waits for it). Stop both by handle.
@@ -254,7 +256,8 @@ def start_region_pair(conf_dir: Path | str, base_dir: Path | str) -> tuple[Embed
     conf_dir, base = Path(conf_dir), Path(base_dir)
     link = free_port()
     hub_text = adapt_config((conf_dir / "hub.conf").read_text(), base / "hub" / "store", {4222: -1, 7422: link})
-    leaf_text = adapt_config((conf_dir / "leaf.conf").read_text(), base / "leaf" / "store", {4223: -1, 7422: link})
+    leaf_text = adapt_config((conf_dir / "leaf.conf").read_text(), base / "leaf" / "store",
+                             {4223: -1, 7422: link, 7423: relay_port or free_port()})
     hub = EmbeddedServer(base / "hub", config_text=hub_text).start()
     try:
         leaf = EmbeddedServer(base / "leaf", config_text=leaf_text).start()
@@ -262,3 +265,11 @@ def start_region_pair(conf_dir: Path | str, base_dir: Path | str) -> tuple[Embed
         hub.stop()
         raise
     return hub, leaf
+
+
+def start_relay(conf_dir: Path | str, base_dir: Path | str, relay_port: int) -> EmbeddedServer:
+    """Start the shipped ``relay.conf`` on loopback (a free client port, its store under ``base_dir``), dialling the
+    region leaf that takes relays on ``relay_port`` (:func:`start_region_pair`)."""
+    base = Path(base_dir)
+    text = adapt_config((Path(conf_dir) / "relay.conf").read_text(), base / "relay" / "store", {4224: -1, 7423: relay_port})
+    return EmbeddedServer(base / "relay", config_text=text).start()
