@@ -68,7 +68,7 @@ def leaf_config(name: str, uplink: int, relay: bool = False) -> tuple[str, dict[
     text = (CONF / f"{shipped}.conf").read_text()
     text = re.sub(rf"(?m)^server_name: {shipped}$", f"server_name: {name}", text)
     text = re.sub(rf"(?m)^(\s*domain:) {shipped}\b", rf"\1 {name}", text)
-    return text, ({4224: -1, 7423: uplink} if relay else {4223: -1, 7422: uplink, 7423: free_port()})
+    return text, ({4224: -1, 7423: uplink, 7424: free_port()} if relay else {4223: -1, 7422: uplink, 7423: free_port()})
 
 
 class Plant:

@@ -271,5 +271,6 @@ def start_relay(conf_dir: Path | str, base_dir: Path | str, relay_port: int) -> 
     """Start the shipped ``relay.conf`` on loopback (a free client port, its store under ``base_dir``), dialling the
     region leaf that takes relays on ``relay_port`` (:func:`start_region_pair`)."""
     base = Path(base_dir)
-    text = adapt_config((Path(conf_dir) / "relay.conf").read_text(), base / "relay" / "store", {4224: -1, 7423: relay_port})
+    text = adapt_config((Path(conf_dir) / "relay.conf").read_text(), base / "relay" / "store",
+                        {4224: -1, 7423: relay_port, 7424: free_port()})
     return EmbeddedServer(base / "relay", config_text=text).start()
