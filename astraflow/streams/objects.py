@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js import JetStreamContext, api
+from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import BadRequestError, NotFoundError
 
 from astraflow.streams.acks import AcksLost, acked, reconnects_of
@@ -448,7 +448,7 @@ class ObjectStore:
             return 0
 
 
-async def allow_consumers(jsm: Any, stream: str, limit: int) -> None:
+async def allow_consumers(jsm: JetStreamManager, stream: str, limit: int) -> None:
     """Set ``stream``'s consumer limit to ``limit`` unless it has it (streams nats-py makes, object stores', name none)."""
     cfg = (await jsm.stream_info(stream)).config
     if cfg.max_consumers != limit:
