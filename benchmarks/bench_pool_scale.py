@@ -138,7 +138,8 @@ def rss_mib(pid: int) -> float:
 
 
 def varz(port: int) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=5) as f:
+    """The server's monitoring figures (a loaded machine may take a while to answer)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=60) as f:
         return dict(json.loads(f.read()))
 
 
