@@ -289,7 +289,7 @@ async def measure(work: Path, topology: str, nodes: int, hosts: int, window: flo
         for name, p in pt.procs.items():
             if name.startswith("host"):
                 try:
-                    p.wait(20)
+                    p.wait(180)  # a host of hundreds of nodes on a starved machine takes a while to get to its file
                 except subprocess.TimeoutExpired:
                     p.kill()
         pt.stop()
@@ -395,12 +395,16 @@ def main() -> None:
     ap.add_argument("--figure", type=Path, default=ROOT / "benchmarks" / "figures" / "pool-scale.png")
     args = ap.parse_args()
     console = Console()
-    rows = []
+    rows, failed = [], []
     with tempfile.TemporaryDirectory(prefix="pool-scale-") as tmp:
         for topology in args.topology:
             for n in args.nodes:
-                rows.append(asyncio.run(measure(Path(tmp) / f"{topology}-{n}", topology, n, args.hosts, args.window, args.warmup,
-                                                console)))
+                try:
+                    rows.append(asyncio.run(measure(Path(tmp) / f"{topology}-{n}", topology, n, args.hosts, args.window, args.warmup,
+                                                    console)))
+                except Exception as e:  # recorded as what gave, and the sweep goes on
+                    console.print(f"[red]{topology} N={n} failed: {type(e).__name__}: {e}[/]")
+                    failed.append({"topology": topology, "nodes": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     smallest = min(rows, key=lambda r: r["nodes"])
     offered = SLOTS * GROUP / smallest["service_mean_s"]  # per node: busy slots at the task time nothing else stretches
     for r in rows:
@@ -410,7 +414,7 @@ def main() -> None:
     write("pool_scale", {"setup": {"latency": "lognormal", "latency_median_s": MEDIAN_S, "latency_sigma": SIGMA, "slots_per_node": SLOTS,
                                    "group_size": GROUP, "max_new_tokens": NEW_TOKENS, "host_processes": args.hosts,
                                    "cores": os.cpu_count(), "window_s": args.window},
-                         "points": rows})
+                         "points": rows, "failed": failed})
     print(json.dumps(rows))
 
 

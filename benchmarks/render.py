@@ -162,7 +162,8 @@ def pool_scale(r: dict[str, Any]) -> str:
     return (f"Scripted engine, lognormal latency (median {s['latency_median_s']} s, sigma {s['latency_sigma']}) per request, "
             f"{s['slots_per_node']} task slots per node, groups of {s['group_size']}, nodes spread over {s['host_processes']} "
             f"processes; {s['window_s']:.0f} s measured per point; figure `benchmarks/figures/pool-scale.png`. " + provenance(r)
-            + "\n".join(rows) + "\n")
+            + "\n".join(rows) + "\n" + "".join(f"\nFailed: {f['topology']}, {f['nodes']} nodes: {f['error']}\n"
+                                                for f in r.get("failed", [])))
 
 
 def facade(r: dict[str, Any]) -> str:
