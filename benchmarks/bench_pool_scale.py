@@ -410,11 +410,11 @@ def main() -> None:
     for r in rows:
         r["offered_traj_per_s"] = round(offered * r["nodes"], 1)
     console.print(table(rows, offered))
-    plot(rows, args.figure)
     write("pool_scale", {"setup": {"latency": "lognormal", "latency_median_s": MEDIAN_S, "latency_sigma": SIGMA, "slots_per_node": SLOTS,
                                    "group_size": GROUP, "max_new_tokens": NEW_TOKENS, "host_processes": args.hosts,
                                    "cores": os.cpu_count(), "window_s": args.window},
                          "points": rows, "failed": failed})
+    plot(rows, args.figure)  # after the record: its commit is the tree the run ran on
     print(json.dumps(rows))
 
 
