@@ -42,7 +42,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from pool_calibration import RESULTS, fit, fit_fanout, load  # noqa: E402
+from pool_calibration import RESULTS, fit, fit_fanout, generator_kept_up, load  # noqa: E402
 from pool_model import Calibration, Latency, Links, Pool, fanout, relayed, simulate, size_tiers  # noqa: E402
 from result_files import write  # noqa: E402
 
@@ -148,14 +148,16 @@ def pool_check(path: Path, reps: int) -> dict[str, Any]:
     scale = json.loads(path.read_text())
     setup, window, points, rows, curves = scale["setup"], measured_window(scale), scale["points"], [], {}
     for topology in dict.fromkeys(p["topology"] for p in points):
-        pts = [p for p in points if p["topology"] == topology]
-        for p in pts:
+        shown = [p for p in points if p["topology"] == topology]
+        pts = [p for p in shown if generator_kept_up(p)]  # the points the generator kept up at: the only ones fitted
+        for p in shown:
             others = [q for q in pts if q is not p]
             pred = predict(measured_pool(setup, p["nodes"], others or pts), window, p.get("joined_s", 0.0), reps)
             meas = {"traj_per_s": p["traj_per_s"], "p50_s": p["task_latency_s"]["p50"], "p99_s": p["task_latency_s"]["p99"]}
             if "service_s" in p:  # the node's pull to settled (bench_pool_scale records it beside the latency from issue)
                 meas |= {"service_p50_s": p["service_s"]["p50"], "service_p99_s": p["service_s"]["p99"]}
-            rows.append({"topology": topology, "nodes": p["nodes"], "fit": "leave-one-out" if others else "in sample",
+            fitted = ("leave-one-out" if len(others) < len(pts) else "not fitted: the generator's nodes starved") if others else "in sample"
+            rows.append({"topology": topology, "nodes": p["nodes"], "fit": fitted,
                          "measured": meas, "predicted": {k: pred[k] for k in meas},
                          "error": {k: err(pred[k], meas[k]) for k in meas}, "machine_util": pred["machine_util"],
                          "dataflow_util": pred["dataflow_util"], "bottleneck_measured": p["bottleneck"]})

@@ -93,6 +93,15 @@ def plane_measured(points: Sequence[Mapping[str, Any]], where: str) -> tuple[dic
     return f, src
 
 
+def generator_kept_up(point: Mapping[str, Any]) -> bool:
+    """The load generator's nodes kept up at this point of pool_scale.json: none was silent longer than a live node may
+    be (3 heartbeats). Past that the node processes are starved on the shared cores and the point measures the
+    generator, not the plane: it is shown beside the model, never fitted."""
+    from astraflow.streams.messages import HEARTBEAT_PERIOD_S
+
+    return float(point["rates"].get("heartbeat_gap_max_s", 0.0)) <= 3 * HEARTBEAT_PERIOD_S
+
+
 def plane_recorded(page: str, group_size: int = 8) -> tuple[dict[str, Any], dict[str, str]]:
     """Without enough pool_scale.json points: CPU per trajectory from the recorded 'CPU seconds per role' table
     (CPU-s per 64 samples, median of its four runs); the message counts are assumptions."""
@@ -122,7 +131,7 @@ def load(results: Path = RESULTS, page: Path = PAGE, pool_scale: Path | None = N
     clean = {r["cluster"]: r["server_cpu_s"] for r in chaos["runs"] if not r["kills"]}
     stalls = [k["stall_s"] for r in chaos["runs"] if r["cluster"] > 1 for k in r["kills"]]
     scale_file = pool_scale or results / "pool_scale.json"
-    points = json.loads(scale_file.read_text())["points"] if scale_file.exists() else []
+    points = [p for p in json.loads(scale_file.read_text())["points"] if generator_kept_up(p)] if scale_file.exists() else []
     single = [p for p in points if p["topology"] == "single"]
     if len(single) >= MIN_POINTS:
         plane, src = plane_measured(single, f"pool_scale.json (single server, {', '.join(str(p['nodes']) for p in single)} nodes)")
