@@ -35,7 +35,6 @@ import time
 from typing import Any
 
 import torch
-from nats.errors import Error as NatsError
 
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving
@@ -50,6 +49,7 @@ from astraflow.rollout.workflows.base import TEAM
 from astraflow.rollout.workflows.registry import evaluation_of, get_workflow, workflow_class
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, EvaluatorStats, Heartbeat
 from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.retry import UNANSWERED
 from astraflow.streams.state import EvalRecord, StateSchemaError, VersionRecord
 from astraflow.tasks import Problem, load_split
 from astraflow.weights.sync import VersionGone, WeightSync, WeightSyncError
@@ -245,7 +245,7 @@ async def reach(sync: WeightSync, version: int, stop: asyncio.Event) -> str | No
             return None
         except VersionGone as e:
             return str(e)
-        except (WeightSyncError, TimeoutError, NatsError) as e:  # TimeoutError: also a history read cut short
+        except (WeightSyncError, *UNANSWERED) as e:  # the plane not answering: also a history read cut short (a timeout)
             if stop.is_set() or loop.time() + pause > deadline:
                 raise
             log.warning("%s; trying again in %.1fs", e, pause)
