@@ -336,8 +336,8 @@ async def test_a_request_the_plane_did_not_answer_is_asked_again_for_a_bounded_t
 async def test_the_run_streams_take_more_consumers_than_the_servers_default_cap(plane: Plane):
     """nats-server 2.15 allows 1,000 consumers to a stream that names no limit. Every rollout node follows the
     announcements with a consumer and streams a many-chunk version through another, so a pool of about 500 nodes reached
-    the cap and its nodes stopped getting weights. The run's streams, its object stores' and a region's mirrors name their
-    own limit (``plane.max_consumers``)."""
+    the cap and its nodes stopped getting weights. The run's streams and its object stores' name their own limit
+    (``plane.max_consumers``), and a run's setting reaches streams that exist already."""
     jsm, names = plane._jsm, plane.names
     for stream in (names.weights_stream, object_stream(names.object_bucket), object_stream(names.traj_object_bucket)):
         assert (await jsm.stream_info(stream)).config.max_consumers == MAX_CONSUMERS
