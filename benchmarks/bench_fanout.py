@@ -170,7 +170,7 @@ async def measure(mode: str, n: int, regions: int, versions: int, elements: int,
         gen = torch.Generator().manual_seed(seed)
         state = {"w": torch.randn(elements, generator=gen)}
         pub = WeightPublisher(trainer, POLICY, keyframe_every=10**6, keep_versions=None, mirror_domains=domains)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for v in range(versions):
             if v:
                 picked = torch.rand(elements, generator=gen) < CHANGED
