@@ -79,11 +79,14 @@ class Roles:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, role: str, name: str, *extra: str) -> None:
-        log = open(self.logs / f"{name}.log", "ab")
-        cmd = [sys.executable, "-m", "astraflow.cli", "worker", role, "--recipe", str(self.recipe_file), "--nats", self.url,
-               "--run", self.run, "--id", name, *extra]
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        log.close()
+        self.spawn(name, [sys.executable, "-m", "astraflow.cli", "worker", role, "--recipe", str(self.recipe_file), "--nats",
+                          self.url, "--run", self.run, "--id", name, *extra])
+
+    def spawn(self, name: str, cmd: list[str]) -> None:
+        """Any process of the run, logged to ``{name}.log`` beside the roles'."""
+        with open(self.logs / f"{name}.log", "ab") as log:
+            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def check(self) -> None:
         for name, p in self.procs.items():

@@ -53,6 +53,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_async_vs_sync import Roles  # noqa: E402
 from result_files import write  # noqa: E402
 
 from astraflow.config import load_recipe  # noqa: E402
@@ -175,7 +176,8 @@ class PlaneCounter:
 
 
 class Point:
-    """One pool size on one topology: servers, roles and node hosts, started and stopped by handle."""
+    """One pool size on one topology: its servers, and the processes of the run (``roles``: the dataflow, the trainer and
+    the node hosts, as ``bench_async_vs_sync.Roles`` runs them), started and stopped by handle."""
 
     def __init__(self, work: Path, topology: str, nodes: int, hosts: int) -> None:
         self.work, self.topology, self.nodes = work, topology, nodes
@@ -183,9 +185,10 @@ class Point:
         self.hosts = max(1, min(hosts, nodes))
         self.servers: list[EmbeddedServer] = []
         self.monitor: list[int] = []
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.roles: Roles | None = None
 
-    def start_servers(self) -> str:
+    def start(self, recipe_file: Path) -> Roles:
+        """The servers, then the run's processes' handle (none started yet) on their address."""
         size = 3 if self.topology == "cluster3" else 1
         self.monitor = [free_port() for _ in range(size)]
         if size == 1:
@@ -196,34 +199,20 @@ class Point:
                 s.extra_config = f"http: 127.0.0.1:{port}\n"
         for s in self.servers:
             s.start()
-        return ",".join(s.url for s in self.servers)
-
-    def spawn(self, name: str, cmd: list[str]) -> None:
-        with open(self.work / f"{name}.log", "ab") as log:
-            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def check(self) -> None:
-        for name, p in self.procs.items():
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode}: {(self.work / f'{name}.log').read_text()[-3000:]}")
+        self.roles = Roles(",".join(s.url for s in self.servers), self.run, recipe_file, self.work)
+        return self.roles
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        if self.roles is not None:
+            self.roles.stop()
         for s in self.servers:
             s.stop()
 
     def cpu(self) -> dict[str, float]:
-        parts = {"dataflow": cpu_s(self.procs["dataflow"].pid), "trainer": cpu_s(self.procs["trainer"].pid),
-                 "nodes": sum(cpu_s(p.pid) for n, p in self.procs.items() if n.startswith("host")),
+        assert self.roles is not None
+        procs = self.roles.procs
+        parts = {"dataflow": cpu_s(procs["dataflow"].pid), "trainer": cpu_s(procs["trainer-solver"].pid),
+                 "nodes": sum(cpu_s(p.pid) for n, p in procs.items() if n.startswith("host")),
                  "server": sum(cpu_s(s.proc.pid) for s in self.servers if s.proc)}
         return {**parts, "driver": sum(os.times()[:2])}
 
@@ -249,49 +238,46 @@ async def measure(work: Path, topology: str, nodes: int, hosts: int, window: flo
     recipe_file = work / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe(nodes, 3 if topology == "cluster3" else 1)))
     try:
-        url = pt.start_servers()
-        worker = [sys.executable, "-m", "astraflow.cli", "worker"]
-        common = ["--recipe", str(recipe_file), "--nats", url, "--run", pt.run]
-        pt.spawn("trainer", [*worker, "trainer", *common, "--id", "trainer-solver", "--policy", "solver",
-                             "--checkpoint-dir", str(work / "ckpt")])
-        pt.spawn("dataflow", [*worker, "dataflow", *common, "--id", "dataflow"])
+        roles = pt.start(recipe_file)
+        roles.start("trainer", "trainer-solver", "--policy", "solver", "--checkpoint-dir", str(work / "ckpt"))
+        roles.start("dataflow", "dataflow")
         share = [nodes // pt.hosts + (i < nodes % pt.hosts) for i in range(pt.hosts)]
         for i, count in enumerate(share):
-            pt.spawn(f"host{i}", [sys.executable, __file__, "--host", url, pt.run, str(recipe_file), str(sum(share[:i])), str(count),
-                                  str(work / f"host{i}.json")])
+            roles.spawn(f"host{i}", [sys.executable, __file__, "--host", roles.url, pt.run, str(recipe_file), str(sum(share[:i])),
+                                     str(count), str(work / f"host{i}.json")])
         t0 = time.monotonic()
         while not all((work / f"host{i}.json.ready").exists() for i in range(pt.hosts)):
-            pt.check()
+            roles.check()
             if time.monotonic() - t0 > 120 + nodes:
                 raise TimeoutError(f"{nodes} nodes not joined after {time.monotonic() - t0:.0f}s")
             await asyncio.sleep(0.5)
         joined_s = time.monotonic() - t0
-        nc = await nats.connect(url.split(","))
+        nc = await nats.connect(roles.url.split(","))
         js = nc.jetstream()
         names = Names(pt.run)
         counter = PlaneCounter()
         await counter.attach(nc, pt.run)
         await asyncio.sleep(warmup)
-        pt.check()
+        roles.check()
         c0, m0, s0, n0, w0, t_start = pt.cpu(), pt.msgs(), await groups_stored(js, names), Counter(counter.counts), time.time(), \
             time.monotonic()
         counter.beat_gap_max = 0.0
         await asyncio.sleep(window)
         c1, m1, s1, n1, w1, span = pt.cpu(), pt.msgs(), await groups_stored(js, names), Counter(counter.counts), time.time(), \
             time.monotonic() - t_start
-        pt.check()
+        roles.check()
         rss = sum(rss_mib(s.proc.pid) for s in pt.servers if s.proc)
         await nc.close()
     finally:
-        for name, p in pt.procs.items():  # the hosts write their tasks' latencies on SIGTERM
-            if name.startswith("host") and p.poll() is None:
+        host_procs = [p for name, p in (pt.roles.procs if pt.roles else {}).items() if name.startswith("host")]
+        for p in host_procs:  # the hosts write their tasks' latencies on SIGTERM
+            if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for name, p in pt.procs.items():
-            if name.startswith("host"):
-                try:
-                    p.wait(180)  # a host of hundreds of nodes on a starved machine takes a while to get to its file
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        for p in host_procs:
+            try:
+                p.wait(180)  # a host of hundreds of nodes on a starved machine takes a while to get to its file
+            except subprocess.TimeoutExpired:
+                p.kill()
         pt.stop()
     timed = [(issued, served) for i in range(pt.hosts) for at, issued, served in json.loads((work / f"host{i}.json").read_text())["done"]
              if w0 <= at <= w1]
