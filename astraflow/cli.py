@@ -1,4 +1,4 @@
-"""The ``astraflow`` command: up, worker, status. Heavy modules are imported lazily."""
+"""The ``astraflow`` command: up, worker, status, warm-start, region, node. Heavy modules are imported lazily."""
 
 from __future__ import annotations
 
@@ -182,6 +182,29 @@ def status(
     except (ConnectionError, PermissionError) as e:
         typer.echo(f"astraflow status: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+@app.command("warm-start")
+def warm_start(
+    recipe: str = typer.Argument(..., help="Recipe YAML or folder whose policies share one base (rollout.shared_base)."),
+    out: Path = typer.Option(..., help="Model directory to write the warm-started base into (kept if it holds it already)."),
+    set_: list[str] = Overrides,
+) -> None:
+    """Warm-start the base every policy of a shared-base recipe adapts (`astraflow up` does it itself). Then start every
+    role with --set model.pretrained=OUT --set sft.steps=0."""
+    from rich.console import Console
+
+    from astraflow.launch.warm_base import warm_shared_base
+    from astraflow.runtime import setup_logging
+    from astraflow.train.base_warm_start import needs_base_warm_start
+
+    setup_logging("WARNING")
+    r = _load(recipe, set_)
+    if not needs_base_warm_start(r):
+        typer.echo("astraflow warm-start: the recipe shares no base (rollout.shared_base) or no policy warm-starts (sft.steps)",
+                   err=True)
+        raise typer.Exit(2)
+    warm_shared_base(r, out, Console())
 
 
 region_app = typer.Typer(no_args_is_help=True, help="Regions: leafnode servers that mirror a run's weights.")

@@ -1,6 +1,9 @@
-"""The SFT warm start's learning-rate warmup: a step during warmup moves the weights by lr · step / warmup_steps."""
+"""The SFT warm start: the learning-rate warmup (a step during warmup moves the weights by lr · step / warmup_steps), and
+the warm start of a base several policies share (train/base_warm_start.py)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -38,3 +41,47 @@ def test_more_warmup_than_steps_fails_at_load_with_the_field_named():
     with pytest.raises(ValueError, match="sft.warmup_steps"):
         parse_recipe({"name": "s", "sft": {"steps": 10, "warmup_steps": 20}})
     assert parse_recipe({"name": "s", "sft": {"steps": 0, "warmup_steps": 20}})  # no warm start: nothing to warm up
+
+
+def test_interleaved_warm_starts_are_spread_over_the_whole():
+    from astraflow.train.sft import interleave
+
+    order = interleave({"solver": 3, "verifier": 9})
+    assert len(order) == 12 and order.count("solver") == 3
+    for k in range(1, 13):  # every prefix holds each warm start's share of it, to a step
+        assert abs(order[:k].count("solver") - 3 * k / 12) <= 1
+
+
+def shared_recipe(**sft: object):
+    lora = {"trainer": {"lora": {"rank": 2}}}
+    return parse_recipe({"name": "s", "workflow": "solver_verifier", "reward": "math", "rollout": {"shared_base": True},
+                         "model": {"hidden_size": 32, "intermediate_size": 64}, "data": {"max_operand": 9, "n_train": 20, "n_eval": 5},
+                         "sft": {"steps": 3, "batch_size": 2, **sft},
+                         "policies": {"solver": lora, "verifier": {**lora, "sft": {"steps": 2, "lr": 0.01}}}})
+
+
+def test_a_shared_base_is_warm_started_once_and_every_policy_loads_it(tmp_path):
+    """``rollout.shared_base``: the warm start trains the one base (every weight) on each policy's warm start; every
+    role then loads it as ``model.pretrained`` without a warm start of its own; an unchanged recipe reuses it."""
+    from astraflow.train.base_warm_start import on_base, warm_base
+    from astraflow.weights.delta import state_digest, to_bf16_state
+
+    recipe, out = shared_recipe(), tmp_path / "base"
+    assert warm_base(recipe, out, threads=1)
+    assert json.loads((out / "warm_start.json").read_text())["steps"] == {"solver": 3, "verifier": 2}
+    assert not warm_base(recipe, out, threads=1)  # kept: the same model, data, warm starts and seed
+    assert warm_base(shared_recipe(lr=0.001), out, threads=1)  # a changed warm start trains it again
+    on = on_base(recipe, out)
+    assert {p.model.pretrained for p in on.policies.values()} == {str(out.resolve())}
+    assert all(p.sft.steps == 0 for p in on.policies.values())
+    built = build_model(recipe.policies["solver"].model, TOK)
+    loaded = build_model(on.policies["verifier"].model, TOK)
+    assert state_digest(to_bf16_state(built.state_dict())) != state_digest(to_bf16_state(loaded.state_dict()))
+
+
+async def test_a_trainer_on_a_shared_base_does_not_warm_start_alone():
+    from astraflow.streams.plane import NatsOptions
+    from astraflow.train.worker import serve
+
+    with pytest.raises(ValueError, match="astraflow warm-start"):
+        await serve(shared_recipe(), NatsOptions(url="nats://127.0.0.1:1"), "r", policy="verifier")

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -161,13 +162,13 @@ def test_multi_policy_workflow_needs_two_policies():
 
 
 @pytest.mark.slow
-def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, tmp_path):
+def up_math_multi_agent(nats_server, repo_root: Path, run_dir: Path, *sets: str) -> list[dict]:
+    """``astraflow up recipes/math-multi-agent`` for 2 steps with short warm starts; the metrics rows."""
     recipe = repo_root / "recipes" / "math-multi-agent"
     load_recipe(recipe)  # loads as a recipe
-    run_dir = tmp_path / "sv-run"
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(recipe), "--nats", nats_server.url, "--run-dir", str(run_dir),
            "--set", "trainer.steps=2", "--set", "sft.steps=20", "--set", "policies.verifier.sft.steps=20", "--set", "rollout.nodes=1",
-           "--set", "eval.enabled=false", "--timeout", "240"]
+           "--set", "eval.enabled=false", "--timeout", "240", *(x for s in sets for x in ("--set", s))]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     logs = (
         "".join(f"\n--- {p.name}\n" + p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
@@ -178,7 +179,33 @@ def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for policy in ("solver", "verifier"):  # one trainer per policy, each trained on its own trajectories
         assert [r["version"] for r in rows if r["policy"] == policy] == [0, 1, 2]
+    return rows
+
+
+def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, tmp_path):
+    run_dir = tmp_path / "sv-run"
+    up_math_multi_agent(nats_server, repo_root, run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["policies"]) == {"solver", "verifier"}
     for role in ("trainer-solver", "trainer-verifier", "dataflow", "rollout-0"):
         assert (run_dir / "logs" / f"{role}.s1.log").exists()
+
+
+def test_policies_sharing_a_base_warm_start_it_once_and_nodes_serve_their_adapters_on_it(nats_server, repo_root, tmp_path):
+    """``rollout.shared_base``: ``up`` warm-starts one base on both policies' warm-start data (every weight), every role
+    loads it as ``model.pretrained``, each trainer adapts it, and the node serves each policy's adapters on that base:
+    the trainers recompute the node's logprobs (a node on another base would be refused, or far off)."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install 'astraflow[lora]')")
+    run_dir = tmp_path / "shared-run"
+    rows = up_math_multi_agent(nats_server, repo_root, run_dir, "rollout.shared_base=true", "trainer.lora.rank=4")
+    record = json.loads((run_dir / "base" / "warm_start.json").read_text())
+    assert record["steps"] == {"solver": 20, "verifier": 20}
+    resolved = load_recipe(run_dir / "recipe.yaml")
+    for policy in resolved.policies.values():
+        assert policy.model.pretrained == str((run_dir / "base").resolve()) and policy.sft.steps == 0
+    first = [r for r in rows if r["version"] == 1]  # the first step is taken on v0's samples, by the v0 model: the same model
+    assert len(first) == 2 and all(r["logprob_gap_max"] < 1e-4 for r in first), first
+    trained = [r for r in rows if r["version"] > 0]
+    assert all(r["logprob_gap_max"] < 0.1 for r in trained)  # later ones within the staleness window (nats if wrong)
+    assert all(r["bytes"] < 20_000 for r in trained)  # adapters, not the model
+    assert "refus" not in (run_dir / "logs" / "rollout-0.s1.log").read_text()

@@ -33,12 +33,14 @@ from astraflow.launch.report import summarize
 from astraflow.launch.rundir import RunDir
 from astraflow.launch.supervisor import Child, CrashLoop, LocalPool, RoleSpec, Supervisor, exit_text
 from astraflow.launch.view import View
+from astraflow.launch.warm_base import warm_shared_base
 from astraflow.launch.watcher import RunWatcher
 from astraflow.streams.credentials import Credential, is_loopback, issue, make_tls, node_path, redact
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S
 from astraflow.streams.permissions import Scope
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer, cluster_members, free_port
+from astraflow.train.base_warm_start import needs_base_warm_start
 from astraflow.train.threads import pin, shared_cores, usable_core_ids, usable_cores, with_core_plan, with_thread_counts
 
 console = Console()
@@ -185,15 +187,18 @@ def added_node(recipe: Recipe, specs: list[RoleSpec]) -> Callable[[str], RoleSpe
 
 
 def prepare(recipe: Recipe, rundir: RunDir, resume: bool) -> Recipe:
-    """Write the resolved recipe (``trainer.threads`` and ``sft.threads`` on ``auto`` made their shares of this machine's
+    """Write the resolved recipe (a shared base warm-started and named as every policy's model,
+    ``trainer.threads`` and ``sft.threads`` on ``auto`` made their shares of this machine's
     free cores, ``trainer.cores`` on ``auto`` the trainers' own cores or ``shared``); on resume show what changed
     against the stored one (and apply it)."""
+    if resume and not rundir.exists():
+        raise FileNotFoundError(f"{rundir.path} holds no recipe.yaml: not a run directory")
+    if needs_base_warm_start(recipe):  # before any role starts: every policy adapts the one base (train/base_warm_start.py)
+        recipe = warm_shared_base(recipe, rundir.file("base"), console)
     recipe = with_thread_counts(recipe, usable_cores())
     recipe = with_core_plan(recipe, usable_core_ids(), trains_on_accelerator(recipe))
     rundir.prepare()
     if resume:
-        if not rundir.exists():
-            raise FileNotFoundError(f"{rundir.path} holds no recipe.yaml: not a run directory")
         old = yaml.safe_load(rundir.recipe.read_text())
         changes = recipe_diff(old, recipe.model_dump(mode="json", by_alias=True))  # as dump_recipe wrote it
         if changes:

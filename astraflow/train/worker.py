@@ -23,7 +23,6 @@ from astraflow.train.backend import build_backend
 from astraflow.train.checkpoint import Checkpointer
 from astraflow.train.distributed import Collective, barrier_for
 from astraflow.train.loop import TrainerLoop
-from astraflow.train.lora import with_lora
 from astraflow.train.sft import sft
 from astraflow.train.threads import pin, threads_for
 from astraflow.weights.delta import state_digest, to_bf16_state
@@ -73,6 +72,10 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
     if policy not in recipe.policies:
         raise ValueError(f"policy {policy!r} is not in the recipe ({list(recipe.policies)})")
     pcfg = recipe.policies[policy]
+    if recipe.rollout.shared_base and pcfg.sft.steps:
+        raise ValueError(f"policy {policy!r}: sft.steps under rollout.shared_base: the warm start is the shared base's, trained "
+                         "once for every policy (astraflow up does it; by hand: astraflow warm-start RECIPE --out DIR, then "
+                         "every role with --set model.pretrained=DIR --set sft.steps=0)")
     cfg = pcfg.trainer
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(pcfg.model.tokenizer)
@@ -80,8 +83,6 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
     built = None  # LoRA adapters over the model the recipe builds: every node holds their base already
     if cfg.lora is not None and cfg.lora.announce == "adapter":
         built = await asyncio.to_thread(lambda: state_digest(to_bf16_state(model.state_dict())))
-    if cfg.lora is not None and recipe.rollout.shared_base:  # the base is every policy's: the warm start trains the adapters
-        model = with_lora(model, cfg.lora)
     resuming = not fresh_lineage and checkpoint_dir is not None and any(Path(checkpoint_dir).glob("v*/meta.json"))
     if pcfg.sft.steps and not resuming and not await warm_start(recipe, policy, model, tokenizer, nats, run, worker_id):
         return  # told to stop during the warm start
