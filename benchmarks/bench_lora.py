@@ -3,14 +3,15 @@ and steps: held-out reward (the mean of the last five evaluations, and at equal 
 run had made when the faster of the pair finished), bytes per announced version, the trainer's step time and CPU, the
 nodes' CPU.
 
-LoRA (``trainer.lora``, rank ``--rank`` on the attention projections) trains at ``--lora-lr`` (adapters take a larger
+LoRA (``trainer.lora``, rank ``--rank`` on ``--targets``, every linear layer by default) trains at ``--lora-lr`` (adapters take a larger
 step than full fine-tuning's default 3e-4), twice: announcing the adapters alone (``LoRA``, the default) and the merged
 full weights (``LoRA, merged``). Then the per-version path, in-process on a fresh embedded server, for the recipe's model
 and a wider one: the trainer's image + publish, and a node's fetch + apply + install (``WeightSync.refresh`` into an
 ``hf`` engine), per version, with every trained element moved by the learning rate (the size of an Adam step).
 Writes ``benchmarks/results/lora.json``.
 
-    python benchmarks/bench_lora.py [--seeds 3] [--steps 300] [--rank 8] [--lora-lr 1e-3] [--path-versions 12]
+    python benchmarks/bench_lora.py [--seeds 3] [--steps 300] [--rank 16] [--lora-lr 1e-3] [--targets q_proj,...]
+        [--modes "full fine-tuning,LoRA"] [--path-versions 12]
 """
 
 from __future__ import annotations
@@ -37,14 +38,16 @@ from result_files import write  # noqa: E402
 from stats import over_seeds, paired  # noqa: E402
 
 MODES = ("full fine-tuning", "LoRA", "LoRA, merged")
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WIDE = {"hidden_size": 512, "intermediate_size": 2048, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
 
 
-def live_run(base: Path, mode: str, seed: int, steps: int, rank: int, lora_lr: float) -> dict[str, Any]:
+def live_run(base: Path, mode: str, seed: int, steps: int, rank: int, lora_lr: float, targets: list[str]) -> dict[str, Any]:
     run_dir = base / f"{mode.replace(', ', '-').replace(' ', '-')}-{seed}"
     sets: dict[str, Any] = {"trainer.steps": steps, "eval.every": 20, "trainer.seed": seed}
     if mode.startswith("LoRA"):
         sets |= {"trainer.lora.rank": rank, "trainer.lora.alpha": 2 * rank, "trainer.lr": lora_lr,
+                 "trainer.lora.target_modules": f"[{','.join(targets)}]",
                  "trainer.lora.announce": "merged" if mode == "LoRA, merged" else "adapter"}
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(ROOT / "recipes" / "arithmetic"), "--run-dir", str(run_dir),
            *(x for k, v in sets.items() for x in ("--set", f"{k}={v}"))]
@@ -53,8 +56,9 @@ def live_run(base: Path, mode: str, seed: int, steps: int, rank: int, lora_lr: f
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     curve = sorted((int(v), r) for v, r in summary["held_out_reward"].items())
     pol = summary["policies"]["solver"]
-    out = {"mode": mode, "seed": seed, "held_out_v0": summary["initial_reward"],
-           "held_out_last5": round(statistics.mean(r for _, r in curve[-5:]), 4),
+    last5 = statistics.mean(r for _, r in curve[-5:])
+    out = {"mode": mode, "seed": seed, "held_out_v0": summary["initial_reward"], "held_out_last5": round(last5, 4),
+           "rise": round(last5 - summary["initial_reward"], 4),
            "curve": [[v, r, summary["eval_at_s"][str(v)]] for v, r in curve], "wall_s": summary["wall_s"],
            "delta_bytes_mean": round(pol["delta_bytes_mean"]), "keyframe_bytes": pol["keyframe_bytes"],
            "step_s_median": round(statistics.median(r["step_s"] for r in rows if "step_s" in r), 4),
@@ -72,7 +76,7 @@ def base_bytes(run_dir: Path) -> int:
     return max(found, default=0)
 
 
-async def path_timing(model: dict[str, int], mode: str, versions: int, rank: int) -> dict[str, Any]:
+async def path_timing(model: dict[str, int], mode: str, versions: int, rank: int, targets: list[str]) -> dict[str, Any]:
     """Per version: the trainer's image + publish, a node's refresh (fetch, apply, install), the bytes announced."""
     import torch
 
@@ -89,7 +93,7 @@ async def path_timing(model: dict[str, int], mode: str, versions: int, rank: int
     recipe = parse_recipe({"name": "path", "model": model})
     pcfg = recipe.policies["solver"]
     tok = load_tokenizer("byt5")
-    lora = {"rank": rank, "alpha": 2 * rank, "announce": "merged" if mode == "LoRA, merged" else "adapter"}
+    lora = {"rank": rank, "alpha": 2 * rank, "target_modules": targets, "announce": "merged" if mode == "LoRA, merged" else "adapter"}
     cfg = pcfg.trainer.model_copy(update={"lora": None}) if mode == "full fine-tuning" else \
         type(pcfg.trainer).model_validate({**pcfg.trainer.model_dump(), "lora": lora})
     built = build_model(pcfg.model, tok)
@@ -138,42 +142,47 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lora-lr", type=float, default=1e-3)
+    ap.add_argument("--targets", default=",".join(ALL_LINEAR), help="the linear layers that get an adapter (comma-separated)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} to run live (comma-separated)")
     ap.add_argument("--path-versions", type=int, default=12)
     a = ap.parse_args()
-    path = [asyncio.run(path_timing(model, mode, a.path_versions, a.rank)) | {"model": name}
+    targets, modes = a.targets.split(","), [m for m in MODES if m in a.modes.split(",")]
+    path = [asyncio.run(path_timing(model, mode, a.path_versions, a.rank, targets)) | {"model": name}
             for name, model in (("arithmetic", {}), ("wide", WIDE)) for mode in MODES]
     for row in path:
         print(json.dumps(row), flush=True)
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         for seed in range(a.seeds):
-            pair = [live_run(Path(tmp), mode, seed, a.steps, a.rank, a.lora_lr) for mode in MODES]
+            pair = [live_run(Path(tmp), mode, seed, a.steps, a.rank, a.lora_lr, targets) for mode in modes]
             t = min(r["curve"][-1][2] for r in pair)  # when the fastest of the seed's runs made its last evaluation
             for r in pair:
                 r["held_out_equal_time"] = at_time(r, t)
             runs += pair
     summary: dict[str, dict[str, Any]] = {}
-    for mode in MODES:
+    for mode in modes:
         mine = [r for r in runs if r["mode"] == mode]
-        summary[mode] = {key: list(vars(over_seeds([r[key] for r in mine])).values()) for key in ("held_out_last5", "held_out_equal_time")}
+        summary[mode] = {key: list(vars(over_seeds([r[key] for r in mine])).values())
+                         for key in ("held_out_last5", "held_out_equal_time", "rise")}
         summary[mode] |= {key: statistics.mean(r[key] for r in mine)
                           for key in ("delta_bytes_mean", "keyframe_bytes", "base_bytes", "step_s_median", "node_cpu_s_per_64", "wall_s")}
-    by = {m: [r for r in runs if r["mode"] == m] for m in MODES}  # LoRA minus full, seed by seed
+    by = {m: [r for r in runs if r["mode"] == m] for m in modes}  # LoRA minus full, seed by seed
     diff = {key: list(vars(paired([r[key] for r in by["LoRA"]], [r[key] for r in by[MODES[0]]])).values())
             for key in ("held_out_last5", "held_out_equal_time")}
     t = Table(title=f"LoRA (rank {a.rank}, lr {a.lora_lr:g}) against full fine-tuning, {a.steps} steps, {a.seeds} seeds")
-    for c in ("mode", "held-out, last 5", "at equal wall time", "bytes per version", "step", "wall"):
+    for c in ("mode", "held-out, last 5", "rise over v0", "at equal wall time", "bytes per version", "step", "wall"):
         t.add_column(c)
     for mode, s_ in summary.items():
-        t.add_row(mode, f"{s_['held_out_last5'][0]:.3f} ± {s_['held_out_last5'][1]:.3f}",
+        t.add_row(mode, f"{s_['held_out_last5'][0]:.3f} ± {s_['held_out_last5'][1]:.3f}", f"{s_['rise'][0]:+.3f} ± {s_['rise'][1]:.3f}",
                   f"{s_['held_out_equal_time'][0]:.3f} ± {s_['held_out_equal_time'][1]:.3f}", f"{s_['delta_bytes_mean'] / 1024:.1f} KiB",
                   f"{1e3 * s_['step_s_median']:.1f} ms", f"{s_['wall_s']:.0f} s")
     t.add_row("LoRA − full, paired", f"{diff['held_out_last5'][0]:+.3f} ± {diff['held_out_last5'][1]:.3f}",
-              f"{diff['held_out_equal_time'][0]:+.3f} ± {diff['held_out_equal_time'][1]:.3f}", "", "", "")
+              "", f"{diff['held_out_equal_time'][0]:+.3f} ± {diff['held_out_equal_time'][1]:.3f}", "", "", "")
     Console().print(t)
-    write("lora", {"steps": a.steps, "rank": a.rank, "lora_lr": a.lora_lr, "seeds": a.seeds, "runs": runs, "summary": summary,
+    write("lora", {"steps": a.steps, "rank": a.rank, "lora_lr": a.lora_lr, "targets": targets, "seeds": a.seeds, "runs": runs,
+                   "summary": summary,
                    "lora_minus_full": diff, "path": path, "wide": WIDE})
 
 

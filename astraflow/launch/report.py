@@ -12,6 +12,7 @@ from rich.console import Console
 from astraflow.config import Recipe
 from astraflow.launch.rundir import RunDir
 from astraflow.launch.summary_tables import summary_tables
+from astraflow.train.base_warm_start import RECORD
 
 
 def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "finished") -> dict[str, Any]:
@@ -58,6 +59,7 @@ def summarize(recipe: Recipe, rundir: RunDir, console: Console, outcome: str = "
         "eval_at_rollouts": {str(v): r["rollouts"] for v, r in sorted(evals.items())},
         "policies": per_policy,
         "accounting": json.loads(rundir.file("accounting.json").read_text()) if rundir.file("accounting.json").exists() else {},
+        "base_warm_start": json.loads(base.read_text()) if (base := rundir.file("base") / RECORD).exists() else None,
     }
     rundir.file("summary.json").write_text(json.dumps(summary, indent=2))
     pool = list(rundir.rows("pool.jsonl"))

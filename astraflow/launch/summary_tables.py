@@ -53,6 +53,9 @@ def headline(summary: dict[str, Any]) -> Table:
     t.add_row("samples generated", f"{summary['samples']:,} ({summary['samples'] / wall:.1f} per second of wall time)")
     restarts = ", ".join(f"{role} ×{n}" for role, n in sorted(summary["restarts"].items())) or "none"
     t.add_row("sessions · restarts", f"{summary['sessions']} · {restarts}")
+    if warm := summary.get("base_warm_start"):
+        t.add_row("shared base warm start", f"{' + '.join(f'{n} {p}' for p, n in warm['steps'].items())} steps in {warm['seconds']:.0f} s "
+                  f"on {warm['threads']} threads, before the roles started (not in the wall time)")
     for name, p in summary["policies"].items():
         t.add_row(f"policy {name}", f"{p['versions']} versions for {p['steps']} steps · train reward {p['train_reward_last5']:.3f} "
                   f"(last 5) · keyframe {size(p['keyframe_bytes'])} · delta {size(p['delta_bytes_mean'])} (mean)")

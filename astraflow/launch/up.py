@@ -412,7 +412,6 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     embedded server listens (default loopback, a free port; beyond loopback, TLS). ``cluster``: that
     many embedded servers on loopback forming one JetStream cluster, the run's streams replicated on
     (up to) three of them; a resumed run keeps the size it had."""
-    cpu_at_start = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
     rundir = RunDir(Path(run_dir))
     if cluster > 1 and nats_url is not None:
         raise RunFailed(f"--cluster {cluster} starts embedded servers; --nats names servers of your own (drop one of them)")
@@ -421,7 +420,8 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         cluster = len(json.loads(kept.read_text()))
     if cluster > 1 and nats_url is None and recipe.plane.replicas == 1:
         recipe = recipe.model_copy(update={"plane": recipe.plane.model_copy(update={"replicas": min(3, cluster)})})
-    recipe = prepare(recipe, rundir, resume)
+    recipe = prepare(recipe, rundir, resume)  # a shared base's warm start, before the run's time and CPU count (its own record)
+    cpu_at_start = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
     session = rundir.begin_session()
     cores = usable_core_ids()
     shared = shared_cores(recipe, cores)

@@ -54,6 +54,7 @@ def warm_base(recipe: Recipe, out: Path, threads: int, progress: Callable[[int, 
     """Train the shared base of ``recipe`` into ``out`` (a model directory), unless ``out`` holds it already; returns
     whether it trained. ``progress`` is told (steps done, steps in all) after each step."""
     import torch
+    from transformers.utils import logging as hf_logging
 
     from astraflow.models import build_model, load_tokenizer
     from astraflow.tasks import load_split
@@ -75,6 +76,7 @@ def warm_base(recipe: Recipe, out: Path, threads: int, progress: Callable[[int, 
                            None if progress is None else (lambda done: progress(done, total)))
     partial = out.with_name(out.name + ".partial")  # a warm start killed midway leaves no base that looks whole
     shutil.rmtree(partial, ignore_errors=True)
+    hf_logging.disable_progress_bar()  # the launcher's own bar said how far it is
     model.save_pretrained(partial)
     record = {"key": key, "steps": {name: cfg.steps for name, cfg in cfgs.items()}, "last_loss": round(loss, 4),
               "seconds": round(time.perf_counter() - t0, 1), "threads": threads}
