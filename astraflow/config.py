@@ -170,7 +170,8 @@ class RolloutConfig(Strict):
     """Every policy on one base model: a node holds the base once with each policy's LoRA adapter beside it (peft,
     unmerged; ``rollout/engines/shared_base.py``) and serves each task with its policy's adapter, instead of one merged
     model per policy. Needs every policy to train LoRA announcing adapters (``trainer.lora``) over the same model, on
-    the ``hf`` engine; each policy's warm start then trains its adapters, the base staying every policy's."""
+    the ``hf`` engine. The warm start is then the base's, trained once for every policy before the roles start
+    (``train/base_warm_start.py``: ``astraflow up`` does it; by hand, ``astraflow warm-start``)."""
     plugins: list[str] = []
     """Modules (``pkg.mod``) or ``.py`` files that register the recipe's own workflows, rewards, tools or engines.
     They are imported when the recipe is loaded (before ``engine`` and ``workflow`` are resolved), in every role."""
