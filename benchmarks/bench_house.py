@@ -103,7 +103,7 @@ def survey(pkg: Path) -> dict[str, object]:
         mechanisms.update({m: rel for m in plugin_mechanisms(tree)})
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                classes.append((node.end_lineno - node.lineno + 1, class_attributes(node), f"{rel}:{node.name}"))
+                classes.append(((node.end_lineno or node.lineno) - node.lineno + 1, class_attributes(node), f"{rel}:{node.name}"))
             if in_streams:
                 continue
             if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "nats" for a in node.names)) or (

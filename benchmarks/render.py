@@ -94,21 +94,23 @@ def lora(r: dict[str, Any]) -> str:
     def kib(n: float) -> str:
         return f"{n / 1024:.1f} KiB" if n < 1024 ** 2 else f"{n / 1024 ** 2:.2f} MiB"
 
-    rows = ["| run | seed | held-out v0 | held-out, last 5 evaluations | at equal wall time | bytes per version (mean delta) | "
-            "base stored | trainer step (median) | trainer CPU per 64 samples | node CPU per 64 samples | wall |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| run | seed | held-out v0 | held-out, last 5 evaluations | rise over v0 | at equal wall time | "
+            "bytes per version (mean delta) | base stored | trainer step (median) | trainer CPU per 64 samples | "
+            "node CPU per 64 samples | wall |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in sorted(r["runs"], key=lambda x: (x["seed"], x["mode"])):
         rows.append(f"| {run['mode']} | {run['seed']} | {run['held_out_v0']:.3f} | {run['held_out_last5']:.3f} | "
-                    f"{run['held_out_equal_time']:.3f} | {kib(run['delta_bytes_mean'])} | "
+                    f"{run['held_out_last5'] - run['held_out_v0']:+.3f} | {run['held_out_equal_time']:.3f} | "
+                    f"{kib(run['delta_bytes_mean'])} | "
                     f"{kib(run['base_bytes']) if run['base_bytes'] else '–'} | "
                     f"{1e3 * run['step_s_median']:.1f} ms | {run['trainer_cpu_s_per_64']:.3f} s | {run['node_cpu_s_per_64']:.3f} s | "
                     f"{run['wall_s']:.0f} s |")
     for mode, s in r["summary"].items():
-        rows.append(f"| mean: {mode} | | | {est(s['held_out_last5'])} | {est(s['held_out_equal_time'])} | "
+        rise = f"+{est(s['rise'])}" if "rise" in s else "–"
+        rows.append(f"| mean: {mode} | | | {est(s['held_out_last5'])} | {rise} | {est(s['held_out_equal_time'])} | "
                     f"{kib(s['delta_bytes_mean'])} | | {1e3 * s['step_s_median']:.1f} ms | | {s['node_cpu_s_per_64']:.3f} s | "
                     f"{s['wall_s']:.0f} s |")
     d = r["lora_minus_full"]
-    rows.append(f"| LoRA − full, paired by seed | | | {d['held_out_last5'][0]:+.3f} ± {d['held_out_last5'][1]:.3f} | "
+    rows.append(f"| LoRA − full, paired by seed | | | {d['held_out_last5'][0]:+.3f} ± {d['held_out_last5'][1]:.3f} | | "
                 f"{d['held_out_equal_time'][0]:+.3f} ± {d['held_out_equal_time'][1]:.3f} | | | | | | |")
     path = ["| model | parameters | version announces | bytes per version (median) | first keyframe | trainer: image + publish | "
             "node: fetch + apply + install |", "|---|---|---|---|---|---|---|"]
@@ -116,10 +118,35 @@ def lora(r: dict[str, Any]) -> str:
         path.append(f"| {row['model']} | {row['params'] / 1e6:.1f} M | {row['mode']} | {kib(row['bytes'])} | "
                     f"{kib(row['keyframe_bytes'])} | "
                     f"{1e3 * row['publish_s']:.1f} ms | {1e3 * row['apply_s']:.1f} ms |")
-    return (f"{r['steps']} steps, {r['seeds']} seeds, LoRA rank {r['rank']} at lr {r['lora_lr']:g} (full fine-tuning at the "
-            "recipe's 3e-4); intervals are 95 % Student-t over seeds. " + provenance(r) + "\n".join(rows)
+    targets = ", ".join(r.get("targets", ["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return (f"{r['steps']} steps, {r['seeds']} seeds, LoRA rank {r['rank']} on {targets} at lr {r['lora_lr']:g} (full "
+            "fine-tuning at the recipe's 3e-4); intervals are 95 % Student-t over seeds. " + provenance(r) + "\n".join(rows)
             + f"\n\nThe per-version path, {r['path'][0]['versions']} versions each (medians, the first left out):\n\n"
             + "\n".join(path) + "\n")
+
+
+def lora_team(r: dict[str, Any]) -> str:
+    def est(e: list[float], sign: str = "") -> str:
+        return f"{e[0]:{sign}.3f} ± {e[1]:.3f}" if e[2] > 1 else f"{e[0]:{sign}.3f} (1 run)"
+
+    names = {"solver": "solver, greedy", "verifier": "the verifier's accuracy", "team": "team: the verifier's pick"}
+    rows = ["| run | seed | subject | v0 | late (v ≥ half) | rise | at equal wall time | wall (base warm start) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for run in sorted(r["runs"], key=lambda x: (x["seed"], x["mode"])):
+        for k, name in names.items():
+            rows.append(f"| {run['mode']} | {run['seed']} | {name} | {run['v0'][k]:.2f} | {run['late'][k]:.3f} | {run['rise'][k]:+.3f} | "
+                        f"{run['equal_time'][k]:.2f} | {run['wall_s']:.0f} s ({run['base_warm_start_s']:.0f} s) |")
+    for mode, s in r["summary"].items():
+        for k, name in names.items():
+            rows.append(f"| **mean: {mode}** | | {name} | {est(s[f'v0.{k}'])} | {est(s[f'late.{k}'])} | {est(s[f'rise.{k}'], '+')} | "
+                        f"{est(s[f'equal_time.{k}'])} | {s['wall_s']:.0f} s |")
+    for k, name in names.items():
+        d = r["lora_minus_full"]
+        rows.append(f"| **LoRA − full, paired by seed** | | {name} | | {est(d[f'late.{k}'], '+')} | | {est(d[f'equal_time.{k}'], '+')} | |")
+    size = " · ".join(f"{m}: " + ", ".join(f"{p} {b / 1024:.1f} KiB" for p, b in s["delta_bytes_mean"].items())
+                      for m, s in r["summary"].items())
+    return (f"{r['steps']} steps, {r['seeds']} seeds; intervals are 95 % Student-t over seeds. Bytes per version (mean delta): "
+            f"{size}. " + provenance(r) + "\n".join(rows) + "\n")
 
 
 def shared_base(r: dict[str, Any]) -> str:
@@ -315,7 +342,7 @@ def pool_model(r: dict[str, Any]) -> str:
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "facade": facade, "fanout": fanout, "moe": moe, "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
-    "shared_base": shared_base, "pool_model": pool_model, "pool_scale": pool_scale,
+    "shared_base": shared_base, "lora_team": lora_team, "pool_model": pool_model, "pool_scale": pool_scale,
 }
 
 
