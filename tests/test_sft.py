@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from astraflow.config import SFTConfig, parse_recipe
+from astraflow.config import SFTConfig, load_recipe, parse_recipe
 from astraflow.models import build_model, load_tokenizer
 from astraflow.tasks import Problem
 from astraflow.train.sft import sft
@@ -85,3 +85,18 @@ async def test_a_trainer_on_a_shared_base_does_not_warm_start_alone():
 
     with pytest.raises(ValueError, match="astraflow warm-start"):
         await serve(shared_recipe(), NatsOptions(url="nats://127.0.0.1:1"), "r", policy="verifier")
+
+
+def test_up_warm_starts_a_shared_base_once_and_a_resumed_run_keeps_it(tmp_path):
+    from astraflow.launch.rundir import RunDir
+    from astraflow.launch.up import RunFailed, prepare
+
+    rundir = RunDir(tmp_path / "run")
+    written = prepare(shared_recipe(), rundir, resume=False)
+    assert written.policies["solver"].model.pretrained == str(rundir.file("base").resolve())
+    assert load_recipe(rundir.recipe) == written  # what every role reads
+    made = (rundir.file("base") / "warm_start.json").stat().st_mtime_ns
+    assert prepare(shared_recipe(), rundir, resume=True) == written  # the same warm start: the same base, kept
+    assert (rundir.file("base") / "warm_start.json").stat().st_mtime_ns == made
+    with pytest.raises(RunFailed, match="warm start changed"):  # its adapters were trained on the base it has
+        prepare(shared_recipe(lr=0.001), rundir, resume=True)

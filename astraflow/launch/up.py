@@ -40,7 +40,7 @@ from astraflow.streams.messages import HEARTBEAT_PERIOD_S
 from astraflow.streams.permissions import Scope
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer, cluster_members, free_port
-from astraflow.train.base_warm_start import needs_base_warm_start
+from astraflow.train.base_warm_start import base_key, held_key, needs_base_warm_start
 from astraflow.train.threads import pin, shared_cores, usable_core_ids, usable_cores, with_core_plan, with_thread_counts
 
 console = Console()
@@ -194,6 +194,10 @@ def prepare(recipe: Recipe, rundir: RunDir, resume: bool) -> Recipe:
     if resume and not rundir.exists():
         raise FileNotFoundError(f"{rundir.path} holds no recipe.yaml: not a run directory")
     if needs_base_warm_start(recipe):  # before any role starts: every policy adapts the one base (train/base_warm_start.py)
+        held = held_key(rundir.file("base"))
+        if resume and held is not None and held != base_key(recipe):
+            raise RunFailed("the shared base's warm start changed (model, data, sft or seed), and the run's adapters were trained "
+                            "on the base it has: resume with the warm start as it was, or start a new run")
         recipe = warm_shared_base(recipe, rundir.file("base"), console)
     recipe = with_thread_counts(recipe, usable_cores())
     recipe = with_core_plan(recipe, usable_core_ids(), trains_on_accelerator(recipe))

@@ -50,6 +50,11 @@ def base_key(recipe: Recipe) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def held_key(out: Path) -> str | None:
+    """The key of the base warm-started into ``out``, or None when it holds none (whole)."""
+    return json.loads((out / RECORD).read_text()).get("key") if (out / RECORD).exists() else None
+
+
 def warm_base(recipe: Recipe, out: Path, threads: int, progress: Callable[[int, int], None] | None = None) -> bool:
     """Train the shared base of ``recipe`` into ``out`` (a model directory), unless ``out`` holds it already; returns
     whether it trained. ``progress`` is told (steps done, steps in all) after each step."""
@@ -61,7 +66,7 @@ def warm_base(recipe: Recipe, out: Path, threads: int, progress: Callable[[int, 
     from astraflow.train.sft import interleaved_sft
 
     key = base_key(recipe)
-    if (out / RECORD).exists() and json.loads((out / RECORD).read_text()).get("key") == key:
+    if held_key(out) == key:
         return False
     primary = recipe.policies[recipe.primary]
     cfgs = {name: p.sft for name, p in recipe.policies.items() if p.sft.steps}
