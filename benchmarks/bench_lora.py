@@ -11,7 +11,7 @@ and a wider one: the trainer's image + publish, and a node's fetch + apply + ins
 Writes ``benchmarks/results/lora.json``.
 
     python benchmarks/bench_lora.py [--seeds 3] [--steps 300] [--rank 16] [--lora-lr 1e-3] [--targets q_proj,...]
-        [--modes "full fine-tuning,LoRA"] [--path-versions 12]
+        [--modes "full fine-tuning" LoRA] [--path-versions 12]
 """
 
 from __future__ import annotations
@@ -145,10 +145,10 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lora-lr", type=float, default=1e-3)
     ap.add_argument("--targets", default=",".join(ALL_LINEAR), help="the linear layers that get an adapter (comma-separated)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} to run live (comma-separated)")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the variants to run live")
     ap.add_argument("--path-versions", type=int, default=12)
     a = ap.parse_args()
-    targets, modes = a.targets.split(","), [m for m in MODES if m in a.modes.split(",")]
+    targets, modes = a.targets.split(","), [m for m in MODES if m in a.modes]
     path = [asyncio.run(path_timing(model, mode, a.path_versions, a.rank, targets)) | {"model": name}
             for name, model in (("arithmetic", {}), ("wide", WIDE)) for mode in MODES]
     for row in path:
