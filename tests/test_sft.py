@@ -100,3 +100,18 @@ def test_up_warm_starts_a_shared_base_once_and_a_resumed_run_keeps_it(tmp_path):
     assert (rundir.file("base") / "warm_start.json").stat().st_mtime_ns == made
     with pytest.raises(RunFailed, match="warm start changed"):  # its adapters were trained on the base it has
         prepare(shared_recipe(lr=0.001), rundir, resume=True)
+
+
+def test_astraflow_warm_start_writes_the_base_a_recipe_shares(tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from astraflow.cli import app
+
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(shared_recipe().model_dump(mode="json", by_alias=True)))
+    done = CliRunner().invoke(app, ["warm-start", str(path), "--out", str(tmp_path / "base")])
+    assert done.exit_code == 0, done.output
+    assert json.loads((tmp_path / "base" / "warm_start.json").read_text())["steps"] == {"solver": 3, "verifier": 2}
+    alone = CliRunner().invoke(app, ["warm-start", str(path), "--out", str(tmp_path / "b2"), "--set", "rollout.shared_base=false"])
+    assert alone.exit_code == 2 and "shares no base" in alone.output and not (tmp_path / "b2").exists()
