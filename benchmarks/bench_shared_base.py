@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from result_files import write  # noqa: E402
 
 WIDE = {"hidden_size": 512, "intermediate_size": 2048, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "max_positions": 128}
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # the adapted layers of the recorded figures
 
 
 def rss_mib() -> float:
@@ -51,7 +52,7 @@ def child(policies: int, shared: bool, requests: int, tokens: int, repeats: int)
     torch.set_num_threads(2)
     names = [f"p{i}" for i in range(policies)]
     recipe = parse_recipe({"name": "shared", "model": WIDE, "sft": {"steps": 0}, "rollout": {"shared_base": shared},
-                           "trainer": {"lora": {"rank": 8, "alpha": 16}}, "policies": {n: {} for n in names}})
+                           "trainer": {"lora": {"rank": 8, "alpha": 16, "target_modules": ATTENTION}}, "policies": {n: {} for n in names}})
     before = rss_mib()
     handles = make_handles(recipe)
     grown = rss_mib() - before

@@ -17,7 +17,7 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install 'astraflow[deepspeed]')")
 
-from astraflow.config import TrainerConfig, parse_recipe  # noqa: E402
+from astraflow.config import LoraConfig, TrainerConfig, parse_recipe  # noqa: E402
 from astraflow.models import build_model, load_tokenizer  # noqa: E402
 from astraflow.moe_routing import RoutingRecorder  # noqa: E402
 from astraflow.streams.messages import RoutingLayout, Trajectory  # noqa: E402
@@ -89,7 +89,7 @@ def test_lora_same_loss_and_weights_as_torch(setup, zero_stage):
     pcfg, tok, _ = setup
     v0 = build_model(pcfg.model, tok).state_dict()
     assert set(ds_w) == set(v0) and {k for k in v0 if not torch.equal(ds_w[k], v0[k])} == {
-        k for k in v0 if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))}
+        k for k in v0 if k.endswith(tuple(f"{m}.weight" for m in LoraConfig().target_modules))}
 
 
 def test_bf16_tracks_torch_bf16(setup):

@@ -18,7 +18,7 @@ from astraflow.weights.adapters import merged_weight
 pytest.importorskip("peft", reason="peft is not installed (pip install 'astraflow[lora]')")
 
 MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
-ADAPTED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+ADAPTED = tuple(f"{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 
 
 @pytest.fixture(scope="module")

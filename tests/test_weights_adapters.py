@@ -72,7 +72,7 @@ async def test_a_version_is_its_adapters_and_a_node_serves_them_on_its_own_model
     pub = await publish_versions(plane, setup, backend, built)
     assert pub.adapter is not None and pub.adapter.base is None  # the base is the recipe's model: nothing stored
     full_bytes = sum(t.numel() * 2 for t in backend.full_state().values())
-    assert 0 < pub.bytes_sent < full_bytes / 4  # four versions of adapters cost less than a quarter of one full keyframe
+    assert 0 < pub.bytes_sent < full_bytes / 2  # four versions of adapters cost less than half of one full keyframe
     engine = node(setup)
     sync = WeightSync(plane, "solver", engine)
     await sync.wait_for(len(setup[2]), timeout=30)
@@ -144,7 +144,7 @@ async def test_several_policies_share_one_base_each_served_with_its_own_adapter(
         await WeightSync(plane, p, separate[p]).wait_for(want, timeout=30)
     held = sum(t.numel() for t in shared.engine.model.parameters())
     one = sum(t.numel() for t in separate["solver"].model.parameters())
-    assert held < 1.1 * one  # one base and two small adapters, not two models
+    assert held < 1.5 * one  # one base and two adapters (a tenth of a model this small each), not two models
 
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     prompts = [list(tok.encode("12+7=", add_special_tokens=False)), list(tok.encode("3+4=", add_special_tokens=False))]
