@@ -6,9 +6,9 @@
 Per run and policy: held-out at v0, the mean over the evaluations from the middle on ("late": v20, v30, v40 of 40
 steps), the rise; the team's pick (the first sample the verifier accepts); bytes per version; the wall time, the shared
 base's warm start included (it runs before the run's own clock starts, so it is added to every evaluation time for the
-comparison at equal wall time). Writes ``benchmarks/results/lora_team.json``.
+comparison at equal wall time). Writes ``benchmarks/results/lora_team.json`` and ``benchmarks/figures/lora-team.png``.
 
-    python benchmarks/bench_lora_team.py [--seeds 5] [--steps 40]
+    python benchmarks/bench_lora_team.py [--seeds 5] [--steps 40] [--replot]
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from result_files import write  # noqa: E402
 from stats import over_seeds, paired  # noqa: E402
 
 MODES = {"full fine-tuning": "recipe.yaml", "LoRA, shared base": "shared-base.yaml"}
-SUBJECTS = ("solver", "verifier", "team")  # the solver's greedy held-out, the verifier's accuracy, the team's pick
+SUBJECTS = ("solver", "verifier", "team")
+FIGURE = ROOT / "benchmarks" / "figures" / "lora-team.png"  # the solver's greedy held-out, the verifier's accuracy, the team's pick
 
 
 def curves(summary: dict[str, Any], offset: float) -> dict[str, list[tuple[int, float, float]]]:
@@ -71,11 +72,42 @@ def at_time(rows: list[list[float]], t: float) -> float:
     return max(((s, r) for _, r, s in rows if s <= t), default=(0.0, rows[0][1]))[1]
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Held-out by version, per subject: each mode's mean over seeds, every seed faint behind it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SUBJECTS), figsize=(12, 3.6), sharey=True)
+    for ax, subject in zip(axes, SUBJECTS, strict=True):
+        for mode, colour in zip(MODES, ("tab:blue", "tab:orange"), strict=True):
+            curves_ = [[(v, r) for v, r, _ in run["curves"][subject]] for run in runs if run["mode"] == mode]
+            for c in curves_:
+                ax.plot(*zip(*c, strict=True), color=colour, alpha=0.2, lw=1)
+            versions = sorted({v for c in curves_ for v, _ in c})
+            means = [statistics.mean(r for c in curves_ for v2, r in c if v2 == v) for v in versions]
+            ax.plot(versions, means, color=colour, lw=2, marker="o", label=mode)
+        ax.set_title({"solver": "solver, greedy", "verifier": "the verifier's accuracy", "team": "team: the verifier's pick"}[subject])
+        ax.set_xlabel("version")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out")
+    axes[0].legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--replot", action="store_true", help="only draw the figure again from benchmarks/results/lora_team.json")
     a = ap.parse_args()
+    if a.replot:
+        plot(json.loads((ROOT / "benchmarks" / "results" / "lora_team.json").read_text())["runs"], FIGURE)
+        return
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-lora-team-") as tmp:
         for seed in range(a.seeds):
@@ -106,6 +138,7 @@ def main() -> None:
         table.add_row("LoRA − full, paired", k, "", f"{diff[f'late.{k}'][0]:+.3f} ± {diff[f'late.{k}'][1]:.3f}", "",
                       f"{diff[f'equal_time.{k}'][0]:+.3f} ± {diff[f'equal_time.{k}'][1]:.3f}")
     Console().print(table)
+    plot(runs, FIGURE)
     write("lora_team", {"steps": a.steps, "seeds": a.seeds, "recipes": MODES, "runs": runs, "summary": summary, "lora_minus_full": diff})
 
 
