@@ -99,6 +99,22 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def summarise(runs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """Per mode, each figure's mean over seeds and interval; LoRA − full, paired by seed."""
+    summary: dict[str, Any] = {}
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode]
+        summary[mode] = {f"{key}.{k}": list(vars(over_seeds([r[key][k] for r in mine])).values())
+                         for key in ("v0", "late", "rise", "equal_time") for k in SUBJECTS}
+        summary[mode] |= {"wall_s": statistics.mean(r["wall_s"] for r in mine),
+                          "base_warm_start_s": statistics.mean(r["base_warm_start_s"] for r in mine),
+                          "delta_bytes_mean": {p: statistics.mean(r["delta_bytes_mean"][p] for r in mine) for p in ("solver", "verifier")}}
+    full, lora = ([r for r in runs if r["mode"] == m] for m in MODES)
+    diff = {f"{key}.{k}": list(vars(paired([r[key][k] for r in lora], [r[key][k] for r in full])).values())
+            for key in ("late", "equal_time") for k in SUBJECTS}
+    return summary, diff
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -116,17 +132,7 @@ def main() -> None:
             for r in pair:
                 r["equal_time"] = {k: at_time(rows, t) for k, rows in r["curves"].items()}
             runs += pair
-    summary: dict[str, Any] = {}
-    for mode in MODES:
-        mine = [r for r in runs if r["mode"] == mode]
-        summary[mode] = {f"{key}.{k}": list(vars(over_seeds([r[key][k] for r in mine])).values())
-                         for key in ("v0", "late", "rise", "equal_time") for k in SUBJECTS}
-        summary[mode] |= {"wall_s": statistics.mean(r["wall_s"] for r in mine),
-                          "base_warm_start_s": statistics.mean(r["base_warm_start_s"] for r in mine),
-                          "delta_bytes_mean": {p: statistics.mean(r["delta_bytes_mean"][p] for r in mine) for p in ("solver", "verifier")}}
-    lora, full = ([r for r in runs if r["mode"] == m] for m in MODES)
-    diff = {f"{key}.{k}": list(vars(paired([r[key][k] for r in lora], [r[key][k] for r in full])).values())
-            for key in ("late", "equal_time") for k in SUBJECTS}
+    summary, diff = summarise(runs)
     table = Table(title=f"math-multi-agent: LoRA on a shared base against full fine-tuning, {a.steps} steps, {a.seeds} seeds")
     for col in ("mode", "subject", "v0", "late (v≥half)", "rise", "at equal wall time"):
         table.add_column(col)
