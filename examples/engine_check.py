@@ -91,13 +91,15 @@ def main() -> dict[str, object]:
 
 
 def lora_check(engine: Any, model: torch.nn.Module, tok: Any) -> dict[str, object]:
+    from astraflow.config import LoraConfig
     from astraflow.streams.messages import AdapterSpec
     from astraflow.weights.adapters import merged_weight
     from astraflow.weights.delta import state_digest, to_bf16_state
 
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
     spec = AdapterSpec(base_digest=state_digest(to_bf16_state(base)), scale=2.0)
-    layers = [n.removesuffix(".weight") for n in base if n.endswith(("q_proj.weight", "v_proj.weight"))]
+    adapted = tuple(f"{m}.weight" for m in LoraConfig().target_modules)  # every linear layer, as trainer.lora adapts by default
+    layers = [n.removesuffix(".weight") for n in base if n.endswith(adapted)]
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1)
     prompt = list(tok("12+7=", add_special_tokens=False)["input_ids"])
     out: dict[str, object] = {"lora": True, "refused_other_base": engine.adapter_problem(spec.model_copy(update={"base_digest": "0" * 64}))
