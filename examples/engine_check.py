@@ -11,7 +11,7 @@ config (head size 32, which the CPU attention kernels support) and saved locally
 internet. It applies weight version 0, generates, recomputes the behaviour logprobs of the same tokens with
 transformers (teacher forcing, same temperature) and reports the largest difference; then applies version 1
 (perturbed weights) and checks that tokens carry version 1 and that their logprobs are those of the new weights.
-With ``--lora`` the versions are LoRA adapters (rank 8 on q_proj and v_proj, scale 2) over the model vLLM loaded, and
+With ``--lora`` the versions are LoRA adapters (rank 8 on every linear layer, scale 2) over the model vLLM loaded, and
 the logprobs are recomputed with the merged weights W0 + 2 B A; a version over another base must be refused.
 Its report is one stdout line of JSON, starting ``{"engine"`` (vLLM may log after it), with ``ok``.
 """

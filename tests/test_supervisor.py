@@ -266,3 +266,56 @@ def test_a_quarantined_node_of_the_launcher_is_stopped_not_restarted_and_started
     assert enforce(None, sup, {"elsewhere"}) == ["started rollout-1 again: let back in"]
     assert sup.children["rollout-1"].alive() and sup.children["rollout-1"].proc is not first
     sup.stop(timeout=5)
+
+
+def test_what_a_killed_role_started_goes_with_it(tmp_path: Path):
+    """A role's process group goes with it: the processes it started (an in-process vLLM's engine core and workers, a
+    sandbox) are ended when it dies, not left holding memory while it is started again and again; and at the end."""
+    grandchildren = tmp_path / "grandchildren"
+
+    def leaves_a_child(spec: RoleSpec) -> list[str]:  # starts a process of its own, as vLLM starts its engine core
+        return ["bash", "-c", f"sleep 300 & echo $! >> {grandchildren}; exec sleep 300"]
+
+    sup = Supervisor(leaves_a_child, lambda name: tmp_path / f"{name}.log", backoff_base_s=0.5, backoff_max_s=0.5)
+    try:
+        child = sup.start(RoleSpec("rollout-0", "rollout"))
+        deadline = time.monotonic() + 10
+        while not grandchildren.exists() or not grandchildren.read_text().strip():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first = int(grandchildren.read_text().split()[0])
+        os.kill(child.proc.pid, signal.SIGKILL)
+        poll_until(sup, lambda: not _alive(first), timeout=5)  # gone with the role, before it is started again
+        poll_until(sup, lambda: child.restarts == 1 and len(grandchildren.read_text().split()) == 2)
+        second = int(grandchildren.read_text().split()[1])
+        assert _alive(second)
+    finally:
+        sup.stop(timeout=5)
+    deadline = time.monotonic() + 5
+    while _alive(second):
+        assert time.monotonic() < deadline, "a role's process outlived the run"
+        time.sleep(0.05)
+
+
+def test_a_server_a_node_launched_ends_when_the_node_is_killed(tmp_path: Path):
+    """``ServerProcess`` (sglang, vllm launched by the node) runs in a session of its own, yet gets SIGTERM from the
+    kernel when the node dies without stopping it."""
+    pid_file = tmp_path / "server.pid"
+    node = subprocess.Popen([PY, "-c", "import time; from pathlib import Path\n"
+                             "from astraflow.rollout.engines.remote import ServerProcess\n"
+                             f"s = ServerProcess(['sleep', '300'], None, Path({str(tmp_path / 'server.log')!r}))\n"
+                             f"Path({str(pid_file)!r}).write_text(str(s.proc.pid)); time.sleep(300)"])
+    try:
+        deadline = time.monotonic() + 20
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server = int(pid_file.read_text())
+        assert _alive(server)
+    finally:
+        node.kill()
+        node.wait()
+    deadline = time.monotonic() + 5
+    while _alive(server):
+        assert time.monotonic() < deadline, "the launched server outlived its node"
+        time.sleep(0.05)

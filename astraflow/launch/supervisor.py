@@ -9,6 +9,12 @@ that exits 0 has finished and is not restarted; a node retired on purpose is not
 
 Children get ``PR_SET_PDEATHSIG = SIGHUP``: if the launcher dies, every role is told at once and
 leaves without draining (its server, when embedded, is going away too).
+
+Each role runs in a process group of its own, and what it started goes with it: when a role's process ends, the rest
+of its group (an in-process vLLM's engine-core and worker processes, a sandbox, a torchrun's ranks) is sent SIGTERM at
+once and SIGKILL when the role is started again (or the run stops), so a role killed again and again does not pile up
+orphans holding memory. (A server a node launches in a session of its own is told by the kernel when the node dies:
+``rollout/engines/remote.py``.) The terminal's Ctrl-C reaches the launcher alone, which stops every role in order.
 """
 
 from __future__ import annotations
@@ -52,6 +58,23 @@ def _hangup_with_parent() -> None:
     if _LIBC is not None:
         _LIBC.signal(signal.SIGHUP, 0)  # SIG_DFL
         _LIBC.prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to what is left of the process group of a role whose process ``pgid`` has ended and been reaped.
+    A process numbered ``pgid`` alive again is another one: the kernel gives out a number still naming a group only
+    once the group is empty, so the group is then someone else's and is left alone."""
+    try:
+        os.kill(pgid, 0)
+        return  # the number was given out again
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left of it
 
 
 @dataclass(frozen=True)
@@ -138,7 +161,8 @@ class Supervisor:
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {note} ===\n".encode())
             f.flush()
             return subprocess.Popen(self.command(spec), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_child_setup(spec.nice, spec.cores), env={**self.env, "PYTHONUNBUFFERED": "1"})
+                                    preexec_fn=_child_setup(spec.nice, spec.cores), env={**self.env, "PYTHONUNBUFFERED": "1"},
+                                    process_group=0)  # its own group: what it starts can be found, and ended, with it
 
     def start(self, spec: RoleSpec) -> Child:
         log = self.log_for(spec.name)
@@ -153,6 +177,7 @@ class Supervisor:
         events = []
         for c in self.children.values():
             if c.state == "running" and not c.alive():
+                _signal_group(c.proc.pid, signal.SIGTERM)  # what it left behind: SIGKILL follows when it starts again
                 c.last_exit = c.proc.returncode
                 if c.state == "running" and c.spec.finishes and c.last_exit == 0:
                     c.state = "done"
@@ -167,6 +192,7 @@ class Supervisor:
                 c.state, c.restart_at = "backoff", now + delay
                 events.append(f"{c.name} {exit_text(c.last_exit)}; restarting in {delay:.1f}s")
             elif c.state == "backoff" and now >= c.restart_at:
+                _signal_group(c.proc.pid, signal.SIGKILL)
                 c.restarts += 1
                 c.proc = self._spawn(c.spec, c.log, f"restart {c.restarts} of {c.name} after {exit_text(c.last_exit)}")
                 c.state = "running"
@@ -207,6 +233,8 @@ class Supervisor:
                 c.proc.kill()
                 while c.alive():
                     time.sleep(0.02)
+        for c in self.children.values():  # whatever a role left behind, once every role has had its time to drain
+            _signal_group(c.proc.pid, signal.SIGKILL)
 
 
 class LocalPool:

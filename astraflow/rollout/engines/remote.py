@@ -12,6 +12,7 @@ has loaded the new one.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -73,16 +75,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
+
+
+def _ended_with_parent() -> None:
+    """preexec hook: the kernel sends this child SIGTERM when the thread that started it ends (Linux's
+    ``PR_SET_PDEATHSIG``), so a server outlives no node killed with SIGKILL. Only a call into the loaded libc."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)
+
+
 class ServerProcess:
-    """A server the node launched: its own process group, a log file, stopped with the node."""
+    """A server the node launched: its own session (a terminal's Ctrl-C to a node started by hand leaves it serving the
+    tasks the node drains), a log file, stopped with the node; and, launched from the node's main thread, sent SIGTERM
+    by the kernel if the node dies without stopping it."""
 
     def __init__(self, cmd: list[str], env: dict[str, str] | None, log_path: Path) -> None:
         self.cmd = cmd
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        on_main = threading.current_thread() is threading.main_thread()  # a worker thread may end before the node does
         with open(log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **(env or {})}, start_new_session=True)
+                                         env={**os.environ, **(env or {})}, start_new_session=True,
+                                         preexec_fn=_ended_with_parent if on_main else None)
 
     def wait_healthy(self, url: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
