@@ -161,7 +161,6 @@ def test_multi_policy_workflow_needs_two_policies():
         get_workflow("solver_verifier", get_reward("arithmetic")).run(tasks, {"solver": handle(lambda p: "2", "solver")}, "n")
 
 
-@pytest.mark.slow
 def up_math_multi_agent(nats_server, repo_root: Path, run_dir: Path, *sets: str) -> list[dict]:
     """``astraflow up recipes/math-multi-agent`` for 2 steps with short warm starts; the metrics rows."""
     recipe = repo_root / "recipes" / "math-multi-agent"
@@ -182,6 +181,7 @@ def up_math_multi_agent(nats_server, repo_root: Path, run_dir: Path, *sets: str)
     return rows
 
 
+@pytest.mark.slow
 def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, tmp_path):
     run_dir = tmp_path / "sv-run"
     up_math_multi_agent(nats_server, repo_root, run_dir)
@@ -191,6 +191,7 @@ def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, 
         assert (run_dir / "logs" / f"{role}.s1.log").exists()
 
 
+@pytest.mark.slow
 def test_policies_sharing_a_base_warm_start_it_once_and_nodes_serve_their_adapters_on_it(nats_server, repo_root, tmp_path):
     """``rollout.shared_base``: ``up`` warm-starts one base on both policies' warm-start data (every weight), every role
     loads it as ``model.pretrained``, each trainer adapts it, and the node serves each policy's adapters on that base:
