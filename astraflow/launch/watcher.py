@@ -69,9 +69,9 @@ class RunWatcher:
         for r in rundir.rows("metrics.jsonl"):
             self._recorded.add((r["policy"], r["version"], r.get("state_digest")))
             self._seen_version(r)
-        self._evals = {(r["policy"], int(r["version"])) for r in rundir.rows("evals.jsonl")}
-        self.live.evals = {int(r["version"]): float(r["reward"]) for r in rundir.rows("evals.jsonl")
-                           if r.get("policy") == recipe.eval_policy and "reward" in r}
+        evals = list(rundir.rows("evals.jsonl"))
+        self._evals = {(r["policy"], int(r["version"])) for r in evals}
+        self.live.evals = {int(r["version"]): float(r["reward"]) for r in evals if r.get("policy") == recipe.eval_policy and "reward" in r}
         self._offset = rundir.wall_s()  # run time before this session
         self._start = time.time()
         self._sampled: tuple[float, int] | None = None
