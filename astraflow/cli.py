@@ -204,7 +204,11 @@ def warm_start(
         typer.echo("astraflow warm-start: the recipe shares no base (rollout.shared_base) or no policy warm-starts (sft.steps)",
                    err=True)
         raise typer.Exit(2)
-    warm_shared_base(r, out, Console())
+    try:
+        warm_shared_base(r, out, Console())
+    except FileExistsError as e:
+        typer.echo(f"astraflow warm-start: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 region_app = typer.Typer(no_args_is_help=True, help="Regions: leafnode servers that mirror a run's weights.")

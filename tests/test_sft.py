@@ -115,3 +115,6 @@ def test_astraflow_warm_start_writes_the_base_a_recipe_shares(tmp_path):
     assert json.loads((tmp_path / "base" / "warm_start.json").read_text())["steps"] == {"solver": 3, "verifier": 2}
     alone = CliRunner().invoke(app, ["warm-start", str(path), "--out", str(tmp_path / "b2"), "--set", "rollout.shared_base=false"])
     assert alone.exit_code == 2 and "shares no base" in alone.output and not (tmp_path / "b2").exists()
+    (tmp_path / "models" / "mine").mkdir(parents=True)  # a directory of the user's: never replaced
+    taken = CliRunner().invoke(app, ["warm-start", str(path), "--out", str(tmp_path / "models")])
+    assert taken.exit_code == 2 and "holds files" in taken.output and (tmp_path / "models" / "mine").exists()

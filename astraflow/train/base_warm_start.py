@@ -68,6 +68,8 @@ def warm_base(recipe: Recipe, out: Path, threads: int, progress: Callable[[int, 
     key = base_key(recipe)
     if held_key(out) == key:
         return False
+    if out.exists() and not (out / RECORD).exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} holds files and no warm-started base ({RECORD}): give a new or empty directory")
     primary = recipe.policies[recipe.primary]
     cfgs = {name: p.sft for name, p in recipe.policies.items() if p.sft.steps}
     total = sum(cfg.steps for cfg in cfgs.values())
