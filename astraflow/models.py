@@ -52,7 +52,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     if cfg.pretrained:
-        return AutoModelForCausalLM.from_pretrained(cfg.pretrained, torch_dtype=getattr(torch, cfg.dtype))
+        return AutoModelForCausalLM.from_pretrained(local_or_hub(cfg.pretrained), torch_dtype=getattr(torch, cfg.dtype))
     torch.manual_seed(cfg.seed)
     common = dict(
         vocab_size=len(tokenizer),
@@ -118,7 +118,8 @@ def model_limits(cfg: ModelConfig) -> ModelLimits:
     moe = {"experts": cfg.num_experts, "top_k": cfg.experts_per_token, "moe_layers": cfg.num_layers} if cfg.arch == "qwen3_moe" else {}
     if cfg.tokenizer == "byt5":
         return ModelLimits(vocab=BYT5_VOCAB, context=cfg.max_positions, **moe)
-    return ModelLimits(vocab=tokenizer_size(_hub_file(cfg.tokenizer, "tokenizer.json")), context=cfg.max_positions, **moe)
+    vocab = tokenizer_size(_hub_file(cfg.tokenizer, "tokenizer.json", "model.tokenizer"))
+    return ModelLimits(vocab=vocab, context=cfg.max_positions, **moe)
 
 
 def tokenizer_size(path: Path) -> int:
@@ -130,8 +131,18 @@ def tokenizer_size(path: Path) -> int:
     return max(ids) + 1
 
 
-def _hub_file(name: str, filename: str) -> Path:
+def local_or_hub(name: str, field: str = "model.pretrained") -> str:
+    """``name`` (a model or tokenizer) as given, once a name written as a path (absolute, or from ``.`` or ``~``) is
+    known to be a directory here: a missing one is said as such, not taken for a malformed hub id."""
+    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
+        raise FileNotFoundError(f"{field} {name}: no such directory on this machine (a shared base warm-started by "
+                                "astraflow up lies in the run directory's base/: copy it to a node on another machine)")
+    return str(Path(name).expanduser()) if name.startswith("~") else name
+
+
+def _hub_file(name: str, filename: str, field: str = "model.pretrained") -> Path:
     """``filename`` of a local model directory, or of a hub id (the local cache first, then a download)."""
+    name = local_or_hub(name, field)
     local = Path(name) / filename
     if local.exists():
         return local

@@ -37,8 +37,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from result_files import write  # noqa: E402
 from stats import over_seeds, paired  # noqa: E402
 
+from astraflow.config import LoraConfig  # noqa: E402
+
 MODES = ("full fine-tuning", "LoRA", "LoRA, merged")
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WIDE = {"hidden_size": 512, "intermediate_size": 2048, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
 
 
@@ -144,7 +145,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lora-lr", type=float, default=1e-3)
-    ap.add_argument("--targets", default=",".join(ALL_LINEAR), help="the linear layers that get an adapter (comma-separated)")
+    ap.add_argument("--targets", default=",".join(LoraConfig().target_modules),
+                    help="the linear layers that get an adapter (comma-separated; default: trainer.lora's)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the variants to run live")
     ap.add_argument("--path-versions", type=int, default=12)
     a = ap.parse_args()

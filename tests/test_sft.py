@@ -118,3 +118,15 @@ def test_astraflow_warm_start_writes_the_base_a_recipe_shares(tmp_path):
     (tmp_path / "models" / "mine").mkdir(parents=True)  # a directory of the user's: never replaced
     taken = CliRunner().invoke(app, ["warm-start", str(path), "--out", str(tmp_path / "models")])
     assert taken.exit_code == 2 and "holds files" in taken.output and (tmp_path / "models" / "mine").exists()
+
+
+def test_a_node_without_the_shared_base_is_told_where_it_lies(tmp_path):
+    """A role on another machine, handed the run's recipe, finds no ``base/`` there: it says so, not that the path is a
+    malformed hub id."""
+    from astraflow.config import ModelConfig
+    from astraflow.models import model_limits
+
+    missing = ModelConfig(pretrained=str(tmp_path / "run" / "base"))
+    for make in (lambda: build_model(missing, TOK), lambda: model_limits(missing)):
+        with pytest.raises(FileNotFoundError, match="model.pretrained .* no such directory on this machine"):
+            make()
