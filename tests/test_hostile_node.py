@@ -23,9 +23,13 @@ from poison_run import until, versions
 from astraflow.config import load_recipe
 from astraflow.streams.credentials import Credential
 from astraflow.streams.dataflow_state import DataflowState
+from astraflow.streams.fates import BATCHED
 from astraflow.streams.plane import NatsOptions, Plane
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# what a lie that passes the dataflow may come to: trained, dropped stale in the buffer as any group may be, or still
+# waiting in a batch when the operator stopped the run (the resumed run trains it)
+PASSED = {"trained", "dropped:stale", BATCHED}
 STEPS = 2000  # more than it gets to: the test stops the run once it has seen the node let back in (however fast it trains)
 
 
@@ -109,7 +113,7 @@ def test_a_lying_node_is_quarantined_cut_off_and_let_back_in(tmp_path: Path):
     # out the rows whose tokens the model contradicts: at least the random letters (half of each such group), never more
     # than the liar sent
     told_logprobs = [t for t, kind in lies.told.items() if kind == "logprobs" and fates[t] != "invalid:quarantined"]
-    assert told_logprobs and {fates[t] for t in told_logprobs} <= {"trained", "dropped:stale"}, (told_logprobs, fates)
+    assert told_logprobs and {fates[t] for t in told_logprobs} <= PASSED, (told_logprobs, fates)
     suspects = sum(r.get("suspect_trajectories", 0) for r in metrics(run_dir))
     trained_lies = sum(1 for t in told_logprobs if fates[t] == "trained")
     g = load_recipe(run_dir / "recipe.yaml").dataflow.group_size
@@ -132,7 +136,7 @@ def test_a_node_that_only_makes_up_logprobs_is_quarantined_on_the_trainers_word(
     q, after = lies.quarantine, load_recipe(run_dir / "recipe.yaml").dataflow.quarantine_after
     assert q is not None and q.failures == {"logprobs": after} and lies.cut_off is not None, (lies, log.read_text()[-3000:])
     assert "trainer's token check" in q.reason and "node hostile revoked (quarantined)" in log.read_text()
-    assert set(fates.values()) <= {"trained", "dropped:stale", "invalid:quarantined"}, fates  # no claim of it was false
+    assert set(fates.values()) <= PASSED | {"invalid:quarantined"}, fates  # no claim of it was false
     suspects = sum(r.get("suspect_trajectories", 0) for r in metrics(run_dir))
     assert suspects >= after * load_recipe(run_dir / "recipe.yaml").dataflow.group_size // 2  # the letters, left out
     acc = json.loads((run_dir / "summary.json").read_text())["accounting"]["solver"]
