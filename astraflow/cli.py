@@ -243,9 +243,9 @@ def region_mirrors(
         plane = await Plane.connect(opts, run, "region-setup", wait=timeout)
         try:
             await plane.wait_for_domain(hub_domain, timeout=timeout)
-            streams = await ensure_region_mirrors(plane, run, hub_domain=hub_domain, leaf_domain=leaf_domain,
+            mirrors = await ensure_region_mirrors(plane, run, hub_domain=hub_domain, leaf_domain=leaf_domain,
                                                   weights_history=weights_history)
-            typer.echo(f"mirrors ready in {leaf_domain or 'the leaf'}: {streams.weights_stream}, {streams.object_stream}")
+            typer.echo(f"mirrors ready: {mirrors}")
         finally:
             await plane.close()
 

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from astraflow.streams.census import backlogs, stream_sizes
 from astraflow.streams.dataflow_state import Accounting, DataflowState, Quarantine
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat
 from astraflow.streams.plane import NatsOptions, Plane
@@ -26,9 +27,7 @@ async def collect(opts: NatsOptions, run: str, policy: str | None = None, listen
     server, :class:`NoSuchRun` when the run's streams are not there."""
     plane = await Plane.connect(opts, run, "status", wait=timeout)
     try:
-        names = plane.names
-        streams = {s: await plane.stream_msgs(s) for s in (names.task_stream, names.traj_stream, names.batch_stream,
-                                                            names.weights_stream, names.dlq_stream)}
+        streams = await stream_sizes(plane)
         if all(n is None for n in streams.values()):
             raise NoSuchRun(f"no run {run!r} on {opts.redacted()} (none of its streams exist)")
         received: dict[str, tuple[Heartbeat, float]] = {}
@@ -40,16 +39,8 @@ async def collect(opts: NatsOptions, run: str, policy: str | None = None, listen
         dataflow = await plane.state.get(DataflowState)
         policies = list(dataflow.lanes) if dataflow else []
         policy = policy or (policies[0] if policies else "solver")
-        lags: dict[str, dict[str, Any] | None] = {}
-        for label, stream, durable in (
-            ("tasks→raas", names.task_stream, "raas"),
-            ("traj→dataflow", names.traj_stream, names.DATAFLOW_CONSUMER),
-            (f"batch→trainer-{policy}", names.batch_stream, names.trainer_consumer(policy)),
-        ):
-            try:
-                lags[label] = (await plane.lag(stream, durable)).__dict__
-            except Exception:  # the consumer does not exist (yet)
-                lags[label] = None
+        pulls = await backlogs(plane, dataflow.pool if dataflow else "raas", policies or [policy])
+        lags = {label: lag.__dict__ if lag else None for label, lag in pulls.items()}
         version = await plane.state.get(VersionRecord, policy)
         autoscale = await plane.state.get(AutoscaleRecord, dataflow.pool if dataflow else "raas")
         await asyncio.sleep(listen)

@@ -402,7 +402,7 @@ async def test_a_task_the_server_gave_up_on_while_the_dataflow_was_down_still_fa
             for d in await h.task_sub.pull(batch=64, timeout=0.5):
                 await d.nak()
         await h.open_dataflow()
-        assert len(h.df.in_flight.seqs) == issued  # found in the TASK stream by the restart's scan (given up on, still there)
+        assert len(h.df.in_flight.tickets) == issued  # found in the task queue by the restart's scan (given up on, still there)
         await h.until(lambda: h.acc().fates.get("failed:max_deliver") == issued)
         await h.turn()
         assert h.df.ledger.issued == 2 * issued  # their places in flight are free again: as many more are out
@@ -411,7 +411,7 @@ async def test_a_task_the_server_gave_up_on_while_the_dataflow_was_down_still_fa
         assert info.state.messages == issued  # the given-up ones were removed from the work queue: only the new ones wait
         await h.kill_dataflow()
         await h.open_dataflow()  # replays the advisories: settled and removed already, nothing changes
-        assert len(h.df.in_flight.seqs) == issued
+        assert len(h.df.in_flight.tickets) == issued
         await h.turn(3)
         assert h.acc().fates.get("failed:max_deliver") == issued and h.acc().adds_up
     finally:
@@ -481,6 +481,8 @@ async def test_status_shows_the_accounting_and_the_advice(harness: Harness):
     info = await collect(NatsOptions(url=harness.url), harness.run, "solver", listen=0.2)
     acc = info["accounting"]["solver"]
     assert acc == harness.acc() and acc.adds_up
+    assert len(info["streams"]) == 5 and all(n is not None for n in info["streams"].values())  # every stream of the run
+    assert set(info["lags"]) == {"task", "traj", "batch.solver"} and all(info["lags"].values())  # every pull, as the server counts
     assert info["autoscale"].pool == "raas" and info["autoscale"].target >= 0
     console = Console(record=True, width=120)
     console.print(accounting_table("solver", acc))

@@ -151,7 +151,7 @@ class MemoryDelivery:
         self.msg, self.seq, self.log = msg, seq, log
 
     @property
-    def stream_seq(self) -> int:
+    def position(self) -> int:
         return self.seq
 
     @property
@@ -364,8 +364,8 @@ def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
     plan = lane.plan(groups[:2], ["t0", "t1"], created_at=1.0)
     acc = lane.accounting(in_flight=0)
     assert plan.batch_id == "solver-b000001" and acc.awaiting == 2 and acc.buffered == 0 and acc.adds_up
-    assert lane.is_closed("t0") and lane.find("t0") is groups[0] and lane.replay_seqs("t1", 2) == [20, 21]
-    assert lane.replay_seqs("t1", 3) is None  # not the group the replay memory names
+    assert lane.is_closed("t0") and lane.find("t0") is groups[0] and lane.replay_positions("t1", 2) == [20, 21]
+    assert lane.replay_positions("t1", 3) is None  # not the group the replay memory names
     assert lane.stats["lag_max"] == 2 and not lane.drained()
     restored = PolicyLane("solver", pipeline(), primary=True)
     restored.load_state(lane.state())
@@ -381,15 +381,16 @@ def test_a_group_in_one_message_is_remembered_for_replay_by_that_one_sequence():
 
     recent = Recent(size=2)
     one, two, three = group_of("t1", [0.0, 1.0, 1.0], seq0=10), group_of("t2", [0.0, 1.0], seq0=20), group_of("t3", [1.0, 0.0], seq0=30)
-    one.seqs = [7, 7, 7]  # a node's TrajectoryGroup: every sample at the message's sequence
+    one.positions = [7, 7, 7]  # a node's TrajectoryGroup: every sample at the message's sequence
     for h in (one, two):
         recent.remember(h)
     assert recent.state() == {"t1": [7], "t2": [20, 21]}
     restored = Recent(size=2)
     restored.load_state(recent.state())
-    assert restored.seqs_of("t1", 3) == [7, 7, 7] and restored.seqs_of("t2", 2) == [20, 21] and restored.seqs_of("t2", 3) is None
+    assert restored.positions_of("t1", 3) == [7, 7, 7] and restored.positions_of("t2", 2) == [20, 21]
+    assert restored.positions_of("t2", 3) is None
     restored.remember(three)
-    assert restored.seqs_of("t1", 3) is None and list(restored.state()) == ["t2", "t3"]  # the oldest forgotten
+    assert restored.positions_of("t1", 3) is None and list(restored.state()) == ["t2", "t3"]  # the oldest forgotten
 
 
 def test_the_audit_calls_a_task_lost_only_past_the_grace_and_once_its_trajectories_were_delivered():

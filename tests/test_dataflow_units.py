@@ -57,7 +57,7 @@ def test_assembler_completes_groups_and_spots_duplicates():
     assert a.add(traj("t1", 0, traj_id="other"), seq=12) is False  # a second sample at a held index
     assert a.add(traj("t1", 2), seq=13) is None
     held = a.add(traj("t1", 1), seq=14)
-    assert held and held.seqs == [11, 14, 13] and held.group.min_version == 4
+    assert held and held.positions == [11, 14, 13] and held.group.min_version == 4
     assert [s.reward for s in held.group.samples] == [0.0, 1.0, 2.0] and not a.partial
     assert a.add(traj("t1", 2), seq=15) is False  # a late copy of a completed group
 

@@ -126,7 +126,7 @@ async def test_nodes_join_die_and_leave_and_every_task_is_trained_once(nats_serv
             for d in await sub.pull(batch=64, timeout=0.5):
                 for t in carried(d.msg):  # a task's group comes as one message
                     seen.append(t.traj_id)
-                    held = assembler.add(t, d.stream_seq)
+                    held = assembler.add(t, d.position)
                     if held is False:
                         duplicates.append(t.traj_id)
                         continue

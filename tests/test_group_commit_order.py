@@ -16,6 +16,7 @@ from astraflow.streams.messages import Batch, WeightVersion
 from astraflow.streams.objects import chunk_subject, object_stream
 from astraflow.streams.plane import Delivery, NatsOptions, Plane, PublishConflict
 from astraflow.streams.trajectories import TrainingBatch
+from astraflow.streams.weight_channel import WeightChannel
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.distributed import Collective
 from astraflow.train.group_commit import GroupCommit
@@ -115,7 +116,7 @@ async def test_a_failed_publish_surfaces_holds_nothing_and_announces_nothing_aft
     c = t.commits
     d1, keep1, image1 = await t.step()
     rival = WeightPublisher(run_plane, "solver")  # another trainer of the policy announces v1 first
-    rival.follows(await run_plane.last_seq(run_plane.names.weights_stream, run_plane.names.weights("solver")))
+    rival.follows(await WeightChannel(run_plane, "solver").last_position())
     await rival.publish(image1, 1, force_keyframe=True)
     await c.publish(image1, 1, [d1.msg.batch_id], {}, d1, keep1)
     d2, keep2, image2 = await t.step()
@@ -128,7 +129,7 @@ async def test_a_failed_publish_surfaces_holds_nothing_and_announces_nothing_aft
     poisoned = {k: v.clone() for k, v in image2.items()}
     next(iter(poisoned.values())).view(-1)[0] = math.nan
     fresh = WeightPublisher(run_plane, "solver")  # a restarted trainer, behind the rival's v1
-    fresh.follows(await run_plane.last_seq(run_plane.names.weights_stream, run_plane.names.weights("solver")))
+    fresh.follows(await WeightChannel(run_plane, "solver").last_position())
     c = GroupCommit(Collective(t.backend, t.ckpt), t.ckpt, fresh, durable=0)
     await c.publish(poisoned, 2, [d2.msg.batch_id], {}, d2, keep2)
     with pytest.raises(NonFiniteWeights):
@@ -162,7 +163,7 @@ async def test_answering_a_keyframe_request_while_idle_never_hides_a_failed_publ
 
     d1, keep1, image1 = await t.step()
     rival = WeightPublisher(run_plane, "solver")
-    rival.follows(await run_plane.last_seq(run_plane.names.weights_stream, run_plane.names.weights("solver")))
+    rival.follows(await WeightChannel(run_plane, "solver").last_position())
     await rival.publish(image1, 1, force_keyframe=True)
     await c.publish(image1, 1, [d1.msg.batch_id], {}, d1, keep1)
     with pytest.raises(PublishConflict):

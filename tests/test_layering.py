@@ -39,6 +39,22 @@ def test_only_streams_touches_nats(path: Path):
     assert not handles, f"{rel(path)} reaches through the plane to NATS objects: {handles}"
 
 
+# a stream, a consumer or a stream sequence by name: the flows' ports (streams/task_queue.py, trajectory_log.py,
+# batch_queue.py, weight_channel.py) speak of tasks, tickets, marks, backlogs and positions instead
+STREAM_NAMES = {"task_stream", "traj_stream", "batch_stream", "weights_stream", "dlq_stream", "pool_consumer", "trainer_consumer",
+                "DATAFLOW_CONSUMER", "stream_seq"}
+PLANE_BY_STREAM = {"consumer", "trajectory_consumer", "lag", "consumer_settings", "stream_msgs", "last", "last_seq", "stream_last",
+                   "holds", "get", "delete", "get_many", "read_many", "read_stored", "held", "on_max_deliveries", "remake_consumer"}
+
+
+@pytest.mark.parametrize("path", [p for p in modules() if "streams" not in p.relative_to(PKG).parts[:1]], ids=rel)
+def test_only_streams_names_streams_consumers_and_sequences(path: Path):
+    named = sorted({f"{ast.unparse(n.value)}.{n.attr}" for n in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(n, ast.Attribute) and (n.attr in STREAM_NAMES or (
+                        n.attr in PLANE_BY_STREAM and ast.unparse(n.value).split(".")[-1] in ("plane", "_plane")))})
+    assert not named, f"{rel(path)} reasons in streams, consumers or sequences: {named}; use a flow's port in astraflow.streams"
+
+
 ROLE_PACKAGES = ("dataflow", "rollout", "train")
 
 

@@ -138,7 +138,7 @@ async def test_a_groups_message_is_acked_once_every_part_is_settled_and_given_ba
     sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
     (d,) = await sub.pull(batch=4, timeout=5.0)
     p0, p1, p2 = taken(d)
-    assert [p.msg.traj_id for p in (p0, p1, p2)] == ["t0000.0", "t0000.1", "t0000.2"] and p0.stream_seq == d.stream_seq
+    assert [p.msg.traj_id for p in (p0, p1, p2)] == ["t0000.0", "t0000.1", "t0000.2"] and p0.position == d.position
     await p0.ack()
     await p0.ack()  # once is once
     await p1.reject("invalid reward: a test")  # dead-lettered alone, counted settled
@@ -153,7 +153,7 @@ async def test_a_groups_message_is_acked_once_every_part_is_settled_and_given_ba
     q0, q1 = taken(d)
     await q1.nak()  # the whole message comes back
     (again,) = await sub.pull(batch=4, timeout=5.0)
-    assert again.stream_seq == d.stream_seq and again.num_delivered == 2
+    assert again.position == d.position and again.num_delivered == 2
     await q0.ack()  # parts of the delivery given back, settled late: they ack nothing
     await q1.ack()
     assert await settled_lag(plane) == (0, 1)  # the redelivery is still out: nothing acked it

@@ -126,9 +126,9 @@ async def test_dedup_of_republished_message(plane: Plane):
 ])
 def test_a_deliverys_stream_sequence_is_read_from_its_ack_subject_as_nats_py_reads_it(reply: str):
     raw = Msg(None, subject="traj.r.solver", reply=reply, data=b"")
-    assert Delivery(None, raw, None).stream_seq == raw.metadata.sequence.stream  # type: ignore[arg-type]
+    assert Delivery(None, raw, None).position == raw.metadata.sequence.stream  # type: ignore[arg-type]
     with pytest.raises(NotJSMessageError):
-        _ = Delivery(None, Msg(None, subject="s", reply="_INBOX.x.y", data=b""), None).stream_seq  # type: ignore[arg-type]
+        _ = Delivery(None, Msg(None, subject="s", reply="_INBOX.x.y", data=b""), None).position  # type: ignore[arg-type]
 
 
 async def test_stream_sequences_of_live_deliveries(plane: Plane):
@@ -139,7 +139,7 @@ async def test_stream_sequences_of_live_deliveries(plane: Plane):
         got += await sub.pull(batch=3 - len(got), timeout=0.5)
         if len(got) == 3:
             break
-    assert sorted(d.stream_seq for d in got) == sorted(seqs)
+    assert sorted(d.position for d in got) == sorted(seqs)
 
 
 async def test_redelivery_when_consumer_dies_without_ack(nats_server, plane: Plane, run_id):

@@ -34,6 +34,7 @@ from astraflow.streams.objects import (
 )
 from astraflow.streams.plane import NatsOptions, Plane, PublishConflict, PublishRefused, Topology
 from astraflow.streams.state import KeyframeRequest, VersionRecord
+from astraflow.streams.weight_channel import WeightChannel
 from astraflow.train.resume import adopt
 from astraflow.weights.delta import to_bf16_state
 from astraflow.weights.publish import WeightPublisher, request_keyframe
@@ -517,7 +518,7 @@ async def test_payloads_whose_announcements_the_stream_trimmed_are_swept_once(na
 
         assert [await chunks(a) for a in anns] == [1] * 6  # v0..v2's announcements are trimmed, their payloads stay
         again = WeightPublisher(plane, "solver", keyframe_every=2, keep_versions=3)
-        again.follows(await plane.last_seq(plane.names.weights_stream, plane.names.weights("solver")))
+        again.follows(await WeightChannel(plane, "solver").last_position())
         adopt(again, to_bf16_state(trainer.model.state_dict()), anns[5])  # as a resume from a checkpoint of v5 does
         await again.publish(trainer.step(), 6)
         assert [await chunks(a) for a in anns] == [0, 0, 0, 1, 1, 1]

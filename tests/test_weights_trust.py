@@ -12,6 +12,7 @@ from weights_helpers import Trainer, engine_digest, node
 from astraflow.streams.codec import decode
 from astraflow.streams.messages import Rejected, WeightVersion
 from astraflow.streams.plane import Plane, PublishConflict
+from astraflow.streams.weight_channel import WeightChannel
 from astraflow.weights.publish import NonFiniteWeights, WeightPublisher
 
 
@@ -65,14 +66,14 @@ async def test_two_trainers_of_one_policy_never_announce_one_version_twice(plane
     first, second = WeightPublisher(plane, "solver"), WeightPublisher(plane, "solver")
     a, b = Trainer(seed=1), Trainer(seed=2)
     await first.publish(a.model.state_dict(), 0)
-    first.follows(await plane.last_seq(plane.names.weights_stream, plane.names.weights("solver")))
-    second.follows(await plane.last_seq(plane.names.weights_stream, plane.names.weights("solver")))  # both resume from v0
+    first.follows(await WeightChannel(plane, "solver").last_position())
+    second.follows(await WeightChannel(plane, "solver").last_position())  # both resume from v0
     v1 = await first.publish(a.step(), 1)
     with pytest.raises(PublishConflict):
         await second.publish(b.step(), 1)
     third = WeightPublisher(plane, "solver")  # a rival that holds v1's weights too (same checkpoint)
     third.image, third.image_digest, third.image_version = first.image, first.image_digest, 1
-    third.follows(await plane.last_seq(plane.names.weights_stream, plane.names.weights("solver")))
+    third.follows(await WeightChannel(plane, "solver").last_position())
     await first.publish(a.step(), 2)
     with pytest.raises(PublishConflict):  # a possible newer version is another trainer's: never stepped over
         await third.publish(b.step(), 2)

@@ -1,16 +1,16 @@
 """The in-flight audit: tasks out that will never come back, found and settled ``failed:lost``.
 
 A task is out until its primary group completes, a node dead-letters it, or the server gives up on it (max
-deliveries, kept in the DLQ stream). One more end needs looking for: a node acked the task (its message left the TASK
-work queue) but its group never completes (a node that published part of a group, trajectories lost). Such a task
-would hold its place in flight for good, and enough of them stop the run: the issuing budget counts them.
+deliveries, kept in the DLQ stream). One more end needs looking for: a node acked the task (it left the task queue)
+but its group never completes (a node that published part of a group, trajectories lost). Such a task would hold its
+place in flight for good, and enough of them stop the run: the issuing budget counts them.
 
-So every ``AUDIT_S`` the dataflow looks up, by the TASK stream sequence each was published at, the oldest tasks out
-for longer than the task ack wait (at most ``AUDIT_MAX`` a pass). A node publishes a task's trajectories before it
-acks it, so when the task's message is first seen gone, its trajectories are at or below the TRAJ stream's last
-sequence then. The task is lost once the dataflow's consumer has delivered past that sequence and ``grace`` (two
-trajectory ack waits: a delivered trajectory not yet taken comes back within one) has passed with its group still
-incomplete (:func:`lost_tasks`).
+So every ``AUDIT_S`` the dataflow asks the task queue, by the ticket each was issued with, about the oldest tasks out
+for longer than the queue's redelivery wait (at most ``AUDIT_MAX`` a pass). A node publishes a task's trajectories
+before it acks it, so when the task is first seen gone from the queue, its trajectories are below the trajectory
+log's mark then. The task is lost once the log has handed the dataflow everything up to that mark and ``grace`` (two
+trajectory redelivery waits: a delivered trajectory not yet taken comes back within one) has passed with its group
+still incomplete (:func:`lost_tasks`).
 
 A group kept before a restart (in the state, its trajectories unacked) comes back by redelivery; one not back in
 memory after ``grace`` would count as buffered for good, and is settled ``failed:lost`` too (:func:`lost_groups`).
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane
-from astraflow.streams.plane import Plane
+from astraflow.streams.task_queue import TaskQueue
+from astraflow.streams.trajectory_log import TrajectoryLog
 
 AUDIT_S = 5.0  # how often the audit runs
 AUDIT_MAX = 64  # tasks looked up per pass, oldest first
@@ -36,27 +37,24 @@ class Auditor:
     """What the audit reads off the plane, and its bookkeeping from one pass to the next; the service settles what it
     finds."""
 
-    plane: Plane
-    pool: str  # whose consumer's ack wait bounds a task's time out
+    tasks: TaskQueue  # its pool's redelivery wait bounds a task's time out
+    trajectories: TrajectoryLog
     in_flight: InFlight
-    gone: dict[str, tuple[float, int]] = field(default_factory=dict)  # tasks whose message left: (since, TRAJ's last seq then)
+    gone: dict[str, tuple[float, int]] = field(default_factory=dict)  # tasks that left the queue: (since, the log's mark then)
     kept_missing: dict[str, dict[str, tuple[float, int]]] = field(default_factory=dict)  # per lane: kept groups not back
     waits: tuple[float, float] | None = None  # the server's ack waits: (task, trajectory)
 
     async def lost_tasks(self, now: float) -> list[str]:
         """Tasks out that will never come back: acked on the plane, their group never complete (:func:`lost_tasks`)."""
-        names = self.plane.names
         if self.waits is None:
-            task_wait = (await self.plane.consumer_settings(names.task_stream, names.pool_consumer(self.pool))).ack_wait
-            self.waits = task_wait, (await self.plane.consumer_settings(names.traj_stream, names.DATAFLOW_CONSUMER)).ack_wait
+            self.waits = await self.tasks.redelivery_wait(), await self.trajectories.redelivery_wait()
         task_wait, traj_wait = self.waits
-        looked = {t: (seq := self.in_flight.seqs.get(t)) is not None and await self.plane.holds(names.task_stream, seq)
+        looked = {t: (ticket := self.in_flight.tickets.get(t)) is not None and await self.tasks.queued(ticket)
                   for t in due(self.in_flight.since, now, task_wait)}
         if not (looked or self.gone):
             return []
-        stored = await self.plane.stream_last(names.traj_stream)  # read after the lookups: their trajectories are in
-        delivered = (await self.plane.lag(names.traj_stream, names.DATAFLOW_CONSUMER)).delivered
-        return lost_tasks(self.gone, self.in_flight, looked, now, 2 * traj_wait, stored, delivered)
+        stored = await self.trajectories.mark()  # read after the lookups: their trajectories are in
+        return lost_tasks(self.gone, self.in_flight, looked, now, 2 * traj_wait, stored, await self.trajectories.handed_over())
 
     def lost_groups(self, lane: PolicyLane, now: float) -> list[str]:
         """Groups ``lane`` kept before a restart whose trajectories do not come back (:func:`lost_groups`); after
@@ -74,9 +72,9 @@ def due(out_since: Mapping[str, float], now: float, older_than: float, limit: in
 
 def lost_tasks(gone: dict[str, tuple[float, int]], out: Container[str], looked_up: Mapping[str, bool], now: float, grace: float,
                stored: int, delivered: int) -> list[str]:
-    """``looked_up``: task -> its message is still in the TASK stream. A task first seen gone is noted with the time and
-    ``stored`` (the TRAJ stream's last sequence now); one seen there again, or no longer ``out``, is forgotten. Lost (and
-    forgotten): gone for longer than ``grace`` with the consumer ``delivered`` up to the sequence noted."""
+    """``looked_up``: task -> it is still in the task queue. A task first seen gone is noted with the time and
+    ``stored`` (how far the trajectory log is written now); one seen there again, or no longer ``out``, is forgotten.
+    Lost (and forgotten): gone for longer than ``grace`` with the log ``delivered`` to the dataflow up to the mark noted."""
     return _absent_too_long(gone, out, looked_up, now, grace, stored, delivered)
 
 

@@ -28,10 +28,10 @@ def to_sample(t: Trajectory, deadline: float | None = None, version: int | None 
 
 @dataclass
 class HeldGroup:
-    """A complete group: its algorithm view and where its trajectories lie in the TRAJ stream."""
+    """A complete group: its algorithm view and where the trajectory log keeps its trajectories."""
 
     group: Group
-    seqs: list[int]  # TRAJ stream sequence of each trajectory, aligned with ``group.samples``
+    positions: list[int]  # where the trajectory log keeps each trajectory, aligned with ``group.samples``
     weight: float = 1.0  # factor on the group's advantages (a late group may be down-weighted)
 
     @property
@@ -44,7 +44,7 @@ class HeldGroup:
 
     def refs(self) -> list[TrajRef]:
         """What a batch manifest names of this group, in sample order."""
-        return [TrajRef(seq=seq, traj_id=s.traj_id, task_id=s.task_id) for s, seq in zip(self.group.samples, self.seqs, strict=True)]
+        return [TrajRef(seq=at, traj_id=s.traj_id, task_id=s.task_id) for s, at in zip(self.group.samples, self.positions, strict=True)]
 
 
 DONE_MEMORY = 65536  # completed (task, policy) keys remembered to spot late copies
@@ -104,28 +104,28 @@ class Recent:
     def __init__(self, size: int = RECENT) -> None:
         self.size = size
         self.held: OrderedDict[str, HeldGroup] = OrderedDict()
-        self.seqs: OrderedDict[str, list[int]] = OrderedDict()
+        self.positions: OrderedDict[str, list[int]] = OrderedDict()
 
     def remember(self, held: HeldGroup) -> None:
         self.held[held.task_id] = held
-        self.seqs[held.task_id] = held.seqs[:1] if len(set(held.seqs)) == 1 else list(held.seqs)
-        for memory in (self.held, self.seqs):
+        self.positions[held.task_id] = held.positions[:1] if len(set(held.positions)) == 1 else list(held.positions)
+        for memory in (self.held, self.positions):
             while len(memory) > self.size:
                 memory.popitem(last=False)
 
     def get(self, task_id: str) -> HeldGroup | None:
         return self.held.get(task_id)
 
-    def seqs_of(self, task_id: str, n: int) -> list[int] | None:
-        """The sequences of the ``n`` samples of ``task_id``'s group; None when not remembered (or not ``n``)."""
-        seqs = self.seqs.get(task_id)
-        if seqs is not None and len(seqs) == 1:
-            seqs = seqs * n  # one message held them all
-        return seqs if seqs is not None and len(seqs) == n else None
+    def positions_of(self, task_id: str, n: int) -> list[int] | None:
+        """The positions of the ``n`` samples of ``task_id``'s group; None when not remembered (or not ``n``)."""
+        at = self.positions.get(task_id)
+        if at is not None and len(at) == 1:
+            at = at * n  # one message held them all
+        return at if at is not None and len(at) == n else None
 
     def state(self) -> dict[str, list[int]]:
-        return {k: list(v) for k, v in self.seqs.items()}
+        return {k: list(v) for k, v in self.positions.items()}
 
-    def load_state(self, seqs: dict[str, list[int]]) -> None:
+    def load_state(self, positions: dict[str, list[int]]) -> None:
         self.held.clear()
-        self.seqs = OrderedDict((k, list(v)) for k, v in seqs.items())
+        self.positions = OrderedDict((k, list(v)) for k, v in positions.items())

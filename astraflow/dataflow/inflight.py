@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 from astraflow.dataflow.ledger import task_number
+from astraflow.streams.task_queue import Ticket
 
 DEADLINES = 4096  # recent tasks whose deadline is remembered
 RECENT = 4096  # task numbers back from the newest that still count as recently issued
@@ -46,7 +47,7 @@ class InFlight:
         self.deadlines: OrderedDict[str, float] = OrderedDict()  # recent tasks' deadlines, for every lane
         self.floors = Floors()
         self.newest = 0  # the highest task number issued
-        self.seqs: dict[str, int] = {}  # task -> its TASK stream sequence, once known (kept in memory: a restart scans the stream)
+        self.tickets: dict[str, Ticket] = {}  # task -> where the task queue holds it, once known (in memory: a restart asks the queue)
         self.since: dict[str, float] = {}  # task -> when it went out (or was found out, after a restart): the audit's clock
         self.prompts: OrderedDict[str, str] = OrderedDict()  # the last RECENT tasks issued -> the prompt_id each was issued with
 
@@ -70,17 +71,17 @@ class InFlight:
             if floors is not None:
                 self.floors.note(n, floors)
 
-    def published(self, task_id: str, seq: int | None, now: float) -> None:
-        """It is on the plane (at ``seq`` of the TASK stream; None: not found there), since ``now``."""
+    def published(self, task_id: str, ticket: Ticket | None, now: float) -> None:
+        """It is on the plane (at ``ticket`` of the task queue; None: not found there), since ``now``."""
         if task_id in self.open:
-            if seq is not None:
-                self.seqs[task_id] = seq
+            if ticket is not None:
+                self.tickets[task_id] = ticket
             self.since.setdefault(task_id, now)
 
     def land(self, task_id: str) -> None:
         """Its primary group is complete (or it was never ours: nothing happens)."""
         self.open.pop(task_id, None)
-        self.seqs.pop(task_id, None)
+        self.tickets.pop(task_id, None)
         self.since.pop(task_id, None)
 
     def fail(self, task_id: str) -> bool:

@@ -226,7 +226,7 @@ class TrajectoryIngest:
             self.stats[admission.reason] += 1
             return
         deadline = self.in_flight.deadline(t.task_id) if self.cfg.late_policy == "drop" else None  # samples carry it for EDF
-        held = self.assembler.add(t, d.stream_seq, deadline, s.v_min)
+        held = self.assembler.add(t, d.position, deadline, s.v_min)
         if held is False:  # a second sample at an index, or a copy of a group completed here
             self.journal.ack_later(d)
             self.stats["duplicates"] += 1

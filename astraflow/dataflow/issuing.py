@@ -28,6 +28,7 @@ from astraflow.dataflow.lane import PolicyLane
 from astraflow.streams.dataflow_state import TaskState
 from astraflow.streams.messages import Message, Task
 from astraflow.streams.plane import Plane
+from astraflow.streams.task_queue import TaskQueue
 from astraflow.tasks import Problem
 
 
@@ -88,7 +89,7 @@ class TaskIssuer:
         self.cfg = recipe.dataflow
         self.lanes = lanes
         self.steps = {p: recipe.policies[p].trainer.steps for p in lanes}
-        self.workflow, self.pool = recipe.workflow, recipe.rollout.pool
+        self.workflow, self.tasks = recipe.workflow, TaskQueue(plane, recipe.rollout.pool)
         self.plane = plane
         self.lane = lanes[recipe.primary]  # the primary policy's: tasks are issued in its name
         self.problems = problems
@@ -103,8 +104,7 @@ class TaskIssuer:
     async def read_pending(self) -> None:
         """async: the pool consumer's backlog of tasks, as the server counts it now (read before :meth:`issue`)."""
         if self.cfg.mode == "async":
-            names = self.plane.names
-            self.pending = (await self.plane.lag(names.task_stream, names.pool_consumer(self.pool))).pending
+            self.pending = (await self.tasks.backlog()).pending
 
     def issue(self, ctx: Context, drained: bool) -> list[Task]:
         """The tasks the budget allows now, counted in flight and held as ``issuing`` until :meth:`published`;
@@ -161,8 +161,8 @@ class TaskIssuer:
         dropped by the server)."""
         self.load_state(s)
         now = time.time()
-        held = await self.plane.held(self.plane.names.task_stream, self.plane.names.all("task"), Task)
-        found = {t.task_id: seq for seq, t in held}
+        held = await self.tasks.queued_tasks()
+        found = {t.task_id: ticket for ticket, t in held}
         for _, t in held:
             self.in_flight.note_prompt(t.task_id, t.prompt_id)
         for task in list(self.in_flight.open):
@@ -170,9 +170,9 @@ class TaskIssuer:
         for t in s.issuing:
             self.in_flight.note_prompt(t.task_id, t.prompt_id)
         if s.issuing:
-            seqs = await self.plane.publish_many([self.item(t) for t in s.issuing])
-            for t, seq in zip(s.issuing, seqs, strict=True):
-                self.in_flight.published(t.task_id, seq, now)
+            tickets = await self.tasks.issue(s.issuing)
+            for t, ticket in zip(s.issuing, tickets, strict=True):
+                self.in_flight.published(t.task_id, ticket, now)
 
     # ------------------------------------------------------------ state
     def state(self) -> TaskState:

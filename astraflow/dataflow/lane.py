@@ -99,8 +99,8 @@ class PolicyLane:
         """A group in memory: buffered, or batched recently (replay)."""
         return self.buffer.get(task_id) or self.recent.get(task_id)
 
-    def replay_seqs(self, task_id: str, n: int) -> list[int] | None:
-        return self.recent.seqs_of(task_id, n)
+    def replay_positions(self, task_id: str, n: int) -> list[int] | None:
+        return self.recent.positions_of(task_id, n)
 
     # ------------------------------------------------------------ transitions
     def advance(self, version: int) -> None:

@@ -45,7 +45,7 @@ class Part:
         self._settled = False
 
     @property
-    def stream_seq(self) -> int:
+    def position(self) -> int:
         return self._shared.seq
 
     @property
@@ -85,5 +85,5 @@ def taken(d: Delivery[Trajectory | TrajectoryGroup]) -> list[Part | Delivery[Tra
     """A TRAJ stream delivery as deliveries of one trajectory each: itself, or one :class:`Part` per trajectory."""
     if not isinstance(d.msg, TrajectoryGroup):
         return [cast(Delivery[Trajectory], d)]
-    shared = _Shared(cast(Delivery[TrajectoryGroup], d), d.stream_seq, open=len(d.msg.trajectories))
+    shared = _Shared(cast(Delivery[TrajectoryGroup], d), d.position, open=len(d.msg.trajectories))
     return [Part(t, shared) for t in d.msg.trajectories]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from astraflow.config import AutoscaleConfig
 from astraflow.dataflow.autoscale import Advice, Meter, Nodes, Observation, Starvation, advise
+from astraflow.streams.batch_queue import BatchQueue
 from astraflow.streams.messages import Heartbeat, RolloutStats, TrainerStats
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import AutoscaleRecord
@@ -50,10 +51,9 @@ class PoolAdvisor:
         if now - self.measured < every_s:
             return
         self.measured = now
-        names = self.plane.names
         for p, lane in lanes.items():
             try:
-                lag = await self.plane.lag(names.batch_stream, names.trainer_consumer(p))
+                lag = await BatchQueue(self.plane, p).backlog()
             except TimeoutError:  # a slow server: skip this sample (the next comes in ``every_s``), never stop the dataflow
                 log.warning("measuring %s's batch consumer timed out; sample skipped", p)
                 continue

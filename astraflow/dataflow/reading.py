@@ -30,7 +30,7 @@ class Incoming(Ackable, Protocol):
     msg: Trajectory
 
     @property
-    def stream_seq(self) -> int: ...
+    def position(self) -> int: ...
 
     @property
     def subject(self) -> str: ...  # names the sending node (``reputation.sender``)

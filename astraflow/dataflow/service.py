@@ -69,7 +69,9 @@ from astraflow.streams.messages import (
 )
 from astraflow.streams.plane import Consumer, NatsOptions, Plane
 from astraflow.streams.state import AdmitRecord
+from astraflow.streams.task_queue import TaskQueue, Ticket
 from astraflow.streams.trajectories import resolve_all
+from astraflow.streams.trajectory_log import TrajectoryLog
 from astraflow.tasks import load_split
 
 log = logging.getLogger(__name__)
@@ -77,18 +79,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TaskRemoval:
-    """A task the server gave up on (max deliveries) stays in the TASK work queue, never delivered again, and every
+    """A task the server gave up on (max deliveries) stays in the task queue, never delivered again, and every
     restart's scan reads it: the journal "acks" it, by deleting it, once its ``failed:max_deliver`` is durable. A
     removal that fails is retried when the next dataflow replays the advisory (DLQ keeps them)."""
 
-    plane: Plane
-    seq: int
+    tasks: TaskQueue
+    ticket: Ticket
 
     async def ack(self) -> None:
         try:
-            await self.plane.delete(self.plane.names.task_stream, self.seq)
+            await self.tasks.remove(self.ticket)
         except Exception as e:  # housekeeping: never worth stopping a flush for
-            log.warning("could not remove task message %d, given up on, from the TASK stream: %s", self.seq, e)
+            log.warning("could not remove task %d, given up on, from the task queue: %s", self.ticket, e)
 
     async def in_progress(self) -> None:
         return None
@@ -110,13 +112,13 @@ class Dataflow:
         claims = None if recipe.dataflow.trust_claims else ClaimCheck(recipe, train)
         self.reputation = Reputation(recipe.dataflow.quarantine_after, on_quarantine=lambda q: self.journal.changed())
         self.restored_at = 0.0  # when the state it restored was written (0: a new run), to compare with its own dead letters
-        self.watch = Watch(plane, recipe.rollout.pool, recipe.policy_names)
+        self.watch = Watch(plane, self.issuer.tasks, recipe.policy_names)
         self.ingest = TrajectoryIngest(self.lanes, self.in_flight, self.journal, recipe.dataflow, self.stats, Limits.of(recipe),
                                        lambda p: self.watch.newest_version(p, self.lanes[p].version),
                                        lambda trajs: resolve_all(trajectory_objects, trajs), claims, self.reputation)
         self.server = BatchServer(plane, self.lanes, self.journal, recipe.dataflow, self.stats, rng)
         self.pool = PoolAdvisor(plane, recipe.rollout.pool, recipe.policy_names, recipe.dataflow.autoscale)
-        self.auditor = Auditor(plane, recipe.rollout.pool, self.in_flight)
+        self.auditor = Auditor(self.issuer.tasks, TrajectoryLog(plane), self.in_flight)
         self._audited = 0.0
         self._busy = True  # the last turn issued tasks or planned batches: the next one does not wait for trajectories
 
@@ -141,14 +143,14 @@ class Dataflow:
         """The turn's batches and tasks, pipelined: one wait for the server's acks of them all."""
         for _ in planned:
             crash_point("batch_planned")
-        seqs = await self.plane.publish_many([self.server.item(p.batch) for p in planned] + [self.issuer.item(t) for t in tasks])
+        at = await self.plane.publish_many([self.server.item(p.batch) for p in planned] + [self.issuer.item(t) for t in tasks])
         for _ in planned:
             crash_point("batch_published")
         self.server.published(planned)
         self.issuer.published()
         now = time.time()
-        for t, seq in zip(tasks, seqs[len(planned):], strict=True):
-            self.in_flight.published(t.task_id, seq, now)
+        for t, ticket in zip(tasks, at[len(planned):], strict=True):
+            self.in_flight.published(t.task_id, ticket, now)
 
     def apply_events(self) -> None:
         """Fold in what the plane reported since the last turn."""
@@ -172,8 +174,8 @@ class Dataflow:
                             self.stats["groups_trained"] += 1
             elif isinstance(e, TaskFailed):
                 self.fail_task(lane, e.task_id, e.reason, e.detail)
-                if e.seq is not None:  # the server gave up on it: out of the work queue once its failure is durable
-                    self.journal.ack_later(TaskRemoval(self.plane, e.seq))
+                if e.ticket is not None:  # the server gave up on it: out of the work queue once its failure is durable
+                    self.journal.ack_later(TaskRemoval(self.issuer.tasks, e.ticket))
             elif isinstance(e, SampleUndecodable):
                 self.ingest.undecodable(lane, e.task_id, e.traj_id, e.detail, e.node if e.at > self.restored_at else None)
             elif isinstance(e, BatchFailed):
@@ -294,7 +296,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "d
         df = Dataflow(recipe, plane, role.metrics)
         await df.start()
         role.on_exit(df.watch.stop)
-        trajectories = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
+        trajectories = TrajectoryLog(plane).reader()
         ack_wait = (await trajectories.settings()).ack_wait
         role.every(HEARTBEAT_PERIOD_S, df.beat)
         role.every(ack_wait / 3, df.journal.keep_alive)

@@ -39,6 +39,7 @@ from astraflow.config import DataflowConfig
 from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.groups import HeldGroup
 from astraflow.dataflow.lane import PolicyLane, context
+from astraflow.streams.batch_queue import BatchQueue
 from astraflow.streams.dataflow_state import BatchPlan
 from astraflow.streams.fates import Fate, Outcome
 from astraflow.streams.messages import Batch, Message
@@ -75,8 +76,7 @@ class BatchServer:
     async def read_backlogs(self) -> None:
         """The backlog of each trainer whose lane holds a batch worth, as the server counts it now (read before :meth:`plan`)."""
         ready = [lane for lane in self.lanes.values() if lane.ready(self.cfg.groups_per_batch)]
-        names = self.plane.names
-        lags = await asyncio.gather(*(self.plane.lag(names.batch_stream, names.trainer_consumer(lane.name)) for lane in ready))
+        lags = await asyncio.gather(*(BatchQueue(self.plane, lane.name).backlog() for lane in ready))
         for lane, lag in zip(ready, lags, strict=True):
             lane.note_backlog(lag.pending)
 
@@ -128,12 +128,12 @@ class BatchServer:
         held = lane.find(group.task_id)
         if held is not None:
             return held
-        seqs = lane.replay_seqs(group.task_id, len(group.samples))
-        if seqs is None:  # a replay memory larger than what the lane remembers
+        at = lane.replay_positions(group.task_id, len(group.samples))
+        if at is None:  # a replay memory larger than what the lane remembers
             log.warning("lane %s: replayed group %s is no longer remembered; left out of the batch", lane.name, group.task_id)
             self.stats["replay_missing"] += 1
             return None
-        held = HeldGroup(group, seqs)
+        held = HeldGroup(group, at)
         lane.remember(held)
         return held
 

@@ -38,6 +38,8 @@ from astraflow.streams.messages import (
     WeightVersion,
 )
 from astraflow.streams.plane import Plane, Subscription
+from astraflow.streams.task_queue import TaskQueue, Ticket
+from astraflow.streams.weight_channel import WeightChannel
 from astraflow.weights.checks import announcement_problem, order_problem
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ class TaskFailed:
     policy: str
     reason: str  # short, a fate suffix: "rollout", "max_deliver"
     detail: str = ""
-    seq: int | None = None  # max_deliver: its TASK stream sequence (the message stays in the work queue, never delivered again)
+    ticket: Ticket | None = None  # max_deliver: where the task queue holds it still (never delivered again)
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,9 @@ Event = Trained | TaskFailed | BatchFailed | SampleUndecodable
 class Watch:
     """Subscriptions that turn plane events into a list the service drains once per loop."""
 
-    def __init__(self, plane: Plane, pool: str, policies: tuple[str, ...]) -> None:
+    def __init__(self, plane: Plane, tasks: TaskQueue, policies: tuple[str, ...]) -> None:
         self.plane = plane
-        self.pool = pool
+        self.tasks = tasks
         self.policies = policies
         self.newest: dict[str, WeightVersion] = {}  # per policy: the newest announcement followed
         self.ignored = 0  # announcements turned away (impossible, or not newer than the newest)
@@ -102,7 +104,7 @@ class Watch:
             self.subs.append(await plane.follow(n.weights(policy), WeightVersion, self._on_weights_of(policy)))
         for kind in ("task", "batch", "traj"):
             self.subs.append(await plane.follow(n.dlq(kind), Rejected, self._on_dlq))
-        self.subs.append(await plane.on_max_deliveries(n.task_stream, n.pool_consumer(self.pool), self._on_max_deliveries))
+        self.subs.append(await self.tasks.on_given_up(self._on_given_up))
         self.subs.append(await plane.on_heartbeats(self._on_beat))
 
     async def stop(self) -> None:
@@ -119,7 +121,7 @@ class Watch:
         version the dataflow has not heard of yet); ``known`` when the plane has none, or when its last announcement is
         one no trainer could have made (``weights/checks.py``)."""
         try:
-            ann = await self.plane.last(self.plane.names.weights_stream, self.plane.names.weights(policy), WeightVersion)
+            ann = await WeightChannel(self.plane, policy).newest()
         except DecodeError:
             ann = None
         if ann is not None and announcement_problem(ann, policy) is not None:
@@ -164,10 +166,10 @@ class Watch:
                     self.events.append(SampleUndecodable(task_id, policy, traj_id, rej.reason[:300], sender(rej.subject), rej.ts))
             # otherwise the original itself was malformed: never one of our tasks or batches
 
-    async def _on_max_deliveries(self, seq: int) -> None:
+    async def _on_given_up(self, ticket: Ticket) -> None:
         try:
-            task = await self.plane.get(self.plane.names.task_stream, seq, Task)
+            task = await self.tasks.read(ticket)
         except Exception as e:  # gone already, or not one of ours
-            log.debug("max-deliveries advisory for seq %d not resolved: %s", seq, e)
+            log.debug("max-deliveries advisory for task %d not resolved: %s", ticket, e)
             return
-        self.events.append(TaskFailed(task.task_id, task.policy, "max_deliver", "no node could serve it", seq))
+        self.events.append(TaskFailed(task.task_id, task.policy, "max_deliver", "no node could serve it", ticket))

@@ -22,10 +22,12 @@ from typing import Any
 
 from astraflow.config import Recipe
 from astraflow.launch.rundir import RunDir
+from astraflow.streams.census import backlogs
 from astraflow.streams.dataflow_state import DataflowState, Quarantine
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, TOOL_COUNTS, Heartbeat, RolloutStats, TrainerStats, WeightVersion
 from astraflow.streams.plane import Plane, Subscription
 from astraflow.streams.state import AutoscaleRecord, DoneRecord, EvalRecord, StateSchemaError
+from astraflow.streams.weight_channel import WeightChannel
 from astraflow.weights.checks import announcement_problem, order_problem
 
 log = logging.getLogger(__name__)
@@ -78,8 +80,7 @@ class RunWatcher:
         self._targets: list[dict[str, Any]] = []
         self._newest: dict[str, WeightVersion] = {}  # per policy: the newest announcement recorded
         self._unrecorded: list[WeightVersion] = []  # fetched from the followers, not yet in metrics.jsonl
-        self._announcements = [plane.follower(plane.names.weights(p), WeightVersion, start="all", check=self._possible_on(p))
-                               for p in recipe.policy_names]
+        self._announcements = [WeightChannel(plane, p).follower(start="all", check=self._possible_on(p)) for p in recipe.policy_names]
 
     async def start(self) -> None:
         self.subs.append(await self.plane.on_heartbeats(self._on_beat))
@@ -199,12 +200,9 @@ class RunWatcher:
         now = time.time()
         if self._sampled is not None and now - self._sampled[0] < SAMPLE_EVERY_S:
             return
-        n = self.plane.names
-        lags = {"task": (n.task_stream, n.pool_consumer(self.recipe.rollout.pool)), "traj": (n.traj_stream, n.DATAFLOW_CONSUMER),
-                **{f"batch.{p}": (n.batch_stream, n.trainer_consumer(p)) for p in self.recipe.policy_names}}
-        for label, (stream, durable) in lags.items():
-            lag = await self.plane.lag(stream, durable)
-            self.live.lags[label] = lag.pending + lag.ack_pending
+        for label, lag in (await backlogs(self.plane, self.recipe.rollout.pool, self.recipe.policy_names)).items():
+            if lag is not None:
+                self.live.lags[label] = lag.pending + lag.ack_pending
         if self._sampled is not None:
             t0, c0 = self._sampled
             self.live.rate = max(0.0, (self.live.trajectories - c0) / max(now - t0, 1e-9))

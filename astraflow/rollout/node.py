@@ -54,6 +54,7 @@ from astraflow.runtime import Stop, every
 from astraflow.streams.codec import MessageTooLarge
 from astraflow.streams.messages import Heartbeat, Task, Trajectory
 from astraflow.streams.plane import Consumer, Delivery, NatsOptions, Plane
+from astraflow.streams.task_queue import TaskQueue
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.25  # ``rollout.partial_rollouts``: how often a node looks for a new version while it generates
@@ -150,8 +151,7 @@ class RolloutNode:
                 if self.workflow.external:  # agents pull the tasks themselves and open sessions here
                     await self._host_agents(self.workflow, stop)
                     return
-            names = self.plane.names
-            tasks = self.plane.consumer(names.task_stream, names.pool_consumer(self.pool), Task)
+            tasks = TaskQueue(self.plane, self.pool).pull()
             settings = await tasks.settings()  # the server's, not our defaults
             ack_wait, max_deliver = settings.ack_wait, settings.max_deliver
             self.stats["joined"] = 1.0

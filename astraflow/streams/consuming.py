@@ -74,7 +74,7 @@ class Delivery(Generic[M]):
         return int(self._raw.metadata.num_delivered or 1)
 
     @property
-    def stream_seq(self) -> int:
+    def position(self) -> int:
         """Sequence of the message in its stream (trajectories are read back by it), read from the ack subject alone:
         ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>...`` (9 tokens), or with a domain and an account hash
         after ``ACK`` (12 or more); nats-py's full metadata (timestamps, counters) costs several times more per message."""

@@ -467,6 +467,9 @@ class RegionStreams:
     object_stream: str
     weights_stream: str
 
+    def __str__(self) -> str:
+        return f"{self.weights_stream}, {self.object_stream} in {self.domain or 'the leaf'}"
+
 
 def region_streams(run: str, domain: str | None) -> RegionStreams:
     """Mirrors carry the hub streams' own names inside the leaf's domain."""

@@ -46,6 +46,7 @@ from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving
 from astraflow.role import Role
 from astraflow.runtime import crash_point
+from astraflow.streams.batch_queue import BatchQueue
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.direct import MissingMessages
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Batch, BatchRefusal, Heartbeat, Refusal, Suspect, TrainerStats
@@ -100,7 +101,7 @@ class TrainerLoop:
         self.commits = GroupCommit(self.run_op, self.ckpt, self.publisher, durable=at.version, behind=behind)  # start() left a
         self.metrics.set({"version": self.version})                                                          # checkpoint of it
         self.role.every(HEARTBEAT_PERIOD_S, self.beat)
-        self.batches = self.plane.consumer(self.plane.names.batch_stream, self.plane.names.trainer_consumer(self.policy), Batch)
+        self.batches = BatchQueue(self.plane, self.policy).pull()
         self.keepalive_s = max((await self.batches.settings()).ack_wait / 3, 0.2)
         end = self.base + cfg.steps
         log.info("trainer %s at v%d of lineage %s, training to v%d (%s backend, %s loss, checkpoint every %d versions, publish %s)",

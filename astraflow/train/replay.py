@@ -19,6 +19,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from astraflow.streams.batch_queue import BatchQueue
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.direct import MissingMessages
 from astraflow.streams.messages import Batch, WeightVersion
@@ -40,7 +41,7 @@ async def replay(plane: Plane, run_op: Collective, policy: str, restored: int, a
     """Retrain the batches of ``announced`` (the versions after ``restored``, oldest first) onto the trainer restored at
     ``restored``, checking each version's digest. A failed read of the plane raises (the restart tries again)."""
     manifests: dict[str, Batch] = {}
-    for _, b in await plane.held(plane.names.batch_stream, plane.names.batch(policy), Batch):
+    for b in await BatchQueue(plane, policy).kept():
         manifests.setdefault(b.batch_id, b)
     version = restored
     for ann in announced:

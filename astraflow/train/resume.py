@@ -51,6 +51,7 @@ import torch
 
 from astraflow.streams.messages import WeightVersion
 from astraflow.streams.plane import Plane
+from astraflow.streams.weight_channel import WeightChannel
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.distributed import Collective
 from astraflow.train.replay import replay
@@ -82,11 +83,12 @@ async def announcements(plane: Plane, publisher: WeightPublisher, policy: str) -
     """The ``weights.{policy}`` announcements a node would follow (``checks.in_order``: what a foreign writer put there
     that no trainer could have made does not count), oldest first; the publisher's next announcement must follow
     exactly the subject's last message (a second trainer of the policy that announced meanwhile makes that publish fail)."""
-    seq = await plane.last_seq(plane.names.weights_stream, plane.names.weights(policy))
-    publisher.follows(seq)
-    if not seq:
+    channel = WeightChannel(plane, policy)
+    last = await channel.last_position()
+    publisher.follows(last)
+    if not last:
         return []
-    return in_order(await plane.history(plane.names.weights(policy), WeightVersion), policy)
+    return in_order(await channel.history(), policy)
 
 
 def adopt(publisher: WeightPublisher, state: dict[str, torch.Tensor], last: WeightVersion) -> None:

@@ -17,6 +17,7 @@ from typing import Literal
 
 from astraflow.streams.messages import ObjectRef, WeightVersion
 from astraflow.streams.plane import Plane
+from astraflow.streams.weight_channel import WeightChannel
 from astraflow.weights.checks import in_order
 from astraflow.weights.retention import Key, RetentionPlan, execute_retention, key_of, plan_retention
 
@@ -83,7 +84,7 @@ class PayloadKeeper:
         """Adopt the announcements a previous trainer of this run left on the stream, so retention
         collects their objects too (a restarted or resumed trainer)."""
         try:
-            anns = await self.plane.history(self.plane.names.weights(self.policy), WeightVersion)
+            anns = await WeightChannel(self.plane, self.policy).history()
         except Exception as e:  # retention of older objects is best effort; publishing is not
             log.warning("weights %s: could not read earlier announcements: %s", self.policy, e)
             return

@@ -44,6 +44,7 @@ from astraflow.streams.messages import AdapterSpec, ObjectRef, Suspect, WeightVe
 from astraflow.streams.objects import WriteInterrupted
 from astraflow.streams.plane import Plane, PublishConflict, PublishRefused
 from astraflow.streams.state import KeyframeRequest, VersionRecord
+from astraflow.streams.weight_channel import WeightChannel
 from astraflow.weights.checks import foreign_harmless
 from astraflow.weights.delta import iter_encode_delta, iter_encode_keyframe, state_digest, to_bf16_state
 from astraflow.weights.finite import non_finite
@@ -106,6 +107,7 @@ class WeightPublisher:
         self.keyframe_every = keyframe_every
         self.max_delta_fraction = max_delta_fraction
         self.keeper = PayloadKeeper(plane, policy, keep_versions, tuple(mirror_domains))  # what is stored, what goes
+        self.announcements = WeightChannel(plane, policy)
         self.image: dict[str, torch.Tensor] | None = None
         self.image_digest: str | None = None
         self.image_version: int | None = None
@@ -114,12 +116,12 @@ class WeightPublisher:
         self.adapter: AdapterSpec | None = None  # versions are LoRA adapters over this base (:meth:`adapt`); None: full weights
         self.bytes_sent = 0
         self._request_rev = 0  # KV revision of the last keyframe request served
-        self._subject_seq: int | None = None  # stream sequence of the newest announcement on our subject, as we know it
+        self._last: int | None = None  # the position of the policy's newest announcement, as this publisher knows it
 
-    def follows(self, seq: int) -> None:
-        """The announcement this publisher's next version follows is at stream sequence ``seq`` (0: none yet):
-        the server refuses the next announcement if anything else was announced on the subject since."""
-        self._subject_seq = seq
+    def follows(self, position: int) -> None:
+        """The announcement this publisher's next version follows is at ``position`` of the policy's announcements (0:
+        none yet): the server refuses the next announcement if anything else was announced on the subject since."""
+        self._last = position
 
     async def adapt(self, base: Mapping[str, torch.Tensor], scale: float, built_digest: str | None,
                     history: Iterable[WeightVersion] = ()) -> AdapterSpec:
@@ -254,7 +256,7 @@ class WeightPublisher:
         ann, ref = stored.ann, stored.ann.objects[0]
         msg_id = f"{self.policy}-w{ann.version}-{ann.state_digest[:16]}" + (f"-k{stored.request_rev}" if again else "")
         try:  # the commit point: a retry of the same state is deduplicated by the server; another writer's is refused
-            seq, landed = await self._announce(ann, msg_id=msg_id)
+            position, landed = await self._announce(ann, msg_id=msg_id)
         except PublishRefused:  # not in the stream: nothing will ever name the payload
             await asyncio.shield(self.keeper.discard(ref))
             raise
@@ -263,10 +265,10 @@ class WeightPublisher:
                         "sweeps it if no announcement names it)", self.policy, ann.version, type(e).__name__)
             raise
         if landed:
-            self._subject_seq = seq
+            self._last = position
         else:  # the server held this announcement already (a retry under the same id): it names its own payload, not ours
             await asyncio.shield(self.keeper.discard(ref))
-            ann = await self.plane.get(self.plane.names.weights_stream, seq, WeightVersion)
+            ann = await self.announcements.read(position)
             ref = ann.objects[0]
         if ann.encoding == "keyframe":
             self.keyframe_version = ann.version
@@ -280,29 +282,29 @@ class WeightPublisher:
         return ann
 
     async def _announce(self, ann: WeightVersion, msg_id: str) -> tuple[int, bool]:
-        """Publish ``ann`` right after the last announcement this publisher knows of; its stream sequence, and False when
-        the server held it already (a retry under the same id: the original's sequence, not past the last). A refusal
+        """Publish ``ann`` right after the last announcement this publisher knows of; its position, and False when the
+        server held it already (a retry under the same id: the original's position, not past the last). A refusal
         because of announcements no trainer could have made (``foreign_harmless``) is retried after them."""
-        subject = self.plane.names.weights(self.policy)
-        after = self._subject_seq
+        after = self._last
         if after is None:
-            after = self._subject_seq = await self.plane.last_seq(self.plane.names.weights_stream, subject)
+            after = self._last = await self.announcements.last_position()
         for _ in range(STEP_OVERS):
             try:
-                seq = await self.plane.publish(subject, ann, msg_id=msg_id, after=after)
-                return seq, seq > after
+                position = await self.announcements.announce(ann, msg_id=msg_id, after=after)
+                return position, position > after
             except PublishConflict:
-                past = await self._past_foreign(subject)
+                past = await self._past_foreign()
                 if past is None:
                     raise
-                after = self._subject_seq = past
-        raise PublishConflict(f"{subject}: still refused after stepping over foreign announcements {STEP_OVERS} times")
+                after = self._last = past
+        raise PublishConflict(f"{self.announcements.subject}: still refused after stepping over foreign announcements "
+                              f"{STEP_OVERS} times")
 
-    async def _past_foreign(self, subject: str) -> int | None:
-        """The subject's last sequence if everything after this publisher's last announcement is harmless (logged
-        and stepped over), else None (another trainer announced)."""
-        last = await self.plane.last_seq(self.plane.names.weights_stream, subject)
-        anns = await self.plane.history(subject, WeightVersion)  # undecodable ones are skipped (and harmless)
+    async def _past_foreign(self) -> int | None:
+        """The position of the policy's last announcement if everything after this publisher's last one is harmless
+        (logged and stepped over), else None (another trainer announced)."""
+        last = await self.announcements.last_position()
+        anns = await self.announcements.history()  # undecodable ones are skipped (and harmless)
         own = next((i for i in range(len(anns) - 1, -1, -1) if key_of(anns[i]) == (self.image_version, self.image_digest)), -1)
         after = anns[own + 1:]
         mine = -1 if self.image_version is None else self.image_version

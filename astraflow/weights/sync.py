@@ -61,6 +61,7 @@ import torch
 from astraflow.streams.messages import AdapterSpec, ObjectRef, WeightVersion
 from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError, ObjectStore
 from astraflow.streams.plane import Plane
+from astraflow.streams.weight_channel import WeightChannel
 from astraflow.weights.adapters import AdapterError, BaseMismatch, MergedAdapters
 from astraflow.weights.checks import announcement_problem, in_order, order_problem
 from astraflow.weights.delta import DeltaApplier, DeltaError, KeyframeDecoder, state_digest
@@ -165,8 +166,7 @@ class WeightSync:
         self.policy = policy
         self.engine = engine
         self.domain = domain
-        self.subject = plane.names.weights(policy)
-        self.ann_stream = weights_stream_name or plane.names.weights_stream
+        self.announcements = WeightChannel(plane, policy, weights_stream_name, domain)
         wait = (10.0 if domain else 0.0) if mirror_wait is None else mirror_wait
         self.objects = plane.objects(domain=domain, stream=object_stream_name, wait_missing=wait)
         self.request_keyframes = request_keyframes
@@ -180,8 +180,7 @@ class WeightSync:
         self.known: dict[Key, WeightVersion] = {}
         self._followed: list[WeightVersion] = []  # the history's announcements a node would have followed (goto picks by number from these)
         self.newest: WeightVersion | None = None  # the newest valid announcement the follower passed
-        self._follower = plane.follower(self.subject, WeightVersion, stream=self.ann_stream, domain=domain, on_bad=self._bad,
-                                        check=self._vet)
+        self._follower = self.announcements.follower(on_bad=self._bad, check=self._vet)
 
     @property
     def version(self) -> int:
@@ -220,12 +219,12 @@ class WeightSync:
         oldest = min((a.version for a in self._followed), default=version)
         if not found:
             if version < oldest:
-                raise VersionGone(f"v{version} of {self.policy} is gone from {self.ann_stream}, which keeps v{oldest} and later")
-            raise WeightSyncError(f"v{version} of {self.policy} was never announced or is gone from {self.ann_stream}")
+                raise VersionGone(f"v{version} of {self.policy} is gone from {self.announcements.where}, which keeps v{oldest} and later")
+            raise WeightSyncError(f"v{version} of {self.policy} was never announced or is gone from {self.announcements.where}")
         if not await self._reach(found[0], history, ask=False):
             if found[0].keyframe_version < oldest:  # the chain's start is trimmed: no read of the history will have it again
                 raise VersionGone(f"v{version} of {self.policy} builds on keyframe v{found[0].keyframe_version}, gone from "
-                                  f"{self.ann_stream} (it keeps v{oldest} and later): {self.last_error}")
+                                  f"{self.announcements.where} (it keeps v{oldest} and later): {self.last_error}")
             raise WeightSyncError(f"could not reach v{version} of {self.policy}: {self.last_error}")
 
     async def request_keyframe(self, reason: str) -> None:
@@ -252,7 +251,7 @@ class WeightSync:
         an announcement is only ever reached through a base digest that names it, and every state is checked
         against its digest when applied; a restarted trainer's own v2 (another state under a number already
         used) stays reachable for the deltas built on it. Picking a version by its number is ``goto``'s job."""
-        anns = await self.plane.history(self.subject, WeightVersion, stream=self.ann_stream, domain=self.domain, on_bad=self._bad)
+        anns = await self.announcements.history(on_bad=self._bad)
         valid = [a for a in anns if announcement_problem(a, self.policy) is None]
         if len(valid) < len(anns):
             self.stats["skipped_history"] += len(anns) - len(valid)
@@ -277,7 +276,7 @@ class WeightSync:
                 chain = plan_chain(target, history, self._held())
             if chain is None:
                 raise WeightSyncError(
-                    f"chain of v{target.version} is incomplete in {self.ann_stream} (keyframe v{target.keyframe_version} gone?)"
+                    f"chain of v{target.version} is incomplete in {self.announcements.where} (keyframe v{target.keyframe_version} gone?)"
                 )
             if not holding:
                 self.stats["joins"] += 1  # a late joiner: the keyframe and the deltas after it
@@ -300,7 +299,7 @@ class WeightSync:
         try:
             chain = plan_chain(target, await self._history(), None)
             if chain is None:
-                raise WeightSyncError(f"keyframe chain of v{target.version} is incomplete in {self.ann_stream}")
+                raise WeightSyncError(f"keyframe chain of v{target.version} is incomplete in {self.announcements.where}")
             await self._apply_chain(chain)
             return True
         except Exception as second:

@@ -1,0 +1,45 @@
+"""The trajectory flow as the dataflow sees it: nodes publish trajectories (and whole groups), the dataflow reads
+them through its durable consumer and acks each once its fate is durable; batches name them by where the log keeps
+them, and trainers read them from there.
+
+What the audit needs to know (has every trajectory stored by a moment been handed to the dataflow since?) is asked
+in marks: how far the log is written, how far its reader got; the two compare, and mean nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from astraflow.streams.consuming import Consumer, Lag
+from astraflow.streams.messages import Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from astraflow.streams.plane import Plane
+
+
+class TrajectoryLog:
+    """The run's TRAJ stream and the dataflow's reader of it."""
+
+    def __init__(self, plane: Plane) -> None:
+        self.plane = plane
+        self._stream, self._reader = plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER
+
+    def reader(self) -> Consumer[Trajectory | TrajectoryGroup]:
+        """The dataflow's pull of every policy's trajectories and trajectory groups."""
+        return self.plane.trajectory_consumer(self._reader)
+
+    async def backlog(self) -> Lag:
+        """Trajectories waiting for the dataflow and in its hands, unacked."""
+        return await self.plane.lag(self._stream, self._reader)
+
+    async def redelivery_wait(self) -> float:
+        """Seconds a trajectory the dataflow took may go unacked before it is delivered again."""
+        return (await self.plane.consumer_settings(self._stream, self._reader)).ack_wait
+
+    async def mark(self) -> int:
+        """How far the log is written now: a trajectory published before this call is at or below the mark."""
+        return await self.plane.stream_last(self._stream)
+
+    async def handed_over(self) -> int:
+        """How far the dataflow's reader has been handed the log: everything at or below this mark (a :meth:`mark`)."""
+        return (await self.backlog()).delivered
