@@ -122,39 +122,65 @@ def worker(
     fresh_lineage: bool = FreshLineage,
     set_: list[str] = Overrides,
 ) -> None:
-    """Run one role in this process (join a run from any machine that reaches the plane)."""
+    """Run one role in this process (join a run from any machine that reaches the plane). Each role takes the flags of its
+    own options (``astraflow.role``: NodeOptions, TrainerOptions); another role's flag is refused by name."""
     import os
 
     from astraflow.runtime import setup_logging, tune_gc
 
     setup_logging()
+    if role not in ROLES:
+        typer.echo(f"unknown role {role!r}: {' | '.join(ROLES)}", err=True)
+        raise typer.Exit(2)
     r = _load(recipe, set_)
     opts = _opts(nats, credential, user, None, creds, nkey, tls_ca, tls_cert, tls_key, domain)
     run = run or opts.run
     if not run:
         typer.echo("give --run RUN (or --credential FILE, which names the run)", err=True)
         raise typer.Exit(2)
-    wid = id or f"{role}-{os.getpid()}"
-    main: Coroutine[Any, Any, None]
+    own = {"policy": policy, "checkpoint_dir": checkpoint_dir, "fresh_lineage": fresh_lineage or None, "pool": pool,
+           "region": region, "hardware": hardware, "weights_domain": weights_domain}
+    options = _role_options(role, nats=opts, run=run, worker_id=id or f"{role}-{os.getpid()}", metrics_port=metrics_port,
+                            **{k: v for k, v in own.items() if v is not None})
+    tune_gc()
+    asyncio.run(_serve(role, r, options))
+
+
+ROLES = ("dataflow", "rollout", "trainer", "evaluator")
+
+
+def _role_options(role: str, **given: Any):
+    """The role's option model from the flags given; a flag of another role, or a bad value, fails with its name."""
+    from pydantic import ValidationError
+
+    from astraflow.role import OPTIONS
+
+    try:
+        return OPTIONS[role](**given)
+    except ValidationError as e:
+        for err in e.errors():
+            field = str(err["loc"][0]) if err["loc"] else ""
+            flag = "--" + field.replace("_", "-")
+            if err["type"] == "extra_forbidden":
+                owners = [k for k, m in OPTIONS.items() if field in m.model_fields]
+                typer.echo(f"{flag} is an option of the {' and '.join(owners)} role, not of {role}", err=True)
+            else:
+                typer.echo(f"{flag}: {err['msg']}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _serve(role: str, recipe: Any, options: Any) -> Coroutine[Any, Any, None]:
     if role == "dataflow":
         from astraflow.dataflow.service import serve
-        main = serve(r, opts, run, wid, metrics_port)
-    elif role == "trainer":
+        return serve(recipe, options)
+    if role == "trainer":
         from astraflow.train.worker import serve as serve_trainer
-        main = serve_trainer(r, opts, run, wid, policy, checkpoint_dir, metrics_port, fresh_lineage)
-    elif role == "rollout":
+        return serve_trainer(recipe, options)
+    if role == "rollout":
         from astraflow.rollout.node import serve as serve_rollout
-        if weights_domain:
-            r = r.model_copy(update={"rollout": r.rollout.model_copy(update={"weights_domain": weights_domain})})
-        main = serve_rollout(r, opts, run, wid, pool, region, hardware, metrics_port)
-    elif role == "evaluator":
-        from astraflow.rollout.evaluator import serve as serve_eval
-        main = serve_eval(r, opts, run, wid, metrics_port)
-    else:
-        typer.echo(f"unknown role {role!r}: dataflow | rollout | trainer | evaluator", err=True)
-        raise typer.Exit(2)
-    tune_gc()
-    asyncio.run(main)
+        return serve_rollout(recipe, options)
+    from astraflow.rollout.evaluator import serve as serve_eval
+    return serve_eval(recipe, options)
 
 
 @app.command()

@@ -1,10 +1,14 @@
 """What every role process does around its own work, written once (``Role``).
 
-    async with Role("dataflow", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port) as role:
+    async with Role("dataflow", options, recipe.plane.server_gone_timeout) as role:
         role.every(HEARTBEAT_PERIOD_S, beat)          # heartbeats and other chores, until the role stops
         while not role.stop.is_set():
             ...                                         # the role's own loop, on role.plane
         await role.leave()                              # optional: chores stopped, the plane still open for a last flush
+
+``options`` is where the role joins and who it is (:class:`RoleOptions`); the trainer and the rollout node take a
+model of their own beside it (:class:`TrainerOptions`, :class:`NodeOptions`), which ``astraflow worker`` builds from its
+flags and which refuses a flag of another role by name.
 
 On entry: the Prometheus endpoint (when ``metrics_port`` is given), the connection with the role's credential, the stop
 signals (``runtime.stop_event``: SIGTERM drains, SIGHUP from a dead launcher leaves now) and the server watchdog (leave
@@ -17,21 +21,62 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from types import TracebackType
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.runtime import Stop, every, stop_event, watch_server
 from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.subjects import check_token
 
 log = logging.getLogger(__name__)
 
 
+class RoleOptions(BaseModel):
+    """Where a role joins and who it is: every role's (the dataflow and the evaluator need nothing more)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    nats: NatsOptions
+    run: str
+    worker_id: str
+    metrics_port: int | None = Field(None, ge=0, le=65535)  # serve Prometheus metrics here (0: a free port, logged)
+
+    @field_validator("run", "worker_id")
+    @classmethod
+    def _token(cls, value: str, info: ValidationInfo) -> str:
+        return check_token(str(info.field_name).replace("_", " "), value)  # both name NATS subjects
+
+
+class NodeOptions(RoleOptions):
+    """A rollout node's: which pool it pulls from, how it labels itself, where it reads weights."""
+
+    pool: str | None = None  # default: rollout.pool
+    region: str | None = None  # default: rollout.region
+    hardware: str | None = None  # default: rollout.hardware, else cuda/cpu as detected
+    weights_domain: str | None = None  # read weights from the mirrors in this JetStream domain (a region's leaf)
+
+
+class TrainerOptions(RoleOptions):
+    """A trainer's: which policy, where its checkpoints are, and whether it starts a new lineage."""
+
+    policy: str | None = None  # default: the recipe's first
+    checkpoint_dir: Path | None = None  # a restart resumes from it (default: none, start at v0)
+    fresh_lineage: bool = False  # start over from the initial weights, announced after the plane's newest version
+
+
+OPTIONS: dict[str, type[RoleOptions]] = {"dataflow": RoleOptions, "evaluator": RoleOptions, "rollout": NodeOptions,
+                                         "trainer": TrainerOptions}
+
+
 class Role:
-    def __init__(self, kind: str, nats: NatsOptions, run: str, worker_id: str, server_gone_timeout: float,
-                 metrics_port: int | None = None, policy: str = "") -> None:
-        self.kind, self.nats, self.run, self.worker_id = kind, nats, run, worker_id
+    def __init__(self, kind: str, options: RoleOptions, server_gone_timeout: float, policy: str = "",
+                 metrics: bool = True) -> None:
+        """``metrics``: False for a passing role (a trainer's warm start) that must not take the metrics port."""
+        self.kind, self.nats, self.run, self.worker_id = kind, options.nats, options.run, options.worker_id
         self.server_gone_timeout = server_gone_timeout
-        self.metrics_port = metrics_port
+        self.metrics_port = options.metrics_port if metrics else None
         self.policy = policy
         self.metrics: Metrics | None = None  # exported when a metrics port was given
         self._plane: Plane | None = None

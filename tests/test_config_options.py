@@ -168,3 +168,22 @@ def test_arithmetic_operands_span_min_to_max_operand_and_a_reversed_range_fails_
     assert (len(train), len(held_out), min(operands), max(operands)) == (7900, 200, 10, 99)
     assert not {p.prompt_id for p in train} & {p.prompt_id for p in held_out}
     fails({"data": {"min_operand": 20, "max_operand": 19}}, "data: Value error, data.min_operand (20) must not exceed")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["rollout", "--policy", "solver"], "--policy is an option of the trainer role, not of rollout"),
+    (["dataflow", "--pool", "gpu"], "--pool is an option of the rollout role, not of dataflow"),
+    (["trainer", "--metrics-port", "70000"], "--metrics-port: Input should be less than or equal to 65535"),
+    (["rollout", "--id", "a.b"], "worker id 'a.b' must match"),
+    (["learner"], "unknown role 'learner': dataflow | rollout | trainer | evaluator"),
+])
+def test_a_worker_takes_its_own_roles_options_and_names_the_one_it_refuses(args: list[str], said: str):
+    """``astraflow worker ROLE``: the flags build that role's option model (``astraflow.role``); another role's flag,
+    a bad value or an unknown role fails at once, before any connection, with the flag named."""
+    from typer.testing import CliRunner
+
+    from astraflow.cli import app
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "arithmetic"
+    out = CliRunner().invoke(app, ["worker", *args, "--recipe", str(recipe), "--nats", "nats://127.0.0.1:1", "--run", "r"])
+    assert out.exit_code == 2 and said in out.output, out.output

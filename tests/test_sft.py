@@ -80,11 +80,13 @@ def test_a_shared_base_is_warm_started_once_and_every_policy_loads_it(tmp_path):
 
 
 async def test_a_trainer_on_a_shared_base_does_not_warm_start_alone():
+    from astraflow.role import TrainerOptions
     from astraflow.streams.plane import NatsOptions
     from astraflow.train.worker import serve
 
     with pytest.raises(ValueError, match="astraflow warm-start"):
-        await serve(shared_recipe(), NatsOptions(url="nats://127.0.0.1:1"), "r", policy="verifier")
+        await serve(shared_recipe(), TrainerOptions(nats=NatsOptions(url="nats://127.0.0.1:1"), run="r", worker_id="trainer-v",
+                                                    policy="verifier"))
 
 
 def test_up_warm_starts_a_shared_base_once_and_a_resumed_run_keeps_it(tmp_path):

@@ -54,7 +54,7 @@ from astraflow.dataflow.serving import BatchServer, Planned
 from astraflow.dataflow.validate import Limits
 from astraflow.dataflow.watch import BatchFailed, SampleUndecodable, TaskFailed, Trained, Watch
 from astraflow.metrics import Metrics, serving
-from astraflow.role import Role
+from astraflow.role import Role, RoleOptions
 from astraflow.runtime import crash_point
 from astraflow.streams.dataflow_state import Accounting, DataflowState
 from astraflow.streams.fates import DROPPED_STALE, FAILED_LOST, FAILED_TRAIN, TRAINED, Fate, Outcome
@@ -67,7 +67,7 @@ from astraflow.streams.messages import (
     Trajectory,
     TrajectoryGroup,
 )
-from astraflow.streams.plane import Consumer, NatsOptions, Plane
+from astraflow.streams.plane import Consumer, Plane
 from astraflow.streams.state import AdmitRecord
 from astraflow.streams.task_queue import TaskQueue, Ticket
 from astraflow.streams.trajectories import resolve_all
@@ -289,8 +289,8 @@ class Dataflow:
                                         metrics=serving()))
 
 
-async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "dataflow", metrics_port: int | None = None) -> None:
-    async with Role("dataflow", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port) as role:
+async def serve(recipe: Recipe, options: RoleOptions) -> None:
+    async with Role("dataflow", options, recipe.plane.server_gone_timeout) as role:
         plane = role.plane
         await plane.ensure_topology(recipe.topology())
         df = Dataflow(recipe, plane, role.metrics)
@@ -300,7 +300,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "d
         ack_wait = (await trajectories.settings()).ack_wait
         role.every(HEARTBEAT_PERIOD_S, df.beat)
         role.every(ack_wait / 3, df.journal.keep_alive)
-        log.info("dataflow up for run %s (%s), policies %s", run, recipe.dataflow.mode, list(df.lanes))
+        log.info("dataflow up for run %s (%s), policies %s", options.run, recipe.dataflow.mode, list(df.lanes))
         try:
             while not role.stop.is_set():
                 await df.step(trajectories)

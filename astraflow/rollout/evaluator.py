@@ -39,7 +39,7 @@ import torch
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving
 from astraflow.models import encode_prompt, load_tokenizer
-from astraflow.role import Role
+from astraflow.role import Role, RoleOptions
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams
 from astraflow.rollout.node import make_handle
 from astraflow.rollout.rewards import get_reward
@@ -48,7 +48,7 @@ from astraflow.rollout.task_checks import TaskRules, check_content, check_prompt
 from astraflow.rollout.workflows.base import TEAM
 from astraflow.rollout.workflows.registry import evaluation_of, get_workflow, workflow_class
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, EvaluatorStats, Heartbeat
-from astraflow.streams.plane import NatsOptions, Plane
+from astraflow.streams.plane import Plane
 from astraflow.streams.retry import UNANSWERED
 from astraflow.streams.state import EvalRecord, StateSchemaError, VersionRecord
 from astraflow.tasks import Problem, load_split
@@ -186,12 +186,11 @@ def evaluate_team(recipe: Recipe, handles: dict[str, Any], problems: list[Any]) 
     return workflow.evaluate(problems, handles, recipe.eval.k, recipe.eval.temperature)  # type: ignore[attr-defined]
 
 
-async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "evaluator",
-                metrics_port: int | None = None) -> None:
+async def serve(recipe: Recipe, options: RoleOptions) -> None:
     torch.set_num_threads(recipe.rollout.threads)
     policy = recipe.eval_policy
     team = evaluation_of(recipe.workflow, recipe.workflow_options) == "team"
-    async with Role("evaluator", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port, policy=policy) as role:
+    async with Role("evaluator", options, recipe.plane.server_gone_timeout, policy=policy) as role:
         plane = role.plane
         await plane.ensure_topology(recipe.topology(), create=False)
         followed = recipe.policy_names if team else (policy,)  # a team is evaluated with every policy at the same version
@@ -205,7 +204,8 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "e
         async def beat() -> None:
             last = done[-1] if done else (-1, 0.0)
             stats = EvaluatorStats(evaluated=len(done), last_version=last[0], last_reward=last[1])
-            await plane.beat(Heartbeat(worker_id=worker_id, policy=policy, version=syncs[policy].version, stats=stats, metrics=serving()))
+            await plane.beat(Heartbeat(worker_id=options.worker_id, policy=policy, version=syncs[policy].version, stats=stats,
+                                       metrics=serving()))
 
         role.every(HEARTBEAT_PERIOD_S, beat)
         for v in eval_versions(recipe):

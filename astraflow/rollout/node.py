@@ -37,7 +37,7 @@ from typing import Any
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving
 from astraflow.models import load_tokenizer, model_limits
-from astraflow.role import Role
+from astraflow.role import NodeOptions, Role
 from astraflow.rollout.engines.base import RecordsRouting, SamplingParams, StaleWeights
 from astraflow.rollout.engines.registry import build_engine
 from astraflow.rollout.node_report import NODE_STATS, NodeReport
@@ -53,7 +53,7 @@ from astraflow.rollout.workflows.registry import check_policies, get_workflow
 from astraflow.runtime import Stop, every
 from astraflow.streams.codec import MessageTooLarge
 from astraflow.streams.messages import Heartbeat, Task, Trajectory
-from astraflow.streams.plane import Consumer, Delivery, NatsOptions, Plane
+from astraflow.streams.plane import Consumer, Delivery, Plane
 from astraflow.streams.task_queue import TaskQueue
 
 log = logging.getLogger(__name__)
@@ -313,14 +313,17 @@ def _detect_hardware() -> str:
         return "cpu"
 
 
-async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str, pool: str | None = None,
-                region: str | None = None, hardware: str | None = None, metrics_port: int | None = None) -> None:
+async def serve(recipe: Recipe, options: NodeOptions) -> None:
     import torch
 
+    if options.weights_domain:
+        recipe = recipe.model_copy(update={"rollout": recipe.rollout.model_copy(update={"weights_domain": options.weights_domain})})
     torch.set_num_threads(recipe.rollout.threads)
-    async with Role("rollout", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port) as role:
+    async with Role("rollout", options, recipe.plane.server_gone_timeout) as role:
+        nats = options.nats
         key = (nats.password or os.environ.get("NATS_PASSWORD")) if nats.user else None  # agents present the same secret
-        node = RolloutNode(recipe, role.plane, worker_id, pool, region, hardware, metrics=role.metrics, agent_key=key)
+        node = RolloutNode(recipe, role.plane, options.worker_id, options.pool, options.region, options.hardware,
+                           metrics=role.metrics, agent_key=key)
         for h in node.handles.values():
             role.on_exit(h.engine.close)
         if callable(close := getattr(node.workflow, "close", None)):  # a workflow that holds servers (the OpenAI facade)

@@ -15,9 +15,8 @@ import torch
 
 from astraflow.config import Recipe
 from astraflow.models import build_model, load_tokenizer
-from astraflow.role import Role
+from astraflow.role import Role, TrainerOptions
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, Heartbeat, TrainerStats
-from astraflow.streams.plane import NatsOptions
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.checkpoint import Checkpointer
@@ -36,8 +35,7 @@ def embedding_rows(model: torch.nn.Module) -> int:
     return int(embeddings.num_embeddings)
 
 
-async def warm_start(recipe: Recipe, policy: str, model: torch.nn.Module, tokenizer: Any, nats: NatsOptions, run: str,
-                     worker_id: str) -> bool:
+async def warm_start(recipe: Recipe, policy: str, model: torch.nn.Module, tokenizer: Any, options: TrainerOptions) -> bool:
     """The SFT warm start before v0 (``train/sft.py``); whether the trainer goes on (False: it was told to stop meanwhile).
     Rank 0 says how far it is in heartbeats (``TrainerStats.warm_start_done``), which the launcher's live view shows."""
     pcfg = recipe.policies[policy]
@@ -51,10 +49,10 @@ async def warm_start(recipe: Recipe, policy: str, model: torch.nn.Module, tokeni
         done = steps
 
     if os.environ.get("RANK", "0") == "0":  # the rank that will be on the plane (a data-parallel group's other ranks are silent)
-        async with Role("trainer", nats, run, worker_id, recipe.plane.server_gone_timeout) as role:
+        async with Role("trainer", options, recipe.plane.server_gone_timeout, metrics=False) as role:
             async def beat() -> None:
                 stats = TrainerStats(warm_start_steps=pcfg.sft.steps, warm_start_done=done)
-                await role.plane.beat(Heartbeat(worker_id=worker_id, policy=policy, stats=stats, state="starting"))
+                await role.plane.beat(Heartbeat(worker_id=options.worker_id, policy=policy, stats=stats, state="starting"))
 
             role.every(HEARTBEAT_PERIOD_S, beat)
             loss = await asyncio.to_thread(sft, model, tokenizer, train, pcfg.sft, pcfg.trainer.seed, progress)
@@ -66,9 +64,8 @@ async def warm_start(recipe: Recipe, policy: str, model: torch.nn.Module, tokeni
     return go_on
 
 
-async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "trainer", policy: str | None = None,
-                checkpoint_dir: str | Path | None = None, metrics_port: int | None = None, fresh_lineage: bool = False) -> None:
-    policy = policy or recipe.primary
+async def serve(recipe: Recipe, options: TrainerOptions) -> None:
+    policy, checkpoint_dir, fresh_lineage = options.policy or recipe.primary, options.checkpoint_dir, options.fresh_lineage
     if policy not in recipe.policies:
         raise ValueError(f"policy {policy!r} is not in the recipe ({list(recipe.policies)})")
     pcfg = recipe.policies[policy]
@@ -84,7 +81,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
     if cfg.lora is not None and cfg.lora.announce == "adapter":
         built = await asyncio.to_thread(lambda: state_digest(to_bf16_state(model.state_dict())))
     resuming = not fresh_lineage and checkpoint_dir is not None and any(Path(checkpoint_dir).glob("v*/meta.json"))
-    if pcfg.sft.steps and not resuming and not await warm_start(recipe, policy, model, tokenizer, nats, run, worker_id):
+    if pcfg.sft.steps and not resuming and not await warm_start(recipe, policy, model, tokenizer, options):
         return  # told to stop during the warm start
     torch.set_num_threads(threads_for(cfg.threads))
     if isinstance(cfg.cores, list) and pin(cfg.cores):  # after the warm start, which takes every core
@@ -100,7 +97,7 @@ async def serve(recipe: Recipe, nats: NatsOptions, run: str, worker_id: str = "t
         await asyncio.to_thread(run_op.follow)
         return
     try:
-        async with Role("trainer", nats, run, worker_id, recipe.plane.server_gone_timeout, metrics_port, policy=policy) as role:
+        async with Role("trainer", options, recipe.plane.server_gone_timeout, policy=policy) as role:
             await role.plane.ensure_topology(recipe.topology(), create=False)
             await TrainerLoop(recipe, policy, role, run_op, ckpt, embedding_rows(model), fresh_lineage, built).run()
     finally:
