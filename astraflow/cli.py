@@ -153,16 +153,16 @@ def _role_options(role: str, **given: Any):
     """The role's option model from the flags given; a flag of another role, or a bad value, fails with its name."""
     from pydantic import ValidationError
 
-    from astraflow.role import OPTIONS
+    from astraflow.role import options_for
 
     try:
-        return OPTIONS[role](**given)
+        return options_for(role)(**given)
     except ValidationError as e:
         for err in e.errors():
             field = str(err["loc"][0]) if err["loc"] else ""
             flag = "--" + field.replace("_", "-")
             if err["type"] == "extra_forbidden":
-                owners = [k for k, m in OPTIONS.items() if field in m.model_fields]
+                owners = [r for r in ROLES if field in options_for(r).model_fields]
                 typer.echo(f"{flag} is an option of the {' and '.join(owners)} role, not of {role}", err=True)
             else:
                 typer.echo(f"{flag}: {err['msg']}", err=True)

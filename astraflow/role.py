@@ -66,8 +66,10 @@ class TrainerOptions(RoleOptions):
     fresh_lineage: bool = False  # start over from the initial weights, announced after the plane's newest version
 
 
-OPTIONS: dict[str, type[RoleOptions]] = {"dataflow": RoleOptions, "evaluator": RoleOptions, "rollout": NodeOptions,
-                                         "trainer": TrainerOptions}
+def options_for(role: str) -> type[RoleOptions]:
+    """The option model of ``role`` (``dataflow``, ``rollout``, ``trainer``, ``evaluator``)."""
+    own: dict[str, type[RoleOptions]] = {"rollout": NodeOptions, "trainer": TrainerOptions}
+    return own.get(role, RoleOptions)
 
 
 class Role:

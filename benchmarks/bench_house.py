@@ -3,17 +3,22 @@ the plane's streams, consumers and sequences outside ``streams/``, protocol valu
 mechanisms.
 
     python benchmarks/bench_house.py [PACKAGE_DIR ...]     # default: this checkout's astraflow/
+    python benchmarks/bench_house.py --against COMMIT       # that commit's astraflow/ beside this checkout's
 
-Give several package directories (another checkout's ``astraflow/``) to compare them side by
-side. Counts are from the source (ast), not from imports.
+Give several package directories (another checkout's ``astraflow/``), or a commit of this repository, to compare
+them side by side. Counts are from the source (ast), not from imports.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import io
 import json
 import re
+import subprocess
+import tarfile
+import tempfile
 from pathlib import Path
 
 import result_files
@@ -21,8 +26,18 @@ from rich.console import Console
 from rich.table import Table
 
 NATS_HANDLES = {"nc", "js", "jsm", "raw", "_nc", "_js", "_jsm", "_raw"}
-# what a role names when it reasons in JetStream terms: streams, consumers, sequences, server-side lag
-PLANE_TERMS = re.compile(r"(_stream|_consumer|CONSUMER|^stream_last|^holds|^stream_seq|^seqs?|^consumer_settings|^lag)$")
+# what a role names when it reasons in JetStream terms: a stream, a consumer or a sequence by name, or the plane asked
+# by stream and sequence (the rule of tests/test_layering.py, plus sequence bookkeeping: ``seqs``)
+STREAM_NAMES = {"task_stream", "traj_stream", "batch_stream", "weights_stream", "dlq_stream", "object_stream", "pool_consumer",
+                "trainer_consumer", "DATAFLOW_CONSUMER", "stream_seq", "seqs"}
+PLANE_BY_STREAM = {"consumer", "trajectory_consumer", "lag", "consumer_settings", "stream_msgs", "last", "last_seq", "stream_last",
+                   "holds", "get", "delete", "get_many", "read_many", "read_stored", "held", "on_max_deliveries", "remake_consumer"}
+
+
+def names_the_plane(node: ast.Attribute) -> bool:
+    return node.attr in STREAM_NAMES or (node.attr in PLANE_BY_STREAM and ast.unparse(node.value).split(".")[-1] in ("plane", "_plane"))
+
+
 FATE_TEXT = re.compile(r"^(filtered|dropped|failed|invalid):[a-z_]*$")  # a fate written as a string literal ("failed:lost")
 OP_NAMES = {"step", "state", "retune", "save", "snapshot", "load", "load_weights", "stop"}  # trainer operations by name
 
@@ -112,7 +127,7 @@ def survey(pkg: Path) -> dict[str, object]:
                 nats_imports.append(rel)
             elif isinstance(node, ast.Attribute) and node.attr in NATS_HANDLES:
                 nats_handles.append(f"{rel}:{node.lineno}")
-            if isinstance(node, ast.Attribute) and PLANE_TERMS.search(node.attr):
+            if isinstance(node, ast.Attribute) and names_the_plane(node):
                 plane_terms.append(f"{rel}:{node.lineno}")
     biggest = max(classes)
     return {"package": str(pkg), "modules": len(modules), "lines": sum(lines.values()),
@@ -150,10 +165,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("packages", nargs="*", type=Path, help="package directories to compare (default: this checkout's astraflow/)")
     ap.add_argument("--labels", nargs="*", help="a column name per package (a commit, 'before'); default: the paths")
+    ap.add_argument("--against", metavar="COMMIT", help="a commit of this repository: its astraflow/ in the first column")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/house.json")
     args = ap.parse_args()
-    pkgs = args.packages or [Path(__file__).resolve().parent.parent / "astraflow"]
+    root = Path(__file__).resolve().parent.parent
+    pkgs = args.packages or [root / "astraflow"]
     labels = args.labels or [str(p) for p in pkgs]
+    scratch = tempfile.TemporaryDirectory()
+    if args.against:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", args.against], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        tree = subprocess.run(["git", "-C", str(root), "archive", sha, "astraflow"], capture_output=True, check=True).stdout
+        tarfile.open(fileobj=io.BytesIO(tree)).extractall(scratch.name, filter="data")
+        pkgs, labels = [Path(scratch.name) / "astraflow", *pkgs], [sha, *(["this checkout"] if not args.labels else labels)]
     if len(labels) != len(pkgs):
         ap.error(f"{len(labels)} labels for {len(pkgs)} packages")
     if missing := [str(p) for p in pkgs if not p.is_dir()]:
@@ -161,8 +185,8 @@ def main() -> None:
     rows = [survey(p) for p in pkgs]
     t = Table(title="the house")
     t.add_column("figure")
-    for r in rows:
-        t.add_column(str(r["package"]))
+    for label in labels:
+        t.add_column(label)
     for key in FIGURES:
         t.add_row(key.replace("_", " "), *(cell(r[key]) for r in rows))
     Console().print(t)

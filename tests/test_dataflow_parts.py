@@ -198,7 +198,7 @@ async def test_the_journal_writes_fates_then_the_state_then_acks():
     await journal.flush()  # nothing changed, nothing to ack: nothing written
     assert len(log) == 6
     await journal.keep_alive()
-    assert log[6:] == [("in_progress", 11)] and journal.holds("b") and not journal.holds("a")
+    assert log[6:] == [("in_progress", 11)] and journal.is_held("b") and not journal.is_held("a")
     journal.changed()
     await journal.flush()
     assert log[7:] == [("state", 2)]
@@ -249,7 +249,7 @@ async def test_ingest_admits_assembles_and_acks_copies_only_after_a_durable_writ
     await ingest.take(MemoryDelivery(traj("t1", 0, 0.0, policy="critic"), 1, log))
     first = MemoryDelivery(traj("t1", 0, 0.0), 2, log)
     await ingest.take(first)
-    assert journal.holds("t1.solver.0") and ingest.assembling
+    assert journal.is_held("t1.solver.0") and ingest.assembling
     again = MemoryDelivery(traj("t1", 0, 0.0), 3, log)  # redelivered while held: the newer delivery is the live one
     await ingest.take(again)
     assert journal.held["t1.solver.0"] is again and ingest.stats == {"invalid.policy": 1, "redelivered_held": 1}
@@ -311,7 +311,7 @@ async def test_offloaded_arrays_are_read_back_and_checked_like_any_others():
         in_flight.issue(task, None)
     pulled = Pulled(*(MemoryDelivery(t, seq, log) for seq, t in ((10, stub(big)), (20, stub(bad)), (30, gone))))
     assert await ingest.pull(pulled) == 3  # type: ignore[arg-type]
-    assert journal.holds("t1.solver.0") and ingest.assembling  # read back whole, checked, assembled
+    assert journal.is_held("t1.solver.0") and ingest.assembling  # read back whole, checked, assembled
     assert lane.ledger.fates == {"invalid:token": 1, "invalid:payload": 1}  # its values are checked; its arrays must be there
     await journal.flush()
     assert [e[:2] for e in log if e[0] == "reject"] == [("reject", 20), ("reject", 30)]
@@ -320,8 +320,8 @@ async def test_offloaded_arrays_are_read_back_and_checked_like_any_others():
     in_flight.issue("t4", None)
     pulled = Pulled(MemoryDelivery(stub(traj("t4", 0, 1.0)), 40, log), MemoryDelivery(traj("t4", 1, 0.0), 41, log))
     assert await ingest.pull(pulled) == 2  # type: ignore[arg-type]
-    assert log[-1] == ("nak", 40) and not journal.holds("t4.solver.0") and ingest.stats["payload_retries"] == 1
-    assert journal.holds("t4.solver.1")  # the rest of the pull goes on
+    assert log[-1] == ("nak", 40) and not journal.is_held("t4.solver.0") and ingest.stats["payload_retries"] == 1
+    assert journal.is_held("t4.solver.1")  # the rest of the pull goes on
 
 
 async def test_a_failed_task_releases_what_came_back_of_it():

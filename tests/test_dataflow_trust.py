@@ -426,7 +426,7 @@ async def test_a_replay_of_another_nodes_trajectory_is_refused_and_counted_again
     (d,) = await h.task_sub.pull(batch=1, timeout=0.5)
     first, second = (good(d.msg, "solver", i, 0) for i in range(2))
     await h.node.publish_many([(h.node.names.traj("solver", "honest"), first, None)])  # held: its group is not complete
-    await h.until(lambda: h.df.journal.holds(first.traj_id))
+    await h.until(lambda: h.df.journal.is_held(first.traj_id))
     await h.node.publish_many([(h.node.names.traj("solver", "copycat"), first, None)])  # the same sample, another sender
     await h.until(lambda: h.df.stats["invalid.replay"] == 1)
     assert h.df.reputation.failures("copycat") == 1 and h.df.reputation.failures("honest") == 0

@@ -90,7 +90,7 @@ class Journal:
         self.held[traj_id] = delivery
         return again
 
-    def holds(self, traj_id: str) -> bool:
+    def is_held(self, traj_id: str) -> bool:
         return traj_id in self.held
 
     def release(self, traj_ids: Iterable[str]) -> None:

@@ -189,7 +189,7 @@ class TrajectoryIngest:
             bad = check_versions(t, self.in_flight.floor(t.task_id, t.policy), lane.version, s)
             if bad is not None and bad.ahead and not confirmed:
                 return CONFIRM
-        held = self.journal.holds(t.traj_id)
+        held = self.journal.is_held(t.traj_id)
         if bad is not None:
             return Admission("invalid", bad.reason, bad.code, settles=not held and not lane.is_buffered(t.task_id))
         if held and (first := self.held_from(t.traj_id)) != node:  # a copy from another sender: a replay, not a redelivery
@@ -249,7 +249,7 @@ class TrajectoryIngest:
         sample's is, when this lane still waits on it and holds no copy of the sample. Otherwise nothing changes.
         Counted against ``node`` (None: no one; the service passes None for a dead letter older than its restored state)."""
         self.blame(node, task_id, Admission("reject", reason, "schema"))
-        if lane.is_closed(task_id) or not self.waits_on(lane, task_id) or self.journal.holds(traj_id) or lane.is_buffered(task_id):
+        if lane.is_closed(task_id) or not self.waits_on(lane, task_id) or self.journal.is_held(traj_id) or lane.is_buffered(task_id):
             return
         self.stats["invalid.schema"] += 1
         self.invalidate(lane, task_id, "schema", reason)

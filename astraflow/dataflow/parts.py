@@ -30,7 +30,7 @@ KEEP_ALIVE_EVERY_S = 1.0
 @dataclass
 class _Shared:
     delivery: Delivery[TrajectoryGroup]
-    seq: int  # the message's TRAJ stream sequence
+    position: int  # where the trajectory log keeps the message
     open: int  # parts not settled yet
     given_back: bool = False
     told_at: float = field(default=-1e9)  # when the server was last told the message is still being worked on
@@ -46,7 +46,7 @@ class Part:
 
     @property
     def position(self) -> int:
-        return self._shared.seq
+        return self._shared.position
 
     @property
     def subject(self) -> str:

@@ -298,6 +298,30 @@ class ServerKeeper:
                                                   "ts": time.time()})
 
 
+@dataclasses.dataclass
+class PlanePatience:
+    """The plane may hiccup (a cluster member lost, a leader elected) and the run goes on; silent for ``limit`` seconds
+    (``plane.server_gone_timeout``), the run is given up."""
+
+    limit: float
+    failing_since: float | None = None
+
+    async def poll(self, watcher: RunWatcher, view: View) -> bool:
+        """The watcher's turn; whether the run finished (False while the plane does not answer)."""
+        try:
+            await watcher.poll(0.5)
+            finished = await watcher.finished()
+        except Exception as e:  # nats-py raises its own timeouts and errors
+            self.failing_since = self.failing_since or time.monotonic()
+            if time.monotonic() - self.failing_since > self.limit:
+                raise RunFailed(f"the plane has not answered the launcher for {self.limit:.0f}s: {type(e).__name__}: {e}") from None
+            view.note(f"[yellow]plane: {type(e).__name__}: {e}; retrying[/]")
+            await asyncio.sleep(1.0)
+            return False
+        self.failing_since = None
+        return finished
+
+
 async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supervisor, specs: list[RoleSpec], timeout: float,
                     autoscale: bool, join: str, access: ServerAccess | None = None, servers: list[EmbeddedServer] | None = None) -> str:
     """Start the roles and watch the run until it finishes; returns how it ended. ``servers``: the embedded one (or a
@@ -318,7 +342,7 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
-    failing_since: float | None = None
+    patience = PlanePatience(recipe.plane.server_gone_timeout)
     keeper = ServerKeeper(servers or [], rundir)
     keeping: asyncio.Task[None] | None = None
     try:
@@ -328,18 +352,7 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
             keeping = asyncio.create_task(keeper.watch(view))
             while not stop.is_set():
                 keeper.check()
-                try:  # the plane may hiccup (a cluster node lost, a leader elected): the run goes on
-                    await watcher.poll(0.5)
-                    finished = await watcher.finished()
-                    failing_since = None
-                except Exception as e:  # nats-py raises its own timeouts and errors
-                    failing_since = failing_since or time.monotonic()
-                    if time.monotonic() - failing_since > recipe.plane.server_gone_timeout:
-                        raise RunFailed(f"the plane has not answered the launcher for {recipe.plane.server_gone_timeout:.0f}s: "
-                                        f"{type(e).__name__}: {e}") from None
-                    view.note(f"[yellow]plane: {type(e).__name__}: {e}; retrying[/]")
-                    await asyncio.sleep(1.0)
-                    finished = False
+                finished = await patience.poll(watcher, view)
                 act(view, sup, watcher, access, pool)
                 view.update(watcher.live, sup.restarts, watcher.run_time(), local_nodes=len(sup.live("rollout")))
                 if finished:
@@ -406,6 +419,31 @@ def external_plane(rundir: RunDir, url: str, credentials: Path | None) -> tuple[
     return creds, opts
 
 
+def clustered(recipe: Recipe, rundir: RunDir, nats_url: str | None, cluster: int, resume: bool) -> tuple[Recipe, int]:
+    """How many embedded servers the run has (a resumed run keeps its size), and the recipe with its streams replicated
+    on up to three of them."""
+    if cluster > 1 and nats_url is not None:
+        raise RunFailed(f"--cluster {cluster} starts embedded servers; --nats names servers of your own (drop one of them)")
+    kept = rundir.nats / "cluster" / "ports.json"
+    if resume and kept.exists():
+        cluster = len(json.loads(kept.read_text()))
+    if cluster > 1 and nats_url is None and recipe.plane.replicas == 1:
+        recipe = recipe.model_copy(update={"plane": recipe.plane.model_copy(update={"replicas": min(3, cluster)})})
+    return recipe, cluster
+
+
+def open_plane(rundir: RunDir, recipe: Recipe, nats_url: str | None, listen: str | None, shared: tuple[int, ...] | None,
+               cluster: int, credentials: Path | None
+               ) -> tuple[list[EmbeddedServer], ServerAccess | None, dict[str, Credential] | None, NatsOptions, str]:
+    """The run's plane: the embedded server(s) started (their access control, the role credentials, the admin's
+    options, the URL), or the server at ``nats_url`` with the credentials given for it."""
+    if nats_url is not None:
+        creds, opts = external_plane(rundir, nats_url, credentials)
+        return [], None, creds, opts, nats_url
+    servers, creds, access = start_server(rundir, recipe, listen, shared, cluster)
+    return servers, access, creds, NatsOptions.from_credential(str(rundir.credentials / "admin.json")), ",".join(s.url for s in servers)
+
+
 def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: float = 3600.0, autoscale: bool = False,
        resume: bool = False, metrics_port_base: int | None = None, listen: str | None = None,
        credentials: Path | None = None, cluster: int = 1) -> dict[str, Any]:
@@ -417,13 +455,7 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     many embedded servers on loopback forming one JetStream cluster, the run's streams replicated on
     (up to) three of them; a resumed run keeps the size it had."""
     rundir = RunDir(Path(run_dir))
-    if cluster > 1 and nats_url is not None:
-        raise RunFailed(f"--cluster {cluster} starts embedded servers; --nats names servers of your own (drop one of them)")
-    kept = rundir.nats / "cluster" / "ports.json"
-    if resume and kept.exists():
-        cluster = len(json.loads(kept.read_text()))
-    if cluster > 1 and nats_url is None and recipe.plane.replicas == 1:
-        recipe = recipe.model_copy(update={"plane": recipe.plane.model_copy(update={"replicas": min(3, cluster)})})
+    recipe, cluster = clustered(recipe, rundir, nats_url, cluster, resume)
     recipe = prepare(recipe, rundir, resume)  # a shared base's warm start, before the run's time and CPU count (its own record)
     cpu_at_start = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
     session = rundir.begin_session()
@@ -431,16 +463,7 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     shared = shared_cores(recipe, cores)
     if shared is not None:  # the launcher too, and what it starts unless told otherwise (until up returns)
         pin(shared)
-    servers: list[EmbeddedServer] = []
-    access = None
-    creds: dict[str, Credential] | None = None
-    if nats_url is None:
-        servers, creds, access = start_server(rundir, recipe, listen, shared, cluster)
-        url = ",".join(s.url for s in servers)
-        opts = NatsOptions.from_credential(str(rundir.credentials / "admin.json"))
-    else:
-        url = nats_url
-        creds, opts = external_plane(rundir, url, credentials)
+    servers, access, creds, opts, url = open_plane(rundir, recipe, nats_url, listen, shared, cluster, credentials)
     banner(recipe, rundir.run, session, url, bool(servers), shared)
 
     def record_restart(child: Child) -> None:

@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -128,25 +129,37 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
             spec = await publisher.adapt(base, lora_scale, built_digest, history)
             log.info("%s: versions are LoRA adapters over base %s (%s)", policy, spec.base_digest[:12],
                      "nodes build it" if spec.base is None else f"stored, {spec.base.size} B")
-    last = history[-1] if history else None
     found = None if fresh_lineage else (ckpt.latest() if ckpt else None)
     if found is None:
-        if last is not None and not fresh_lineage:
-            raise LineageError(f"{policy} is at v{last.version} on the plane (lineage {last.lineage or '-'}) and this trainer has no "
-                               "checkpoint of it: starting at v0 would announce those versions again with other weights. Pass "
-                               "the --checkpoint-dir it ran with to resume, or --fresh-lineage to start a new lineage after "
-                               f"v{last.version}")
-        base = 0 if last is None else last.version + 1 + skip
-        lineage = publisher.lineage = new_lineage()
-        if last is not None:
-            log.warning("%s: a fresh lineage %s at v%d, after v%d of lineage %s", policy, lineage, base, last.version, last.lineage or "-")
-        if ckpt is not None:
-            run_op.save(CheckpointMeta(version=base, policy=policy, trained=[], lineage=lineage, lineage_base=base))
-        await adapt()
-        await publisher.publish(run_op.state(), base, force_keyframe=True)
-        return Start(base, [], lineage, base)
+        return await _first(publisher, run_op, ckpt, policy, history[-1] if history else None, fresh_lineage, skip, adapt)
+    return await _resume(plane, publisher, run_op, policy, found, history, adapt)
 
+
+async def _first(publisher: WeightPublisher, run_op: Collective, ckpt: Checkpointer | None, policy: str, last: WeightVersion | None,
+                 fresh_lineage: bool, skip: int, adapt: Callable[[], Awaitable[None]]) -> Start:
+    """No checkpoint to resume from: v0 of the run, or (``fresh_lineage``) a new lineage after the plane's newest."""
+    if last is not None and not fresh_lineage:
+        raise LineageError(f"{policy} is at v{last.version} on the plane (lineage {last.lineage or '-'}) and this trainer has no "
+                           "checkpoint of it: starting at v0 would announce those versions again with other weights. Pass "
+                           "the --checkpoint-dir it ran with to resume, or --fresh-lineage to start a new lineage after "
+                           f"v{last.version}")
+    base = 0 if last is None else last.version + 1 + skip
+    lineage = publisher.lineage = new_lineage()
+    if last is not None:
+        log.warning("%s: a fresh lineage %s at v%d, after v%d of lineage %s", policy, lineage, base, last.version, last.lineage or "-")
+    if ckpt is not None:
+        run_op.save(CheckpointMeta(version=base, policy=policy, trained=[], lineage=lineage, lineage_base=base))
+    await adapt()
+    await publisher.publish(run_op.state(), base, force_keyframe=True)
+    return Start(base, [], lineage, base)
+
+
+async def _resume(plane: Plane, publisher: WeightPublisher, run_op: Collective, policy: str, found: tuple[Path, CheckpointMeta],
+                  history: list[WeightVersion], adapt: Callable[[], Awaitable[None]]) -> Start:
+    """From the checkpoint ``found``: announced again if the plane never got it, adopted if it is the plane's newest, or
+    caught up to the newest (:func:`_catch_up`)."""
     path, meta = found
+    last = history[-1] if history else None
     lineage = publisher.lineage = meta.lineage or (last.lineage if last is not None else "")
     if last is not None and meta.lineage and last.lineage and last.lineage != meta.lineage:
         raise LineageError(f"{policy}: the checkpoint is v{meta.version} of lineage {meta.lineage}, the plane's newest is "
@@ -166,7 +179,13 @@ async def start(plane: Plane, publisher: WeightPublisher, run_op: Collective, ck
     if last.version == meta.version:
         adopt(publisher, run_op.state(), last)
         return at
-    # announced past the checkpoint: retrain those versions' batches, checking every digest
+    return await _catch_up(plane, publisher, run_op, policy, meta, history, last, lineage)
+
+
+async def _catch_up(plane: Plane, publisher: WeightPublisher, run_op: Collective, policy: str, meta: CheckpointMeta,
+                    history: list[WeightVersion], last: WeightVersion, lineage: str) -> Start:
+    """Announced past the checkpoint: retrain those versions' batches, checking every digest; where one differs, the
+    announced bf16 weights of the newest version go onto the optimizer state reached."""
     announced = [a for a in history if a.version > meta.version and a.lineage == last.lineage]
     done = await replay(plane, run_op, policy, meta.version, announced)
     if done.problem is None:

@@ -59,6 +59,7 @@ from astraflow.streams.messages import AdapterSpec
 
 EXTENSION = "astraflow.rollout.engines.vllm.WeightLoaderExtension"
 SERVED_NAME = "policy"
+TOKEN_ID = "token_id:"  # vLLM's spelling of a token under return_tokens_as_token_ids: "token_id:N"
 
 
 class WeightLoaderExtension:
@@ -96,9 +97,10 @@ def parse_choice(choice: Mapping[str, Any], version: int) -> Completion:
         raise EngineHTTPError("/v1/completions", 200, "choice has no logprobs.tokens / token_logprobs")
     ids = []
     for t in tokens:
-        if not str(t).startswith("token_id:"):
-            raise EngineHTTPError("/v1/completions", 200, f"token {t!r} is not 'token_id:N' (return_tokens_as_token_ids ignored?)")
-        ids.append(int(str(t).split(":", 1)[1]))
+        number = str(t).removeprefix(TOKEN_ID)
+        if number == str(t) or not number.isdigit():
+            raise EngineHTTPError("/v1/completions", 200, f"token {t!r} is not '{TOKEN_ID}N' (return_tokens_as_token_ids ignored?)")
+        ids.append(int(number))
     reason = choice.get("finish_reason")
     if reason == "abort":
         raise RuntimeError("vllm aborted the request")
