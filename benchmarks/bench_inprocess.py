@@ -213,9 +213,9 @@ def figures(curves: list[Curve], seconds: float) -> list[dict[str, Any]]:
     return out
 
 
-def table(results: list[dict[str, Any]], seconds: float, n_eval: int) -> Table:
+def table(results: list[dict[str, Any]], seconds: float, n_eval: int, sides: str = "in-process loop vs astraflow up") -> Table:
     v0 = results[0]["held_out_v0"]
-    t = Table(title=f"in-process loop vs astraflow up · {seconds:.0f} s of RL each, same checkpoint · held-out: mean of the last "
+    t = Table(title=f"{sides} · {seconds:.0f} s of RL each, same checkpoint · held-out: mean of the last "
                     f"{LAST_EVALS} evaluations of {n_eval} prompts (s.e. of one at {v0:.2f}: {binomial_se(v0, n_eval):.3f})")
     for c in ("side", "samples/s generated", "samples/s trained", "s/step", "held-out v0", f"at {seconds / 2:.0f} s",
               f"at {seconds:.0f} s", f"mean, {seconds / 2:.0f}-{seconds:.0f} s", f"at {results[0]['equal_samples']} samples"):
