@@ -139,11 +139,13 @@ async def watch_up(proc: subprocess.Popen[bytes], run_dir: Path, seconds: float,
             "busy": {k: round(v, 3) for k, v in sorted(busy_shares(first, last).items())}}
 
 
-def run_up(checkpoint: Path, seconds: float, nodes: int, eval_every: int, steps: int, workdir: Path, tick: Any) -> Curve:
-    """``astraflow up`` from ``checkpoint`` with ``nodes`` rollout nodes, stopped ``seconds`` after version 0."""
+def run_up(checkpoint: Path, seconds: float, nodes: int, eval_every: int, steps: int, workdir: Path, tick: Any,
+           extra: tuple[str, ...] = ()) -> Curve:
+    """``astraflow up`` from ``checkpoint`` with ``nodes`` rollout nodes, stopped ``seconds`` after version 0; ``extra``:
+    more recipe overrides (``rollout.threads=2``)."""
     run_dir = workdir / f"up-{nodes}n"
     sets = [f"model.pretrained={checkpoint}", "sft.steps=0", f"trainer.steps={steps}", f"rollout.nodes={nodes}",
-            f"eval.every={eval_every}"]
+            f"eval.every={eval_every}", *extra]
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(RECIPE), "--run-dir", str(run_dir), *(a for s in sets for a in ("--set", s))]
     with open(workdir / f"up-{nodes}n.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -67,7 +67,8 @@ def run_trl(venv: Path, checkpoint: Path, seconds: float, eval_every: int, workd
     return curve
 
 
-def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figure: Path) -> dict[str, Any]:
+def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figure: Path, up_sets: tuple[str, ...] = (),
+         sides: tuple[str, ...] = ("trl", "up")) -> dict[str, Any]:
     recipe = load_recipe(RECIPE)
     eval_every = recipe.eval.every
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,24 +82,31 @@ def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figu
                           f"last loss {loss:.3f}; checkpoint {checkpoint}")
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
                       TimeElapsedColumn(), console=console) as progress:
-            bar = progress.add_task("TRL GRPOTrainer", total=seconds)
-            curves = [run_trl(venv, checkpoint, seconds, eval_every, workdir, lambda s: progress.update(bar, completed=s))]
-            curves[0].notes["load_1min"] = os.getloadavg()[0]
-            steps = 2 * curves[0].notes["versions"] + eval_every  # up's trainer stops at trainer.steps: room to train through
-            bar = progress.add_task("astraflow up, 1 node", total=seconds)
-            curves.append(run_up(checkpoint, seconds, 1, eval_every, int(steps), workdir, lambda s: progress.update(bar, completed=s)))
-            curves[-1].notes["load_1min"] = os.getloadavg()[0]
-            curves[-1].notes["cores_busy"] = sum(v for k, v in curves[-1].notes.items() if k.startswith("cpu."))
+            curves: list[Curve] = []
+            if "trl" in sides:
+                bar = progress.add_task("TRL GRPOTrainer", total=seconds)
+                curves.append(run_trl(venv, checkpoint, seconds, eval_every, workdir, lambda s: progress.update(bar, completed=s)))
+                curves[-1].notes["load_1min"] = os.getloadavg()[0]
+            if "up" in sides:
+                steps = 2 * curves[0].notes["versions"] + eval_every if curves else 8 * seconds  # room to train through the window
+                bar = progress.add_task("astraflow up, 1 node", total=seconds)
+                curves.append(run_up(checkpoint, seconds, 1, eval_every, int(steps), workdir,
+                                     lambda s: progress.update(bar, completed=s), up_sets))
+                curves[-1].notes["load_1min"] = os.getloadavg()[0]
+                curves[-1].notes["cores_busy"] = sum(v for k, v in curves[-1].notes.items() if k.startswith("cpu."))
     results = figures(curves, seconds)
     console.print(table(results, seconds, recipe.data.n_eval, "TRL GRPOTrainer vs astraflow up"))
+    if len(results) < 2:  # one side alone: a probe (``--sides up --up-set ...``), nothing recorded
+        return {"seconds": seconds, "results": results}
     trl, up = results
     ratio = up["trained_per_s"] / trl["trained_per_s"]
     console.print(f"up trains {ratio:.2f}x TRL's samples/s; cores busy: TRL {trl['cores_busy']:.2f}, up {up['cores_busy']:.2f} "
                   "(" + ", ".join(f"{k[4:]} {v:.2f}" for k, v in up.items() if k.startswith("cpu.")) + ")")
     plot(curves, figure, f"{recipe.name}: TRL GRPOTrainer against astraflow up, {seconds:.0f} s of RL from one SFT checkpoint")
     console.print(f"plot: {figure}")
-    out = {"seconds": seconds, "checkpoint_reused": reuse is not None, "load_average": os.getloadavg(), "up_over_trl": round(ratio, 3),
-           "results": results}
+    out = {"seconds": seconds, "checkpoint_reused": reuse is not None, "load_average": os.getloadavg(), "up_sets": list(up_sets),
+           "up_over_trl": round(ratio, 3),
+           "figure": figure.relative_to(ROOT).as_posix() if figure.is_relative_to(ROOT) else str(figure), "results": results}
     result_files.write("trl", out)
     return out
 
@@ -111,5 +119,8 @@ if __name__ == "__main__":
     ap.add_argument("--keep", type=Path, default=None, help="keep the checkpoint, run directory and logs in this folder")
     ap.add_argument("--venv", type=Path, default=ROOT / ".venv-trl", help="TRL's environment (benchmarks/trl_env.sh)")
     ap.add_argument("--figure", type=Path, default=FIGURE)
+    ap.add_argument("--up-set", action="append", default=[], help="a recipe override for up's side (repeatable)")
+    ap.add_argument("--sides", default="trl,up", help="which sides to run; one alone is a probe and records nothing")
     args = ap.parse_args()
-    print(json.dumps(main(args.seconds, args.keep, args.checkpoint, args.venv, args.figure)))
+    print(json.dumps(main(args.seconds, args.keep, args.checkpoint, args.venv, args.figure, tuple(args.up_set),
+                          tuple(args.sides.split(",")))))

@@ -339,10 +339,28 @@ def pool_model(r: dict[str, Any]) -> str:
             f"![the pool model against the measured points, and staleness at scale]({r['figure']})\n")
 
 
+def trl(r: dict[str, Any]) -> str:
+    def f(v: float | None) -> str:
+        return "–" if v is None else f"{v:.3f}"
+
+    t = r["seconds"]
+    rows = ["| side | samples/s trained | s/step | held-out v0 | at {:.0f} s | at {:.0f} s | mean, {:.0f}–{:.0f} s | at {:,} samples "
+            "| cores busy |".format(t / 2, t, t / 2, t, r["results"][0]["equal_samples"]), "|---|---|---|---|---|---|---|---|---|"]
+    for x in r["results"]:
+        rows.append(f"| {x['side']} | {x['trained_per_s']:.0f} | {x['s_per_step']:.3f} | {f(x['held_out_v0'])} | "
+                    f"{f(x['held_out_at_half'])} | {f(x['held_out_at_end'])} | {f(x['held_out_second_half'])} | "
+                    f"{f(x['held_out_at_equal_samples'])} | {x['cores_busy']:.2f} |")
+    up = r["results"][-1]
+    roles = ", ".join(f"{k[4:]} {v:.2f}" for k, v in up.items() if k.startswith("cpu."))
+    return (provenance(r) + "\n".join(rows) + f"\n\n`up` trains **{r['up_over_trl']:.2f}×** TRL's samples/s. Cores busy over the RL "
+            f"window, by process: TRL's one process {r['results'][0]['cores_busy']:.2f}; `up` {roles}.\n\n"
+            f"![held-out against wall time and samples, TRL against up]({r['figure']})\n")
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "facade": facade, "fanout": fanout, "moe": moe, "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
-    "shared_base": shared_base, "lora_team": lora_team, "pool_model": pool_model, "pool_scale": pool_scale,
+    "shared_base": shared_base, "lora_team": lora_team, "pool_model": pool_model, "pool_scale": pool_scale, "trl": trl,
 }
 
 

@@ -147,7 +147,7 @@ class TaskIssuer:
 
     def item(self, task: Task) -> tuple[str, Message, str | None]:
         """What to publish for ``task``: its subject, the task, its ``Nats-Msg-Id``."""
-        return self.plane.names.task(task.workflow), task, task.task_id
+        return self.tasks.item(task)
 
     def published(self) -> None:
         """The tasks being issued are on the plane."""

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from astraflow.streams.consuming import Consumer, Lag, Subscription
-from astraflow.streams.messages import Task
+from astraflow.streams.messages import Message, Task
 
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
@@ -28,9 +28,14 @@ class TaskQueue:
         self.plane, self.pool = plane, plane.names.pool_consumer(pool)
         self._stream = plane.names.task_stream
 
+    def item(self, task: Task) -> tuple[str, Message, str]:
+        """What issuing ``task`` publishes: its subject, the task, its message id (a copy issued again is dropped by the
+        server); for a caller that pipelines it with other publications (``Plane.publish_many``: the tickets)."""
+        return self.plane.names.task(task.workflow), task, task.task_id
+
     async def issue(self, tasks: Sequence[Task]) -> list[Ticket]:
-        """Publish ``tasks`` (each under its id: a copy of one issued before is dropped by the server); their tickets."""
-        return await self.plane.publish_many([(self.plane.names.task(t.workflow), t, t.task_id) for t in tasks])
+        """Publish ``tasks``; their tickets."""
+        return await self.plane.publish_many([self.item(t) for t in tasks])
 
     def pull(self) -> Consumer[Task]:
         """The pool's pull: what a node takes tasks from (ack, nak, in-progress on each delivery)."""
