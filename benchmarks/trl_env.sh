@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv-trl}
 python3 -m venv "$venv"
-"$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "trl==1.16.0" -e .
+"$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" -e ".[trl]"
 "$venv/bin/python" -c "import trl, torch, transformers; print('trl', trl.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'ready in $venv')"

@@ -22,9 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset
 from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
 
 from astraflow.config import load_recipe
 from astraflow.models import build_model, load_tokenizer, model_limits
@@ -82,6 +80,9 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=None, help="default: the recipe's eval.every")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    from datasets import Dataset  # TRL's environment only (the trl extra, benchmarks/trl_env.sh)
+    from trl import GRPOConfig, GRPOTrainer
+
     recipe = load_recipe(args.recipe, [f"model.pretrained={args.checkpoint}", "sft.steps=0"])
     policy = recipe.primary
     pcfg, rollout, flow, tcfg = recipe.policies[policy], recipe.rollout, recipe.dataflow, recipe.policies[policy].trainer

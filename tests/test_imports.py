@@ -18,8 +18,9 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("astraflow", "benchmarks", "examples")
-# imported only where the user asked for that engine; each must be the name of a declared extra of pyproject.toml
-OPTIONAL = {"vllm": "vllm", "sglang": "sglang"}
+# imported only where the user asked for that engine (or runs that peer); each must be the name of a declared extra of
+# pyproject.toml
+OPTIONAL = {"vllm": "vllm", "sglang": "sglang", "trl": "trl", "datasets": "trl"}
 
 
 def python_files() -> list[Path]:
