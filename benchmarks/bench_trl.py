@@ -88,7 +88,7 @@ def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figu
                 curves.append(run_trl(venv, checkpoint, seconds, eval_every, workdir, lambda s: progress.update(bar, completed=s)))
                 curves[-1].notes["load_1min"] = os.getloadavg()[0]
             if "up" in sides:
-                steps = 2 * curves[0].notes["versions"] + eval_every if curves else 8 * seconds  # room to train through the window
+                steps = 2 * curves[0].notes["versions"] + eval_every if curves else 30 * seconds  # room to train through the window
                 bar = progress.add_task("astraflow up, 1 node", total=seconds)
                 curves.append(run_up(checkpoint, seconds, 1, eval_every, int(steps), workdir,
                                      lambda s: progress.update(bar, completed=s), up_sets))
