@@ -4,9 +4,10 @@ own environment (``benchmarks/trl_env.sh``), never imported by the project.
 The same task, split, checkpoint, batch shape (``groups_per_batch`` prompts x ``group_size`` samples a step), sampling
 (temperature, top-p 1, top-k 0, ``max_new_tokens``), learning rate, gradient clipping and weight decay as the recipe;
 TRL's own defaults for the rest (its ``dapo`` loss aggregation, clip 0.2, rewards scaled per group, no KL, torch on
-every core). Prompts are encoded as a rollout node encodes them (no end-of-sequence id), completions decoded and scored
-by the recipe's verifier. Held-out accuracy is the project's own evaluator (``evaluate_with_workflow``: greedy, the same
-held-out prompts), taken on a stopped clock every ``--eval-every`` steps, at the start and at the end.
+every core). Prompts are encoded as a rollout node encodes them (no end-of-sequence id: ``as_a_node_encodes``, checked
+before training), completions decoded and scored by the recipe's verifier. Held-out accuracy is the project's own
+evaluator (``evaluate_with_workflow``: greedy, the same held-out prompts), taken on a stopped clock every
+``--eval-every`` steps, at the start and at the end.
 
     .venv-trl/bin/python benchmarks/trl_peer.py --recipe R --checkpoint DIR --seconds 600 --out trl.json
 """
@@ -25,7 +26,7 @@ import torch
 from transformers import TrainerCallback
 
 from astraflow.config import load_recipe
-from astraflow.models import build_model, load_tokenizer, model_limits
+from astraflow.models import build_model, encode_prompt, load_tokenizer, model_limits
 from astraflow.rollout.engines.base import SamplingParams
 from astraflow.rollout.engines.hf import HFEngine
 from astraflow.rollout.evaluator import evaluate_with_workflow, scorable
@@ -72,6 +73,19 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def as_a_node_encodes(tokenizer: Any) -> Any:
+    """``tokenizer`` as TRL calls it on prompts (``processing_class(text=prompts)``, special tokens on) encoding them as a
+    rollout node does (``astraflow.models.encode_prompt``): without the end-of-sequence id ByT5 appends to every encoding.
+    Left in, every prompt TRL trains on would end in ``</s>``, a context the evaluator never shows the model."""
+
+    class NoEndOfSequence(type(tokenizer)):  # type: ignore[misc]
+        def build_inputs_with_special_tokens(self, ids: list[int], pair: list[int] | None = None) -> list[int]:
+            return ids + (pair or [])
+
+    tokenizer.__class__ = NoEndOfSequence
+    return tokenizer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", type=Path, required=True)
@@ -89,10 +103,14 @@ def main() -> None:
     torch.manual_seed(tcfg.seed)
     tokenizer = load_tokenizer(pcfg.model.tokenizer)
     model = build_model(pcfg.model, tokenizer)
+    tokenizer = as_a_node_encodes(tokenizer)
     reward = get_reward(recipe.reward)
     train, held_out = load_split(recipe.data)
     held_out = scorable(recipe, held_out)
     data = Dataset.from_list([{"prompt": p.prompt, "meta": json.dumps(p.meta)} for p in train])
+    for p in train[:100]:  # what TRL will feed the model is what a node feeds it
+        if tokenizer(text=[p.prompt])["input_ids"][0] != encode_prompt(tokenizer, p.prompt):
+            raise SystemExit(f"TRL would encode {p.prompt!r} otherwise than a rollout node does")
 
     def verifier(prompts: list[str], completions: list[str], meta: list[str], **_: Any) -> list[float]:
         return [float(reward(c, json.loads(m))) for c, m in zip(completions, meta, strict=True)]
