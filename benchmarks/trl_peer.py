@@ -130,8 +130,7 @@ def main() -> None:
                             generation_batch_size=per_step, max_completion_length=rollout.max_new_tokens,
                             temperature=rollout.temperature, top_p=rollout.top_p, top_k=0, learning_rate=tcfg.lr,
                             lr_scheduler_type="constant", weight_decay=tcfg.weight_decay, max_grad_norm=tcfg.max_grad_norm,
-                            max_steps=10**7, save_strategy="no", report_to=[], logging_steps=10**7, use_cpu=True,
-                            seed=tcfg.seed, disable_tqdm=True)
+                            max_steps=10**7, save_strategy="no", report_to=[], use_cpu=True, seed=tcfg.seed, disable_tqdm=True)
         trainer = GRPOTrainer(model=model, reward_funcs=verifier, args=config, train_dataset=data, processing_class=tokenizer,
                               callbacks=[clock])
         t0 = time.perf_counter()
