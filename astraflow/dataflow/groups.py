@@ -1,6 +1,6 @@
 """Assembling trajectories into groups, and remembering batched groups for replay. Pure bookkeeping (no I/O).
 
-Ingest feeds accepted trajectories in (with their TRAJ stream sequence) and gets complete
+Ingest feeds accepted trajectories in (with their position in the trajectory log) and gets complete
 groups out. Deliveries stay unacked while their trajectories are held, so a dataflow that dies
 loses nothing: the server redelivers them to the next one. A group keeps what the algorithms
 decide on (its samples) and where each trajectory lies in the TRAJ stream, never the arrays: a
@@ -97,9 +97,9 @@ RECENT = 512  # batched groups remembered for replay
 
 
 class Recent:
-    """Recently batched groups, for replay: in memory while this process holds them, and by TRAJ
-    stream sequences (what the state keeps) so a successor can name them again. A group whose samples
-    all lie in one message (a node's ``TrajectoryGroup``) is kept as that one sequence."""
+    """Recently batched groups, for replay: in memory while this process holds them, and by their
+    trajectory-log positions (what the state keeps) so a successor can name them again. A group whose samples
+    all lie in one message (a node's ``TrajectoryGroup``) is kept as that one position."""
 
     def __init__(self, size: int = RECENT) -> None:
         self.size = size

@@ -26,7 +26,7 @@ from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane
 from astraflow.streams.dataflow_state import TaskState
-from astraflow.streams.messages import Message, Task
+from astraflow.streams.messages import Task
 from astraflow.streams.plane import Plane
 from astraflow.streams.task_queue import TaskQueue
 from astraflow.tasks import Problem
@@ -144,10 +144,6 @@ class TaskIssuer:
                               prompt=p.prompt, group_size=self.cfg.group_size, meta=p.meta, min_versions=floors, created_at=now,
                               deadline=now + timeout if timeout else None))
         return tasks
-
-    def item(self, task: Task) -> tuple[str, Message, str | None]:
-        """What to publish for ``task``: its subject, the task, its ``Nats-Msg-Id``."""
-        return self.tasks.item(task)
 
     def published(self) -> None:
         """The tasks being issued are on the plane."""

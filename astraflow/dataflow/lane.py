@@ -13,7 +13,7 @@ to continue exactly where this one stopped is in ``state()``:
   references, advantages); one found at restart is published again as it is, with the same
   ``Nats-Msg-Id``, and the server drops it if the first publication had landed;
 - ``awaiting``: published batches the trainer has not announced yet (their tasks);
-- ``recent``: stream sequences of recently batched groups, so replay survives a restart;
+- ``recent``: trajectory-log positions of recently batched groups, so replay survives a restart;
 - ``history``: per batch, the groups received and tasks issued when it was planned (the data
   each version cost) and how many versions its groups lagged the trainer (max, mean), for the last
   ``HISTORY`` batches (the state is written every turn that changes it, so what it keeps is kept short);

@@ -143,7 +143,7 @@ class Dataflow:
         """The turn's batches and tasks, pipelined: one wait for the server's acks of them all."""
         for _ in planned:
             crash_point("batch_planned")
-        at = await self.plane.publish_many([self.server.item(p.batch) for p in planned] + [self.issuer.item(t) for t in tasks])
+        at = await self.plane.publish_many([self.server.item(p.batch) for p in planned] + [self.issuer.tasks.item(t) for t in tasks])
         for _ in planned:
             crash_point("batch_published")
         self.server.published(planned)

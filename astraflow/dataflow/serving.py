@@ -124,7 +124,7 @@ class BatchServer:
 
     def held(self, lane: PolicyLane, group: Group) -> HeldGroup | None:
         """A batch group: fresh from the buffer, or replayed (after a restart: its samples as the replay plug-in
-        kept them, and the stream sequences the lane remembers)."""
+        kept them, and the log positions the lane remembers)."""
         held = lane.find(group.task_id)
         if held is not None:
             return held
@@ -137,9 +137,9 @@ class BatchServer:
         lane.remember(held)
         return held
 
-    def item(self, batch: Batch) -> tuple[str, Message, str | None]:
-        """What to publish for ``batch``: its subject, the manifest, its ``Nats-Msg-Id``."""
-        return self.plane.names.batch(batch.policy), batch, batch.batch_id
+    def item(self, batch: Batch) -> tuple[str, Message, str]:
+        """What to publish for ``batch`` (its policy's queue says)."""
+        return BatchQueue(self.plane, batch.policy).item(batch)
 
     async def republish(self, lane: PolicyLane, plan: BatchPlan) -> None:
         """A batch planned before a restart: its plan record written again, the manifest published again under its id."""

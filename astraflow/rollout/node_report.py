@@ -61,7 +61,7 @@ class NodeReport:
         self._inc(self.metrics, "", counters)
         for p, sync in self.weights.syncs.items():
             m = self.metrics.child(p)
-            m.set({"version": float(sync.version), "announced_version": float(self.weights.announced[p])})
+            m.set({"version": float(sync.version), "announced_version": float(self.weights.newest()[p])})
             totals = {**dict.fromkeys(WEIGHT_SYNC_STATS, 0.0), **sync.stats}  # every series exists from the start
             self._inc(m, p, {f"weight_sync_{k}": float(v) for k, v in totals.items()})
 

@@ -1,12 +1,14 @@
 """A rollout node's weights: one ``WeightSync`` per policy, the newest version it knows was announced, and refresh.
 
-A refresh applies every announced version the node has not applied yet. Reading the weights
-stream costs a fetch with a timeout, so a refresh first reads ``version.{policy}`` from the
-run-state KV (one cheap request, allowed to a rollout node under the per-role permissions; the
-trainer writes it after each announcement) and reads the stream only when the KV shows a newer
-version, or every ``FULL_REFRESH_S`` in case the KV is not readable here (a region that reads
-only its mirror). Refreshes are serialised: the admission loop, a workflow's safe point and the
-partial-rollouts watcher may ask at once.
+A refresh applies every announced version the node has not applied yet. Each policy's
+announcements are pushed to the node as they are made (``WeightSync``'s follower, an ordered
+push consumer), so a refresh that finds nothing new asks the server nothing: it is called after
+every pull, and a node that asked the run-state KV each time spent a request per pull on it. A
+follower not made yet (the stream not there, the server restarting) is tried again every
+``FULL_REFRESH_S``, not at every safe point, so a plane that does not answer costs a pull no
+wait. Refreshes are serialised: the admission loop, a workflow's safe point and the
+partial-rollouts watcher may ask at once. The run-state KV (``version.{policy}``) is read only
+to confirm, before a task is turned away as too new, that its version was really announced.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Mapping
 from astraflow.rollout.workflows.base import PolicyHandle
 from astraflow.streams.messages import Task
 from astraflow.streams.plane import Plane
-from astraflow.streams.state import StateReadError, VersionRecord
+from astraflow.streams.state import VersionRecord
 from astraflow.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ class NodeWeights:
     def __init__(self, plane: Plane, handles: Mapping[str, PolicyHandle], domain: str | None, stats: dict[str, float]) -> None:
         self.plane = plane
         self.syncs = {p: WeightSync(plane, p, h.engine, domain=domain) for p, h in handles.items()}
-        self.announced = {p: -1 for p in handles}  # newest version seen announced, per policy
+        self.announced = {p: -1 for p in handles}  # newest version the run-state KV confirmed, per policy
         self.stats = stats
         self._last_full_refresh = 0.0
         self._lock = asyncio.Lock()
@@ -63,35 +65,20 @@ class NodeWeights:
     async def _refresh(self) -> bool:
         now = time.monotonic()
         due = now - self._last_full_refresh > FULL_REFRESH_S
-        todo = list(self.syncs) if due else await self._newer_announced()
-        if not todo:
-            return False
         if due:
             self._last_full_refresh = now
         changed = False
-        for p in todo:
+        for p, sync in self.syncs.items():
+            if not (due or sync.following):
+                continue
             try:
-                changed |= await self.syncs[p].refresh()
+                changed |= await sync.refresh(wait=0.0)
             except Exception as e:  # keep serving what the weights allow; tasks that need newer ones go back
                 self.stats["refresh_errors"] += 1
                 log.warning("refreshing %s failed: %s", p, e)
         if changed:
             self.stats["refreshes"] += 1
         return changed
-
-    async def _newer_announced(self) -> list[str]:
-        """Policies whose trainer has published a version newer than ours, by the run-state KV (unreadable: the periodic
-        full refresh covers it)."""
-        out = []
-        for p, sync in self.syncs.items():
-            try:
-                record = await self.plane.state.get(VersionRecord, p)
-            except StateReadError:
-                continue
-            self._saw(p, record)
-            if self.announced[p] > sync.version:
-                out.append(p)
-        return out
 
     async def confirm_newest(self) -> None:
         """Read every policy's newest announced version from the run-state KV now (raises ``StateReadError``)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from astraflow.streams.consuming import Consumer, Lag
-from astraflow.streams.messages import Batch
+from astraflow.streams.messages import Batch, Message
 
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
@@ -22,6 +22,11 @@ class BatchQueue:
     def __init__(self, plane: Plane, policy: str) -> None:
         self.plane, self.policy = plane, policy
         self._stream, self._trainer = plane.names.batch_stream, plane.names.trainer_consumer(policy)
+
+    def item(self, batch: Batch) -> tuple[str, Message, str]:
+        """What publishing ``batch`` takes: its subject, the manifest, its message id (a copy published again is dropped
+        by the server); for a caller that pipelines it with other publications (``Plane.publish_many``)."""
+        return self.plane.names.batch(self.policy), batch, batch.batch_id
 
     def pull(self) -> Consumer[Batch]:
         """The trainer's pull."""

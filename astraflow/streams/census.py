@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from nats.js.errors import NotFoundError
+
 from astraflow.streams.batch_queue import BatchQueue
 from astraflow.streams.consuming import Lag
 from astraflow.streams.subjects import FAMILIES
@@ -24,13 +26,14 @@ async def stream_sizes(plane: Plane) -> dict[str, int | None]:
 
 
 async def backlogs(plane: Plane, pool: str, policies: Iterable[str]) -> dict[str, Lag | None]:
-    """The backlog of each pull, labelled ``task``, ``traj`` and ``batch.{policy}``."""
+    """The backlog of each pull, labelled ``task``, ``traj`` and ``batch.{policy}``; a plane that does not answer
+    raises (the launcher counts that toward its patience)."""
     pulls = {"task": TaskQueue(plane, pool).backlog, "traj": TrajectoryLog(plane).backlog,
              **{f"batch.{p}": BatchQueue(plane, p).backlog for p in policies}}
     out: dict[str, Lag | None] = {}
     for label, backlog in pulls.items():
         try:
             out[label] = await backlog()
-        except Exception:  # the consumer does not exist (yet)
+        except NotFoundError:  # the consumer (or its stream) does not exist yet
             out[label] = None
     return out

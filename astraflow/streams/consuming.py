@@ -234,8 +234,13 @@ class Follower(Generic[M]):
         except Exception as e:  # the server may be gone again: the next fetch tries
             log.debug("following %s again: %s", self.subject, e)
 
+    @property
+    def following(self) -> bool:
+        """The consumer is made: what the server pushes lands here, and a ``fetch(0)`` costs no request."""
+        return self._sub is not None
+
     async def fetch(self, wait: float) -> list[M]:
-        """What arrived since the last call; waits up to ``wait`` seconds when nothing has."""
+        """What arrived since the last call; waits up to ``wait`` seconds when nothing has (0: returns at once)."""
         if self._sub is None:
             try:
                 await self._subscribe()
@@ -247,7 +252,7 @@ class Follower(Generic[M]):
                 await asyncio.sleep(wait)
                 return []
             self._missing = 0
-        if not self._got:
+        if not self._got and wait > 0:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), wait)
         raws, self._got = self._got, []

@@ -186,9 +186,16 @@ class WeightSync:
     def version(self) -> int:
         return self.engine.version
 
+    @property
+    def following(self) -> bool:
+        """Announcements are pushed to this process as they are made: ``refresh(wait=0)`` asks the server nothing
+        unless one came."""
+        return self._follower.following
+
     # ------------------------------------------------------------------ public
     async def refresh(self, wait: float = 0.05) -> bool:
-        """Apply whatever was announced since the last call; True if the version changed."""
+        """Apply whatever was announced since the last call (waiting up to ``wait`` s for it when nothing was); True if
+        the version changed."""
         anns = await self._follower.fetch(wait)
         for a in anns:
             self.known[key_of(a)] = a
