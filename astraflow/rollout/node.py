@@ -15,10 +15,12 @@ trajectories, if it published any, are deduplicated by their ids.
 
 Weights are refreshed at safe points: between generations, and between turns of a multi-turn
 episode (the workflow calls ``PolicyHandle.safe_point``, which runs the refresh on the node's
-event loop while the workflow thread waits). With ``rollout.partial_rollouts`` the node also
-looks for a new version every ``WATCH_S`` while it generates, and the engine applies it between
-two decoding steps of the generations in flight (``hf``). An engine never applies weights during
-a decoding step, so every token's version is true.
+event loop while the workflow thread waits). A node also watches for new versions while it
+generates (``NodeWeights.watch``): each is fetched, decoded and checked as soon as it is
+announced, so a safe point finds it ready and only the install waits for the engine. With
+``rollout.partial_rollouts`` the engine installs it between two decoding steps of the
+generations in flight (``hf``); without, between batches. An engine never applies weights
+during a decoding step, so every token's version is true.
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ from astraflow.streams.plane import Consumer, Delivery, Plane
 from astraflow.streams.task_queue import TaskQueue
 
 log = logging.getLogger(__name__)
-WATCH_S = 0.25  # ``rollout.partial_rollouts``: how often a node looks for a new version while it generates
 
 
 def make_handle(recipe: Recipe, policy: str, params: SamplingParams | None = None, rollout: bool = False) -> PolicyHandle:
@@ -142,8 +143,7 @@ class RolloutNode:
         chores = [asyncio.create_task(every(2.0, self.beat, stop))]
         try:
             await self.weights.join(stop)  # joining: the current weights first, however long a warm start takes
-            if self.recipe.rollout.partial_rollouts:  # a version lands inside the generations in flight, not after them
-                chores.append(asyncio.create_task(every(WATCH_S, self.weights.refresh, stop)))  # after the join: one refresher
+            chores.append(asyncio.create_task(self.weights.watch(stop)))  # after the join: versions ready before a safe point
             if isinstance(self.workflow, AgentHost):
                 self.endpoint = self.workflow.start(NodeServices(self.worker_id, self.handles, self._publish_from_thread,
                                                                  lambda: self.draining, self.agent_key))
@@ -247,6 +247,7 @@ class RolloutNode:
                 await asyncio.wait_for(d.nak(), 5)
             self.stats["drained_naks"] += 1
             return
+        slots.vacate()  # generated: the next task takes the slot while this one settles
         try:  # published with the trajectories of the tasks that finished meanwhile, then acked (``outbox.py``)
             await self.outbox.settle(d, trajs)  # one too large for a message goes by reference (object store)
         except MessageTooLarge as e:  # even by reference it will never fit: dead-letter the task rather than retry it forever

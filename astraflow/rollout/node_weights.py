@@ -26,6 +26,7 @@ from astraflow.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 FULL_REFRESH_S = 5.0
+WATCH_S = 0.25  # a watching node refreshes at least this often (a follower not made yet is tried every FULL_REFRESH_S)
 
 
 class NodeWeights:
@@ -52,6 +53,22 @@ class NodeWeights:
                 except TimeoutError as e:
                     log.info("still waiting for the first weights of %s: %s", policy, e)
         self._last_full_refresh = time.monotonic()
+
+    async def watch(self, stop: asyncio.Event, patience: float = WATCH_S) -> None:
+        """Apply each version as it is announced, until ``stop``: fetched, decoded and checked while the engine
+        generates, so a safe point finds it ready and only the install waits for the batch in flight (``hf``: between
+        batches, or between decoding steps with partial rollouts). Every ``patience`` s without news it refreshes anyway
+        (a follower not made yet is tried again there)."""
+        while not stop.is_set():
+            arrivals = [asyncio.ensure_future(sync.arrival(patience)) for sync in self.syncs.values()]
+            stopping = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait([*arrivals, stopping], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for f in (*arrivals, stopping):
+                    f.cancel()
+            if not stop.is_set():
+                await self.refresh()
 
     async def refresh(self) -> bool:
         """A safe point: apply every announced version not applied yet; True if any version changed."""

@@ -2,9 +2,13 @@
 
 Each admitted task is served by its own asyncio task (its own workflow call on its own thread), so a
 slow task holds one slot and never the node: the others keep finishing, being acked and being
-replaced. While a task is held, its delivery is kept alive on the server with ``in_progress`` every
-``keep_alive_s`` (``ack_wait / 3``). ``drain()`` waits for what is in flight; each task's own
-runner bounds that wait by ``rollout.drain_timeout`` once the node is told to stop.
+replaced. A task whose generation is over gives its slot back (:meth:`Slots.vacate`) before its
+trajectories are published and it is acked: the next task generates meanwhile, and the tasks of
+one engine batch, which finish together, are replaced together (one pull, one next batch)
+rather than one by one as their settlements return. Until it is settled a task is still held:
+its delivery is kept alive on the server with ``in_progress`` every ``keep_alive_s``
+(``ack_wait / 3``), and ``drain()`` waits for it. Each task's own runner bounds that wait by
+``rollout.drain_timeout`` once the node is told to stop.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ class Slots:
             raise ValueError(f"a node needs at least one generation slot, got {size}")
         self.size = size
         self.keep_alive_s = keep_alive_s
-        self._running: dict[asyncio.Task[Any], Delivery[Task]] = {}
+        self._running: dict[asyncio.Task[Any], Delivery[Task]] = {}  # in a slot: admitted, generating
+        self._settling: dict[asyncio.Task[Any], Delivery[Task]] = {}  # slot given back, not settled yet
         self._freed = asyncio.Event()
 
     @property
     def held(self) -> list[Delivery[Task]]:
-        return list(self._running.values())
+        """Every delivery not settled yet: in a slot or settling."""
+        return [*self._running.values(), *self._settling.values()]
 
     @property
     def free(self) -> int:
@@ -44,8 +50,16 @@ class Slots:
         self._running[runner] = delivery
         runner.add_done_callback(self._release)
 
+    def vacate(self) -> None:
+        """Called by a task's runner once its generation is over: its slot is free, its delivery still held."""
+        runner = asyncio.current_task()
+        if runner is not None and runner in self._running:
+            self._settling[runner] = self._running.pop(runner)
+            self._freed.set()
+
     def _release(self, runner: asyncio.Task[Any]) -> None:
         self._running.pop(runner, None)
+        self._settling.pop(runner, None)
         self._freed.set()
 
     async def wait_free(self, stop: asyncio.Event) -> None:
@@ -67,8 +81,8 @@ class Slots:
 
     async def drain(self) -> None:
         """Wait for every task in flight (each settles its own delivery: ack, nak or term)."""
-        while self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        while self._running or self._settling:
+            await asyncio.gather(*self._running, *self._settling, return_exceptions=True)
 
     @contextlib.asynccontextmanager
     async def kept_alive(self) -> AsyncIterator[Slots]:

@@ -239,6 +239,13 @@ class Follower(Generic[M]):
         """The consumer is made: what the server pushes lands here, and a ``fetch(0)`` costs no request."""
         return self._sub is not None
 
+    async def arrival(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for something to fetch; True if there is (the next ``fetch`` hands it over)."""
+        if not self._got:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), timeout)
+        return bool(self._got)
+
     async def fetch(self, wait: float) -> list[M]:
         """What arrived since the last call; waits up to ``wait`` seconds when nothing has (0: returns at once)."""
         if self._sub is None:
@@ -252,9 +259,8 @@ class Follower(Generic[M]):
                 await asyncio.sleep(wait)
                 return []
             self._missing = 0
-        if not self._got and wait > 0:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), wait)
+        if wait > 0:
+            await self.arrival(wait)
         raws, self._got = self._got, []
         self._arrived.clear()
         return await self._decode(raws)

@@ -192,6 +192,10 @@ class WeightSync:
         unless one came."""
         return self._follower.following
 
+    async def arrival(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for an announcement; True if one came (``refresh`` applies it)."""
+        return await self._follower.arrival(timeout)
+
     # ------------------------------------------------------------------ public
     async def refresh(self, wait: float = 0.05) -> bool:
         """Apply whatever was announced since the last call (waiting up to ``wait`` s for it when nothing was); True if
