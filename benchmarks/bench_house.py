@@ -30,8 +30,9 @@ NATS_HANDLES = {"nc", "js", "jsm", "raw", "_nc", "_js", "_jsm", "_raw"}
 # by stream and sequence (the rule of tests/test_layering.py, plus sequence bookkeeping: ``seqs``)
 STREAM_NAMES = {"task_stream", "traj_stream", "batch_stream", "weights_stream", "dlq_stream", "object_stream", "pool_consumer",
                 "trainer_consumer", "DATAFLOW_CONSUMER", "stream_seq", "seqs"}
-PLANE_BY_STREAM = {"consumer", "trajectory_consumer", "lag", "consumer_settings", "stream_msgs", "last", "last_seq", "stream_last",
-                   "holds", "get", "delete", "get_many", "read_many", "read_stored", "held", "on_max_deliveries", "remake_consumer"}
+PLANE_BY_STREAM = {"stored", "consumer", "trajectory_consumer", "lag", "consumer_settings", "stream_msgs", "last", "last_seq",
+                   "stream_last", "holds", "get", "delete", "get_many", "read_many", "read_stored", "held",
+                   "on_max_deliveries", "remake_consumer"}
 
 
 def names_the_plane(node: ast.Attribute) -> bool:

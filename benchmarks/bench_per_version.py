@@ -51,7 +51,10 @@ async def node_child(versions: int) -> dict[str, object]:
     from astraflow.rollout.engines.hf import HFEngine
     from astraflow.streams.plane import NatsOptions, Plane
     from astraflow.streams.server import EmbeddedServer
-    from astraflow.weights import sync as sync_module
+    try:  # the module that applies and installs: the held image's, where the tree has one
+        from astraflow.weights import image as sync_module
+    except ImportError:
+        from astraflow.weights import sync as sync_module  # type: ignore[no-redef]
     from astraflow.weights.publish import WeightPublisher
     from astraflow.weights.sync import WeightSync
 
@@ -90,7 +93,9 @@ async def node_child(versions: int) -> dict[str, object]:
             await plane.ensure_topology(recipe.topology())
             pub = WeightPublisher(plane, "solver", keyframe_every=10_000)
             sync = WeightSync(plane, "solver", HFEngine(build_model(pcfg.model, tok), tok))
-            apply_chain = sync._apply_chain
+            holder = getattr(sync, "held", sync)  # the tree's held image applies chains (before it, the sync did)
+            chain_name = "apply_chain" if holder is not sync else "_apply_chain"
+            apply_chain = getattr(holder, chain_name)
 
             async def timed_chain(c):
                 t, before = time.perf_counter(), dict(totals)
@@ -99,7 +104,7 @@ async def node_child(versions: int) -> dict[str, object]:
                 for k, total in totals.items():
                     per_chain[k].append(total - before[k])
 
-            sync._apply_chain = timed_chain  # type: ignore[method-assign]
+            setattr(holder, chain_name, timed_chain)
             await pub.publish(model.state_dict(), 0)
             await sync.wait_for(0)
             for xs in per_chain.values():

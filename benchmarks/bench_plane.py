@@ -54,6 +54,11 @@ try:  # the tree's rollout node settles tasks that finish together at once
 except ImportError:  # a tree from before it: each task on its own
     Outbox = None  # type: ignore[assignment,misc]
 
+try:  # the tree's dataflow reads the trajectory log through its port
+    from astraflow.streams.trajectory_log import TrajectoryLog
+except ImportError:  # a tree from before the ports
+    TrajectoryLog = None  # type: ignore[assignment,misc]
+
 PROMPT, COMPLETION = 64, 256  # tokens per trajectory
 ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = {"raw": 0, "plane": 0}  # NATS messages sent and received by the clients of each path
@@ -165,7 +170,9 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
         done.set()
 
     async def dataflow_loop() -> None:
-        if hasattr(plane, "trajectory_consumer"):  # the tree's TRAJ stream carries trajectory groups too
+        if TrajectoryLog is not None:  # the tree's TRAJ stream carries trajectory groups too, read through its port
+            sub = TrajectoryLog(plane).reader()
+        elif hasattr(plane, "trajectory_consumer"):  # the same, before the flows had ports
             sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
         else:
             sub = plane.consumer(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER, Trajectory)

@@ -54,7 +54,11 @@ from astraflow.streams.objects import ObjectStore, ensure_region_mirrors
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.server import spawn_kwargs, start_region_pair
 from astraflow.weights import delta as codec
-from astraflow.weights.sync import fetch_into
+
+try:  # where the tree keeps it
+    from astraflow.weights.image import fetch_into
+except ImportError:  # a tree from before the held image had a module of its own
+    from astraflow.weights.sync import fetch_into  # type: ignore[attr-defined,no-redef]
 
 CONF = Path(__file__).resolve().parent.parent / "jetstream"
 PATHS = ("whole", "stream")

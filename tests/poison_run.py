@@ -137,7 +137,7 @@ async def first_trajectories(plane: Plane, n: int) -> list[Trajectory]:
     found: list[Trajectory] = []
     seq = 1
     while len(found) < n:
-        found += decode_carried((await plane.read_many(plane.names.traj_stream, [seq]))[seq])
+        found += decode_carried((await plane.stored.read_many(plane.names.traj_stream, [seq]))[seq])
         seq += 1
     return found[:n]
 
@@ -312,7 +312,7 @@ async def admin_attack(cred_dir: Path, run: str, recipe: Recipe, run_dir: Path, 
         finally:
             await node.close()
 
-        last = await plane.last(n.weights_stream, n.weights(policy), WeightVersion)
+        last = await plane.stored.last(n.weights_stream, n.weights(policy), WeightVersion)
         assert last is not None
         fields = poisoned_announcements(last)
         for i in range(per_field * len(fields)):

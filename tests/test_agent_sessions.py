@@ -31,6 +31,7 @@ from astraflow.rollout.workflows.registry import get_workflow
 from astraflow.streams.messages import Heartbeat, RolloutStats, Task, Trajectory
 from astraflow.streams.plane import Plane
 from astraflow.streams.trajectories import carried
+from astraflow.streams.trajectory_log import TrajectoryLog
 from astraflow.weights.publish import WeightPublisher
 
 TOK = load_tokenizer("byt5")
@@ -92,7 +93,7 @@ def fields(delivery) -> dict:
 
 
 async def stored(plane: Plane, n: int) -> list[Trajectory]:
-    sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
+    sub = TrajectoryLog(plane).reader()
     got: list[Trajectory] = []
     for _ in range(20):
         for d in await sub.pull(batch=64, timeout=0.5):
@@ -142,7 +143,7 @@ async def test_an_agent_pulls_a_task_opens_a_session_generates_and_the_node_publ
     assert trajs[0].meta["tries"] == 1 and trajs[1].reward == 1.0  # the agent's reward as is; an answer scored by the recipe's
     hb = next(b.stats for b in beats if isinstance(b.stats, RolloutStats) and b.stats.tasks == 1)
     assert hb.endpoint == node.endpoint and hb.trajectories == 2 and hb.counters["sessions_finished"] == 1
-    lag = await plane.lag(plane.names.task_stream, plane.names.pool_consumer())
+    lag = await plane.stored.lag(plane.names.task_stream, plane.names.pool_consumer())
     assert lag.pending == 1  # the node pulls no task itself: t2 waits for an agent
 
 

@@ -91,7 +91,7 @@ async def test_node_runtime_pulls_tasks_and_publishes_valid_trajectories(node_ex
         got += batch
     (rejected,) = await plane.history(plane.names.dlq("task"), Rejected, stream=plane.names.dlq_stream)
     assert rejected.payload == garbage and rejected.worker_id == "js-1" and rejected.subject == plane.names.task("single_turn")
-    assert await plane.stream_msgs(plane.names.dlq_stream) == 1, "a Node trajectory failed to decode or validate"
+    assert await plane.stored.stream_msgs(plane.names.dlq_stream) == 1, "a Node trajectory failed to decode or validate"
     assembler, groups = Assembler(), []
     for d in got:
         held = assembler.add(d.msg, d)
@@ -112,6 +112,6 @@ async def test_node_runtime_pulls_tasks_and_publishes_valid_trajectories(node_ex
         assert body["k"] == "trajectory"
         assert not _errors(validate, body["d"])
     # every served task was acked after its trajectories were stored; the refused one is still in the pool
-    assert await plane.stream_msgs(plane.names.task_stream) == 1
+    assert await plane.stored.stream_msgs(plane.names.task_stream) == 1
 
 

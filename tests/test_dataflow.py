@@ -33,6 +33,7 @@ from astraflow.streams.messages import (
 from astraflow.streams.plane import NatsOptions, Plane, Topology
 from astraflow.streams.state import AutoscaleRecord, FateRecord, VersionRecord
 from astraflow.streams.trajectories import TrainingBatch, fetch_batch
+from astraflow.streams.trajectory_log import TrajectoryLog
 
 Reward = Callable[[Task, str, int], float]
 
@@ -69,7 +70,7 @@ class Harness:
         self.plane = await Plane.connect(NatsOptions(url=self.url), self.run, "dataflow")
         self.df = Dataflow(self.recipe, self.plane)
         await self.df.start()
-        self.sub = self.plane.trajectory_consumer(self.plane.names.DATAFLOW_CONSUMER)
+        self.sub = TrajectoryLog(self.plane).reader()
 
     async def kill_dataflow(self) -> None:
         """Gone without a word: nothing flushed, nothing acked (like SIGKILL)."""
@@ -143,7 +144,7 @@ class Harness:
         self.versions[policy] = version
 
     async def pending_tasks(self) -> int:
-        return (await self.node.lag(self.node.names.task_stream, "raas")).pending
+        return (await self.node.stored.lag(self.node.names.task_stream, "raas")).pending
 
     def acc(self, policy: str = "solver") -> Accounting:
         return self.df.accounting()[policy]

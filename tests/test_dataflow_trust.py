@@ -137,7 +137,7 @@ async def serve_groups(h: Harness, bad: Make | None = None, limit: int = 64) -> 
 
 
 async def traj_unacked(h: Harness) -> int:
-    lag = await h.plane.lag(h.plane.names.traj_stream, h.plane.names.DATAFLOW_CONSUMER)
+    lag = await h.plane.stored.lag(h.plane.names.traj_stream, h.plane.names.DATAFLOW_CONSUMER)
     return lag.pending + lag.ack_pending
 
 

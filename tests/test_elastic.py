@@ -27,6 +27,7 @@ from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.messages import Heartbeat, Task
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.trajectories import carried
+from astraflow.streams.trajectory_log import TrajectoryLog
 from astraflow.weights.publish import WeightPublisher
 
 PLUGIN = '''
@@ -119,7 +120,7 @@ async def test_nodes_join_die_and_leave_and_every_task_is_trained_once(nats_serv
 
     await plane.on_heartbeats(on_beat)
     assembler, trained, duplicates, seen, served_by = Assembler(), {}, [], [], {}
-    sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
+    sub = TrajectoryLog(plane).reader()
 
     async def collect() -> None:
         while True:
@@ -175,8 +176,8 @@ async def test_nodes_join_die_and_leave_and_every_task_is_trained_once(nats_serv
         assert held_b and held_c and not set(held_b) & set(held_c)
         for task_id in held_b + held_c:  # what B died with and C gave back was served by A
             assert task_id in trained and served_by[task_id] == {"A"}
-        assert await plane.stream_msgs(plane.names.task_stream) == 0  # every task acked
-        lag = await plane.lag(plane.names.task_stream, plane.names.pool_consumer())
+        assert await plane.stored.stream_msgs(plane.names.task_stream) == 0  # every task acked
+        lag = await plane.stored.lag(plane.names.task_stream, plane.names.pool_consumer())
         assert lag.redelivered >= 1 or "drained" in pool.log("C")
         assert "drained_naks" in pool.log("C") and "left" in pool.log("C")
     finally:

@@ -42,7 +42,7 @@ async def test_kills_at_the_group_commit_points_resume_exactly(nats_server, run_
         return {subject.rsplit(".", 1)[-1] for subject in info.state.subjects or {}} - named
 
     async def unacked() -> set[str]:
-        return {b.batch_id for _, b in await plane.held(plane.names.batch_stream, plane.names.batch("solver"), Batch)}
+        return {b.batch_id for _, b in await plane.stored.held(plane.names.batch_stream, plane.names.batch("solver"), Batch)}
 
     try:
         # v1, v2 announced, the snapshot of v3 taken, nothing written: v0 is the only checkpoint, and the batches

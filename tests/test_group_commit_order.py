@@ -60,7 +60,7 @@ class Trainer:
         return [a.version for a in await self.plane.history(self.plane.names.weights("solver"), WeightVersion)]
 
     async def unacked(self) -> set[str]:
-        return {b.batch_id for _, b in await self.plane.held(self.plane.names.batch_stream, self.plane.names.batch("solver"), Batch)}
+        return {b.batch_id for _, b in await self.plane.stored.held(self.plane.names.batch_stream, self.plane.names.batch("solver"), Batch)}
 
 
 async def keep_alive(d: Delivery[Batch]) -> None:

@@ -43,8 +43,9 @@ def test_only_streams_touches_nats(path: Path):
 # batch_queue.py, weight_channel.py) speak of tasks, tickets, marks, backlogs and positions instead
 STREAM_NAMES = {"task_stream", "traj_stream", "batch_stream", "weights_stream", "dlq_stream", "pool_consumer", "trainer_consumer",
                 "DATAFLOW_CONSUMER", "stream_seq"}
-PLANE_BY_STREAM = {"consumer", "trajectory_consumer", "lag", "consumer_settings", "stream_msgs", "last", "last_seq", "stream_last",
-                   "holds", "get", "delete", "get_many", "read_many", "read_stored", "held", "on_max_deliveries", "remake_consumer"}
+PLANE_BY_STREAM = {"stored", "consumer", "trajectory_consumer", "lag", "consumer_settings", "stream_msgs", "last", "last_seq",
+                   "stream_last", "holds", "get", "delete", "get_many", "read_many", "read_stored", "held",
+                   "on_max_deliveries", "remake_consumer"}
 
 
 @pytest.mark.parametrize("path", [p for p in modules() if "streams" not in p.relative_to(PKG).parts[:1]], ids=rel)

@@ -15,6 +15,7 @@ from astraflow.streams.codec import decode
 from astraflow.streams.messages import Rejected, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Plane
 from astraflow.streams.trajectories import carried, publish_trajectories
+from astraflow.streams.trajectory_log import TrajectoryLog
 
 
 def task(i: int) -> Task:
@@ -49,7 +50,7 @@ async def test_every_message_is_handed_out_once_across_pulls(plane: Plane):
 async def settled(plane: Plane) -> None:
     """Wait (up to 10 s) until the server has processed every ack of the task consumer."""
     deadline = time.monotonic() + 10.0
-    while (lag := await plane.lag(plane.names.task_stream, plane.names.pool_consumer("raas"))).ack_pending or lag.pending:
+    while (lag := await plane.stored.lag(plane.names.task_stream, plane.names.pool_consumer("raas"))).ack_pending or lag.pending:
         assert time.monotonic() < deadline, f"tasks still unsettled: {lag}"
         await asyncio.sleep(0.05)
 
@@ -76,8 +77,8 @@ async def test_tasks_that_finish_together_are_settled_together(plane: Plane):
     await asyncio.gather(*(outbox.settle(d, [trajectory(d.msg, i) for i in range(2)]) for d in got))
     assert outbox.settlements == 1  # one pipelined publish of 12 groups of 2, one wait, then 12 acks
     await settled(plane)  # every task acked
-    assert await plane.stream_msgs(plane.names.traj_stream) == 12  # a task's group is one message
-    trajs = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
+    assert await plane.stored.stream_msgs(plane.names.traj_stream) == 12  # a task's group is one message
+    trajs = TrajectoryLog(plane).reader()
     stored = await trajs.pull(batch=24, timeout=5.0)
     assert all(isinstance(d.msg, TrajectoryGroup) for d in stored)
     assert sorted(t.traj_id for d in stored for t in carried(d.msg)) == sorted(f"{d.msg.task_id}.{i}" for d in got for i in range(2))
@@ -87,17 +88,17 @@ async def test_a_group_goes_as_one_message_when_it_fits_and_alone_otherwise(plan
     small = [trajectory(task(0), i) for i in range(3)]
     seqs = await publish_trajectories(plane, [small[2], small[0], small[1]])
     assert len(set(seqs)) == 1  # one message for the task's three samples, whatever their order
-    (stored,) = await plane.get_many(plane.names.traj_stream, seqs[:1], TrajectoryGroup)
+    (stored,) = await plane.stored.get_many(plane.names.traj_stream, seqs[:1], TrajectoryGroup)
     assert [t.traj_id for t in stored.trajectories] == [small[2].traj_id, small[0].traj_id, small[1].traj_id]
     assert await publish_trajectories(plane, small) != seqs  # other order, other group id: stored again (ingest dedups)
     one = await publish_trajectories(plane, [trajectory(task(1), 0)])
-    assert isinstance((await plane.get_many(plane.names.traj_stream, one, Trajectory))[0], Trajectory)  # one sample: alone
+    assert isinstance((await plane.stored.get_many(plane.names.traj_stream, one, Trajectory))[0], Trajectory)  # one sample: alone
     n = int(0.6 * plane.max_payload) // 4  # prompts of random int32 (no compression): each fits alone, two together do not
     big = [Trajectory(**{**trajectory(task(2), i).model_dump(), "prompt_ids": np.random.default_rng(i).integers(0, 1 << 30, n)})
            for i in range(2)]
     seqs = await publish_trajectories(plane, big)
     assert len(set(seqs)) == 2
-    assert [t.traj_id for t in await plane.get_many(plane.names.traj_stream, seqs, Trajectory)] == [t.traj_id for t in big]
+    assert [t.traj_id for t in await plane.stored.get_many(plane.names.traj_stream, seqs, Trajectory)] == [t.traj_id for t in big]
 
 
 async def test_a_task_settled_again_stores_nothing_twice(plane: Plane):
@@ -111,12 +112,12 @@ async def test_a_task_settled_again_stores_nothing_twice(plane: Plane):
     (again,) = await tasks.pull(batch=1, timeout=5.0)
     assert again.msg.task_id == first.msg.task_id and again.num_delivered == 2
     await Outbox(plane).settle(again, [trajectory(again.msg, i) for i in range(2)])
-    assert await plane.stream_msgs(plane.names.traj_stream) == 1  # the group, once: the copy had its id
+    assert await plane.stored.stream_msgs(plane.names.traj_stream) == 1  # the group, once: the copy had its id
     await settled(plane)
 
 
 async def traj_lag(plane: Plane) -> tuple[int, int]:
-    lag = await plane.lag(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
+    lag = await plane.stored.lag(plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER)
     return lag.pending, lag.ack_pending
 
 
@@ -135,7 +136,7 @@ async def until_lag(plane: Plane, want: tuple[int, int]) -> None:
 
 async def test_a_groups_message_is_acked_once_every_part_is_settled_and_given_back_whole(plane: Plane):
     await publish_trajectories(plane, [trajectory(task(0), i) for i in range(3)])
-    sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
+    sub = TrajectoryLog(plane).reader()
     (d,) = await sub.pull(batch=4, timeout=5.0)
     p0, p1, p2 = taken(d)
     assert [p.msg.traj_id for p in (p0, p1, p2)] == ["t0000.0", "t0000.1", "t0000.2"] and p0.position == d.position

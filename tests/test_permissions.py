@@ -173,8 +173,8 @@ async def test_roles_do_their_job(secured):
     task = Task(task_id="t1", workflow="math", policy="solver", prompt_id="p", prompt="1+1", group_size=1)
     await dataflow.publish(dataflow.names.task("math"), task, "t1")
     dead = await dataflow.publish(dataflow.names.task("math"), task.model_copy(update={"task_id": "t0"}), "t0")
-    assert await dataflow.delete(dataflow.names.task_stream, dead)  # given up on: out of the work queue
-    assert not await dataflow.delete(dataflow.names.task_stream, dead)  # gone already
+    assert await dataflow.stored.delete(dataflow.names.task_stream, dead)  # given up on: out of the work queue
+    assert not await dataflow.stored.delete(dataflow.names.task_stream, dead)  # gone already
     plan = BatchPlanRecord(policy="solver", batch_id="solver-b000001", digest="d" * 64, trajectories=4)
     await dataflow.state.put(plan)
 
@@ -212,7 +212,7 @@ async def test_roles_do_their_job(secured):
     await dataflow.state.delete(BatchPlanRecord, "solver", "solver-b000001")  # its fate is known: the dataflow deletes it
     assert await trainer.state.get(BatchPlanRecord, "solver", "solver-b000001") is None
     observer = await as_user(secured, "observer")
-    assert (await observer.lag(observer.names.task_stream, "raas")).pending == 0
+    assert (await observer.stored.lag(observer.names.task_stream, "raas")).pending == 0
     assert (await observer.state.get(EvalRecord, "solver", 0)).reward == 0.5
     for p in (admin, dataflow, trainer, rollout, evaluator, observer):
         await p.close()

@@ -74,8 +74,8 @@ async def test_topology_twice_is_idempotent(nats_server, run_id):
         p.names.task("math"), Task(task_id="k", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2), "k"
     )
     await p.ensure_topology(topo)  # second time: nothing changes, nothing lost
-    assert await p.stream_msgs(p.names.task_stream) == 1
-    assert (await p.lag(p.names.task_stream, "raas")).pending == 1
+    assert await p.stored.stream_msgs(p.names.task_stream) == 1
+    assert (await p.stored.lag(p.names.task_stream, "raas")).pending == 1
     await p.close()
 
 
@@ -116,7 +116,7 @@ async def test_dedup_of_republished_message(plane: Plane):
     task = Task(task_id="dup", workflow="math", policy="solver", prompt_id="x", prompt="1+1", group_size=2)
     for _ in range(3):
         await plane.publish(plane.names.task("math"), task, msg_id=task.task_id)
-    assert await plane.stream_msgs(plane.names.task_stream) == 1
+    assert await plane.stored.stream_msgs(plane.names.task_stream) == 1
 
 
 @pytest.mark.parametrize("reply", [
@@ -172,7 +172,7 @@ async def test_malformed_message_goes_to_dlq_and_worker_keeps_running(plane: Pla
     (raw,) = await dlq.fetch(1, timeout=2)
     rej = decode(raw.data, Rejected)
     assert rej.subject == subj and "undecodable" in rej.reason and rej.payload == b"\x01not msgpack \xc1"
-    assert (await plane.lag(plane.names.task_stream, "raas")).pending == 0  # bad one was termed, not redelivered
+    assert (await plane.stored.lag(plane.names.task_stream, "raas")).pending == 0  # bad one was termed, not redelivered
 
 
 async def test_object_round_trip_and_corrupt_chunk_refused(plane: Plane):

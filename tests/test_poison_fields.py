@@ -49,6 +49,7 @@ from astraflow.streams.messages import Batch, BatchRefusal, Rejected, Task, Traj
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import AutoscaleRecord, EvalRecord, FateRecord
 from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, carried, fetch_trajectories, publish_trajectories
+from astraflow.streams.trajectory_log import TrajectoryLog
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
 from astraflow.train.synthetic import sample_batches
@@ -140,7 +141,7 @@ async def test_every_poisoned_task_is_dead_lettered_by_the_node_which_serves_the
         items = [(plane.names.task(getattr(p.msg, "workflow", "single_turn")), p.msg, None) for p in poisons]
         await plane.publish_many([*items[: len(items) // 2], *((plane.names.task("single_turn"), g, None) for g in goods),
                                   *items[len(items) // 2:]])  # good tasks share pulls with poisoned ones
-        sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
+        sub = TrajectoryLog(plane).reader()
         served: list[Trajectory] = []
         for _ in range(200):
             served += [t for d in await sub.pull(batch=64, timeout=0.2) for t in carried(d.msg)]

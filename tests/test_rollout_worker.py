@@ -28,6 +28,7 @@ from astraflow.rollout.workflows.tools import TOOLS
 from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.plane import Plane
 from astraflow.streams.trajectories import carried
+from astraflow.streams.trajectory_log import TrajectoryLog
 from astraflow.weights.publish import WeightPublisher
 
 TOK = load_tokenizer("byt5")
@@ -44,7 +45,7 @@ def task(i: int, **kw: Any) -> Task:
 
 
 async def trajectories(plane: Plane, n: int, timeout: float = 30.0) -> list[Trajectory]:
-    sub = plane.trajectory_consumer(plane.names.DATAFLOW_CONSUMER)
+    sub = TrajectoryLog(plane).reader()
     got: list[Trajectory] = []
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -67,7 +68,7 @@ async def stream_drops_to(plane: Plane, n: int, timeout: float = 30.0) -> None:
     """Wait until the task stream holds ``n`` tasks (an ack reaches the WorkQueue stream asynchronously)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while (left := await plane.stream_msgs(plane.names.task_stream)) != n:
+    while (left := await plane.stored.stream_msgs(plane.names.task_stream)) != n:
         assert loop.time() < deadline, f"the task stream holds {left} tasks, expected {n}"
         await asyncio.sleep(0.05)
 
@@ -162,12 +163,12 @@ async def test_stopping_node_finishes_or_naks_what_it_holds(plane: Plane, finish
     names = plane.names
     if finishes:
         assert node.stats["tasks"] == 1 and len(await trajectories(plane, 2)) == 2
-        assert await plane.stream_msgs(names.task_stream) == 0  # acked after its trajectories were stored
+        assert await plane.stored.stream_msgs(names.task_stream) == 0  # acked after its trajectories were stored
     else:
         assert node.stats["drained_naks"] == 1 and node.stats["tasks"] == 0
-        lag = await plane.lag(names.task_stream, names.pool_consumer())
-        assert lag.pending + lag.ack_pending == 1 and await plane.stream_msgs(names.task_stream) == 1  # back in the pool
-        assert await plane.stream_msgs(names.traj_stream) == 0
+        lag = await plane.stored.lag(names.task_stream, names.pool_consumer())
+        assert lag.pending + lag.ack_pending == 1 and await plane.stored.stream_msgs(names.task_stream) == 1  # back in the pool
+        assert await plane.stored.stream_msgs(names.traj_stream) == 0
 
 
 class SlowOne:
@@ -213,5 +214,5 @@ async def test_a_free_slot_is_refilled_while_a_slow_task_generates_and_draining_
     late = await trajectories(plane, 2)
     assert sorted(t.traj_id for t in late) == ["slow.solver.0", "slow.solver.1"]
     await stream_drops_to(plane, 1)  # slow acked; t6 still in the pool for another node
-    lag = await plane.lag(names.task_stream, names.pool_consumer())
+    lag = await plane.stored.lag(names.task_stream, names.pool_consumer())
     assert lag.pending + lag.ack_pending == 1

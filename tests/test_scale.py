@@ -38,6 +38,7 @@ from astraflow.streams.messages import Batch, Task, Trajectory
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.state import FateRecord
+from astraflow.streams.trajectory_log import TrajectoryLog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 UNIFORM = -math.log(256)  # the behaviour logprob of a token drawn uniformly from the 256 byte ids
@@ -106,7 +107,7 @@ async def train_end_to_end(url: str, run: str, tmp_path: Path, recipe_file: Path
     df_plane = await Plane.connect(NatsOptions(url=url), run, "dataflow")
     df = Dataflow(recipe, df_plane)
     await df.start()
-    consumer = df_plane.trajectory_consumer(df_plane.names.DATAFLOW_CONSUMER)
+    consumer = TrajectoryLog(df_plane).reader()
     node_plane = await Plane.connect(NatsOptions(url=url), run, "node-0")
     engine = ScriptEngine(TOK, lambda p: "", version=-1)
     node = RolloutNode(recipe, node_plane, "node-0", workflow=workflow,
@@ -176,7 +177,7 @@ async def test_a_trajectory_of_a_million_tokens_over_max_payload_is_trained_end_
         assert plane.max_payload == 1 << 20
         (v1,) = [a for a in record if a.version == 1]
         (manifest,) = [m for m in manifests if m.batch_id in v1.batch_ids]  # the one trained (a next may be out already)
-        (stub,) = await plane.get_many(plane.names.traj_stream, [manifest.refs[0].seq], Trajectory)
+        (stub,) = await plane.stored.get_many(plane.names.traj_stream, [manifest.refs[0].seq], Trajectory)
         assert stub.offloaded and stub.payload_ref is not None and stub.payload_ref.size > plane.max_payload  # by reference
         assert len(stub.payload_ref.digests) >= 2  # in chunks, each with its digest
         assert v1.batch_ids == [manifest.batch_id] and v1.metrics["tokens"] == generated and v1.metrics["skipped"] == 0

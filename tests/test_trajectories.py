@@ -68,7 +68,7 @@ async def test_many_messages_by_sequence_in_a_few_requests(plane: Plane, nats_se
     wanted = [s for s, (_, t, _) in zip(seqs, items, strict=True) if t.policy == "solver"]  # runs of 2 between verifier ones
     random.Random(0).shuffle(wanted)
     requests = await Requests().watch(nats_server.url, n.traj_stream)
-    got = await plane.get_many(n.traj_stream, wanted, Trajectory)
+    got = await plane.stored.get_many(n.traj_stream, wanted, Trajectory)
     await requests.close()
     by_seq = {s: t for s, (_, t, _) in zip(seqs, items, strict=True)}
     assert got == [by_seq[s] for s in wanted]  # in the order asked
@@ -86,9 +86,9 @@ async def test_sequences_that_are_gone_are_named(plane: Plane, nats_server):
         await nc.jsm().delete_msg(n.traj_stream, s)
     await nc.close()
     with pytest.raises(MissingMessages) as gone:
-        await plane.get_many(n.traj_stream, [*seqs, seqs[-1] + 100], Trajectory)
+        await plane.stored.get_many(n.traj_stream, [*seqs, seqs[-1] + 100], Trajectory)
     assert gone.value.seqs == [seqs[2], seqs[3], seqs[7], seqs[-1] + 100]
-    assert [t.traj_id for t in await plane.get_many(n.traj_stream, seqs[4:7], Trajectory)] == [f"t{k}.solver.0" for k in range(4, 7)]
+    assert [t.traj_id for t in await plane.stored.get_many(n.traj_stream, seqs[4:7], Trajectory)] == [f"t{k}.solver.0" for k in range(4, 7)]
 
 
 async def test_a_trajectory_over_max_payload_travels_by_reference(plane: Plane):
@@ -96,7 +96,7 @@ async def test_a_trajectory_over_max_payload_travels_by_reference(plane: Plane):
     small, big = traj("t1", 0), traj("t1", 1, n=big_n, seed=1)
     assert len(pack_arrays(big)) > plane.max_payload // 2
     seqs = await publish_trajectories(plane, [small, big])
-    stubs = await plane.get_many(plane.names.traj_stream, seqs, Trajectory)
+    stubs = await plane.stored.get_many(plane.names.traj_stream, seqs, Trajectory)
     assert stubs[0] == small and not small.offloaded  # a normal one goes as it is
     stub = stubs[1]
     assert stub.offloaded and stub.payload_ref is not None and stub.payload_ref.name == "traj/t1.solver.1"

@@ -113,11 +113,11 @@ async def test_announcement_is_the_commit_point(plane: Plane):
     pub = WeightPublisher(plane, "solver")
     await publish_steps(pub, trainer, range(2))
     stream = object_stream(plane.names.object_bucket)
-    before = await plane.stream_msgs(stream)
+    before = await plane.stored.stream_msgs(stream)
     await plane._jsm.delete_stream(plane.names.weights_stream)  # the announcement cannot be stored
     with pytest.raises(PublishRefused):
         await pub.publish(trainer.step(), 2)
-    assert await plane.stream_msgs(stream) == before  # the unannounced chunks and metadata were purged
+    assert await plane.stored.stream_msgs(stream) == before  # the unannounced chunks and metadata were purged
     assert pub.image_version == 1 and (await plane.state.get(VersionRecord, "solver")).version == 1
 
 
@@ -244,7 +244,7 @@ async def test_delta_onto_a_base_the_node_does_not_hold_falls_back(plane: Plane)
     restarted = WeightPublisher(plane, "solver")
     await restarted.publish(second.model.state_dict(), 2)
     ann = await restarted.publish(second.step(), 3)
-    assert ann.encoding == "delta" and ann.base_version == sync.version and ann.base_digest != sync.digest
+    assert ann.encoding == "delta" and ann.base_version == sync.version and ann.base_digest != sync.held.digest
     await sync.wait_for(3, timeout=10)  # a fetch returns what arrived: the v2 copy may come one fetch before v3
     assert sync.version == 3 and engine_digest(sync) == second.digest
     assert sync.stats["fallbacks"] == 1 and sync.stats["failures"] == 0
@@ -258,12 +258,12 @@ async def test_damaged_chunk_is_never_applied(plane: Plane, damage: str):
     sync = node(plane)
     await publish_steps(pub, trainer, range(2))
     await sync.wait_for(1, timeout=10)
-    good = sync.digest
+    good = sync.held.digest
     ann = await pub.publish(trainer.step(), 2)
     await rewrite_chunks(plane, ann.objects[0], **({"corrupt": 0} if damage == "corrupt" else {"drop": 0}))
     assert not await sync.refresh(wait=2.0)
     # fetched, fetched again, fell back to the keyframe chain (which needs v2 too), failed, asked for a keyframe
-    assert sync.version == 1 and sync.digest == good == engine_digest(sync)
+    assert sync.version == 1 and sync.held.digest == good == engine_digest(sync)
     assert sync.stats[damage] == 4 and sync.stats["refetches"] == 2
     assert sync.stats["fallbacks"] == 1 and sync.stats["failures"] == 1 and sync.stats["keyframe_requests"] == 1
     assert "cannot reach v2" in (await plane.state.get(KeyframeRequest, "solver")).reason

@@ -49,7 +49,7 @@ async def test_pieces_are_stored_as_the_whole_payload_and_read_back_chunk_by_chu
 async def test_an_encoder_failing_midway_leaves_no_chunks(plane: Plane):
     bucket = plane.names.object_bucket
     await put_object(plane._js, bucket, "before", b"x")
-    before = await plane.stream_msgs(object_stream(bucket))
+    before = await plane.stored.stream_msgs(object_stream(bucket))
 
     def encoder():
         yield os.urandom(3 * CHUNK)  # three chunks go out before the failure
@@ -57,7 +57,7 @@ async def test_an_encoder_failing_midway_leaves_no_chunks(plane: Plane):
 
     with pytest.raises(ValueError, match="encoder broke"):
         await put_object(plane._js, bucket, "broken", encoder(), chunk_size=CHUNK)
-    assert await plane.stream_msgs(object_stream(bucket)) == before
+    assert await plane.stored.stream_msgs(object_stream(bucket)) == before
 
 
 async def test_a_delta_past_its_fraction_is_dropped_midway_for_a_keyframe(plane: Plane):
@@ -68,7 +68,7 @@ async def test_a_delta_past_its_fraction_is_dropped_midway_for_a_keyframe(plane:
     assert ann.encoding == "keyframe" and len(ann.objects[0].digests) > 3  # the delta had chunks out before it passed the limit
     anns = (first, ann)
     # the stream holds the two keyframes' chunks and metadata, nothing of the dropped delta
-    assert await plane.stream_msgs(object_stream(plane.names.object_bucket)) == sum(len(a.objects[0].digests) + 1 for a in anns)
+    assert await plane.stored.stream_msgs(object_stream(plane.names.object_bucket)) == sum(len(a.objects[0].digests) + 1 for a in anns)
     sync = node(plane, WIDE)
     await sync.wait_for(1, timeout=20)
     assert engine_digest(sync) == ann.state_digest
@@ -82,13 +82,13 @@ async def test_a_corrupt_chunk_midway_through_a_delta_is_never_applied(plane: Pl
         await pub.publish(trainer.step() if v else trainer.model.state_dict(), v)
     await sync.wait_for(1, timeout=20)
     good = engine_digest(sync)
-    assert sync.stats["deltas"] == 1 and good == sync.digest
+    assert sync.stats["deltas"] == 1 and good == sync.held.digest
     ann = await pub.publish(trainer.step(), 2)
     assert ann.encoding == "delta" and len(ann.objects[0].digests) >= 2
     await rewrite_chunks(plane, ann.objects[0], corrupt=1)  # chunk 0 is fed (and may be applied) before chunk 1 fails
     assert not await sync.refresh(wait=2.0)
     # the image may be half-applied: dropped, not fetched again; the engine keeps v1; the keyframe chain needs v2 too
-    assert sync.version == 1 and engine_digest(sync) == good and sync.digest is None
+    assert sync.version == 1 and engine_digest(sync) == good and sync.held.digest is None
     assert sync.stats["corrupt"] == 2 and sync.stats["refetches"] == 0
     assert sync.stats["fallbacks"] == 1 and sync.stats["failures"] == 1 and sync.stats["keyframe_requests"] == 1
     assert "cannot reach v2" in (await plane.state.get(KeyframeRequest, "solver")).reason

@@ -25,7 +25,8 @@ async def test_non_finite_weights_are_never_published(plane: Plane):
     with pytest.raises(NonFiniteWeights, match="hold NaN or inf"):
         await pub.publish(state, 1)
     assert [a.version for a in await plane.history(plane.names.weights("solver"), WeightVersion)] == [0]
-    assert pub.image_version == 0 and await plane.stream_msgs(f"OBJ_{plane.names.object_bucket}") == 2  # v0's chunk and metadata only
+    assert pub.image_version == 0
+    assert await plane.stored.stream_msgs(f"OBJ_{plane.names.object_bucket}") == 2  # v0's chunk and metadata only
 
 
 async def test_a_node_dead_letters_impossible_announcements_and_follows_the_real_ones(plane: Plane):

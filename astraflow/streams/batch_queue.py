@@ -34,8 +34,8 @@ class BatchQueue:
 
     async def backlog(self) -> Lag:
         """Batches waiting for the trainer (``pending``) and in its hands, unacked (``ack_pending``)."""
-        return await self.plane.lag(self._stream, self._trainer)
+        return await self.plane.stored.lag(self._stream, self._trainer)
 
     async def kept(self) -> list[Batch]:
         """Every batch of the policy the stream still keeps (trained or not), oldest first."""
-        return [b for _, b in await self.plane.held(self._stream, self.plane.names.batch(self.policy), Batch)]
+        return [b for _, b in await self.plane.stored.held(self._stream, self.plane.names.batch(self.policy), Batch)]

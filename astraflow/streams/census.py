@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 async def stream_sizes(plane: Plane) -> dict[str, int | None]:
     """Messages each of the run's streams holds, by stream name (None: the stream does not exist)."""
-    return {s: await plane.stream_msgs(s) for s in (plane.names.stream(f) for f in FAMILIES)}
+    return {s: await plane.stored.stream_msgs(s) for s in (plane.names.stream(f) for f in FAMILIES)}
 
 
 async def backlogs(plane: Plane, pool: str, policies: Iterable[str]) -> dict[str, Lag | None]:

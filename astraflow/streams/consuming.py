@@ -149,7 +149,7 @@ class Consumer(Generic[M]):
             try:
                 if await self._plane.remake_consumer(self.stream, self.durable):  # forgotten (a restart without its store)
                     return []
-                await self._plane.consumer_settings(self.stream, self.durable)
+                await self._plane.stored.consumer_settings(self.stream, self.durable)
             except NotFoundError:  # forgotten, and not this role's to make again: it says so
                 raise unavailable from None
             except (NatsError, TimeoutError):  # no answer either: the plane is still coming back
@@ -171,10 +171,10 @@ class Consumer(Generic[M]):
         return out
 
     async def lag(self) -> Lag:
-        return await self._plane.lag(self.stream, self.durable)
+        return await self._plane.stored.lag(self.stream, self.durable)
 
     async def settings(self) -> ConsumerSettings:
-        return await self._plane.consumer_settings(self.stream, self.durable)
+        return await self._plane.stored.consumer_settings(self.stream, self.durable)
 
 
 class Follower(Generic[M]):
@@ -264,6 +264,36 @@ class Follower(Generic[M]):
         raws, self._got = self._got, []
         self._arrived.clear()
         return await self._decode(raws)
+
+    async def hand_over(self, cb: Callable[[M], Awaitable[None]]) -> Subscription:
+        """Call ``cb`` with every message, in order, from a task of its own, until the returned subscription is stopped
+        (then the follower is closed). Subscribed before this returns: what is published from now on is handed over. An
+        error of ``cb`` is logged and the messages after it are still handed over."""
+        first = await self.fetch(0.0)
+
+        async def hand_over() -> None:
+            arrived = first
+            while True:
+                for msg in arrived:
+                    try:
+                        await cb(msg)
+                    except Exception:
+                        log.exception("following %s: the handler failed on a message; going on", self.subject)
+                try:
+                    arrived = await self.fetch(1.0)
+                except Exception as e:  # whatever the plane did, following goes on: a dead task would stop it unseen
+                    log.warning("following %s: %s: %s; going on", self.subject, type(e).__name__, e)
+                    arrived = []
+                    await asyncio.sleep(1.0)
+
+        task = asyncio.create_task(hand_over())
+
+        async def stop() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await self.close()
+
+        return Subscription(stop)
 
     async def _decode(self, raws: list[Msg]) -> list[M]:
         """Decoded, oldest first; what does not decode, or fails ``check`` (checked in order, so a check

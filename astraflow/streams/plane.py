@@ -26,11 +26,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import AuthorizationError, NoRespondersError
 from nats.js import JetStreamContext, JetStreamManager, api
-from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+from nats.js.errors import APIError, NoStreamResponseError
 from pydantic import BaseModel, ConfigDict
 
 from astraflow.streams.acks import AcksLost, acked, reconnects_of
-from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, decode_either, encode
+from astraflow.streams.codec import DecodeError, MessageTooLarge, decode, encode
 from astraflow.streams.consuming import (
     Check,
     Consumer,
@@ -42,15 +42,14 @@ from astraflow.streams.consuming import (
     Subscription,
     log_bad,
     read_history,
-    read_subject,
 )
 from astraflow.streams.credentials import Credential, redact
-from astraflow.streams.direct import StreamMsg, read_seqs
 from astraflow.streams.kv import RunState
-from astraflow.streams.messages import Heartbeat, Message, Rejected, Trajectory, TrajectoryGroup
+from astraflow.streams.messages import Heartbeat, Message, Rejected
 from astraflow.streams.objects import ObjectStore, object_stream
 from astraflow.streams.permissions import inbox_prefix, node_of
-from astraflow.streams.retry import QUICK_S, ask_again
+from astraflow.streams.retry import ask_again
+from astraflow.streams.stored import StoredMessages
 from astraflow.streams.subjects import Names
 from astraflow.streams.topology import Topology, TopologyMaker
 
@@ -160,6 +159,35 @@ class _Gone:
         return 0.0 if self.since is None else time.monotonic() - self.since
 
 
+async def connect_nats(opts: NatsOptions, name: str, wait: float | None) -> tuple[Client, _Gone]:
+    """A client connection named ``name`` (:meth:`Plane.connect`), and the record of its outages; from then on it rides
+    through server restarts."""
+    kw = {**opts.connect_kwargs(), "name": name, "connect_timeout": 2.0}
+    loop = asyncio.get_running_loop()
+    start = last_note = loop.time()
+    gone = _Gone()
+    while True:
+        try:  # the first connection without client-side retries: we decide here what is worth waiting for
+            nc = await nats.connect(**kw, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.2,
+                                    disconnected_cb=gone.down, reconnected_cb=gone.up, error_cb=gone.error)
+            break
+        except Exception as e:  # nats-py raises OSError, TimeoutError or its own errors, by cause
+            if refused_credential(e):
+                raise PermissionError(f"nats-server at {opts.redacted()} refused {opts.user or 'this client'}: authorization "
+                                      "violation (wrong or stale credential?)") from None
+            waited = loop.time() - start
+            if wait is not None and waited >= wait:
+                raise ConnectionError(f"no nats-server at {opts.redacted()} after {waited:.0f}s: {type(e).__name__}: {e}") from None
+            if loop.time() - last_note >= 10 or waited == 0:
+                log.warning("waiting for nats-server at %s (%s); retrying", opts.redacted(), type(e).__name__)
+                last_note = loop.time()
+            await asyncio.sleep(0.5)
+    nc.options["allow_reconnect"] = True  # from now on, ride through server restarts
+    nc.options["max_reconnect_attempts"] = -1
+    nc.options["reconnect_time_wait"] = 0.5
+    return nc, gone
+
+
 class Plane:
     """A connection to the plane for one run."""
 
@@ -173,6 +201,7 @@ class Plane:
         self._js_by_domain: dict[str | None, JetStreamContext] = {domain: self._js}
         self._topology = TopologyMaker(self._js, self._jsm, names)
         self.state = RunState(self._js, names, domain)
+        self.stored = StoredMessages(nc, self._jsm, self.api_prefix)  # what the streams hold, by sequence; consumers' state
         self._gone = _Gone()
         self.node: str | None = None  # the node this connection's credential is (``node-NAME``): its trajectories' subject
 
@@ -180,29 +209,7 @@ class Plane:
     async def connect(cls, opts: NatsOptions, run: str, worker_id: str, wait: float | None = None) -> Plane:
         """Connect, waiting up to ``wait`` seconds (None: as long as it takes) for a server that is not
         there yet, with a log line now and then; a refused credential fails at once."""
-        kw = {**opts.connect_kwargs(), "name": f"astraflow:{run}:{worker_id}", "connect_timeout": 2.0}
-        loop = asyncio.get_running_loop()
-        start = last_note = loop.time()
-        gone = _Gone()
-        while True:
-            try:  # the first connection without client-side retries: we decide here what is worth waiting for
-                nc = await nats.connect(**kw, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.2,
-                                        disconnected_cb=gone.down, reconnected_cb=gone.up, error_cb=gone.error)
-                break
-            except Exception as e:  # nats-py raises OSError, TimeoutError or its own errors, by cause
-                if refused_credential(e):
-                    raise PermissionError(f"nats-server at {opts.redacted()} refused {opts.user or 'this client'}: authorization "
-                                          "violation (wrong or stale credential?)") from None
-                waited = loop.time() - start
-                if wait is not None and waited >= wait:
-                    raise ConnectionError(f"no nats-server at {opts.redacted()} after {waited:.0f}s: {type(e).__name__}: {e}") from None
-                if loop.time() - last_note >= 10 or waited == 0:
-                    log.warning("waiting for nats-server at %s (%s); retrying", opts.redacted(), type(e).__name__)
-                    last_note = loop.time()
-                await asyncio.sleep(0.5)
-        nc.options["allow_reconnect"] = True  # from now on, ride through server restarts
-        nc.options["max_reconnect_attempts"] = -1
-        nc.options["reconnect_time_wait"] = 0.5
+        nc, gone = await connect_nats(opts, f"astraflow:{run}:{worker_id}", wait)
         plane = cls(nc, Names(run), worker_id, opts.domain)
         plane._gone = gone
         plane.node = node_of(opts.user)
@@ -278,12 +285,8 @@ class Plane:
 
         try:  # with an id it lands once, however often it is sent: sent again while the plane does not answer
             ack = await (ask_again(send, f"publishing on {subject}", self._js) if msg_id else send())
-        except APIError as e:
-            if after is not None and e.err_code == WRONG_LAST_SEQUENCE:
-                raise PublishConflict(f"{subject}: another message was published after sequence {after}: {e.description}") from None
-            raise PublishRefused(f"{subject}: {e.description or e}") from e
-        except (NoRespondersError, NoStreamResponseError):
-            raise PublishRefused(f"{subject}: no stream stores it") from None
+        except (APIError, NoRespondersError, NoStreamResponseError) as e:
+            raise _refusal(subject, after, e) from e
         return int(ack.seq)
 
     async def publish_many(self, items: Sequence[tuple[str, Message | bytes, str | None]], oversize: Oversize | None = None) -> list[int]:
@@ -291,18 +294,7 @@ class Plane:
         sequences (a duplicate's is the original's). A message may come encoded already (bytes within ``max_payload``).
         ``oversize``: what a message whose encoding exceeds ``max_payload`` is replaced with (published in its place);
         without it, such a message raises :class:`~astraflow.streams.codec.MessageTooLarge` before anything is published."""
-        encoded = []
-        for subject, msg, msg_id in items:
-            if isinstance(msg, bytes):
-                encoded.append((subject, msg, msg_id))
-                continue
-            try:
-                data = encode(msg, self.max_payload)
-            except MessageTooLarge:
-                if oversize is None:
-                    raise
-                data = encode(await oversize(msg), self.max_payload)
-            encoded.append((subject, data, msg_id))
+        encoded = [(subject, await _encoded(msg, self.max_payload, oversize), msg_id) for subject, msg, msg_id in items]
         if not encoded:
             return []
         if all(msg_id for _, _, msg_id in encoded):  # a repeat lands once (Nats-Msg-Id): sent again at once after a reconnect
@@ -337,84 +329,6 @@ class Plane:
         """The durable pull consumer ``durable`` of ``stream``, handing out ``model`` deliveries."""
         return Consumer(self, stream, durable, functools.partial(decode, expected=model))
 
-    def trajectory_consumer(self, durable: str) -> Consumer[Trajectory | TrajectoryGroup]:
-        """The durable pull consumer ``durable`` of the TRAJ stream, which carries trajectories and trajectory groups."""
-        return Consumer(self, self.names.traj_stream, durable, functools.partial(decode_either, first=Trajectory, second=TrajectoryGroup))
-
-    async def lag(self, stream: str, durable: str) -> Lag:
-        info = await ask_again(lambda: self._jsm.consumer_info(stream, durable), f"the lag of {durable} on {stream}", self._jsm,
-                               attempt_s=QUICK_S)
-        delivered = int(info.delivered.stream_seq or 0) if info.delivered is not None else 0
-        return Lag(info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0, delivered)
-
-    async def consumer_settings(self, stream: str, durable: str) -> ConsumerSettings:
-        cfg = (await self._jsm.consumer_info(stream, durable)).config
-        return ConsumerSettings(float(cfg.ack_wait or 30.0), int(cfg.max_deliver or -1))
-
-    async def stream_msgs(self, stream: str) -> int | None:
-        """Messages ``stream`` holds; None when it does not exist."""
-        try:
-            return int((await self._jsm.stream_info(stream)).state.messages)
-        except NotFoundError:
-            return None
-
-    async def last(self, stream: str, subject: str, model: type[M]) -> M | None:
-        """The newest message on ``subject`` in ``stream``, decoded; None when there is none."""
-        try:
-            raw = await self._jsm.get_last_msg(stream, subject)
-        except NotFoundError:
-            return None
-        return decode(raw.data or b"", model)
-
-    async def last_seq(self, stream: str, subject: str) -> int:
-        """The stream sequence of the newest message on ``subject`` in ``stream``; 0 when there is none."""
-        try:
-            return int((await self._jsm.get_last_msg(stream, subject)).seq or 0)
-        except NotFoundError:
-            return 0
-
-    async def stream_last(self, stream: str) -> int:
-        """The sequence of the newest message ``stream`` has stored (0: none yet)."""
-        return int((await self._jsm.stream_info(stream)).state.last_seq or 0)
-
-    async def holds(self, stream: str, seq: int) -> bool:
-        """Whether ``stream`` still holds the message at ``seq`` (a work queue drops a message once it is acked)."""
-        try:
-            await self._jsm.get_msg(stream, seq)
-        except NotFoundError:
-            return False
-        return True
-
-    async def get(self, stream: str, seq: int, model: type[M]) -> M:
-        """The message at sequence ``seq`` of ``stream``, decoded (NotFoundError when it is gone)."""
-        raw = await self._jsm.get_msg(stream, seq)
-        return decode(raw.data or b"", model)
-
-    async def delete(self, stream: str, seq: int) -> bool:
-        """Remove the message at ``seq`` from ``stream``; False when it was gone already."""
-        try:
-            return bool(await self._jsm.delete_msg(stream, seq))
-        except APIError as e:
-            if e.err_code == 10043:  # "sequence N not found": deleted before, or acked from a work queue
-                return False
-            raise
-
-    async def get_many(self, stream: str, seqs: list[int], model: type[M], timeout: float = 10.0) -> list[M]:
-        """The messages at ``seqs`` of ``stream``, decoded, in the order asked: batched direct gets, a few requests
-        for the lot (``streams/direct.py``). Raises ``MissingMessages`` naming every sequence that is gone, and
-        ``DecodeError`` for one that does not decode. Decoding runs on a thread: the event loop keeps beating."""
-        got = await self.read_many(stream, seqs, timeout)
-        return await asyncio.to_thread(lambda: [decode(got[s], model) for s in seqs])
-
-    async def read_many(self, stream: str, seqs: list[int], timeout: float = 10.0) -> dict[int, bytes]:
-        """The bytes of the messages at ``seqs`` of ``stream``, by sequence (each distinct one read once), as
-        :meth:`get_many` reads them; ``MissingMessages`` names every sequence that is gone."""
-        return {s: m.data for s, m in (await self.read_stored(stream, seqs, timeout)).items()}
-
-    async def read_stored(self, stream: str, seqs: list[int], timeout: float = 10.0) -> dict[int, StreamMsg]:
-        """:meth:`read_many` with the subject each message was published on (the server's, not the publisher's word)."""
-        return await read_seqs(self._nc, self.api_prefix, stream, seqs, timeout=timeout)
-
     def follower(self, subject: str, model: type[M], stream: str | None = None, domain: str | None = None,
                  start: Literal["last", "all"] = "last", on_bad: OnBad = log_bad, check: Check[M] | None = None) -> Follower[M]:
         """Follow ``subject`` of ``stream`` (default: the family's own stream; a mirror's name in ``domain``).
@@ -430,41 +344,13 @@ class Plane:
         js = self._js_for(domain or self.domain)
         return await read_history(js, stream or self._stream_of(subject), subject, model, last_only, on_bad=on_bad)
 
-    async def held(self, stream: str, subject: str, model: type[M]) -> list[tuple[int, M]]:
-        """(sequence, message) of every message ``stream`` still holds on ``subject`` (a work queue's unacked ones too)."""
-        return await read_subject(self._jsm, stream, subject, model)
-
     async def follow(self, subject: str, model: type[M], cb: Callable[[M], Awaitable[None]], history: bool = True,
                      on_bad: OnBad = log_bad) -> Subscription:
         """Call ``cb`` with every message on ``subject`` (from the start of its stream when ``history``, else from the
         newest), in order, from a task of its own; through a :meth:`follower`, so it resumes as soon as a restarted
         server is back. An error of ``cb`` is logged and the messages after it are still handed over."""
         follower = self.follower(subject, model, start="all" if history else "last", on_bad=on_bad)
-        first = await follower.fetch(0.0)  # subscribed before this returns: what is published from now on is handed over
-
-        async def hand_over() -> None:
-            arrived = first
-            while True:
-                for msg in arrived:
-                    try:
-                        await cb(msg)
-                    except Exception:
-                        log.exception("following %s: the handler failed on a message; going on", subject)
-                try:
-                    arrived = await follower.fetch(1.0)
-                except Exception as e:  # whatever the plane did, following goes on: a dead task would stop it unseen
-                    log.warning("following %s: %s: %s; going on", subject, type(e).__name__, e)
-                    arrived = []
-                    await asyncio.sleep(1.0)
-
-        task = asyncio.create_task(hand_over())
-
-        async def stop() -> None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await follower.close()
-
-        return Subscription(stop)
+        return await follower.hand_over(cb)
 
     def _stream_of(self, subject: str) -> str:
         return self.names.stream(subject.split(".")[2])
@@ -482,19 +368,7 @@ class Plane:
 
     async def wait_for_domain(self, domain: str, timeout: float = 20.0, on_wait: Callable[[str], None] | None = None) -> None:
         """Return once JetStream of ``domain`` answers on this connection (the hub, through a leafnode)."""
-        js = self._nc.jetstream(domain=domain, timeout=1.0)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            try:
-                await js.account_info()
-                return
-            except Exception as e:  # no responders / timeout until the leafnode link is up
-                if loop.time() > deadline:
-                    raise TimeoutError(f"JetStream domain {domain!r} unreachable after {timeout:.0f}s: {type(e).__name__}") from None
-                if on_wait is not None:
-                    on_wait(f"waiting for JetStream domain {domain!r}: {type(e).__name__}")
-                await asyncio.sleep(0.1)
+        await _jetstream_answers(self._nc.jetstream(domain=domain, timeout=1.0), domain, timeout, on_wait)
 
     # ---------------------------------------------------------------- core NATS: heartbeats, advisories
     async def beat(self, hb: Heartbeat) -> None:
@@ -502,14 +376,7 @@ class Plane:
 
     async def on_heartbeats(self, cb: Callable[[Heartbeat], None]) -> Subscription:
         """Call ``cb`` with every heartbeat of the run (undecodable ones are dropped: they are only liveness)."""
-
-        async def handle(msg: Msg) -> None:
-            try:
-                cb(decode(msg.data, Heartbeat))
-            except DecodeError as e:
-                log.debug("undecodable heartbeat on %s: %s", msg.subject, e)
-
-        sub = await self._nc.subscribe(f"af.{self.names.run}.hb.>", cb=handle)
+        sub = await self._nc.subscribe(f"af.{self.names.run}.hb.>", cb=functools.partial(_heartbeat_to, cb))
         await self._nc.flush()  # the server knows the interest before this returns
         return Subscription(sub.unsubscribe)
 
@@ -517,15 +384,61 @@ class Plane:
         """Call ``cb(stream_seq)`` for every message of ``durable`` the server gave up on (it ran out of deliveries), from
         the start: the DLQ stream keeps the server's advisories (``topology.py``), so one given while nobody listened
         (a dataflow restarting) is not lost. A restarted follower sees the old ones again: ``cb`` must be idempotent."""
-
-        async def handle(msg: Msg) -> None:
-            try:
-                seq = int(json.loads(msg.data)["stream_seq"])
-            except (ValueError, KeyError, TypeError) as e:
-                log.debug("max-deliveries advisory not understood: %s", e)
-                return
-            await cb(seq)
-
         sub = await self._js.subscribe(self.names.max_deliveries_advisory(stream, durable), stream=self.names.dlq_stream,
-                                       ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL, cb=handle)
+                                       ordered_consumer=True, deliver_policy=api.DeliverPolicy.ALL,
+                                       cb=functools.partial(_given_up_to, cb))
         return Subscription(sub.unsubscribe)
+
+
+async def _encoded(msg: Message | bytes, max_payload: int, oversize: Oversize | None) -> bytes:
+    """``msg`` as published (bytes come encoded already); one too large goes as what ``oversize`` replaces it with."""
+    if isinstance(msg, bytes):
+        return msg
+    try:
+        return encode(msg, max_payload)
+    except MessageTooLarge:
+        if oversize is None:
+            raise
+        return encode(await oversize(msg), max_payload)
+
+
+async def _jetstream_answers(js: JetStreamContext, domain: str, timeout: float, on_wait: Callable[[str], None] | None) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            await js.account_info()
+            return
+        except Exception as e:  # no responders / timeout until the leafnode link is up
+            if loop.time() > deadline:
+                raise TimeoutError(f"JetStream domain {domain!r} unreachable after {timeout:.0f}s: {type(e).__name__}") from None
+            if on_wait is not None:
+                on_wait(f"waiting for JetStream domain {domain!r}: {type(e).__name__}")
+            await asyncio.sleep(0.1)
+
+
+async def _heartbeat_to(cb: Callable[[Heartbeat], None], msg: Msg) -> None:
+    try:
+        cb(decode(msg.data, Heartbeat))
+    except DecodeError as e:
+        log.debug("undecodable heartbeat on %s: %s", msg.subject, e)
+
+
+async def _given_up_to(cb: Callable[[int], Awaitable[None]], msg: Msg) -> None:
+    """A max-deliveries advisory: ``cb`` with the stream sequence of the message the server gave up on."""
+    try:
+        seq = int(json.loads(msg.data)["stream_seq"])
+    except (ValueError, KeyError, TypeError) as e:
+        log.debug("max-deliveries advisory not understood: %s", e)
+        return
+    await cb(seq)
+
+
+def _refusal(subject: str, after: int | None, e: Exception) -> PublishRefused:
+    """Why the server refused a publication on ``subject``: another message published there after ``after``
+    (:class:`PublishConflict`), a refusal it explained, or no stream that stores the subject."""
+    if not isinstance(e, APIError):
+        return PublishRefused(f"{subject}: no stream stores it")
+    if after is not None and e.err_code == WRONG_LAST_SEQUENCE:
+        return PublishConflict(f"{subject}: another message was published after sequence {after}: {e.description}")
+    return PublishRefused(f"{subject}: {e.description or e}")

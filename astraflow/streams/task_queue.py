@@ -43,27 +43,27 @@ class TaskQueue:
 
     async def backlog(self) -> Lag:
         """Tasks waiting for a node (``pending``) and out with one, unacked (``ack_pending``), as the server counts now."""
-        return await self.plane.lag(self._stream, self.pool)
+        return await self.plane.stored.lag(self._stream, self.pool)
 
     async def redelivery_wait(self) -> float:
         """Seconds a task out with a node may go unacked before the server hands it to another."""
-        return (await self.plane.consumer_settings(self._stream, self.pool)).ack_wait
+        return (await self.plane.stored.consumer_settings(self._stream, self.pool)).ack_wait
 
     async def queued(self, ticket: Ticket) -> bool:
         """Whether the task is still in the queue (waiting, out unacked, or given up on): False once a node acked it."""
-        return await self.plane.holds(self._stream, ticket)
+        return await self.plane.stored.holds(self._stream, ticket)
 
     async def read(self, ticket: Ticket) -> Task:
         """The task at ``ticket`` (NotFoundError when it left the queue)."""
-        return await self.plane.get(self._stream, ticket, Task)
+        return await self.plane.stored.get(self._stream, ticket, Task)
 
     async def remove(self, ticket: Ticket) -> bool:
         """Take a task out of the queue for good (one the server gave up on); False when it was gone already."""
-        return await self.plane.delete(self._stream, ticket)
+        return await self.plane.stored.delete(self._stream, ticket)
 
     async def queued_tasks(self) -> list[tuple[Ticket, Task]]:
         """Every task the queue still holds, with its ticket, oldest first (after a restart: where each task out is)."""
-        return await self.plane.held(self._stream, self.plane.names.all("task"), Task)
+        return await self.plane.stored.held(self._stream, self.plane.names.all("task"), Task)
 
     async def on_given_up(self, cb: Callable[[Ticket], Awaitable[None]]) -> Subscription:
         """Call ``cb(ticket)`` for every task the server gave up on (out of deliveries), from the first: idempotent."""

@@ -214,7 +214,7 @@ async def fetch_batch(plane: Plane, batch: Batch) -> TrainingBatch:
     reference's ``traj_id`` taken from a group, offloaded arrays resolved. Raises ``MissingMessages`` (sequences gone),
     :class:`PayloadUnavailable`, or the transient error of the read. The caller checks each one's ids against its
     reference (a group without that id gives its first trajectory, which fails that check)."""
-    stored = await plane.read_stored(plane.names.traj_stream, [r.seq for r in batch.refs])
+    stored = await plane.stored.read_stored(plane.names.traj_stream, [r.seq for r in batch.refs])
     raw = {seq: m.data for seq, m in stored.items()}
 
     def pick() -> list[Trajectory]:

@@ -8,8 +8,10 @@ in marks: how far the log is written, how far its reader got; the two compare, a
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
+from astraflow.streams.codec import decode_either
 from astraflow.streams.consuming import Consumer, Lag
 from astraflow.streams.messages import Trajectory, TrajectoryGroup
 
@@ -25,20 +27,20 @@ class TrajectoryLog:
         self._stream, self._reader = plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER
 
     def reader(self) -> Consumer[Trajectory | TrajectoryGroup]:
-        """The dataflow's pull of every policy's trajectories and trajectory groups."""
-        return self.plane.trajectory_consumer(self._reader)
+        """The dataflow's pull of every policy's trajectories and trajectory groups (the log carries both)."""
+        return Consumer(self.plane, self._stream, self._reader, functools.partial(decode_either, first=Trajectory, second=TrajectoryGroup))
 
     async def backlog(self) -> Lag:
         """Trajectories waiting for the dataflow and in its hands, unacked."""
-        return await self.plane.lag(self._stream, self._reader)
+        return await self.plane.stored.lag(self._stream, self._reader)
 
     async def redelivery_wait(self) -> float:
         """Seconds a trajectory the dataflow took may go unacked before it is delivered again."""
-        return (await self.plane.consumer_settings(self._stream, self._reader)).ack_wait
+        return (await self.plane.stored.consumer_settings(self._stream, self._reader)).ack_wait
 
     async def mark(self) -> int:
         """How far the log is written now: a trajectory published before this call is at or below the mark."""
-        return await self.plane.stream_last(self._stream)
+        return await self.plane.stored.stream_last(self._stream)
 
     async def handed_over(self) -> int:
         """How far the dataflow's reader has been handed the log: everything at or below this mark (a :meth:`mark`)."""

@@ -33,15 +33,15 @@ class WeightChannel:
 
     async def last_position(self) -> int:
         """The position of the policy's newest announcement; 0 when there is none."""
-        return await self.plane.last_seq(self.where, self.subject)
+        return await self.plane.stored.last_seq(self.where, self.subject)
 
     async def read(self, position: int) -> WeightVersion:
         """The announcement at ``position``."""
-        return await self.plane.get(self.where, position, WeightVersion)
+        return await self.plane.stored.get(self.where, position, WeightVersion)
 
     async def newest(self) -> WeightVersion | None:
         """The policy's newest announcement (None: none yet); ``DecodeError`` when it does not decode."""
-        return await self.plane.last(self.where, self.subject, WeightVersion)
+        return await self.plane.stored.last(self.where, self.subject, WeightVersion)
 
     async def history(self, on_bad: OnBad = log_bad) -> list[WeightVersion]:
         """Every announcement the stream still keeps, oldest first (undecodable ones handed to ``on_bad``, skipped)."""

@@ -38,6 +38,7 @@ from astraflow.train.lora import (
 from astraflow.train.losses.functional import gather_logprobs, token_entropy
 from astraflow.train.objective import SUMMED, Objective, StepPlan, combine
 from astraflow.weights.delta import to_bf16_state
+from astraflow.weights.load import copy_weights
 
 
 def device_for(cfg: TrainerConfig) -> torch.device:
@@ -210,12 +211,7 @@ class TorchBackend:
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         if is_adapted(self.module):
             return load_adapters(self.module, state) if is_adapter_state(state) else load_merged(self.module, state)
-        own = self.module.state_dict()
-        missing = set(own) - set(state)
-        if missing:
-            raise ValueError(f"weights lack {sorted(missing)[:3]}")
-        for name, t in own.items():
-            t.copy_(state[name])
+        copy_weights(self.module, state)
 
     def reference_state(self) -> dict[str, torch.Tensor] | None:
         return None if self.ref is None else {k: v.detach().cpu().clone() for k, v in self.ref.state_dict().items()}
@@ -246,14 +242,20 @@ class TorchBackend:
         self.opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
 
     def retune(self) -> dict[str, tuple[float, float]]:
-        changed: dict[str, tuple[float, float]] = {}
-        for key, value in (("lr", self.cfg.lr), ("weight_decay", self.cfg.weight_decay)):
-            was = [float(g[key]) for g in self.opt.param_groups]
-            for g in self.opt.param_groups:
-                g[key] = value
-            if any(w != value for w in was):
-                changed[key] = (was[0], value)
-        return changed
+        return retune_optimizer(self.opt, self.cfg)
+
+
+def retune_optimizer(opt: torch.optim.Optimizer, cfg: TrainerConfig) -> dict[str, tuple[float, float]]:
+    """Set the recipe's learning rate and weight decay on every parameter group of ``opt`` (a checkpoint restored its
+    own); what changed, as (was, now)."""
+    changed: dict[str, tuple[float, float]] = {}
+    for key, value in (("lr", cfg.lr), ("weight_decay", cfg.weight_decay)):
+        was = [float(g[key]) for g in opt.param_groups]
+        for g in opt.param_groups:
+            g[key] = value
+        if any(w != value for w in was):
+            changed[key] = (was[0], value)
+    return changed
 
 
 def _untied_copy(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

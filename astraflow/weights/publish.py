@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -52,6 +52,7 @@ from astraflow.weights.keeper import PayloadKeeper, base_name, payload_name
 from astraflow.weights.retention import key_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 Encoding = Literal["keyframe", "delta"]
 WRITE_ATTEMPTS = 3  # writes of one version a lost connection may interrupt before the store gives up
 STEP_OVERS = 8  # refused publishes in a row before a foreign writer counts as another trainer anyway
@@ -89,6 +90,37 @@ async def request_keyframe(plane: Plane, policy: str, reason: str = "") -> None:
     """Ask the trainer of ``policy`` to make its next version a keyframe (from any region: the
     run state is written through the plane's JetStream domain, so a node on a leaf reaches the hub)."""
     await plane.state.put(KeyframeRequest(policy=policy, by=plane.worker_id, reason=reason[:500]))
+
+
+async def written(write: Callable[[], Awaitable[T]], what: str) -> T:
+    """``write()``, done again at once (up to ``WRITE_ATTEMPTS`` in all) when the server's restart interrupted it."""
+    for _ in range(WRITE_ATTEMPTS - 1):
+        try:
+            return await write()
+        except WriteInterrupted as e:
+            log.warning("%s: %s; writing it again", what, e)
+    return await write()
+
+
+def keyframe_reason(image_version: int | None, version: int, forced: bool, keyframe_every: int) -> str | None:
+    """Why ``version`` must be a keyframe, or None (a delta from the image, which is ``image_version``; None: no image)."""
+    if image_version is None:
+        return "start"
+    if image_version != version - 1:
+        return f"image is v{image_version}, not v{version - 1}"
+    if forced:
+        return "forced"
+    if version % keyframe_every == 0:
+        return f"every {keyframe_every}"
+    return None
+
+
+def harmless_tail(anns: list[WeightVersion], own: tuple[int | None, str | None], policy: str, mine: int) -> list[WeightVersion] | None:
+    """The announcements after the newest one keyed ``own`` (all of them if none is), if no trainer could have made
+    any of them (``foreign_harmless``: a publisher at ``mine`` may step over them); None if one could."""
+    at = next((i for i in range(len(anns) - 1, -1, -1) if key_of(anns[i]) == own), -1)
+    after = anns[at + 1:]
+    return after if all(foreign_harmless(a, policy, mine) for a in after) else None
 
 
 class WeightPublisher:
@@ -140,22 +172,6 @@ class WeightPublisher:
         return self.adapter
 
     # ------------------------------------------------------------------ decisions
-    async def _keyframe_request_rev(self) -> int:
-        """Revision of the current keyframe request in the run KV (0 if none; a failed read is an error)."""
-        return await self.plane.state.revision(KeyframeRequest, self.policy)
-
-    def _keyframe_reason(self, version: int, force_keyframe: bool) -> str | None:
-        """Why ``version`` must be a keyframe, or None: try a delta."""
-        if self.image is None:
-            return "start"
-        if self.image_version != version - 1:
-            return f"image is v{self.image_version}, not v{version - 1}"
-        if force_keyframe:
-            return "forced"
-        if version % self.keyframe_every == 0:
-            return f"every {self.keyframe_every}"
-        return None
-
     async def _put(self, new: dict[str, torch.Tensor], version: int, force_keyframe: bool,
                    digest: asyncio.Future[str]) -> tuple[Encoding, ObjectRef, str]:
         """Encode ``new`` while writing it to the object store; (encoding, ref, why). A delta that grows past
@@ -166,7 +182,7 @@ class WeightPublisher:
         async def name(encoding: Encoding) -> str:
             return payload_name(self.policy, version, await digest, encoding)
 
-        why = self._keyframe_reason(version, force_keyframe)
+        why = keyframe_reason(None if self.image is None else self.image_version, version, force_keyframe, self.keyframe_every)
         if why is None:
             assert self.image is not None
             full_bytes = sum(t.numel() * t.element_size() for t in new.values())
@@ -200,7 +216,7 @@ class WeightPublisher:
         token check left out, announced with it."""
         if not self.keeper.seeded:
             await self.keeper.seed()
-        request_rev = await self._keyframe_request_rev()
+        request_rev = await self.plane.state.revision(KeyframeRequest, self.policy)
         requested = request_rev > self._request_rev
         new = await asyncio.to_thread(to_bf16_state, state) if copy else dict(state)
         bad = await asyncio.to_thread(non_finite, new)
@@ -209,14 +225,8 @@ class WeightPublisher:
                                    "not published")
         digesting = asyncio.ensure_future(asyncio.to_thread(state_digest, new))  # releases the GIL: overlaps the encoding
         try:
-            for attempt in range(WRITE_ATTEMPTS):  # a write the server's restart interrupted is written again at once
-                try:
-                    encoding, ref, why = await self._put(new, version, force_keyframe or requested, digesting)
-                    break
-                except WriteInterrupted as e:
-                    if attempt + 1 == WRITE_ATTEMPTS:
-                        raise
-                    log.warning("weights %s v%d: %s; writing it again", self.policy, version, e)
+            encoding, ref, why = await written(lambda: self._put(new, version, force_keyframe or requested, digesting),
+                                               f"weights {self.policy} v{version}")
         finally:
             await asyncio.gather(digesting, return_exceptions=True)
         digest = digesting.result()
@@ -240,7 +250,7 @@ class WeightPublisher:
         payload gone), no node can serve a task and no batch ever arrives. None: nothing to answer."""
         if self.image is None or self.image_version is None or self.image_digest is None:
             return None
-        if await self._keyframe_request_rev() <= self._request_rev:
+        if await self.plane.state.revision(KeyframeRequest, self.policy) <= self._request_rev:
             return None
         first = self.keeper.history.get((self.image_version, self.image_digest))
         stored = await self.store(self.image, self.image_version, list(first.batch_ids) if first else [],
@@ -305,10 +315,9 @@ class WeightPublisher:
         (logged and stepped over), else None (another trainer announced)."""
         last = await self.announcements.last_position()
         anns = await self.announcements.history()  # undecodable ones are skipped (and harmless)
-        own = next((i for i in range(len(anns) - 1, -1, -1) if key_of(anns[i]) == (self.image_version, self.image_digest)), -1)
-        after = anns[own + 1:]
         mine = -1 if self.image_version is None else self.image_version
-        if not all(foreign_harmless(a, self.policy, mine) for a in after):
+        after = harmless_tail(anns, (self.image_version, self.image_digest), self.policy, mine)
+        if after is None:
             return None
         log.warning("weights %s: stepping over %d announcements no trainer could have made (after v%d)", self.policy, len(after), mine)
         return last

@@ -51,20 +51,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
-from contextlib import aclosing
-from functools import partial
-from typing import Any, Protocol, cast
+from collections.abc import Mapping
 
-import torch
-
-from astraflow.streams.messages import AdapterSpec, ObjectRef, WeightVersion
-from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError, ObjectStore
+from astraflow.streams.messages import WeightVersion
+from astraflow.streams.objects import ObjectError
 from astraflow.streams.plane import Plane
 from astraflow.streams.weight_channel import WeightChannel
-from astraflow.weights.adapters import AdapterError, BaseMismatch, MergedAdapters
+from astraflow.weights.adapters import AdapterError
 from astraflow.weights.checks import announcement_problem, in_order, order_problem
-from astraflow.weights.delta import DeltaApplier, DeltaError, KeyframeDecoder, state_digest
+from astraflow.weights.delta import DeltaError
+from astraflow.weights.image import HeldImage, WeightSyncError, WeightTarget
 from astraflow.weights.publish import request_keyframe
 from astraflow.weights.retention import Key, base_key, key_of
 
@@ -72,82 +68,9 @@ log = logging.getLogger(__name__)
 KNOWN = 256  # announcements kept in memory for planning
 
 
-class WeightSyncError(RuntimeError):
-    """A version cannot be reached from what the node holds and what the plane still stores."""
-
-
 class VersionGone(WeightSyncError):
     """A version the announcement stream no longer holds the way to: it, or the keyframe its chain starts from, is older
     than every announcement the stream keeps (``plane.weights_history`` per policy). No retry brings it back."""
-
-
-class Sink(Protocol):
-    """What a payload is fed to while it is fetched (``DeltaApplier``, ``KeyframeDecoder``)."""
-
-    @property
-    def received(self) -> int: ...
-
-    def feed(self, data: bytes) -> None: ...
-
-    def close(self) -> object: ...
-
-
-async def fetch_into(objects: ObjectStore, ref: ObjectRef, sink: Sink, finish: Callable[[Any], Any] = lambda r: r) -> Any:
-    """Feed ``ref``'s chunks to ``sink`` while they are fetched, each once it checks (sha256, length; the last
-    once the whole payload's sha256 checks too), on a worker thread while the next ones arrive; then
-    ``finish(sink.close())``. The last chunk, ``close`` and ``finish`` take one thread hop together, so a
-    one-chunk payload (a small model's delta) costs one hop in all."""
-    last: bytes | None = None
-    async with aclosing(objects.iter_chunks(ref)) as chunks:
-        index = 0
-        async for chunk in chunks:
-            index += 1
-            if index < len(ref.digests):
-                await asyncio.to_thread(sink.feed, chunk)
-            else:
-                last = chunk
-
-    def close() -> Any:
-        if last is not None:
-            sink.feed(last)
-        return finish(sink.close())
-
-    return await asyncio.to_thread(close)
-
-
-class WeightTarget(Protocol):
-    """What the sync needs of an engine (the rollout ``Engine`` satisfies it).
-
-    Optional, used when present: ``load_tensors(tensors, version)`` to receive only the changed
-    tensors (a hook for runtime-update APIs; no shipped engine has it yet), and ``state_view()`` (the engine's own tensors by
-    name) so a delta writes only what changed (hf).
-    """
-
-    @property
-    def version(self) -> int: ...
-
-    def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
-
-
-def install(engine: Any, image: Mapping[str, torch.Tensor], version: int, changed: set[str] | None) -> None:
-    """Put ``image`` (version ``version``) into the engine; ``changed`` None: the whole state.
-
-    * ``load_tensors(changed, version)`` where the engine has it (a hook; no shipped engine has it yet);
-    * else, when the engine's ``state_view()`` holds every tensor (hf), ``load_state`` gets the
-      engine's own tensors for the unchanged names and the image's for the changed ones: copying
-      a tensor onto itself is a no-op in torch, so only changed tensors are written, in place,
-      under the engine's own lock (generation never sees a half-applied version);
-    * else the whole image through ``load_state``.
-    """
-    if changed is not None and hasattr(engine, "load_tensors"):
-        engine.load_tensors({n: image[n] for n in sorted(changed)}, version)
-        return
-    if changed is not None:
-        view = engine.state_view()
-        if all(n in view for n in image):
-            engine.load_state({**view, **{n: image[n] for n in changed}}, version)
-            return
-    engine.load_state(dict(image), version)
 
 
 class WeightSync:
@@ -170,12 +93,8 @@ class WeightSync:
         wait = (10.0 if domain else 0.0) if mirror_wait is None else mirror_wait
         self.objects = plane.objects(domain=domain, stream=object_stream_name, wait_missing=wait)
         self.request_keyframes = request_keyframes
-        self.image: dict[str, torch.Tensor] | None = None  # bf16 image of image_version
-        self.image_version = -1
-        self.digest: str | None = None
-        self.adapter: AdapterSpec | None = None  # the image is that LoRA version's adapters (None: full weights)
-        self.adapters = MergedAdapters(engine)  # how the engine serves adapters, merged into a copy of its base
         self.stats: Counter[str] = Counter()
+        self.held = HeldImage(engine, self.objects, self.stats)  # the verified version it holds, and its way into the engine
         self.last_error = ""
         self.known: dict[Key, WeightVersion] = {}
         self._followed: list[WeightVersion] = []  # the history's announcements a node would have followed (goto picks by number from these)
@@ -271,36 +190,35 @@ class WeightSync:
         self.known.update(history)
         return history
 
-    def _held(self) -> Key | None:
-        """The state this node holds, as a chain may start from it (None: none)."""
-        return (self.image_version, self.digest) if self.image is not None and self.digest is not None else None
-
     async def _reach(self, target: WeightVersion, history: dict[Key, WeightVersion] | None = None, ask: bool = True) -> bool:
         """Bring the node to ``target``; False (weights unchanged; a keyframe requested if ``ask``) if it cannot."""
-        if target.adapter is not None and not await self._hold_base(target):
+        if (refused := await self.held.hold_base(target)) is not None:
+            self.stats["base_refused"] += 1
+            self.last_error = f"v{target.version}: {refused}"
+            log.error("weights %s: v%d refused: %s; keeping v%d", self.policy, target.version, refused, self.version)
             return False
-        holding = self.image is not None
+        holding = self.held.image is not None
         try:
-            chain = plan_chain(target, self.known, self._held())
+            chain = plan_chain(target, self.known, self.held.key())
             if chain is None:
                 history = history if history is not None else await self._history()
-                chain = plan_chain(target, history, self._held())
+                chain = plan_chain(target, history, self.held.key())
             if chain is None:
                 raise WeightSyncError(
                     f"chain of v{target.version} is incomplete in {self.announcements.where} (keyframe v{target.keyframe_version} gone?)"
                 )
             if not holding:
                 self.stats["joins"] += 1  # a late joiner: the keyframe and the deltas after it
-            elif chain and chain[0].encoding == "keyframe" and chain[0].version <= self.image_version < target.version:
+            elif chain and chain[0].encoding == "keyframe" and chain[0].version <= self.held.version < target.version:
                 self.stats["fallbacks"] += 1  # our state is not a base of the target: rebuild
                 log.warning(
                     "weights %s: v%d is not a base of v%d; rebuilding from keyframe v%d",
                     self.policy,
-                    self.image_version,
+                    self.held.version,
                     target.version,
                     chain[0].version,
                 )
-            await self._apply_chain(chain)
+            await self.held.apply_chain(chain)
             return True
         except Exception as first:
             self.stats["fallbacks"] += 1
@@ -311,7 +229,7 @@ class WeightSync:
             chain = plan_chain(target, await self._history(), None)
             if chain is None:
                 raise WeightSyncError(f"keyframe chain of v{target.version} is incomplete in {self.announcements.where}")
-            await self._apply_chain(chain)
+            await self.held.apply_chain(chain)
             return True
         except Exception as second:
             if not isinstance(second, (ObjectError, DeltaError, WeightSyncError, AdapterError)):
@@ -324,113 +242,6 @@ class WeightSync:
             if ask and self.request_keyframes:
                 await self.request_keyframe(f"{self.plane.worker_id} cannot reach v{target.version}: {second}")
             return False
-
-    async def _hold_base(self, target: WeightVersion) -> bool:
-        """Whether the engine can serve ``target``'s adapters: it holds their base, or fetched the base the version names
-        (checked against its digest). False: refused, with the reason logged and in ``last_error``."""
-        spec = target.adapter
-        if spec is None:
-            return True
-        try:
-            if hasattr(self.engine, "load_adapter"):  # it serves adapters itself (shared_base.py), or keeps them (a trainer)
-                problem = getattr(self.engine, "adapter_problem", lambda _spec: None)(spec)
-                if problem is not None:
-                    raise BaseMismatch(problem)
-            elif await asyncio.to_thread(self.adapters.needs_base, spec):
-                assert spec.base is not None
-                base, digest = await fetch_into(self.objects, spec.base, KeyframeDecoder(), finish=_with_digest)
-                self.adapters.take_base(base, digest, spec)
-                self.stats["bases"] += 1
-                self.stats["bytes"] += spec.base.size
-            return True
-        except (BaseMismatch, ObjectError, DeltaError) as e:
-            self.stats["base_refused"] += 1
-            self.last_error = f"v{target.version}: {e}"
-            log.error("weights %s: v%d refused: %s; keeping v%d", self.policy, target.version, e, self.version)
-            return False
-
-    def _install(self, changed: set[str] | None) -> None:
-        """Put the image into the engine: full weights as they are, a LoRA version's adapters merged into a copy of the
-        base (or to an engine that takes adapters itself)."""
-        assert self.image is not None
-        if self.adapter is None:
-            install(self.engine, self.image, self.image_version, changed)
-            if self.adapters.served or self.adapters.digest is not None:
-                self.adapters = MergedAdapters(self.engine)  # the engine's weights are no base any more
-        elif hasattr(self.engine, "load_adapter"):
-            self.engine.load_adapter(self.image, self.image_version, self.adapter)
-        else:
-            tensors, whole = self.adapters.merged(self.image, self.adapter.scale)
-            install(self.engine, tensors, self.image_version, None if whole else set(tensors))
-            self.adapters.installed(self.image)
-
-    # ------------------------------------------------------------------ fetching and applying
-    def _drop_image(self) -> None:
-        """The image matches no version any more (partly changed, or not the announced state): the engine keeps the last
-        verified one, and the next version comes from a keyframe chain."""
-        self.image, self.digest, self.image_version = None, None, -1
-
-    async def _apply_chain(self, chain: list[WeightVersion]) -> None:
-        """Apply ``chain`` onto the image while fetching, checking every step; install what was verified into the engine.
-        A keyframe decodes into fresh tensors; a delta applies in place as its chunks arrive (:func:`feed`)."""
-        changed: set[str] | None = set()
-        try:
-            for ann in chain:
-                if ann.encoding == "keyframe":
-                    _, (image, digest) = await feed(self.objects, ann, KeyframeDecoder, False, self.stats, self._drop_image,
-                                                    finish=_with_digest)
-                    changed = None
-                else:
-                    if self.image is None or ann.base_version != self.image_version or ann.base_digest != self.digest:
-                        raise WeightSyncError(f"delta v{ann.version} applies onto v{ann.base_version}, "
-                                              f"the node holds v{self.image_version}")
-                    image = self.image
-                    applier, digest = await feed(self.objects, ann, partial(DeltaApplier, image), True, self.stats,
-                                                 self._drop_image, finish=lambda _stats: state_digest(image))
-                    if changed is not None:
-                        changed |= cast(DeltaApplier, applier).changed
-                if digest != ann.state_digest:
-                    self._drop_image()
-                    self.stats["corrupt"] += 1
-                    raise WeightSyncError(f"v{ann.version}: state digest mismatch after applying")
-                self.image, self.digest, self.image_version, self.adapter = image, digest, ann.version, ann.adapter
-                self.stats[ann.encoding + "s"] += 1
-                self.stats["bytes"] += ann.objects[0].size
-        finally:
-            if self.image is not None and self.image_version != self.engine.version:
-                await asyncio.to_thread(self._install, changed)
-
-
-async def feed(objects: ObjectStore, ann: WeightVersion, make: Callable[[], Sink], in_place: bool, stats: Counter[str],
-               drop_image: Callable[[], None], finish: Callable[[Any], Any] = lambda r: r) -> tuple[Sink, Any]:
-    """``ann``'s payload fed to a sink from ``make`` while it is fetched from ``objects`` (:func:`fetch_into`); (the
-    sink, what its ``close`` returned).
-
-    A missing or corrupt chunk is fetched once more into a fresh sink, unless the sink works ``in_place`` on the image
-    and was fed already: the image may be partly changed then, so it is dropped (``drop_image``: it matches no version;
-    the engine keeps the last verified one) and the error goes to the caller, which rebuilds from the keyframe chain.
-    """
-    if len(ann.objects) != 1:
-        raise WeightSyncError(f"v{ann.version} names {len(ann.objects)} objects; this build reads exactly one")
-    (ref,) = ann.objects
-    for attempt in (1, 2):
-        sink = make()
-        try:
-            return sink, await fetch_into(objects, ref, sink, finish)
-        except BaseException as e:
-            touched = in_place and sink.received > 0
-            if touched:
-                drop_image()
-            if not isinstance(e, ObjectError):
-                raise
-            kind = "corrupt" if isinstance(e, CorruptObject) else "missing" if isinstance(e, MissingObject) else "object_errors"
-            stats[kind] += 1
-            if attempt == 2 or touched:
-                raise
-            stats["refetches"] += 1
-            log.warning("weights %s v%d: %s; fetching again", ann.policy, ann.version, e)
-    raise AssertionError("unreachable")
-
 
 def plan_chain(target: WeightVersion, index: Mapping[Key, WeightVersion], held: Key | None) -> list[WeightVersion] | None:
     """Announcements to apply to reach ``target``, oldest first: back along base links to the state ``held`` (None:
@@ -447,8 +258,3 @@ def plan_chain(target: WeightVersion, index: Mapping[Key, WeightVersion], held: 
             return None
         chain.append(nxt)
     return chain[::-1]
-
-
-def _with_digest(image: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
-    """A decoded keyframe and its state digest (the announced digest is what tells it is the version)."""
-    return image, state_digest(image)

@@ -16,6 +16,7 @@ from astraflow.moe_routing import Routes, RoutingRecorder
 from astraflow.registry import ENGINES
 from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from astraflow.rollout.engines.options import HfOptions
+from astraflow.weights.load import copy_weights
 
 
 def stop_at(tokenizer: Any, toks: list[int], stops: tuple[str, ...]) -> int | None:
@@ -36,6 +37,29 @@ class _Call:
     out: dict[int, Completion] = field(default_factory=dict)  # by request index
     error: Exception | None = None
     done: bool = False
+
+
+def gather_wait(waiting: int, callers: int, free_for: float, patience: float) -> float:
+    """Seconds a free engine waits before it starts a batch of the ``waiting`` calls (0: now).
+
+    A batch short of the expected ``callers`` waits for the rest until the engine has been free for ``patience``
+    (``gather`` x the last batch's time): wait = max(0, patience − free_for). A node's slots re-admit their next task
+    some ms after their batch ends (publish, pull, weight load); starting whoever came first alone splits one batch into
+    two for good, each half ending while the other runs. On CPU, 8 + 56 sequences cost 1.3x the CPU of 64 in one batch.
+    """
+    if not waiting or waiting >= callers:
+        return 0.0
+    return max(0.0, patience - free_for)
+
+
+def by_params(calls: list[_Call]) -> list[list[tuple[_Call, int]]]:
+    """The requests of ``calls`` as (call, request index), grouped into batches of one sampling params each; a seeded
+    request stays with its own call's (a seed reproduces a call, not a mixed batch)."""
+    groups: dict[Any, list[tuple[_Call, int]]] = {}
+    for k, call in enumerate(calls):
+        for i, r in enumerate(call.requests):
+            groups.setdefault((r.params, k if r.params.seed is not None else -1), []).append((call, i))
+    return list(groups.values())
 
 
 class HFEngine:
@@ -87,13 +111,8 @@ class HFEngine:
 
     @torch.no_grad()
     def load_state(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        own = self.model.state_dict()
-        missing = set(own) - set(state)
-        if missing:
-            raise ValueError(f"weight version {version} lacks {sorted(missing)[:3]}…")
         with self._held():
-            for name, tensor in own.items():
-                tensor.copy_(state[name])
+            copy_weights(self.model, state, f"weight version {version}")
             self._version = version
 
     @torch.no_grad()
@@ -174,27 +193,15 @@ class HFEngine:
             self._callers = max(1, n)
 
     def _gather_wait(self) -> float:
-        """Seconds to wait before the next batch starts (0: start it now; called holding the monitor).
-
-        A batch waits while the engine is busy. Once the engine is free, a batch short of the expected callers waits
-        for the rest up to ``gather`` x the last batch's time. A node's slots re-admit their next task some ms after
-        their batch ends (publish, pull, weight load); starting whoever came first alone splits one batch into two for
-        good, each half ending while the other runs. On CPU, 8 + 56 sequences cost 1.3x the CPU of 64 in one batch.
-        """
+        """Seconds to wait before the next batch starts (0: start it now; called holding the monitor)."""
         if self._busy or self._loads_waiting or self._paused:
             return 1.0  # woken when it ends: a load waiting, then a paused generation, go first
-        if not self._waiting or len(self._waiting) >= self._callers:
-            return 0.0
-        return max(0.0, self._free_since + self.gather * self._batch_s - time.monotonic())
+        return gather_wait(len(self._waiting), self._callers, time.monotonic() - self._free_since, self.gather * self._batch_s)
 
     def _run(self, calls: list[_Call]) -> None:
         """Generate every call of ``calls`` (the engine held); each gets its completions or the error."""
-        groups: dict[Any, list[tuple[_Call, int]]] = {}
-        for k, call in enumerate(calls):  # seeded params stay per call: a seed reproduces a call, not a mixed batch
-            for i, r in enumerate(call.requests):
-                groups.setdefault((r.params, k if r.params.seed is not None else -1), []).append((call, i))
         try:
-            for members in groups.values():
+            for members in by_params(calls):
                 for (call, i), c in zip(members, self._generate([call.requests[i] for call, i in members]), strict=True):
                     call.out[i] = c
         except Exception as e:
