@@ -216,3 +216,86 @@ async def test_a_free_slot_is_refilled_while_a_slow_task_generates_and_draining_
     await stream_drops_to(plane, 1)  # slow acked; t6 still in the pool for another node
     lag = await plane.stored.lag(names.task_stream, names.pool_consumer())
     assert lag.pending + lag.ack_pending == 1
+
+
+async def test_a_version_is_fetched_while_every_slot_generates_and_no_safe_point_reads_the_run_state(plane: Plane, monkeypatch):
+    """The node's watch fetches and checks a version as it is announced, while its slots generate (before the next safe
+    point); it learns of versions from its follower, never from ``version.{policy}`` in the run state."""
+    reads: list[str] = []
+    real_get = plane.state.get
+
+    async def counted_get(model, *keys):  # noqa: ANN001, ANN202
+        reads.append(model.__name__)
+        return await real_get(model, *keys)
+
+    monkeypatch.setattr(plane.state, "get", counted_get)
+    pub = WeightPublisher(plane, "solver")
+    await pub.publish(STATE, 0, force_keyframe=True)
+    gate, entered = threading.Event(), threading.Event()
+
+    def reply(prompt: str) -> str:
+        entered.set()
+        assert gate.wait(60), "the test never opened the gate"
+        return "4"
+
+    handles = scripted_handles(reply)
+    node = RolloutNode(recipe(), plane, "n5", handles=handles, workflow=SingleTurn(get_reward("arithmetic")))  # 2 slots
+    sync = node.weights.syncs["solver"]
+    stop = asyncio.Event()
+    run = asyncio.create_task(node.run(stop))
+    try:
+        for i in range(2):  # both slots taken, both generating (the second waits for the engine)
+            await plane.publish(plane.names.task("single_turn"), task(i), f"t{i}")
+        assert await asyncio.to_thread(entered.wait, 30)
+        await wait_until(lambda: node.slots is not None and node.slots.free == 0)
+        await pub.publish({"w": STATE["w"] + 1}, 1)
+        await wait_until(lambda: sync.held.version == 1, timeout=10)  # fetched and checked while the slots generate
+        assert handles["solver"].engine.version == 0  # installed only once the engine is free
+        gate.set()
+        first = await trajectories(plane, 4)
+        assert {v for t in first for v in t.token_versions().tolist()} == {0}
+        await wait_until(lambda: handles["solver"].engine.version == 1)
+        for i in range(2, 4):
+            await plane.publish(plane.names.task("single_turn"), task(i), f"t{i}")
+        later = await trajectories(plane, 4)
+        assert {v for t in later for v in t.token_versions().tolist()} == {1}
+    finally:
+        gate.set()
+        stop.set()
+        await run
+    assert "VersionRecord" not in reads, f"the node read the run state for versions: {reads}"
+
+
+async def test_a_generated_task_gives_its_slot_back_while_it_is_published(plane: Plane, monkeypatch):
+    """One slot: the next task generates while the last one's trajectories are still being published; the last one is
+    held (kept alive, drained) until it is settled, and acked only after its trajectories are stored."""
+    await WeightPublisher(plane, "solver").publish(STATE, 0, force_keyframe=True)
+    handles = scripted_handles(lambda p: "4")
+    node = RolloutNode(recipe(tasks_per_generate=1), plane, "n6", handles=handles, workflow=SingleTurn(get_reward("arithmetic")))
+    published = asyncio.Event()
+    real_settle = node.outbox.settle
+
+    async def slow_settle(d, trajs):  # noqa: ANN001, ANN202
+        if d.msg.task_id == "t0":
+            await published.wait()  # t0's publication takes as long as the test likes
+        await real_settle(d, trajs)
+
+    monkeypatch.setattr(node.outbox, "settle", slow_settle)
+    stop = asyncio.Event()
+    run = asyncio.create_task(node.run(stop))
+    engine = handles["solver"].engine
+    try:
+        for i in range(2):
+            await plane.publish(plane.names.task("single_turn"), task(i), f"t{i}")
+        await wait_until(lambda: len(engine.calls) == 2)  # t1 generated in the slot t0 gave back
+        assert node.slots is not None and node.slots.free == 1 and {d.msg.task_id for d in node.slots.held} == {"t0"}
+        await stream_drops_to(plane, 1)  # t1 acked; t0 not, its trajectories not stored yet
+        published.set()
+        got = await trajectories(plane, 4)
+        assert sorted({t.task_id for t in got}) == ["t0", "t1"]
+        await stream_drops_to(plane, 0)
+    finally:
+        published.set()
+        stop.set()
+        await run
+    assert node.stats["tasks"] == 2
