@@ -67,8 +67,12 @@ class NodeWeights:
             finally:
                 for f in (*arrivals, stopping):
                     f.cancel()
-            if not stop.is_set():
+            if stop.is_set():
+                break
+            try:
                 await self.refresh()
+            except Exception as e:  # the watch goes on: safe points refresh too, but a version is ready sooner with it
+                log.warning("watching for weights: %s: %s", type(e).__name__, e)
 
     async def refresh(self) -> bool:
         """A safe point: apply every announced version not applied yet; True if any version changed."""

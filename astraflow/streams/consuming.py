@@ -236,8 +236,9 @@ class Follower(Generic[M]):
 
     @property
     def following(self) -> bool:
-        """The consumer is made: what the server pushes lands here, and a ``fetch(0)`` costs no request."""
-        return self._sub is not None
+        """A ``fetch(0)`` costs no request: the consumer is made (what the server pushes lands here), or what it pushed
+        before it was lost is still to be handed over."""
+        return self._sub is not None or bool(self._got)
 
     async def arrival(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for something to fetch; True if there is (the next ``fetch`` hands it over)."""
@@ -247,8 +248,10 @@ class Follower(Generic[M]):
         return bool(self._got)
 
     async def fetch(self, wait: float) -> list[M]:
-        """What arrived since the last call; waits up to ``wait`` seconds when nothing has (0: returns at once)."""
-        if self._sub is None:
+        """What arrived since the last call; waits up to ``wait`` seconds when nothing has (0: returns at once). A
+        consumer that is not made (yet, or any more) is made first, unless what arrived before is still to be handed
+        over."""
+        if self._sub is None and not self._got:
             try:
                 await self._subscribe()
             except (NatsError, TimeoutError) as e:  # the stream is not there yet (a region whose mirror is being made), or no
