@@ -351,7 +351,7 @@ def test_a_plan_scales_advantages_by_group_weight_and_is_the_manifest():
 
 
 def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
-    lane = PolicyLane("solver", pipeline(), primary=True)
+    lane = PolicyLane("solver", pipeline(server={"type": "replay", "ratio": 0.5, "base": {"type": "fifo"}}), primary=True)
     lane.note_issued(3)
     groups = [group_of(f"t{i}", [0.0, 1.0], seq0=10 * (i + 1), version=1) for i in range(3)]  # stream sequences start at 1
     for _h in groups:
@@ -367,7 +367,7 @@ def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
     assert lane.is_closed("t0") and lane.find("t0") is groups[0] and lane.replay_positions("t1", 2) == [20, 21]
     assert lane.replay_positions("t1", 3) is None  # not the group the replay memory names
     assert lane.stats["lag_max"] == 2 and not lane.drained()
-    restored = PolicyLane("solver", pipeline(), primary=True)
+    restored = PolicyLane("solver", pipeline(server={"type": "replay", "ratio": 0.5, "base": {"type": "fifo"}}), primary=True)
     restored.load_state(lane.state())
     assert restored.state() == lane.state() and restored.planned() == [plan]
     lane.published(plan.batch_id)
@@ -409,3 +409,21 @@ def test_the_audit_calls_a_task_lost_only_past_the_grace_and_once_its_trajectori
     assert lost_groups(missing, {"g1": False, "g2": True}, now=0.0, grace=10.0) == []
     assert lost_groups(missing, {"g1": True}, now=5.0, grace=10.0) == [] and missing == {}  # back in memory: forgotten
     assert lost_groups(missing, {"g1": False}, now=6.0, grace=10.0) == [] and lost_groups(missing, {"g1": False}, 17.0, 10.0) == ["g1"]
+
+
+def test_a_lane_remembers_batched_groups_only_when_its_server_replays():
+    """Every turn's commit writes the lane's state: positions no server will ask for are not kept (nor written)."""
+    def lane_after_batching(server: dict[str, Any]) -> PolicyLane:
+        lane = PolicyLane("solver", pipeline(server=server), primary=True)
+        for i in range(3):
+            lane.remember(group_of(f"t{i}", [0.0, 1.0], seq0=10 * i))
+        return lane
+
+    assert lane_after_batching({"type": "fifo"}).state().recent == {}
+    assert lane_after_batching({"type": "mix", "weights": {"a": 1.0}}).state().recent == {}
+    replaying = lane_after_batching({"type": "replay", "ratio": 0.5, "base": {"type": "fifo"}})
+    assert replaying.state().recent == {"t0": [0, 1], "t1": [10, 11], "t2": [20, 21]}
+    assert replaying.replay_positions("t1", 2) == [10, 11]
+    resumed = lane_after_batching({"type": "fifo"})  # a run that replayed, resumed without replay: nothing kept
+    resumed.load_state(replaying.state())
+    assert resumed.state().recent == {}

@@ -88,7 +88,14 @@ class Server(Plugin):
 
     Ordering servers (FIFO, EDF) override ``order``; wrappers (replay, mix) override ``serve``
     and ask their base for its ``order``. The default is buffer order with no drops.
+
+    ``replays``: ``serve`` may hand out groups that are no longer in the buffer (served before).
+    Only then does the dataflow remember the log positions of batched groups, and persist them,
+    so that a restarted dataflow can still name the groups a replay memory holds; a server that
+    replays without saying so has its replayed groups left out (counted ``replay_missing``).
     """
+
+    replays: ClassVar[bool] = False
 
     def order(
         self, buffer: Sequence[Group], ctx: Context, rng: random.Random

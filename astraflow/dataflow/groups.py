@@ -129,3 +129,5 @@ class Recent:
     def load_state(self, positions: dict[str, list[int]]) -> None:
         self.held.clear()
         self.positions = OrderedDict((k, list(v)) for k, v in positions.items())
+        while len(self.positions) > self.size:  # kept by a run whose server replayed, resumed with one that does not
+            self.positions.popitem(last=False)

@@ -13,7 +13,8 @@ to continue exactly where this one stopped is in ``state()``:
   references, advantages); one found at restart is published again as it is, with the same
   ``Nats-Msg-Id``, and the server drops it if the first publication had landed;
 - ``awaiting``: published batches the trainer has not announced yet (their tasks);
-- ``recent``: trajectory-log positions of recently batched groups, so replay survives a restart;
+- ``recent``: trajectory-log positions of recently batched groups, so replay survives a restart
+  (kept only when the lane's server replays: ``Server.replays``);
 - ``history``: per batch, the groups received and tasks issued when it was planned (the data
   each version cost) and how many versions its groups lagged the trainer (max, mean), for the last
   ``HISTORY`` batches (the state is written every turn that changes it, so what it keeps is kept short);
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from astraflow.algorithms import Context, Group, Pipeline, PromptItem, ServeResult
-from astraflow.dataflow.groups import HeldGroup, Recent
+from astraflow.dataflow.groups import RECENT, HeldGroup, Recent
 from astraflow.dataflow.ledger import IdSet, Ledger, account
 from astraflow.streams.dataflow_state import Accounting, BatchPlan, LaneState
 from astraflow.streams.fates import FAILED_TRAIN, TRAINED, Fate
@@ -61,7 +62,7 @@ class PolicyLane:
         self.closed = IdSet()
         self.plans: dict[str, BatchPlan] = {}
         self.awaiting: dict[str, list[str]] = {}
-        self.recent = Recent()
+        self.recent = Recent(RECENT if pipeline.server.replays else 0)  # only a replaying server asks for batched groups
         self.ledger = Ledger()
         self.version = 0
         self.batch_seq = 0

@@ -42,6 +42,7 @@ class ReplayConfig(AlgoConfig):
 @SERVERS.register("replay", ReplayConfig)
 class Replay(Server):
     name = "replay"
+    replays = True
 
     def __init__(self, cfg: ReplayConfig, base: Server) -> None:
         self.cfg = cfg
