@@ -216,13 +216,14 @@ class WeightPublisher:
         token check left out, announced with it."""
         if not self.keeper.seeded:
             await self.keeper.seed()
-        request_rev = await self.plane.state.revision(KeyframeRequest, self.policy)
-        requested = request_rev > self._request_rev
+        asking = asyncio.ensure_future(self.plane.state.revision(KeyframeRequest, self.policy))  # beside the copy and check
         new = await asyncio.to_thread(to_bf16_state, state) if copy else dict(state)
         bad = await asyncio.to_thread(non_finite, new)
+        request_rev = await asking  # a failed read raises
         if bad:
             raise NonFiniteWeights(f"weights {self.policy} v{version}: {len(bad)} tensors hold NaN or inf ({', '.join(bad[:3])}); "
                                    "not published")
+        requested = request_rev > self._request_rev
         digesting = asyncio.ensure_future(asyncio.to_thread(state_digest, new))  # releases the GIL: overlaps the encoding
         try:
             encoding, ref, why = await written(lambda: self._put(new, version, force_keyframe or requested, digesting),
