@@ -6,8 +6,8 @@ push consumer), so a refresh that finds nothing new asks the server nothing: it 
 every pull, and a node that asked the run-state KV each time spent a request per pull on it. A
 follower not made yet (the stream not there, the server restarting) is tried again every
 ``FULL_REFRESH_S``, not at every safe point, so a plane that does not answer costs a pull no
-wait. Refreshes are serialised: the admission loop, a workflow's safe point and the
-partial-rollouts watcher may ask at once. The run-state KV (``version.{policy}``) is read only
+wait. Refreshes are serialised: the admission loop, a workflow's safe point and the watch
+(:meth:`NodeWeights.watch`) may ask at once. The run-state KV (``version.{policy}``) is read only
 to confirm, before a task is turned away as too new, that its version was really announced.
 """
 

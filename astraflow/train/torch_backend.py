@@ -216,11 +216,9 @@ class TorchBackend:
     def reference_state(self) -> dict[str, torch.Tensor] | None:
         return None if self.ref is None else {k: v.detach().cpu().clone() for k, v in self.ref.state_dict().items()}
 
-    @torch.no_grad()
     def load_reference(self, state: Mapping[str, torch.Tensor]) -> None:
         if self.ref is not None:
-            for name, t in self.ref.state_dict().items():
-                t.copy_(state[name])
+            copy_weights(self.ref, state, "the reference weights")
 
     def save(self, path: Path) -> None:
         save_model(self.module, str(path / "model.safetensors"))
