@@ -47,6 +47,7 @@ from astraflow.streams.trajectories import publish_trajectories
 
 KINDS = ("logprobs", "logprobs", "reward", "prompt", "range")  # two that pass the dataflow before the node is cut off
 CLAIMS = {"reward": "invalid:reward_claim", "prompt": "invalid:prompt_claim", "range": "invalid:reward_range"}  # kind -> fate
+IN_FLIGHT = "in flight"  # a lie with no fate yet: the stopped run's state holds its task out
 LETTERS = [i + 3 for i in b"abcdefghijklmnopqrstuvwxyz"]  # ByT5 ids of letters: never a number
 
 
@@ -133,7 +134,8 @@ async def tell(plane: Plane, d: Delivery[Task], k: int, lies: Lies, rng: random.
 
 
 async def fates_of(run_dir: Path, policy: str, lies: Lies) -> dict[str, str]:
-    """The fate the finished run gave each task the node lied about (``"?"``: none recorded), and the node's quarantine
+    """The fate the finished run gave each task the node lied about (``IN_FLIGHT``: none yet, the stopped run's state
+    holds it out, its samples unread; ``"?"``: none recorded and not held out either), and the node's quarantine
     (``lies.quarantine``), read from the run's store: a server of our own on it (the run's embedded one stopped with
     ``up``)."""
     recipe, cred_dir = load_recipe(run_dir / "recipe.yaml"), run_dir / "credentials"
@@ -142,11 +144,10 @@ async def fates_of(run_dir: Path, policy: str, lies: Lies) -> dict[str, str]:
     server = EmbeddedServer(run_dir, users).start()
     try:
         plane = await Plane.connect(NatsOptions.from_credential(str(cred_dir / "admin.json"), url=server.url), run, "fates")
-        out = {}
+        state, out = await plane.state.get(DataflowState), {}
         for t in lies.told:
             rec = await plane.state.get(FateRecord, policy, t)
-            out[t] = rec.fate if rec is not None else "?"
-        state = await plane.state.get(DataflowState)
+            out[t] = rec.fate if rec is not None else IN_FLIGHT if state is not None and t in state.tasks.in_flight else "?"
         if state is not None and "hostile" in state.quarantined:  # still quarantined at the end (not admitted again)
             lies.quarantine = state.quarantined["hostile"]
         await plane.close()

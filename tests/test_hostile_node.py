@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from hostile import CLAIMS, Lies, attack, cli, start_up
+from hostile import CLAIMS, IN_FLIGHT, Lies, attack, cli, start_up
 from poison_run import until, versions
 
 from astraflow.config import load_recipe
@@ -28,7 +28,8 @@ from astraflow.streams.plane import NatsOptions, Plane
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 # what a lie that passes the dataflow may come to: trained, dropped stale in the buffer as any group may be, or still
-# waiting in a batch when the operator stopped the run (the resumed run trains it)
+# waiting in a batch when the operator stopped the run (the resumed run trains it); a lie told just before the run was
+# stopped may still be unread (the stopped run holds its task out: the resumed run reads it)
 PASSED = {"trained", "dropped:stale", BATCHED}
 STEPS = 2000  # more than it gets to: the test stops the run once it has seen the node let back in (however fast it trains)
 
@@ -136,7 +137,7 @@ def test_a_node_that_only_makes_up_logprobs_is_quarantined_on_the_trainers_word(
     q, after = lies.quarantine, load_recipe(run_dir / "recipe.yaml").dataflow.quarantine_after
     assert q is not None and q.failures == {"logprobs": after} and lies.cut_off is not None, (lies, log.read_text()[-3000:])
     assert "trainer's token check" in q.reason and "node hostile revoked (quarantined)" in log.read_text()
-    assert set(fates.values()) <= PASSED | {"invalid:quarantined"}, fates  # no claim of it was false
+    assert set(fates.values()) <= PASSED | {"invalid:quarantined", IN_FLIGHT}, fates  # no claim of it was false
     suspects = sum(r.get("suspect_trajectories", 0) for r in metrics(run_dir))
     assert suspects >= after * load_recipe(run_dir / "recipe.yaml").dataflow.group_size // 2  # the letters, left out
     acc = json.loads((run_dir / "summary.json").read_text())["accounting"]["solver"]
