@@ -16,7 +16,14 @@ cores each kept busy (CPU seconds over the RL window: TRL's one process, up's pe
 listed in BENCHMARKS.md. Output: a rich table, ``benchmarks/figures/trl.png``, ``benchmarks/results/trl.json`` and,
 as the last stdout line, JSON.
 
+With ``--seeds N`` both sides run on seeds 0..N-1 (``trainer.seed``: TRL's sampling and data order, the trainer's
+seed of ``up``; the checkpoint, the split and up's prompt order stay the same) and the record is the mean and 95 %
+t-interval over seeds of each figure, and up − TRL in held-out paired by seed at every tenth of the window
+(``benchmarks/results/trl_seeds.json``, ``figures/trl_seeds.png``). ``--cores 0`` runs everything on those CPUs
+alone (``trl_seeds_1core``): how each side scales with the cores it has.
+
     python benchmarks/bench_trl.py [--seconds 600] [--checkpoint DIR] [--keep DIR] [--venv .venv-trl]
+                                   [--seeds 3] [--cores 0]
 """
 
 from __future__ import annotations
@@ -35,23 +42,26 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import result_files  # noqa: E402
-from bench_inprocess import RECIPE, console, figures, plot, run_up, table  # noqa: E402
+from bench_inprocess import RECIPE, console, figures, held_at, plot, run_up, table  # noqa: E402
 from inprocess_loop import Curve, Point, warm_start  # noqa: E402
+from stats import Estimate, over_seeds, paired  # noqa: E402
 
 from astraflow.config import load_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURE = ROOT / "benchmarks" / "figures" / "trl.png"
+GRID = 10  # over seeds, the sides are compared at every tenth of the window
 
 
-def run_trl(venv: Path, checkpoint: Path, seconds: float, eval_every: int, workdir: Path, tick: Any) -> Curve:
+def run_trl(venv: Path, checkpoint: Path, seconds: float, eval_every: int, workdir: Path, tick: Any, seed: int | None = None) -> Curve:
     """TRL's side, in its own environment; ``tick(elapsed)`` while it runs (its own clock excludes evaluations)."""
     python = venv / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"no TRL environment at {venv}: bash benchmarks/trl_env.sh {venv}")
     out = workdir / "trl.json"
     cmd = [str(python), str(ROOT / "benchmarks" / "trl_peer.py"), "--recipe", str(RECIPE), "--checkpoint", str(checkpoint),
-           "--seconds", str(seconds), "--eval-every", str(eval_every), "--out", str(out)]
+           "--seconds", str(seconds), "--eval-every", str(eval_every), "--out", str(out),
+           *(["--seed", str(seed)] if seed is not None else [])]
     t0 = time.monotonic()
     with open(workdir / "trl.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -67,8 +77,29 @@ def run_trl(venv: Path, checkpoint: Path, seconds: float, eval_every: int, workd
     return curve
 
 
+def one_run(seed: int | None, seconds: float, checkpoint: Path, venv: Path, workdir: Path, eval_every: int,
+            up_sets: tuple[str, ...], sides: tuple[str, ...], progress: Progress) -> list[Curve]:
+    """Each side in turn from ``checkpoint``, with ``seed`` as both sides' ``trainer.seed`` (None: the recipe's)."""
+    curves: list[Curve] = []
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = "" if seed is None else f", seed {seed}"
+    if "trl" in sides:
+        bar = progress.add_task(f"TRL GRPOTrainer{tag}", total=seconds)
+        curves.append(run_trl(venv, checkpoint, seconds, eval_every, workdir, lambda s: progress.update(bar, completed=s), seed))
+        curves[-1].notes["load_1min"] = os.getloadavg()[0]
+    if "up" in sides:
+        steps = 2 * curves[0].notes["versions"] + eval_every if curves else 30 * seconds  # room to train through the window
+        bar = progress.add_task(f"astraflow up, 1 node{tag}", total=seconds)
+        sets = up_sets if seed is None else (*up_sets, f"trainer.seed={seed}")
+        curves.append(run_up(checkpoint, seconds, 1, eval_every, int(steps), workdir,
+                             lambda s: progress.update(bar, completed=s), sets))
+        curves[-1].notes["load_1min"] = os.getloadavg()[0]
+        curves[-1].notes["cores_busy"] = sum(v for k, v in curves[-1].notes.items() if k.startswith("cpu."))
+    return curves
+
+
 def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figure: Path, up_sets: tuple[str, ...] = (),
-         sides: tuple[str, ...] = ("trl", "up")) -> dict[str, Any]:
+         sides: tuple[str, ...] = ("trl", "up"), seeds: tuple[int, ...] = ()) -> dict[str, Any]:
     recipe = load_recipe(RECIPE)
     eval_every = recipe.eval.every
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,18 +113,12 @@ def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figu
                           f"last loss {loss:.3f}; checkpoint {checkpoint}")
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
                       TimeElapsedColumn(), console=console) as progress:
-            curves: list[Curve] = []
-            if "trl" in sides:
-                bar = progress.add_task("TRL GRPOTrainer", total=seconds)
-                curves.append(run_trl(venv, checkpoint, seconds, eval_every, workdir, lambda s: progress.update(bar, completed=s)))
-                curves[-1].notes["load_1min"] = os.getloadavg()[0]
-            if "up" in sides:
-                steps = 2 * curves[0].notes["versions"] + eval_every if curves else 30 * seconds  # room to train through the window
-                bar = progress.add_task("astraflow up, 1 node", total=seconds)
-                curves.append(run_up(checkpoint, seconds, 1, eval_every, int(steps), workdir,
-                                     lambda s: progress.update(bar, completed=s), up_sets))
-                curves[-1].notes["load_1min"] = os.getloadavg()[0]
-                curves[-1].notes["cores_busy"] = sum(v for k, v in curves[-1].notes.items() if k.startswith("cpu."))
+            runs = {seed: one_run(seed, seconds, checkpoint, venv, workdir / f"seed{seed}", eval_every, up_sets, sides, progress)
+                    for seed in seeds} if seeds else {None: one_run(None, seconds, checkpoint, venv, workdir, eval_every, up_sets,
+                                                                    sides, progress)}
+    if seeds:
+        return over_the_seeds(runs, seconds, figure, up_sets, recipe.name)
+    curves = runs[None]
     results = figures(curves, seconds)
     console.print(table(results, seconds, recipe.data.n_eval, "TRL GRPOTrainer vs astraflow up"))
     if len(results) < 2:  # one side alone: a probe (``--sides up --up-set ...``), nothing recorded
@@ -111,6 +136,81 @@ def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figu
     return out
 
 
+def grid(seconds: float) -> list[float]:
+    """The wall times the seeds are compared at: every tenth of the window."""
+    return [seconds * k / GRID for k in range(1, GRID + 1)]
+
+
+def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: Path, up_sets: tuple[str, ...],
+                   name: str) -> dict[str, Any]:
+    """Both sides over the seeds: per side the mean and 95 % t-interval of samples/s and held-out (at half, at the end,
+    over the second half, at equal samples); paired by seed (the same checkpoint, the same seed), up − TRL in held-out
+    at each tenth of the window, and up / TRL in samples/s. ``ahead_throughout``: every paired interval above zero."""
+    per_seed = {seed: figures(curves, seconds) for seed, curves in runs.items()}
+    if any(len(r) < 2 for r in per_seed.values()):
+        raise SystemExit("--seeds compares the two sides: run both (--sides trl,up)")
+    keys = ("trained_per_s", "held_out_at_half", "held_out_at_end", "held_out_second_half", "held_out_at_equal_samples", "cores_busy")
+    sides = {}
+    for i, side in enumerate(("trl", "up")):
+        rows = [r[i] for r in per_seed.values()]
+        sides[side] = {"side": rows[0]["side"], **{k: est(over_seeds([x[k] for x in rows])) for k in keys}}
+    at_times = []
+    for t in grid(seconds):
+        trl = [held_at(c[0].points, t, "seconds") for c in runs.values()]
+        up = [held_at(c[1].points, t, "seconds") for c in runs.values()]
+        if None not in trl and None not in up:
+            at_times.append({"seconds": round(t, 1), "trl": est(over_seeds(trl)), "up": est(over_seeds(up)),
+                             "up_minus_trl": est(paired(up, trl))})
+    ratio = over_seeds([r[1]["trained_per_s"] / r[0]["trained_per_s"] for r in per_seed.values()])
+    second_half = paired(*([r[i]["held_out_second_half"] for r in per_seed.values()] for i in (1, 0)))
+    out = {"seconds": seconds, "seeds": list(runs), "up_sets": list(up_sets), "sides": sides, "up_over_trl": est(ratio),
+           "second_half_up_minus_trl": est(second_half), "at_times": at_times,
+           "ahead_throughout": bool(at_times) and all(x["up_minus_trl"][0] - x["up_minus_trl"][1] > 0 for x in at_times),
+           "figure": figure.relative_to(ROOT).as_posix() if figure.is_relative_to(ROOT) else str(figure),
+           "per_seed": {str(seed): r for seed, r in per_seed.items()}}
+    plot_seeds(runs, at_times, figure, f"{name}: TRL GRPOTrainer against astraflow up over {len(runs)} seeds, {seconds:.0f} s of RL each")
+    cores = len(os.sched_getaffinity(0))
+    result_files.write("trl_seeds" if cores == os.cpu_count() else f"trl_seeds_{cores}core", out)
+    console.print(f"over {len(runs)} seeds: up trains {ratio.fmt()}x TRL's samples/s; held-out over the second half, up - TRL: "
+                  f"{second_half.fmt(3)}; ahead at every tenth of the window: {out['ahead_throughout']}; plot: {figure}")
+    return out
+
+
+def est(e: Estimate) -> list[float]:
+    """An estimate as it is recorded: [mean, half-width of its 95 % interval, runs]."""
+    return [round(e.mean, 4), round(e.half_width, 4), e.n]
+
+
+def plot_seeds(runs: dict[int | None, list[Curve]], at_times: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Left: each seed's held-out against wall time (thin) and the mean over seeds per side (thick); right: up − TRL
+    paired by seed, with its 95 % interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ts = [x["seconds"] for x in at_times]
+    for i, (side, colour) in enumerate((("trl", "tab:blue"), ("up", "tab:orange"))):
+        for curves in runs.values():
+            c = curves[i]
+            a.plot([p.seconds for p in c.points], [p.held_out for p in c.points], "-", lw=0.6, alpha=0.35, color=colour)
+        a.plot(ts, [x[side][0] for x in at_times], "o-", lw=2, color=colour, label=f"{curves[i].name}: mean over seeds")
+    diff = [x["up_minus_trl"] for x in at_times]
+    b.axhline(0, color="grey", lw=1)
+    b.errorbar(ts, [d[0] for d in diff], yerr=[d[1] for d in diff], fmt="o-", capsize=3, color="tab:green")
+    a.set(xlabel="RL wall time (s, from version 0)", ylabel="held-out accuracy (greedy, 200 prompts)", title="held-out against wall time")
+    b.set(xlabel="RL wall time (s, from version 0)", ylabel="up − TRL, held-out (paired by seed)", title="difference, 95 % interval")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=600.0, help="RL wall time of each side")
@@ -121,6 +221,15 @@ if __name__ == "__main__":
     ap.add_argument("--figure", type=Path, default=FIGURE)
     ap.add_argument("--up-set", action="append", default=[], help="a recipe override for up's side (repeatable)")
     ap.add_argument("--sides", default="trl,up", help="which sides to run; one alone is a probe and records nothing")
+    ap.add_argument("--seeds", type=int, default=0, help="run both sides on this many seeds (trainer.seed) and record the "
+                                                          "mean and 95 %% interval over them (results/trl_seeds.json)")
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--cores", default=None, help="run on these CPUs only (taskset's list: 0 or 0,1); a subset records "
+                                                  "results/trl_seeds_<n>core.json")
     args = ap.parse_args()
-    print(json.dumps(main(args.seconds, args.keep, args.checkpoint, args.venv, args.figure, tuple(args.up_set),
-                          tuple(args.sides.split(",")))))
+    if args.cores:
+        os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})  # both sides' processes inherit it
+    figure = args.figure if args.figure != FIGURE or not args.seeds else FIGURE.with_name(
+        "trl_seeds.png" if not args.cores else f"trl_seeds_{len(os.sched_getaffinity(0))}core.png")
+    print(json.dumps(main(args.seconds, args.keep, args.checkpoint, args.venv, figure, tuple(args.up_set),
+                          tuple(args.sides.split(",")), tuple(range(args.first_seed, args.first_seed + args.seeds)))))

@@ -31,7 +31,9 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} cores ({model}), {memory:.0f} GiB, load {LOAD_AT_START:.1f} at start"
+    cores = len(os.sched_getaffinity(0))
+    cores_text = f"{cores} cores" if cores == os.cpu_count() else f"{cores} of {os.cpu_count()} cores (taskset)"
+    return f"{cores_text} ({model}), {memory:.0f} GiB, load {LOAD_AT_START:.1f} at start"
 
 
 def commit() -> str:

@@ -92,12 +92,14 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, required=True, help="the SFT warm start both sides start from")
     ap.add_argument("--seconds", type=float, default=600.0, help="training wall time, evaluations excluded")
     ap.add_argument("--eval-every", type=int, default=None, help="default: the recipe's eval.every")
+    ap.add_argument("--seed", type=int, default=None, help="the run's seed (trainer.seed; default: the recipe's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     from datasets import Dataset  # TRL's environment only (the trl extra, benchmarks/trl_env.sh)
     from trl import GRPOConfig, GRPOTrainer
 
-    recipe = load_recipe(args.recipe, [f"model.pretrained={args.checkpoint}", "sft.steps=0"])
+    recipe = load_recipe(args.recipe, [f"model.pretrained={args.checkpoint}", "sft.steps=0",
+                                       *([f"trainer.seed={args.seed}"] if args.seed is not None else [])])
     policy = recipe.primary
     pcfg, rollout, flow, tcfg = recipe.policies[policy], recipe.rollout, recipe.dataflow, recipe.policies[policy].trainer
     torch.manual_seed(tcfg.seed)
