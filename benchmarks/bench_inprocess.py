@@ -245,9 +245,17 @@ def plot(curves: list[Curve], path: Path, title: str) -> None:
             ax.plot(xs, held, "o", ms=2, alpha=0.35, color=line.get_color())
     a.set(xlabel="RL wall time (s, from version 0)", ylabel="held-out accuracy (greedy, 200 prompts)", title="against wall time")
     b.set(xlabel="samples trained on", ylabel="held-out accuracy (greedy, 200 prompts)", title="against samples")
-    for ax in (a, b):
+    a.legend(fontsize=8)
+    b.legend(fontsize=8)
+    save(fig, (a, b), path, title)
+
+
+def save(fig: Any, axes: tuple[Any, ...], path: Path, title: str) -> None:
+    """Grid the axes, title the figure, write it to ``path`` and let it go."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import result_files  # noqa: E402
-from bench_inprocess import RECIPE, console, figures, held_at, plot, run_up, table  # noqa: E402
+from bench_inprocess import RECIPE, console, figures, held_at, plot, run_up, save, table  # noqa: E402
 from inprocess_loop import Curve, Point, warm_start  # noqa: E402
 from stats import Estimate, over_seeds, paired  # noqa: E402
 
@@ -113,9 +113,11 @@ def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figu
                           f"last loss {loss:.3f}; checkpoint {checkpoint}")
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
                       TimeElapsedColumn(), console=console) as progress:
-            runs = {seed: one_run(seed, seconds, checkpoint, venv, workdir / f"seed{seed}", eval_every, up_sets, sides, progress)
-                    for seed in seeds} if seeds else {None: one_run(None, seconds, checkpoint, venv, workdir, eval_every, up_sets,
-                                                                    sides, progress)}
+            def run(seed: int | None) -> list[Curve]:
+                return one_run(seed, seconds, checkpoint, venv, workdir if seed is None else workdir / f"seed{seed}", eval_every,
+                               up_sets, sides, progress)
+
+            runs: dict[int | None, list[Curve]] = {seed: run(seed) for seed in seeds} if seeds else {None: run(None)}
     if seeds:
         return over_the_seeds(runs, seconds, figure, up_sets, recipe.name)
     curves = runs[None]
@@ -154,15 +156,18 @@ def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: 
     for i, side in enumerate(("trl", "up")):
         rows = [r[i] for r in per_seed.values()]
         sides[side] = {"side": rows[0]["side"], **{k: est(over_seeds([x[k] for x in rows])) for k in keys}}
-    at_times = []
+    sides["up"]["plane_share"] = est(over_seeds([plane_share(r[1]) for r in per_seed.values()]))
+    at_times: list[dict[str, Any]] = []
     for t in grid(seconds):
-        trl = [held_at(c[0].points, t, "seconds") for c in runs.values()]
-        up = [held_at(c[1].points, t, "seconds") for c in runs.values()]
-        if None not in trl and None not in up:
+        held = [(held_at(c[0].points, t, "seconds"), held_at(c[1].points, t, "seconds")) for c in runs.values()]
+        trl = [x for x, _ in held if x is not None]
+        up = [y for _, y in held if y is not None]
+        if len(trl) == len(up) == len(held):
             at_times.append({"seconds": round(t, 1), "trl": est(over_seeds(trl)), "up": est(over_seeds(up)),
                              "up_minus_trl": est(paired(up, trl))})
     ratio = over_seeds([r[1]["trained_per_s"] / r[0]["trained_per_s"] for r in per_seed.values()])
-    second_half = paired(*([r[i]["held_out_second_half"] for r in per_seed.values()] for i in (1, 0)))
+    up_half, trl_half = ([r[i]["held_out_second_half"] for r in per_seed.values()] for i in (1, 0))
+    second_half = paired(up_half, trl_half)
     out = {"seconds": seconds, "seeds": list(runs), "up_sets": list(up_sets), "sides": sides, "up_over_trl": est(ratio),
            "second_half_up_minus_trl": est(second_half), "at_times": at_times,
            "ahead_throughout": bool(at_times) and all(x["up_minus_trl"][0] - x["up_minus_trl"][1] > 0 for x in at_times),
@@ -174,6 +179,12 @@ def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: 
     console.print(f"over {len(runs)} seeds: up trains {ratio.fmt()}x TRL's samples/s; held-out over the second half, up - TRL: "
                   f"{second_half.fmt(3)}; ahead at every tenth of the window: {out['ahead_throughout']}; plot: {figure}")
     return out
+
+
+def plane_share(up: dict[str, Any]) -> float:
+    """The plane's share of up's CPU: the dataflow, the nats-server and the launcher, of every process's CPU seconds."""
+    cpu = {k[4:]: v for k, v in up.items() if k.startswith("cpu.")}
+    return sum(cpu.get(k, 0.0) for k in ("dataflow", "nats-server", "launcher")) / sum(cpu.values())
 
 
 def est(e: Estimate) -> list[float]:
@@ -201,14 +212,8 @@ def plot_seeds(runs: dict[int | None, list[Curve]], at_times: list[dict[str, Any
     b.errorbar(ts, [d[0] for d in diff], yerr=[d[1] for d in diff], fmt="o-", capsize=3, color="tab:green")
     a.set(xlabel="RL wall time (s, from version 0)", ylabel="held-out accuracy (greedy, 200 prompts)", title="held-out against wall time")
     b.set(xlabel="RL wall time (s, from version 0)", ylabel="up − TRL, held-out (paired by seed)", title="difference, 95 % interval")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
     a.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, (a, b), path, title)
 
 
 if __name__ == "__main__":

@@ -357,10 +357,33 @@ def trl(r: dict[str, Any]) -> str:
             f"![held-out against wall time and samples, TRL against up]({r['figure']})\n")
 
 
+def trl_seeds(r: dict[str, Any]) -> str:
+    def est(e: list[float], digits: int = 3, sign: str = "") -> str:
+        return f"{e[0]:{sign}.{digits}f} ± {e[1]:.{digits}f}"
+
+    t, n = r["seconds"], len(r["seeds"])
+    trl, up = r["sides"]["trl"], r["sides"]["up"]
+    rows = [f"| side | samples/s trained | held-out at {t / 2:.0f} s | at {t:.0f} s | mean, {t / 2:.0f}–{t:.0f} s | at equal samples "
+            "| cores busy |", "|---|---|---|---|---|---|---|"]
+    for x in (trl, up):
+        rows.append(f"| {x['side']} | {est(x['trained_per_s'], 0)} | {est(x['held_out_at_half'])} | {est(x['held_out_at_end'])} | "
+                    f"{est(x['held_out_second_half'])} | {est(x['held_out_at_equal_samples'])} | {est(x['cores_busy'], 2)} |")
+    times = ["| RL wall time (s) | " + " | ".join(f"{x['seconds']:.0f}" for x in r["at_times"]) + " |",
+             "|---|" + "---|" * len(r["at_times"]),
+             "| up − TRL, held-out | " + " | ".join(est(x["up_minus_trl"], 3, "+") for x in r["at_times"]) + " |"]
+    ahead = "ahead at every tenth of the window" if r["ahead_throughout"] else "not ahead at every tenth of the window"
+    return (provenance(r) + f"{n} seeds ({', '.join(map(str, r['seeds']))}), {t:.0f} s of RL each side per seed; mean ± 95 % t-interval "
+            "over seeds.\n\n" + "\n".join(rows) + f"\n\n`up` trains **{est(r['up_over_trl'], 2)}×** TRL's samples/s; the plane (dataflow, "
+            f"nats-server, launcher) takes {est([100 * x for x in up['plane_share'][:2]], 1)} % of its CPU. Held-out, "
+            f"up − TRL paired by seed: {est(r['second_half_up_minus_trl'], 3, '+')} over the second half; {ahead} (the interval "
+            "above zero):\n\n" + "\n".join(times) + f"\n\n![held-out over seeds, and up − TRL with its interval]({r['figure']})\n")
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "facade": facade, "fanout": fanout, "moe": moe, "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
     "shared_base": shared_base, "lora_team": lora_team, "pool_model": pool_model, "pool_scale": pool_scale, "trl": trl,
+    "trl_seeds": trl_seeds, "trl_seeds_1core": trl_seeds,
 }
 
 
