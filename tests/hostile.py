@@ -48,6 +48,7 @@ from astraflow.streams.trajectories import publish_trajectories
 KINDS = ("logprobs", "logprobs", "reward", "prompt", "range")  # two that pass the dataflow before the node is cut off
 CLAIMS = {"reward": "invalid:reward_claim", "prompt": "invalid:prompt_claim", "range": "invalid:reward_range"}  # kind -> fate
 IN_FLIGHT = "in flight"  # a lie with no fate yet: the stopped run's state holds its task out
+BATCHED = "batched"  # a lie with no fate yet: the stopped run's state has its group in a batch the trainer has not trained
 LETTERS = [i + 3 for i in b"abcdefghijklmnopqrstuvwxyz"]  # ByT5 ids of letters: never a number
 
 
@@ -134,10 +135,10 @@ async def tell(plane: Plane, d: Delivery[Task], k: int, lies: Lies, rng: random.
 
 
 async def fates_of(run_dir: Path, policy: str, lies: Lies) -> dict[str, str]:
-    """The fate the finished run gave each task the node lied about (``IN_FLIGHT``: none yet, the stopped run's state
-    holds it out, its samples unread; ``"?"``: none recorded and not held out either), and the node's quarantine
-    (``lies.quarantine``), read from the run's store: a server of our own on it (the run's embedded one stopped with
-    ``up``)."""
+    """The fate the finished run gave each task the node lied about (none yet: ``BATCHED`` where the stopped run's state
+    has it in a batch, ``IN_FLIGHT`` where it holds it out, its samples unread; ``"?"``: none recorded and neither), and
+    the node's quarantine (``lies.quarantine``), read from the run's store: a server of our own on it (the run's embedded
+    one stopped with ``up``)."""
     recipe, cred_dir = load_recipe(run_dir / "recipe.yaml"), run_dir / "credentials"
     run = Credential.read(cred_dir / "admin.json").run
     users = ServerAccess(cred_dir, run, recipe.policy_names, Scope(run, recipe.policy_names, (recipe.rollout.pool,))).config()
@@ -147,13 +148,20 @@ async def fates_of(run_dir: Path, policy: str, lies: Lies) -> dict[str, str]:
         state, out = await plane.state.get(DataflowState), {}
         for t in lies.told:
             rec = await plane.state.get(FateRecord, policy, t)
-            out[t] = rec.fate if rec is not None else IN_FLIGHT if state is not None and t in state.tasks.in_flight else "?"
+            out[t] = rec.fate if rec is not None else waiting(state, policy, t)
         if state is not None and "hostile" in state.quarantined:  # still quarantined at the end (not admitted again)
             lies.quarantine = state.quarantined["hostile"]
         await plane.close()
         return out
     finally:
         server.stop()
+
+
+def waiting(state: DataflowState | None, policy: str, task_id: str) -> str:
+    """Where a stopped run's state has a task with no fate: in a batch, out, or nowhere (``"?"``)."""
+    if state is not None and policy in state.lanes and any(task_id in tasks for tasks in state.lanes[policy].awaiting.values()):
+        return BATCHED
+    return IN_FLIGHT if state is not None and task_id in state.tasks.in_flight else "?"
 
 
 def start_up(run_dir: Path, sets: dict[str, Any], log: Path, timeout: float = 900) -> subprocess.Popen[bytes]:

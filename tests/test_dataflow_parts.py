@@ -25,7 +25,7 @@ from astraflow.dataflow.issuing import PromptOrder, buffered_for_budget, lag_bud
 from astraflow.dataflow.lane import PolicyLane, plan_batch
 from astraflow.dataflow.validate import Limits, PolicyLimits
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.fates import DROPPED_EXPIRED, Fate
+from astraflow.streams.fates import DROPPED_EXPIRED, TRAINED, Fate
 from astraflow.streams.messages import PER_TOKEN, ObjectRef, Trajectory
 from astraflow.streams.state import FateRecord, Record
 from astraflow.streams.trajectories import PayloadUnavailable
@@ -192,9 +192,9 @@ async def test_the_journal_writes_fates_then_the_state_then_acks():
     journal.release(["a", "unknown"])
     await journal.commit()  # write-ahead: durable, nothing acked
     assert log == [("fates", [("t1", "filtered:zero_variance")]), ("state", 0)]
-    journal.record_batched("solver", "t2", "solver-b000001")
+    journal.record("solver", "t2", TRAINED, batch="solver-b000001")
     await journal.flush()
-    assert log[2:] == [("fates", [("t2", "batched")]), ("state", 1), ("ack", 12), ("ack", 10)]
+    assert log[2:] == [("fates", [("t2", "trained")]), ("state", 1), ("ack", 12), ("ack", 10)]
     await journal.flush()  # nothing changed, nothing to ack: nothing written
     assert len(log) == 6
     await journal.keep_alive()

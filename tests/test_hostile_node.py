@@ -17,13 +17,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from hostile import CLAIMS, IN_FLIGHT, Lies, attack, cli, start_up
+from hostile import BATCHED, CLAIMS, IN_FLIGHT, Lies, attack, cli, start_up
 from poison_run import until, versions
 
 from astraflow.config import load_recipe
 from astraflow.streams.credentials import Credential
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.fates import BATCHED
 from astraflow.streams.plane import NatsOptions, Plane
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.fates import BATCHED, Fate
+from astraflow.streams.fates import Fate
 from astraflow.streams.state import BatchPlanRecord, FateRecord, Record
 
 
@@ -68,11 +68,6 @@ class Journal:
     # ------------------------------------------------------------ queueing
     def record(self, policy: str, task_id: str, fate: Fate, **extra: Any) -> None:
         self.records.append(FateRecord(policy=policy, task_id=task_id, fate=str(fate), **extra))
-        self.dirty = True
-
-    def record_batched(self, policy: str, task_id: str, batch_id: str) -> None:
-        """Not a fate yet: the task's group is in batch ``batch_id`` (its record is overwritten by the fate to come)."""
-        self.records.append(FateRecord(policy=policy, task_id=task_id, fate=BATCHED, batch=batch_id))
         self.dirty = True
 
     def write_ahead(self, record: BatchPlanRecord) -> None:

@@ -102,8 +102,10 @@ class TaskIssuer:
         self.pending = 0  # the pool consumer's pending tasks, as last read (``read_pending``)
 
     async def read_pending(self) -> None:
-        """async: the pool consumer's backlog of tasks, as the server counts it now (read before :meth:`issue`)."""
-        if self.cfg.mode == "async":
+        """async: the pool consumer's backlog of tasks, as the server counts it now (read before :meth:`issue`), in a turn
+        whose staleness budget lets it issue: in the others the lag changes nothing, and most turns are such (a request to
+        the server each spared)."""
+        if self.cfg.mode == "async" and staleness_budget(self.cfg, len(self.in_flight), self.buffered()) > 0:
             self.pending = (await self.tasks.backlog()).pending
 
     def issue(self, ctx: Context, drained: bool) -> list[Task]:

@@ -31,7 +31,6 @@ landed), acks and ignores redelivered trajectories of tasks already settled, and
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -131,8 +130,9 @@ class Dataflow:
         await self.ingest.pull(trajectories, timeout=BUSY_PULL_WAIT_S if self._busy else PULL_WAIT_S)
         await self.audit()
         await self.measure()
-        await asyncio.gather(self.server.read_backlogs(), self.issuer.read_pending())  # the server's counts, read together
+        await self.server.read_backlogs()
         planned = self.server.plan()
+        await self.issuer.read_pending()  # after the plan: a planned batch leaves the buffer and may open the budget
         tasks = self.issuer.issue(self.context(), drained=self.drained())
         await self.journal.flush()  # write-ahead: the plans and tasks are durable before they exist on the plane
         self._busy = bool(planned or tasks)

@@ -101,9 +101,7 @@ class BatchServer:
             chosen = [h for g in result.batch if (h := self.held(lane, g)) is not None]
             plan = lane.plan(chosen, list(result.taken), created_at=time.time())
             batch = plan.to_batch(lane.name)
-            self.journal.write_ahead(plan_record(batch))
-            for task_id in plan.tasks:
-                self.journal.record_batched(lane.name, task_id, plan.batch_id)
+            self.journal.write_ahead(plan_record(batch))  # its tasks get fate records once trained or refused
             fresh = set(plan.tasks)
             out.append(Planned(lane, batch, [t for h in chosen if h.task_id in fresh for t in h.traj_ids]))
         return out

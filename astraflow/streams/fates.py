@@ -55,7 +55,6 @@ class Fate:
         return cls(Outcome.INVALID, code)
 
 
-BATCHED = "batched"  # not a fate: the state a ``FateRecord`` names while the task's group waits in a batch
 TRAINED = Fate(Outcome.TRAINED)
 DROPPED_STALE = Fate(Outcome.DROPPED, "stale")  # too many versions behind at serving, or a batch the trainer found stale
 DROPPED_EXPIRED = Fate(Outcome.DROPPED, "expired")  # completed after its deadline under ``late_policy: drop``

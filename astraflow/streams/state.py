@@ -176,7 +176,8 @@ class FateRecord(Record):
     fates: ClassVar[bool] = True
     policy: str
     task_id: str
-    fate: str  # ``batched`` while in a batch, then its ``fates.Fate`` as text: trained / filtered:R / dropped:R / failed:R / invalid:R
+    fate: str  # its ``fates.Fate`` as text: trained / filtered:R / dropped:R / failed:R / invalid:R (none while it waits in
+    # a batch: the dataflow's state lists the batch's tasks, and the record comes once the trainer trains or refuses it)
     batch: str | None = None
     version: int | None = None
     error: str | None = None
