@@ -174,11 +174,16 @@ def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: 
            "figure": figure.relative_to(ROOT).as_posix() if figure.is_relative_to(ROOT) else str(figure),
            "per_seed": {str(seed): r for seed, r in per_seed.items()}}
     plot_seeds(runs, at_times, figure, f"{name}: TRL GRPOTrainer against astraflow up over {len(runs)} seeds, {seconds:.0f} s of RL each")
-    cores = len(os.sched_getaffinity(0))
-    result_files.write("trl_seeds" if cores == os.cpu_count() else f"trl_seeds_{cores}core", out)
+    result_files.write(seeds_name(), out)
     console.print(f"over {len(runs)} seeds: up trains {ratio.fmt()}x TRL's samples/s; held-out over the second half, up - TRL: "
                   f"{second_half.fmt(3)}; ahead at every tenth of the window: {out['ahead_throughout']}; plot: {figure}")
     return out
+
+
+def seeds_name() -> str:
+    """The name of a run over seeds (its record and figure): ``trl_seeds``, or ``trl_seeds_<n>core`` on a subset of the CPUs."""
+    cores = len(os.sched_getaffinity(0))
+    return "trl_seeds" if cores == os.cpu_count() else f"trl_seeds_{cores}core"
 
 
 def plane_share(up: dict[str, Any]) -> float:
@@ -234,7 +239,6 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.cores:
         os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})  # both sides' processes inherit it
-    figure = args.figure if args.figure != FIGURE or not args.seeds else FIGURE.with_name(
-        "trl_seeds.png" if not args.cores else f"trl_seeds_{len(os.sched_getaffinity(0))}core.png")
+    figure = FIGURE.with_name(f"{seeds_name()}.png") if args.seeds and args.figure == FIGURE else args.figure
     print(json.dumps(main(args.seconds, args.keep, args.checkpoint, args.venv, figure, tuple(args.up_set),
                           tuple(args.sides.split(",")), tuple(range(args.first_seed, args.first_seed + args.seeds)))))

@@ -105,7 +105,7 @@ class TaskIssuer:
         """async: the pool consumer's backlog of tasks, as the server counts it now (read before :meth:`issue`), in a turn
         whose staleness budget lets it issue: in the others the lag changes nothing, and most turns are such (a request to
         the server each spared)."""
-        if self.cfg.mode == "async" and staleness_budget(self.cfg, len(self.in_flight), self.buffered()) > 0:
+        if self.cfg.mode == "async" and self.staleness_room() > 0:
             self.pending = (await self.tasks.backlog()).pending
 
     def issue(self, ctx: Context, drained: bool) -> list[Task]:
@@ -124,7 +124,11 @@ class TaskIssuer:
     def budget(self, drained: bool) -> int:
         if self.cfg.mode == "sync":
             return sync_budget(self.cfg, self.buffered(), drained and not self.in_flight and not self.issuing)
-        return min(staleness_budget(self.cfg, len(self.in_flight), self.buffered()), lag_budget(self.cfg, self.pending))
+        return min(self.staleness_room(), lag_budget(self.cfg, self.pending))
+
+    def staleness_room(self) -> int:
+        """async: the tasks the staleness bound leaves room for now (``staleness_budget``)."""
+        return staleness_budget(self.cfg, len(self.in_flight), self.buffered())
 
     def buffered(self) -> int:
         return buffered_for_budget(self.lanes, self.steps, self.lane.name)
