@@ -63,10 +63,11 @@ async def _never(policy: str) -> int:
 
 def admission(tasks: list[str]) -> TrajectoryIngest:
     """An ingest over one lane with ``tasks`` in flight (no server: ``admit`` does no I/O)."""
-    in_flight = InFlight()
-    for task_id in tasks:
-        in_flight.issue(task_id, None, {"solver": 0})
     lane = PolicyLane("solver", build_pipeline(AlgorithmsConfig()), primary=True)
+    in_flight = InFlight(lane.tasks)
+    for task_id in tasks:
+        lane.issue(task_id, None)
+        in_flight.issued(task_id, None, {"solver": 0})
     limits = Limits(group_size=GROUP, policies={"solver": PolicyLimits(vocab=384, max_completion=512, max_generated=512, max_row=None)})
     return TrajectoryIngest({"solver": lane}, in_flight, Journal(_NoStore(), DataflowState), DataflowConfig(group_size=GROUP),
                             Counter(), limits, _never, _no_objects)

@@ -219,7 +219,7 @@ async def test_policies_route_to_their_own_lanes_and_progress_independently(harn
     assert df.lanes["verifier"].stats["backpressure"] > 0
     for p, batches in harness.batches.items():
         assert all(t.policy == p for b in batches for t in b.trajectories) and all(b.policy == p for b in batches)
-    await harness.until(lambda: len(df.lanes["verifier"].buffer) >= 2)
+    await harness.until(lambda: len(df.lanes["verifier"].buffer()) >= 2)
     trained = await harness.train("verifier")  # the verifier's trainer comes back: its lane moves on
     assert [b.batch_id for b in trained] == ["verifier-b000001"]
     await harness.until(lambda: df.lanes["verifier"].batch_seq >= 2)
@@ -403,7 +403,8 @@ async def test_a_task_the_server_gave_up_on_while_the_dataflow_was_down_still_fa
             for d in await h.task_sub.pull(batch=64, timeout=0.5):
                 await d.nak()
         await h.open_dataflow()
-        assert len(h.df.in_flight.tickets) == issued  # found in the task queue by the restart's scan (given up on, still there)
+        found = [t for t in h.df.in_flight.out() if h.df.in_flight.ticket(t) is not None]
+        assert len(found) == issued  # found in the task queue by the restart's scan (given up on, still there)
         await h.until(lambda: h.acc().fates.get("failed:max_deliver") == issued)
         await h.turn()
         assert h.df.ledger.issued == 2 * issued  # their places in flight are free again: as many more are out
@@ -412,7 +413,7 @@ async def test_a_task_the_server_gave_up_on_while_the_dataflow_was_down_still_fa
         assert info.state.messages == issued  # the given-up ones were removed from the work queue: only the new ones wait
         await h.kill_dataflow()
         await h.open_dataflow()  # replays the advisories: settled and removed already, nothing changes
-        assert len(h.df.in_flight.tickets) == issued
+        assert sum(h.df.in_flight.ticket(t) is not None for t in h.df.in_flight.out()) == issued
         await h.turn(3)
         assert h.acc().fates.get("failed:max_deliver") == issued and h.acc().adds_up
     finally:
@@ -448,7 +449,7 @@ async def test_restart_restores_state_and_rebuilds_a_planned_batch(harness: Harn
     await harness.open_dataflow()  # restores, then publishes the planned batches under their ids
     after = harness.df.lanes["solver"]
     assert after.pipeline.state() == saved.pipeline  # plug-in state restored exactly
-    assert after.batch_seq == saved.batch_seq and not after.plans and set(planned) <= set(after.awaiting)
+    assert after.batch_seq == saved.batch_seq and not after.plans and set(planned) <= set(after.awaiting())
     trained = await harness.train("solver")
     assert [b.batch_id for b in trained] == planned
     assert all(len(b.trajectories) == 4 for b in trained)  # each: 1 fresh + 1 replayed group

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import Counter
-from itertools import chain
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_dataflow import Harness, recipe
 
+from astraflow.dataflow.lifecycle import IN_A_BATCH, Stage
 from astraflow.streams.messages import BatchRefusal, Refusal, Trajectory
 from astraflow.streams.state import FateRecord
 
@@ -84,8 +84,10 @@ async def life(url: str, events: list[str]) -> None:
         lane, issued = h.df.lanes["solver"], h.df.ledger.issued
         ids = [f"t{n:08d}" for n in range(1, issued + 1)]
         records = dict(zip(ids, await asyncio.gather(*(h.plane.state.get(FateRecord, "solver", t) for t in ids)), strict=True))
-        places = {"out": set(h.df.in_flight.open), "buffered": set(lane.kept), "in a batch": set(chain(*lane.awaiting.values())),
+        places = {"out": set(h.df.in_flight.out()), "buffered": {r.task_id for r in lane.tasks.at_stage(Stage.KEPT)},
+                  "in a batch": {r.task_id for r in lane.tasks.at_stage(*IN_A_BATCH)},
                   "settled": {t for t, r in records.items() if r is not None}}
+        assert all(lane.tasks.stage(t) is Stage.SETTLED for t in places["settled"]), events  # a fate record: the record settled
         for a, b in [(a, b) for a in places for b in places if a < b]:
             assert not places[a] & places[b], (a, b, places[a] & places[b], events)  # one place each
         assert set().union(*places.values()) == set(ids), (set(ids) - set().union(*places.values()), events)  # none lost

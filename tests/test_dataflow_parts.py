@@ -23,6 +23,7 @@ from astraflow.dataflow.inflight import DEADLINES, InFlight
 from astraflow.dataflow.ingest import Landing, TrajectoryIngest, land
 from astraflow.dataflow.issuing import PromptOrder, buffered_for_budget, lag_budget, min_versions, staleness_budget, sync_budget
 from astraflow.dataflow.lane import PolicyLane, plan_batch
+from astraflow.dataflow.lifecycle import Stage
 from astraflow.dataflow.validate import Limits, PolicyLimits
 from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.fates import DROPPED_EXPIRED, TRAINED, Fate
@@ -62,8 +63,9 @@ def test_async_budget_is_the_staleness_window_less_what_is_out_or_buffered():
 
 def test_a_finished_policy_buffering_untrained_groups_does_not_starve_its_partner():
     solver, verifier = PolicyLane("solver", pipeline(), primary=True), PolicyLane("verifier", pipeline(), primary=False)
-    solver.kept.update({f"t{i}": 1.0 for i in range(9)})  # the solver's trainer is done: its groups pile up
-    verifier.kept.update({"t0": 1.0})
+    for i in range(9):  # the solver's trainer is done: its groups pile up
+        solver.tasks.restore(f"t{i}", Stage.KEPT)
+    verifier.tasks.restore("t0", Stage.KEPT)
     lanes, steps = {"solver": solver, "verifier": verifier}, {"solver": 40, "verifier": 40}
     assert buffered_for_budget(lanes, steps, "solver") == 9  # both training: the fullest buffer bounds issuing
     solver.advance(40)
@@ -98,20 +100,26 @@ def test_prompt_order_is_a_fresh_permutation_per_epoch_and_resumes_from_its_curs
         PromptOrder(0, seed=3)
 
 
-def test_in_flight_tasks_land_or_fail_once_and_deadlines_outlive_them():
-    f = InFlight()
-    f.issue("t1", 100.0)
-    f.issue("t2", None)
-    f.issue("t3", 300.0)
-    assert len(f) == 3 and f.overdue(now=200.0) == 1
-    f.land("t1")
+def test_in_flight_tasks_are_the_lanes_out_and_their_deadlines_outlive_them():
+    lane = PolicyLane("solver", pipeline(), primary=True)
+    f = InFlight(lane.tasks)
+    for task, deadline in (("t1", 100.0), ("t2", None), ("t3", 300.0)):
+        lane.issue(task, deadline)
+        f.issued(task, deadline)
+    assert len(f) == 3 and f.overdue(now=200.0) == 1 and f.out() == ["t1", "t2", "t3"]
+    f.published("t3", 7, now=5.0)
+    assert f.ticket("t3") == 7 and f.out_since() == {"t3": 5.0}
+    lane.keep(group_of("t1", [0.0, 1.0]))  # its group came back
     assert "t1" not in f and f.deadline("t1") == 100.0  # a secondary lane's group may still come back late
-    assert f.fail("t2") and not f.fail("t2") and not f.fail("t1")
-    back = InFlight()
+    lane.assembling("t2")
+    assert "t2" in f and lane.is_out("t2")  # part of it back: still out
+    lane.settle("t2", Fate.parse("failed:rollout"))
+    assert "t2" not in f and not lane.is_out("t2") and lane.is_closed("t2")
+    back = InFlight(PolicyLane("solver", pipeline(), primary=True).tasks)
     back.load_state(*f.state(), newest=3)
     assert back.state() == f.state() == ({"t3": 300.0}, {"t1": 100.0, "t3": 300.0}, [])
     for i in range(DEADLINES + 5):
-        f.issue(f"x{i}", float(i))
+        f.issued(f"x{i}", float(i))
     assert f.deadline("t1") is None and f.deadline(f"x{DEADLINES + 4}") is not None  # bounded memory, oldest first out
 
 
@@ -231,8 +239,9 @@ def ingest_setup(objects: Objects | None = None,
                  **cfg: Any) -> tuple[TrajectoryIngest, PolicyLane, InFlight, Journal, list[tuple[Any, ...]]]:
     log: list[tuple[Any, ...]] = []
     lane = PolicyLane("solver", pipeline(filters=[{"type": "dynamic_sampling"}]), primary=True)
-    in_flight = InFlight()
     journal = Journal(MemoryStore(log), DataflowState)
+    lane.fates = journal
+    in_flight = InFlight(lane.tasks)
     limits = Limits(group_size=2, policies={"solver": PolicyLimits(vocab=384, max_completion=8, max_generated=8, max_row=None)})
 
     async def newest(policy: str) -> int:  # what the plane's last announcement says
@@ -245,7 +254,7 @@ def ingest_setup(objects: Objects | None = None,
 
 async def test_ingest_admits_assembles_and_acks_copies_only_after_a_durable_write():
     ingest, lane, in_flight, journal, log = ingest_setup()
-    in_flight.issue("t1", None)
+    lane.issue("t1", None)
     await ingest.take(MemoryDelivery(traj("t1", 0, 0.0, policy="critic"), 1, log))
     first = MemoryDelivery(traj("t1", 0, 0.0), 2, log)
     await ingest.take(first)
@@ -256,21 +265,23 @@ async def test_ingest_admits_assembles_and_acks_copies_only_after_a_durable_writ
     assert lane.version == 4  # its tokens are v4: the plane confirmed v4 is announced
     await ingest.take(MemoryDelivery(traj("t1", 1, 1.0), 4, log))
     assert lane.is_buffered("t1") and "t1" not in in_flight and not ingest.assembling
-    assert lane.accounting(len(in_flight)).buffered == 1 and lane.ledger.received == 1
+    assert lane.accounting().buffered == 1 and lane.ledger.received == 1
     await ingest.take(MemoryDelivery(traj("t1", 1, 1.0, traj_id="copy"), 5, log))  # another sample for a complete group
     assert ingest.stats["invalid.traj_id"] == 1 and lane.is_buffered("t1")  # dead-lettered; the complete group stands
+    lane.issue("t0", None)
     lane.settle("t0", Fate.parse("failed:rollout"))
     await ingest.take(MemoryDelivery(traj("t0", 0, 1.0), 6, log))  # a task settled before a restart
     assert ingest.stats["redelivered_settled"] == 1
     assert log == []  # nothing acked or dead-lettered before the state is written
     await journal.flush()
-    assert log == [("state", 0), ("ack", 6), ("reject", 1, "invalid policy: 'critic'; run has ['solver']"),
+    assert log == [("fates", [("t0", "failed:rollout")]), ("state", 0), ("ack", 6),
+                   ("reject", 1, "invalid policy: 'critic'; run has ['solver']"),
                    ("reject", 5, "invalid traj_id: traj_id 'copy' is not t1.solver.1")]  # the buffered group's deliveries stay held
 
 
 async def test_a_filtered_group_is_settled_and_its_trajectories_acked_after_its_fate_is_written():
-    ingest, lane, in_flight, journal, log = ingest_setup()
-    in_flight.issue("t1", None)
+    ingest, lane, _in_flight, journal, log = ingest_setup()
+    lane.issue("t1", None)
     for i in range(2):
         await ingest.take(MemoryDelivery(traj("t1", i, 1.0), 10 + i, log))
     assert lane.is_closed("t1") and lane.ledger.fates == {"filtered:zero_variance": 1}
@@ -279,11 +290,11 @@ async def test_a_filtered_group_is_settled_and_its_trajectories_acked_after_its_
 
 
 async def test_a_run_of_filtered_groups_is_warned_about_at_each_doubling_and_a_kept_group_ends_it(caplog):
-    ingest, lane, in_flight, _, log = ingest_setup(groups_per_batch=1)  # a warning at 4, 8, 16 ... groups in a row
+    ingest, lane, _in_flight, _, log = ingest_setup(groups_per_batch=1)  # a warning at 4, 8, 16 ... groups in a row
     warned = []
     for n, rewards in enumerate([(1.0, 1.0)] * 8 + [(0.0, 1.0)] + [(0.0, 0.0)] * 4):
         task = f"t{n}"
-        in_flight.issue(task, None)
+        lane.issue(task, None)
         caplog.clear()
         for i, r in enumerate(rewards):
             await ingest.take(MemoryDelivery(traj(task, i, r), 100 + 2 * n + i, log))
@@ -295,20 +306,21 @@ async def test_a_run_of_filtered_groups_is_warned_about_at_each_doubling_and_a_k
 
 async def test_a_group_kept_before_a_restart_goes_back_into_the_buffer_without_the_hooks():
     ingest, lane, in_flight, _journal, log = ingest_setup(late_policy="drop")
-    lane.kept["t1"] = 0.5  # what a restored state says
-    in_flight.issue("t1", 1.0)  # long past its deadline: the late policy would drop it
+    lane.tasks.restore("t1", Stage.KEPT, weight=0.5)  # what a restored state says
+    in_flight.issued("t1", 1.0)  # long past its deadline: the late policy would drop it
     for i in range(2):
         await ingest.take(MemoryDelivery(traj("t1", i, float(i)), 10 + i, log))
-    assert lane.is_buffered("t1") and lane.kept == {"t1": 0.5} and lane.ledger.received == 0 and not lane.ledger.late
+        assert lane.tasks.stage("t1") is Stage.KEPT  # not assembling: its group was kept before
+    assert lane.is_buffered("t1") and lane.state().kept == {"t1": 0.5} and lane.ledger.received == 0 and not lane.ledger.late
 
 
 async def test_offloaded_arrays_are_read_back_and_checked_like_any_others():
     big, bad, gone = traj("t1", 0, 1.0), traj("t2", 0, 1.0), stub(traj("t3", 0, 1.0))
     bad = bad.model_copy(update={"completion_ids": np.array([1, 999], "<i4").tobytes()})  # a token outside the vocabulary
     objects = Objects(big, bad)
-    ingest, lane, in_flight, journal, log = ingest_setup(objects)
+    ingest, lane, _in_flight, journal, log = ingest_setup(objects)
     for task in ("t1", "t2", "t3"):
-        in_flight.issue(task, None)
+        lane.issue(task, None)
     pulled = Pulled(*(MemoryDelivery(t, seq, log) for seq, t in ((10, stub(big)), (20, stub(bad)), (30, gone))))
     assert await ingest.pull(pulled) == 3  # type: ignore[arg-type]
     assert journal.is_held("t1.solver.0") and ingest.assembling  # read back whole, checked, assembled
@@ -317,7 +329,7 @@ async def test_offloaded_arrays_are_read_back_and_checked_like_any_others():
     assert [e[:2] for e in log if e[0] == "reject"] == [("reject", 20), ("reject", 30)]
     assert "t3.solver.0: traj/t3.solver.0 is gone" in log[-1][2]
     objects.down = True  # a read that fails for another reason says nothing about the trajectory: it comes back later
-    in_flight.issue("t4", None)
+    lane.issue("t4", None)
     pulled = Pulled(MemoryDelivery(stub(traj("t4", 0, 1.0)), 40, log), MemoryDelivery(traj("t4", 1, 0.0), 41, log))
     assert await ingest.pull(pulled) == 2  # type: ignore[arg-type]
     assert log[-1] == ("nak", 40) and not journal.is_held("t4.solver.0") and ingest.stats["payload_retries"] == 1
@@ -325,9 +337,10 @@ async def test_offloaded_arrays_are_read_back_and_checked_like_any_others():
 
 
 async def test_a_failed_task_releases_what_came_back_of_it():
-    ingest, _lane, in_flight, journal, log = ingest_setup()
-    in_flight.issue("t1", None)
+    ingest, lane, _in_flight, journal, log = ingest_setup()
+    lane.issue("t1", None)
     await ingest.take(MemoryDelivery(traj("t1", 0, 0.0), 10, log))
+    assert lane.tasks.stage("t1") is Stage.ASSEMBLING
     ingest.abandon("t1")
     await journal.flush()
     assert log == [("ack", 10)] and not ingest.assembling
@@ -352,17 +365,18 @@ def test_a_plan_scales_advantages_by_group_weight_and_is_the_manifest():
 
 def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
     lane = PolicyLane("solver", pipeline(server={"type": "replay", "ratio": 0.5, "base": {"type": "fifo"}}), primary=True)
-    lane.note_issued(3)
+    for i in range(3):
+        lane.issue(f"t{i}", None)
     groups = [group_of(f"t{i}", [0.0, 1.0], seq0=10 * (i + 1), version=1) for i in range(3)]  # stream sequences start at 1
     for _h in groups:
         lane.receive(1)
     lane.keep(groups[0])
     lane.keep(groups[1])
     lane.settle("t2", Fate.filtered("zero_variance"))
-    assert lane.accounting(in_flight=0).adds_up and lane.ready(2) and not lane.ready(3)
+    assert lane.accounting().adds_up and lane.ready(2) and not lane.ready(3)
     lane.advance(3)
     plan = lane.plan(groups[:2], ["t0", "t1"], created_at=1.0)
-    acc = lane.accounting(in_flight=0)
+    acc = lane.accounting()
     assert plan.batch_id == "solver-b000001" and acc.awaiting == 2 and acc.buffered == 0 and acc.adds_up
     assert lane.is_closed("t0") and lane.find("t0") is groups[0] and lane.replay_positions("t1", 2) == [20, 21]
     assert lane.replay_positions("t1", 3) is None  # not the group the replay memory names
@@ -371,8 +385,9 @@ def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
     restored.load_state(lane.state())
     assert restored.state() == lane.state() and restored.planned() == [plan]
     lane.published(plan.batch_id)
-    assert lane.trained(plan.batch_id) == ["t0", "t1"] and lane.trained(plan.batch_id) == []  # counted once
-    assert lane.drained() and lane.accounting(in_flight=0).fates == {"filtered:zero_variance": 1, "trained": 2}
+    assert [lane.tasks.stage(t) for t in ("t0", "t1")] == [Stage.AWAITING] * 2
+    assert lane.trained(plan.batch_id, 1) == ["t0", "t1"] and lane.trained(plan.batch_id, 1) == []  # counted once
+    assert lane.drained() and lane.accounting().fates == {"filtered:zero_variance": 1, "trained": 2}
     assert lane.failed("solver-b000009") == [] and "failed:train" not in lane.ledger.fates
 
 

@@ -158,7 +158,7 @@ def test_model_limits_match_the_built_model(tmp_path):
 def test_floors_and_recent_tasks_survive_a_restart():
     f = InFlight()
     for n in range(1, 9):
-        f.issue(f"t{n:08d}", None, {"solver": n // 3, "verifier": 0})
+        f.issued(f"t{n:08d}", None, {"solver": n // 3, "verifier": 0})
     assert [f.floor(f"t{n:08d}", "solver") for n in range(1, 9)] == [0, 0, 1, 1, 1, 2, 2, 2]
     assert f.floor("t00000009", "solver") == 2 and f.floor("x1", "solver") == 0 and f.floor("t00000003", "critic") == 0
     assert len(f.floors.points) == 3  # change points, not one entry per task

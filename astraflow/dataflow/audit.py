@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane
+from astraflow.dataflow.lifecycle import Stage
 from astraflow.streams.task_queue import TaskQueue
 from astraflow.streams.trajectory_log import TrajectoryLog
 
@@ -49,8 +50,8 @@ class Auditor:
         if self.waits is None:
             self.waits = await self.tasks.redelivery_wait(), await self.trajectories.redelivery_wait()
         task_wait, traj_wait = self.waits
-        looked = {t: (ticket := self.in_flight.tickets.get(t)) is not None and await self.tasks.queued(ticket)
-                  for t in due(self.in_flight.since, now, task_wait)}
+        looked = {t: (ticket := self.in_flight.ticket(t)) is not None and await self.tasks.queued(ticket)
+                  for t in due(self.in_flight.out_since(), now, task_wait)}
         if not (looked or self.gone):
             return []
         stored = await self.trajectories.mark()  # read after the lookups: their trajectories are in
@@ -59,7 +60,7 @@ class Auditor:
     def lost_groups(self, lane: PolicyLane, now: float) -> list[str]:
         """Groups ``lane`` kept before a restart whose trajectories do not come back (:func:`lost_groups`); after
         :meth:`lost_tasks` (which reads the ack waits)."""
-        back = {t: lane.is_buffered(t) for t in lane.kept}
+        back = {r.task_id: r.group is not None for r in lane.tasks.at_stage(Stage.KEPT)}
         grace = 2 * self.waits[1] if self.waits is not None else float("inf")
         return lost_groups(self.kept_missing.setdefault(lane.name, {}), back, now, grace)
 

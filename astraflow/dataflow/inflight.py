@@ -1,14 +1,14 @@
-"""Tasks out on the plane: issued, their primary group not complete yet. Pure bookkeeping (no I/O).
+"""Tasks out on the plane, and what is remembered of recent tasks once they are back. Pure bookkeeping (no I/O).
 
-The issuer adds a task when it writes it ahead; ingest lands it when its primary group
-completes; a failure report (DLQ, max deliveries) ends it. Deadlines are kept a while longer
-than the tasks themselves: a secondary lane's group may complete after the primary's, and
-every lane's late policy reads the task's deadline.
-
-It also answers what ingest needs to judge a trajectory's claim on a task: was the task issued
-recently (the last ``RECENT`` task numbers; a secondary lane's group may arrive after the
-primary's landed), and which version floors (``Task.min_versions``) was it issued with. Floors
-only rise with the task number (versions only rise), so they are kept as change points.
+The tasks out are the primary lane's records at ``issued`` and ``assembling``
+(``lifecycle.TaskBook``): the issuer issues them there, and the lane moves them on when their group
+completes or they fail. This adds what outlives a task's time out: its deadline (kept a while
+longer than the task itself: a secondary lane's group may complete after the primary's, and every
+lane's late policy reads the task's deadline), its prompt, and what ingest needs to judge a
+trajectory's claim on a task: was the task issued recently (the last ``RECENT`` task numbers; a
+secondary lane's group may arrive after the primary's landed), and which version floors
+(``Task.min_versions``) was it issued with. Floors only rise with the task number (versions only
+rise), so they are kept as change points.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 from astraflow.dataflow.ledger import task_number
+from astraflow.dataflow.lifecycle import OUT, Stage, TaskBook
 from astraflow.streams.task_queue import Ticket
 
 DEADLINES = 4096  # recent tasks whose deadline is remembered
@@ -42,23 +43,24 @@ class Floors:
 
 
 class InFlight:
-    def __init__(self) -> None:
-        self.open: dict[str, float | None] = {}  # task -> deadline (None: no time limit)
+    def __init__(self, tasks: TaskBook | None = None) -> None:
+        self.tasks = tasks or TaskBook("primary", primary=True)  # the primary lane's: those at issued and assembling are out
         self.deadlines: OrderedDict[str, float] = OrderedDict()  # recent tasks' deadlines, for every lane
         self.floors = Floors()
         self.newest = 0  # the highest task number issued
-        self.tickets: dict[str, Ticket] = {}  # task -> where the task queue holds it, once known (in memory: a restart asks the queue)
-        self.since: dict[str, float] = {}  # task -> when it went out (or was found out, after a restart): the audit's clock
         self.prompts: OrderedDict[str, str] = OrderedDict()  # the last RECENT tasks issued -> the prompt_id each was issued with
 
     def __len__(self) -> int:
-        return len(self.open)
+        return self.tasks.count(*OUT)
 
     def __contains__(self, task_id: object) -> bool:
-        return task_id in self.open
+        return isinstance(task_id, str) and self.tasks.stage(task_id) in OUT
 
-    def issue(self, task_id: str, deadline: float | None, floors: Mapping[str, int] | None = None, prompt_id: str | None = None) -> None:
-        self.open[task_id] = deadline
+    def out(self) -> list[str]:
+        return [r.task_id for r in self.tasks.at_stage(*OUT)]
+
+    def issued(self, task_id: str, deadline: float | None, floors: Mapping[str, int] | None = None, prompt_id: str | None = None) -> None:
+        """The lane issued ``task_id`` (:meth:`PolicyLane.issue`): its deadline, floors and prompt remembered."""
         if prompt_id is not None:
             self.note_prompt(task_id, prompt_id)
         if deadline is not None:
@@ -73,23 +75,20 @@ class InFlight:
 
     def published(self, task_id: str, ticket: Ticket | None, now: float) -> None:
         """It is on the plane (at ``ticket`` of the task queue; None: not found there), since ``now``."""
-        if task_id in self.open:
+        rec = self.tasks.get(task_id)
+        if rec is not None and rec.stage in OUT:
             if ticket is not None:
-                self.tickets[task_id] = ticket
-            self.since.setdefault(task_id, now)
+                rec.ticket = ticket
+            if rec.since is None:
+                rec.since = now
 
-    def land(self, task_id: str) -> None:
-        """Its primary group is complete (or it was never ours: nothing happens)."""
-        self.open.pop(task_id, None)
-        self.tickets.pop(task_id, None)
-        self.since.pop(task_id, None)
+    def ticket(self, task_id: str) -> Ticket | None:
+        rec = self.tasks.get(task_id)
+        return rec.ticket if rec is not None and rec.stage in OUT else None
 
-    def fail(self, task_id: str) -> bool:
-        """It failed on the plane; False if it was not out (already back, failed before, not ours)."""
-        if task_id not in self.open:
-            return False
-        self.land(task_id)
-        return True
+    def out_since(self) -> dict[str, float]:
+        """Each task out, known on the plane -> since when (the audit's clock)."""
+        return {r.task_id: r.since for r in self.tasks.at_stage(*OUT) if r.since is not None}
 
     def note_prompt(self, task_id: str, prompt_id: str) -> None:
         """``task_id`` was issued with ``prompt_id`` (kept in memory for the last ``RECENT`` tasks; a restart reads it back
@@ -117,14 +116,16 @@ class InFlight:
         return (floors or {}).get(policy, 0)
 
     def overdue(self, now: float) -> int:
-        return sum(1 for d in self.open.values() if d is not None and d < now)
+        return sum(1 for r in self.tasks.at_stage(*OUT) if r.deadline is not None and r.deadline < now)
 
     def state(self) -> tuple[dict[str, float | None], dict[str, float], list[tuple[int, dict[str, int]]]]:
-        return dict(self.open), dict(self.deadlines), [(n, dict(f)) for n, f in self.floors.points]
+        out = {r.task_id: r.deadline for r in self.tasks.at_stage(*OUT)}
+        return out, dict(self.deadlines), [(n, dict(f)) for n, f in self.floors.points]
 
     def load_state(self, open_tasks: dict[str, float | None], deadlines: dict[str, float], floors: list[tuple[int, dict[str, int]]],
                    newest: int) -> None:
-        self.open = dict(open_tasks)
+        for task_id, deadline in open_tasks.items():  # saved as issued: what came back of them comes again
+            self.tasks.restore(task_id, Stage.ISSUED, deadline=deadline)
         self.deadlines = OrderedDict(deadlines)
         self.floors.points = [(n, dict(f)) for n, f in floors]
         self.newest = newest

@@ -163,7 +163,7 @@ class TrajectoryIngest:
         """A task this dataflow issued and this lane has not settled: out or kept (primary lane, where tasks
         are issued), or one of the last ``inflight.RECENT`` issued (other lanes: their groups may come later)."""
         if lane.primary:
-            return task_id in self.in_flight or lane.kept_weight(task_id) is not None
+            return lane.is_out(task_id) or lane.kept_weight(task_id) is not None
         return self.in_flight.recent(task_id)
 
     def admit(self, t: Trajectory, s: Stats | None = None, confirmed: bool = False, unreadable: Invalid | None = None,
@@ -232,7 +232,9 @@ class TrajectoryIngest:
             self.stats["duplicates"] += 1
             return
         self.journal.hold(t.traj_id, d)
-        if held is not None:
+        if held is None:
+            self.lanes[t.policy].assembling(t.task_id)
+        else:
             self.complete(self.lanes[t.policy], held)
 
     def held_from(self, traj_id: str) -> str | None:
@@ -266,17 +268,12 @@ class TrajectoryIngest:
         self.journal.reject_later(d, reason, "group_size")
 
     def invalidate(self, lane: PolicyLane, task_id: str, code: str, reason: str) -> None:
-        """Settle ``task_id`` in ``lane`` as ``invalid:{code}``: out of flight (primary), its partial group released."""
-        if lane.primary:
-            self.in_flight.land(task_id)
+        """Settle ``task_id`` in ``lane`` as ``invalid:{code}``, its partial group released."""
         self.journal.release(self.assembler.drop(task_id, lane.name))
-        lane.settle(task_id, Fate.invalid(code))
-        self.journal.record(lane.name, task_id, Fate.invalid(code), error=reason[:300])
+        lane.settle(task_id, Fate.invalid(code), error=reason[:300])
 
     def complete(self, lane: PolicyLane, held: HeldGroup) -> None:
         self.journal.changed()
-        if lane.primary:
-            self.in_flight.land(held.task_id)
         weight = lane.kept_weight(held.task_id)
         if weight is not None:  # kept before a restart: straight back into the buffer, counted and hooked already
             held.weight = weight
@@ -292,7 +289,6 @@ class TrajectoryIngest:
             return
         lane.settle(held.task_id, landing.fate)
         self.journal.release(held.traj_ids)
-        self.journal.record(lane.name, held.task_id, landing.fate)
         if landing.fate.outcome is Outcome.FILTERED:
             self.note_filtered(lane.name, landing.fate)
 
@@ -308,5 +304,7 @@ class TrajectoryIngest:
                         "is dropped", policy, n, fate, why)
 
     def abandon(self, task_id: str) -> None:
-        """The task failed: forget what came back of it and ack that once the failure is durable."""
+        """The task failed: forget what came back of it (in every lane) and ack that once the failure is durable."""
         self.journal.release(self.assembler.drop(task_id))
+        for lane in self.lanes.values():
+            lane.forget(task_id)

@@ -115,8 +115,8 @@ class TaskIssuer:
         tasks = self.draw(budget, ctx) if budget > 0 else []
         if tasks:
             for t in tasks:
-                self.in_flight.issue(t.task_id, t.deadline, t.min_versions, t.prompt_id)
-            self.lane.note_issued(len(tasks))
+                self.lane.issue(t.task_id, t.deadline)
+                self.in_flight.issued(t.task_id, t.deadline, t.min_versions, t.prompt_id)
             self.issuing = tasks
             self.journal.changed()
         return tasks
@@ -167,7 +167,7 @@ class TaskIssuer:
         found = {t.task_id: ticket for ticket, t in held}
         for _, t in held:
             self.in_flight.note_prompt(t.task_id, t.prompt_id)
-        for task in list(self.in_flight.open):
+        for task in self.in_flight.out():
             self.in_flight.published(task, found.get(task), now)
         for t in s.issuing:
             self.in_flight.note_prompt(t.task_id, t.prompt_id)

@@ -56,7 +56,7 @@ from astraflow.metrics import Metrics, serving
 from astraflow.role import Role, RoleOptions
 from astraflow.runtime import crash_point
 from astraflow.streams.dataflow_state import Accounting, DataflowState
-from astraflow.streams.fates import DROPPED_STALE, FAILED_LOST, FAILED_TRAIN, TRAINED, Fate, Outcome
+from astraflow.streams.fates import DROPPED_STALE, FAILED_LOST, FAILED_TRAIN, Fate, Outcome
 from astraflow.streams.messages import (
     HEARTBEAT_PERIOD_S,
     BatchRefusal,
@@ -100,10 +100,11 @@ class Dataflow:
         self.recipe = recipe
         self.plane = plane
         self.metrics = metrics  # Prometheus export, when serve() was given a port
-        self.lanes = {p: PolicyLane(p, build_pipeline(recipe.dataflow.algorithms), p == recipe.primary) for p in recipe.policy_names}
-        self.stats: Counter[str] = Counter()  # heartbeat counters
         self.journal = Journal(plane.state, self.snapshot)
-        self.in_flight = InFlight()
+        self.lanes = {p: PolicyLane(p, build_pipeline(recipe.dataflow.algorithms), p == recipe.primary, self.journal)
+                      for p in recipe.policy_names}
+        self.stats: Counter[str] = Counter()  # heartbeat counters
+        self.in_flight = InFlight(self.lanes[recipe.primary].tasks)
         rng = random.Random(recipe.data.seed)  # prompt selection and batch serving draw from one seeded stream
         train, _ = load_split(recipe.data)
         self.issuer = TaskIssuer(recipe, plane, self.lanes, train, self.in_flight, self.journal, rng)
@@ -168,10 +169,9 @@ class Dataflow:
                 for batch_id in e.batch_ids:
                     if lane.awaits(batch_id):
                         self.journal.forget_plan(lane.name, batch_id)
-                    for task_id in lane.trained(batch_id):
-                        self.journal.record(lane.name, task_id, TRAINED, batch=batch_id, version=e.version)
+                        trained = lane.trained(batch_id, e.version)
                         if lane.primary:
-                            self.stats["groups_trained"] += 1
+                            self.stats["groups_trained"] += len(trained)
             elif isinstance(e, TaskFailed):
                 self.fail_task(lane, e.task_id, e.reason, e.detail)
                 if e.ticket is not None:  # the server gave up on it: out of the work queue once its failure is durable
@@ -185,8 +185,7 @@ class Dataflow:
                 fate = DROPPED_STALE if e.code is BatchRefusal.STALE else FAILED_TRAIN
                 if lane.awaits(e.batch_id):
                     self.journal.forget_plan(lane.name, e.batch_id)
-                for task_id in lane.failed(e.batch_id, fate):
-                    self.journal.record(lane.name, task_id, fate, batch=e.batch_id, error=e.detail)
+                lane.failed(e.batch_id, fate, e.detail)
         now = time.time()
         for hb in beats:
             self.pool.seen(hb, now)
@@ -195,11 +194,9 @@ class Dataflow:
 
     def fail_task(self, lane: PolicyLane, task_id: str, reason: str, detail: str = "") -> None:
         """The task ended on the plane without its group (``failed:{reason}``); nothing if it was not out."""
-        if self.in_flight.fail(task_id):
+        if lane.is_out(task_id):
             self.ingest.abandon(task_id)
-            fate = Fate(Outcome.FAILED, reason)
-            lane.settle(task_id, fate)
-            self.journal.record(lane.name, task_id, fate, error=detail)
+            lane.settle(task_id, Fate(Outcome.FAILED, reason), error=detail)
 
     async def audit(self) -> None:
         """Every ``AUDIT_S``: the tasks out, and the kept groups of a restored state, that will never come back settled
@@ -220,8 +217,7 @@ class Dataflow:
             for task in self.auditor.lost_groups(lane, now):
                 self.stats["lost_groups"] += 1
                 log.warning("lane %s: kept group %s is lost: its trajectories did not come back after the restart", lane.name, task)
-                lane.settle(task, FAILED_LOST)
-                self.journal.record(lane.name, task, FAILED_LOST, error="kept before a restart, its trajectories never came back")
+                lane.settle(task, FAILED_LOST, error="kept before a restart, its trajectories never came back")
 
     def context(self) -> Context:
         return context(self.lanes, self.recipe.dataflow.max_staleness)
@@ -237,7 +233,7 @@ class Dataflow:
         return self.lanes[self.recipe.primary].ledger
 
     def accounting(self) -> dict[str, Accounting]:
-        return {p: lane.accounting(len(self.in_flight) if lane.primary else 0) for p, lane in self.lanes.items()}
+        return {p: lane.accounting() for p, lane in self.lanes.items()}
 
     def snapshot(self) -> DataflowState:
         return DataflowState(tasks=self.issuer.state(), lanes={p: lane.state() for p, lane in self.lanes.items()},

@@ -8,9 +8,9 @@ For each lane, as long as its buffer holds a batch worth of groups:
    ``backpressure``); one slow trainer never holds back another policy's lane;
 2. let the server plug-in choose (it may drop stale or expired groups: fate ``dropped:R``);
 3. plan the batch (``PolicyLane.plan``: id, groups, trajectory references — TRAJ stream
-   sequence, trajectory id, task id —, advantages) and queue its plan record for the trainer
-   (``BatchPlanRecord``: the manifest's digest; the trainer trains nothing else) and its tasks'
-   ``batched`` fates in the journal (:meth:`BatchServer.plan`).
+   sequence, trajectory id, task id —, advantages; its tasks move to ``planned``) and queue its plan
+   record for the trainer (``BatchPlanRecord``: the manifest's digest; the trainer trains nothing
+   else) in the journal (:meth:`BatchServer.plan`).
 
 The dataflow then commits the plans with everything else of the turn (write-ahead), publishes
 the manifests with ``Nats-Msg-Id`` = batch id, together with the turn's tasks, in one pipelined
@@ -118,7 +118,6 @@ class BatchServer:
         held = lane.settle(task_id, fate)
         if held is not None:
             self.journal.release(held.traj_ids)
-        self.journal.record(lane.name, task_id, fate)
 
     def held(self, lane: PolicyLane, group: Group) -> HeldGroup | None:
         """A batch group: fresh from the buffer, or replayed (after a restart: its samples as the replay plug-in
