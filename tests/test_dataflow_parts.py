@@ -369,7 +369,7 @@ def test_a_lane_accounts_for_every_task_through_plan_publication_and_training():
         lane.issue(f"t{i}", None)
     groups = [group_of(f"t{i}", [0.0, 1.0], seq0=10 * (i + 1), version=1) for i in range(3)]  # stream sequences start at 1
     for _h in groups:
-        lane.receive(1)
+        lane.ledger.receive(1)
     lane.keep(groups[0])
     lane.keep(groups[1])
     lane.settle("t2", Fate.filtered("zero_variance"))
@@ -431,7 +431,7 @@ def test_a_lane_remembers_batched_groups_only_when_its_server_replays():
     def lane_after_batching(server: dict[str, Any]) -> PolicyLane:
         lane = PolicyLane("solver", pipeline(server=server), primary=True)
         for i in range(3):
-            lane.remember(group_of(f"t{i}", [0.0, 1.0], seq0=10 * i))
+            lane.recent.remember(group_of(f"t{i}", [0.0, 1.0], seq0=10 * i))
         return lane
 
     assert lane_after_batching({"type": "fifo"}).state().recent == {}

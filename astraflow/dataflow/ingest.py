@@ -281,7 +281,7 @@ class TrajectoryIngest:
             return
         landing = land(held.group, lane.pipeline, context(self.lanes, self.cfg.max_staleness), self.in_flight.deadline(held.task_id),
                        self.cfg)
-        lane.receive(len(held.group.samples), landing.late)
+        lane.ledger.receive(len(held.group.samples), landing.late)
         if landing.fate is None:
             self.filtered_in_a_row[lane.name] = 0
             held.weight = landing.weight

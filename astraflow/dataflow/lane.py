@@ -59,6 +59,13 @@ def plan_batch(batch_id: str, chosen: list[HeldGroup], taken: list[str], advanta
                      advantages=[a * h.weight for h in chosen for a in advantages(h.group)], created_at=created_at)
 
 
+def batch_stats(version: int, chosen: list[HeldGroup]) -> dict[str, float]:
+    """A batch's staleness (how many versions its groups lag ``version``: mean, max) and its mean reward."""
+    lags = [version - h.group.min_version for h in chosen]
+    rewards = [s.reward or 0.0 for h in chosen for s in h.group.samples]
+    return {"lag_mean": sum(lags) / len(lags), "lag_max": max(lags), "batch_reward": sum(rewards) / len(rewards)}
+
+
 def context(lanes: Mapping[str, PolicyLane], max_staleness: int, now: float | None = None) -> Context:
     """What a plug-in hook sees: the time and every policy's current version."""
     return Context(now=now or time.time(), versions={p: lane.version for p, lane in lanes.items()}, max_staleness=max_staleness)
@@ -95,13 +102,12 @@ class PolicyLane:
 
     def is_buffered(self, task_id: str) -> bool:
         """Kept, its group in memory."""
-        rec = self.tasks.get(task_id)
-        return rec is not None and rec.stage is Stage.KEPT and rec.group is not None
+        return self.tasks.group(task_id) is not None
 
     def kept_weight(self, task_id: str) -> float | None:
         """The weight of a kept group (one a restart brought back is kept before its trajectories return), else None."""
-        rec = self.tasks.get(task_id)
-        return rec.weight if rec is not None and rec.stage is Stage.KEPT else None
+        rec = self.tasks.kept(task_id)
+        return rec.weight if rec is not None else None
 
     def buffered(self) -> int:
         return self.tasks.count(Stage.KEPT)
@@ -122,8 +128,7 @@ class PolicyLane:
 
     def find(self, task_id: str) -> HeldGroup | None:
         """A group in memory: buffered, or batched recently (replay)."""
-        rec = self.tasks.get(task_id)
-        return rec.group if rec is not None and rec.stage is Stage.KEPT and rec.group is not None else self.recent.get(task_id)
+        return self.tasks.group(task_id) or self.recent.get(task_id)
 
     def replay_positions(self, task_id: str, n: int) -> list[int] | None:
         return self.recent.positions_of(task_id, n)
@@ -144,9 +149,6 @@ class PolicyLane:
         self.tasks.move(task_id, Stage.ISSUED, deadline=deadline)
         self.ledger.issued += 1
 
-    def note_backlog(self, pending: int) -> None:
-        self.backlog = pending
-
     def backpressured(self) -> None:
         self.stats["backpressure"] = self.stats.get("backpressure", 0) + 1
 
@@ -161,24 +163,13 @@ class PolicyLane:
         if not self.primary and self.tasks.stage(task_id) is Stage.ASSEMBLING:
             self.tasks.forget(task_id)
 
-    def receive(self, samples: int, late: str | None = None) -> None:
-        """A group of ``samples`` trajectories completed into this lane; ``late``: what the late policy did with it."""
-        self.ledger.received += 1
-        self.ledger.samples += samples
-        if late:
-            self.ledger.late[late] += 1
-
     def keep(self, held: HeldGroup) -> None:
         """A complete group into the buffer (a restored one back into it, at its end)."""
         self.tasks.move(held.task_id, Stage.KEPT, group=held, weight=held.weight, deadline=None, ticket=None, since=None)
 
-    def remember(self, held: HeldGroup) -> None:
-        self.recent.remember(held)
-
     def settle(self, task_id: str, fate: Fate, **extra: Any) -> HeldGroup | None:
         """A terminal fate: counted, and recorded with ``extra`` (batch, version, error); returns the group if it was buffered."""
-        rec = self.tasks.get(task_id)
-        held = rec.group if rec is not None and rec.stage is Stage.KEPT else None
+        held = self.tasks.group(task_id)
         self.tasks.move(task_id, Stage.SETTLED)
         self.ledger.record(fate)
         if self.fates is not None:
@@ -196,16 +187,13 @@ class PolicyLane:
         self.plans[plan.batch_id] = plan
         self.unannounced[plan.batch_id] = None
         self.ledger.replayed += len(chosen) - len(taken)
-        lags = [self.version - h.group.min_version for h in chosen]
-        self.stats["lag_mean"], self.stats["lag_max"] = sum(lags) / len(lags), max(lags)
-        rewards = [s.reward or 0.0 for h in chosen for s in h.group.samples]
-        self.stats["batch_reward"] = sum(rewards) / len(rewards)
-        self.history = [*self.history[-(HISTORY - 1):], [self.batch_seq, self.ledger.received, self.ledger.issued, max(lags),
-                                                          round(sum(lags) / len(lags), 3)]]
+        self.stats.update(batch_stats(self.version, chosen))
+        self.history = [*self.history[-(HISTORY - 1):], [self.batch_seq, self.ledger.received, self.ledger.issued, self.stats["lag_max"],
+                                                          round(self.stats["lag_mean"], 3)]]
         fresh = set(taken)
         for h in chosen:
             if h.task_id in fresh:  # from the buffer (the others are replayed)
-                self.remember(h)
+                self.recent.remember(h)
                 self.tasks.move(h.task_id, Stage.PLANNED, batch=plan.batch_id, group=None)
         return plan
 
@@ -253,10 +241,7 @@ class PolicyLane:
     # ------------------------------------------------------------ state
     def awaiting(self) -> dict[str, list[str]]:
         """Each batch planned or published and not announced yet -> its tasks."""
-        out: dict[str, list[str]] = {b: [] for b in self.unannounced}
-        for rec in self.tasks.at_stage(*IN_A_BATCH):
-            out[rec.batch or ""].append(rec.task_id)
-        return out
+        return self.tasks.by_batch(self.unannounced)
 
     def state(self) -> LaneState:
         return LaneState(batch_seq=self.batch_seq, ledger=self.ledger.state(), pipeline=self.pipeline.state(),

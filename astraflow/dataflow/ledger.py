@@ -99,6 +99,13 @@ class Ledger:
     late: Counter[str] = field(default_factory=Counter)  # late groups by what the late policy did
     replayed: int = 0  # replayed groups served again (not fates: the group was trained once already)
 
+    def receive(self, samples: int, late: str | None = None) -> None:
+        """A group of ``samples`` trajectories completed into the lane; ``late``: what the late policy did with it."""
+        self.received += 1
+        self.samples += samples
+        if late:
+            self.late[late] += 1
+
     def record(self, fate: Fate, n: int = 1) -> None:
         self.fates[str(fate)] += n
 

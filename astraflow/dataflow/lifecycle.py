@@ -26,7 +26,7 @@ move goes through :meth:`TaskBook.move`, which refuses one the diagram does not 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from astraflow.dataflow.groups import HeldGroup
@@ -97,6 +97,16 @@ class TaskBook:
             return rec.stage
         return Stage.SETTLED if task_id in self.closed else None
 
+    def kept(self, task_id: str) -> TaskRecord | None:
+        """Its record if it is kept."""
+        rec = self.records.get(task_id)
+        return rec if rec is not None and rec.stage is Stage.KEPT else None
+
+    def group(self, task_id: str) -> HeldGroup | None:
+        """Its group if it is kept and in memory."""
+        rec = self.kept(task_id)
+        return rec.group if rec is not None else None
+
     def count(self, *stages: Stage) -> int:
         return sum(len(self.at[s]) for s in stages)
 
@@ -108,6 +118,13 @@ class TaskBook:
     def in_batch(self, batch_id: str) -> list[str]:
         """The tasks of a planned or awaiting batch."""
         return [r.task_id for r in self.at_stage(*IN_A_BATCH) if r.batch == batch_id]
+
+    def by_batch(self, batch_ids: Iterable[str]) -> dict[str, list[str]]:
+        """Each of ``batch_ids`` (planned or published, not announced) -> its tasks."""
+        out: dict[str, list[str]] = {b: [] for b in batch_ids}
+        for rec in self.at_stage(*IN_A_BATCH):
+            out[rec.batch or ""].append(rec.task_id)
+        return out
 
     def move(self, task_id: str, to: Stage, **fields: object) -> TaskRecord:
         """Move ``task_id`` to ``to``, setting ``fields`` on its record; a move the lifecycle does not draw raises."""

@@ -57,7 +57,7 @@ class PoolAdvisor:
             except TimeoutError:  # a slow server: skip this sample (the next comes in ``every_s``), never stop the dataflow
                 log.warning("measuring %s's batch consumer timed out; sample skipped", p)
                 continue
-            lane.note_backlog(lag.pending)
+            lane.backlog = lag.pending
             self.starved[p].sample(now, lag.pending == 0 and lag.ack_pending == 0)
         self.produced.add(now, produced)
         self.consumed.add(now, consumed)

@@ -78,7 +78,7 @@ class BatchServer:
         ready = [lane for lane in self.lanes.values() if lane.ready(self.cfg.groups_per_batch)]
         lags = await asyncio.gather(*(BatchQueue(self.plane, lane.name).backlog() for lane in ready))
         for lane, lag in zip(ready, lags, strict=True):
-            lane.note_backlog(lag.pending)
+            lane.backlog = lag.pending
 
     def plan(self) -> list[Planned]:
         """Every batch the lanes' buffers and their trainers' backlogs allow now, written ahead in the journal."""
@@ -131,7 +131,7 @@ class BatchServer:
             self.stats["replay_missing"] += 1
             return None
         held = HeldGroup(group, at)
-        lane.remember(held)
+        lane.recent.remember(held)
         return held
 
     def item(self, batch: Batch) -> tuple[str, Message, str]:
