@@ -46,6 +46,22 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(ids)
 
 
+@lru_cache(maxsize=8)
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's special token ids, worked out once."""
+    return frozenset(tokenizer.all_special_ids)
+
+
+def decode_text(tokenizer: Any, ids: list[int]) -> str:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, the same text. A python tokenizer (ByT5) works its special ids
+    out again on every such call, most of what decoding a short completion costs: here they are dropped by a set made
+    once. A fast (Rust) tokenizer skips them itself, by its own flags, so it is asked as it is."""
+    if getattr(tokenizer, "is_fast", True):
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+    special = special_ids(tokenizer)
+    return str(tokenizer.decode([i for i in ids if i not in special]))
+
+
 def build_model(cfg: ModelConfig, tokenizer: Any) -> PreTrainedModel:
     """A causal LM from ``cfg``: a pretrained path, or a tiny ``arch`` (``qwen2`` dense, ``qwen3_moe`` experts) built from the config."""
     import torch

@@ -12,7 +12,7 @@ from factories import BYT5, a_task, a_trajectory, honest
 
 from astraflow.config import parse_recipe
 from astraflow.dataflow.claims import FREE, ClaimCheck, role_claims, sampled
-from astraflow.models import encode_prompt
+from astraflow.models import decode_text, encode_prompt
 from astraflow.registry import REWARDS, Claims
 from astraflow.rollout.rewards import costly, range_of, reward_range
 from astraflow.tasks import Problem, load_split
@@ -143,3 +143,13 @@ def test_a_prompt_id_a_source_repeats_is_checked_against_each_of_its_prompts():
         assert lie is not None and lie.code == "reward_claim", answer
     other = sample(twins[0], prompt_ids=np.asarray(encode_prompt(BYT5, "5+5="), np.int32))
     assert c.check(other, "q").code == "prompt_claim"  # type: ignore[union-attr]
+
+
+def test_a_completion_is_decoded_to_the_text_the_tokenizer_gives_without_its_special_tokens():
+    rng = np.random.default_rng(0)
+    special = sorted(BYT5.all_special_ids)
+    for _ in range(200):
+        ids = [int(i) for i in rng.integers(0, len(BYT5), int(rng.integers(0, 24)))] + [int(rng.choice(special))]
+        rng.shuffle(ids)
+        assert decode_text(BYT5, ids) == BYT5.decode(ids, skip_special_tokens=True)
+    assert decode_text(BYT5, [*BYT5.encode("7+8=15"), BYT5.eos_token_id, BYT5.pad_token_id]) == "7+8=15"

@@ -40,7 +40,7 @@ import numpy as np
 
 from astraflow.config import Recipe
 from astraflow.dataflow.validate import Invalid
-from astraflow.models import encode_prompt, load_tokenizer
+from astraflow.models import decode_text, encode_prompt, load_tokenizer
 from astraflow.registry import DEFAULT_REWARD_RANGE, REWARDS, WORKFLOWS, Claims
 from astraflow.streams.messages import Trajectory
 from astraflow.tasks import Problem
@@ -143,7 +143,7 @@ class ClaimCheck:
         """The recipe's reward of ``t``'s decoded completion and the issued meta, against the reward it claims."""
         start = time.perf_counter()
         try:
-            text = self.tokenizers[t.policy].decode(t.completion().tolist(), skip_special_tokens=True)
+            text = decode_text(self.tokenizers[t.policy], t.completion().tolist())
             scored = float(self.reward(text, dict(meta)))
         except Exception as e:  # what a node's own scoring would have failed on: not a reward it earned
             return Invalid("reward_claim", f"scoring its completion again raised {type(e).__name__}: {str(e)[:200]}")

@@ -38,7 +38,7 @@ import torch
 
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving
-from astraflow.models import encode_prompt, load_tokenizer
+from astraflow.models import decode_text, encode_prompt, load_tokenizer
 from astraflow.role import Role, RoleOptions
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams
 from astraflow.rollout.node import make_handle
@@ -114,7 +114,7 @@ def evaluate(handle: Any, problems: list[Any], reward_name: str, max_new_tokens:
     prompts = [encode_prompt(handle.tokenizer, p.prompt) for p in problems]
 
     def score(c: Any, p: Any) -> float:
-        return reward(handle.tokenizer.decode(c.token_ids, skip_special_tokens=True), p.meta)
+        return reward(decode_text(handle.tokenizer, c.token_ids), p.meta)
 
     greedy_params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     comps = handle.engine.generate([GenerationRequest(ids, greedy_params) for ids in prompts])

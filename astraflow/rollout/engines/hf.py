@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from astraflow.models import decode_text
 from astraflow.moe_routing import Routes, RoutingRecorder
 from astraflow.registry import ENGINES
 from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
@@ -21,10 +22,10 @@ from astraflow.weights.load import copy_weights
 
 def stop_at(tokenizer: Any, toks: list[int], stops: tuple[str, ...]) -> int | None:
     """Length of the shortest prefix of ``toks`` whose text contains a stop string (None: no stop string)."""
-    if not stops or not any(s in tokenizer.decode(toks, skip_special_tokens=True) for s in stops):
+    if not stops or not any(s in decode_text(tokenizer, toks) for s in stops):
         return None
     for k in range(1, len(toks) + 1):
-        if any(s in tokenizer.decode(toks[:k], skip_special_tokens=True) for s in stops):
+        if any(s in decode_text(tokenizer, toks[:k]) for s in stops):
             return k
     return None
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from astraflow.models import encode_prompt
+from astraflow.models import decode_text, encode_prompt
 from astraflow.rollout.engines.base import Completion, GenerationRequest
 
 
@@ -49,7 +49,7 @@ class ScriptEngine:
             return [self._one(r) for r in requests]
 
     def _one(self, r: GenerationRequest) -> Completion:
-        text = self.reply(self.tokenizer.decode(r.prompt_ids, skip_special_tokens=True))
+        text = self.reply(decode_text(self.tokenizer, r.prompt_ids))
         reason = "stop"
         cut = [text.index(s) + len(s) for s in r.params.stop if s in text]
         ids = encode_prompt(self.tokenizer, text[:min(cut)]) if cut else encode_prompt(self.tokenizer, text) + [self.tokenizer.eos_token_id]

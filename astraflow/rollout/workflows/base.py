@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from astraflow.models import encode_prompt
+from astraflow.models import decode_text, encode_prompt
 from astraflow.moe_routing import Routes
 from astraflow.rollout.engines.base import Completion, Engine, GenerationRequest, SamplingParams, StaleWeights
 from astraflow.streams.messages import RoutingLayout, Task, Trajectory
@@ -62,7 +62,7 @@ class PolicyHandle:
         return encode_prompt(self.tokenizer, text)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_text(self.tokenizer, ids)
 
 
 def min_version(task: Task, policy: str) -> int:
