@@ -65,6 +65,8 @@ def test_the_book_counts_by_stage_in_arrival_order_and_closes_what_is_batched_or
     book.move("t1", Stage.PLANNED, batch="b1")
     assert book.in_batch("b1") == ["t1"] and "t1" in book.closed and "t2" in book.closed and "t3" not in book.closed
     assert book.get("t2") is None and book.stage("t2") is Stage.SETTLED  # a settled record leaves; its id stays closed
+    book.restore("t4", Stage.KEPT)  # a state that names a task twice: where it names it last, counted once
+    assert book.stage("t4") is Stage.KEPT and book.count(Stage.ISSUED) == 0 and book.count(Stage.KEPT) == 2
 
 
 def test_a_lanes_state_brings_every_record_back_at_its_stage():

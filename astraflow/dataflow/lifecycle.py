@@ -154,7 +154,10 @@ class TaskBook:
         del self.records[task_id], self.at[Stage.ASSEMBLING][task_id]
 
     def restore(self, task_id: str, stage: Stage, **fields: object) -> None:
-        """A record as a saved state has it (the state keeps issued, kept, planned and awaiting tasks)."""
+        """A record as a saved state has it (the state keeps issued, kept, planned and awaiting tasks); a task the state
+        names twice is where it names it last."""
+        if (old := self.records.get(task_id)) is not None:
+            del self.at[old.stage][task_id]
         rec = self.records[task_id] = TaskRecord(task_id, stage)
         for name, value in fields.items():
             setattr(rec, name, value)
