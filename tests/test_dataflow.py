@@ -164,11 +164,23 @@ def with_recipe(**kw: Any):
 
 @with_recipe(max_staleness=1, max_tasks_in_flight=10)
 async def test_tasks_in_flight_bounded_by_the_staleness_budget(harness: Harness):
+    reads: list[int] = []  # the pool's task lag is read from the server only in a turn the staleness budget lets issue
+    backlog = harness.df.issuer.tasks.backlog
+
+    async def counted() -> Any:
+        reads.append(harness.df.ledger.issued)
+        return await backlog()
+
+    harness.df.issuer.tasks.backlog = counted  # type: ignore[method-assign]
     await harness.turn(5)
     assert await harness.pending_tasks() == 4  # (max_staleness + 1) * groups_per_batch, below max_tasks_in_flight
     await harness.rollout(limit=1)  # one comes back and waits in the buffer: still counts against the budget
     await harness.turn(5)
     assert await harness.pending_tasks() == 3 and harness.acc().buffered == 1
+    assert reads == [0]  # ten turns, one with room
+    await harness.rollout(limit=1)  # a batch's worth: planned, out of the buffer, and the budget has room again
+    await harness.turn()
+    assert reads == [0, 4] and harness.df.ledger.issued == 6
 
 
 class PullWaits:
