@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from astraflow.config import ModelConfig, parse_recipe
 from astraflow.dataflow.inflight import RECENT, Floors, InFlight
 from astraflow.dataflow.ledger import Ledger, account
+from astraflow.dataflow.lifecycle import Stage, TaskBook
 from astraflow.dataflow.validate import LOGPROB_SLACK, Limits, PolicyLimits, check_trajectory, check_versions
 from astraflow.models import build_model, load_tokenizer, model_limits
 from astraflow.streams.codec import decode, encode
@@ -166,6 +167,21 @@ def test_floors_and_recent_tasks_survive_a_restart():
     back = InFlight()
     back.load_state(*f.state(), newest=8)
     assert back.state() == f.state() and back.floor("t00000005", "solver") == 1 and back.recent("t00000008")
+    book = TaskBook("solver", primary=True)  # one policy: only the tasks still waited on are asked about
+    one = InFlight(book, other_lanes=False)
+    for n in range(1, 42):
+        if n == 40:
+            book.move("t00000007", Stage.KEPT)  # back and kept: still waited on
+        if n == 41:
+            book.move("t00000007", Stage.PLANNED)  # batched: no longer
+        book.move(f"t{n:08d}", Stage.ISSUED)
+        one.issued(f"t{n:08d}", None, {"solver": n})  # a new version every task: a change point each
+        if n not in (7, 30):
+            book.move(f"t{n:08d}", Stage.SETTLED)
+        if n == 40:
+            assert one.floors.points[0][0] == 7
+    assert [p[0] for p in one.floors.points] == list(range(30, 42))  # from the oldest out or kept on
+    assert one.floor("t00000030", "solver") == 30 and one.floor("t00000041", "solver") == 41
     big = Floors()
     for n in range(1, 3 * RECENT):
         big.note(n, {"solver": n})

@@ -8,7 +8,8 @@ lane's late policy reads the task's deadline), its prompt, and what ingest needs
 trajectory's claim on a task: was the task issued recently (the last ``RECENT`` task numbers; a
 secondary lane's group may arrive after the primary's landed), and which version floors
 (``Task.min_versions``) was it issued with. Floors only rise with the task number (versions only
-rise), so they are kept as change points.
+rise), so they are kept as change points: back to the last ``RECENT`` task numbers, or, in a run
+with one policy, to the oldest task the primary lane still waits on (the state keeps them).
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ class Floors:
     def __init__(self) -> None:
         self.points: list[tuple[int, dict[str, int]]] = []
 
-    def note(self, number: int, floors: Mapping[str, int]) -> None:
+    def note(self, number: int, floors: Mapping[str, int], oldest: int | None = None) -> None:
+        """Task ``number`` was issued with ``floors``; ``oldest``: the oldest task number still asked about (default:
+        ``RECENT`` back), whose floors are the oldest kept."""
         if not self.points or self.points[-1][1] != floors:
             self.points.append((number, dict(floors)))
-        while len(self.points) > 1 and self.points[1][0] <= number - RECENT:  # nothing older is asked about
+        horizon = number - RECENT if oldest is None else oldest
+        while len(self.points) > 1 and self.points[1][0] <= horizon:  # nothing older is asked about
             del self.points[0]
 
     def at(self, number: int) -> dict[str, int] | None:
@@ -43,8 +47,9 @@ class Floors:
 
 
 class InFlight:
-    def __init__(self, tasks: TaskBook | None = None) -> None:
+    def __init__(self, tasks: TaskBook | None = None, other_lanes: bool = True) -> None:
         self.tasks = tasks or TaskBook("primary", primary=True)  # the primary lane's: those at issued and assembling are out
+        self.other_lanes = other_lanes  # other policies' groups may come after the primary's (floors kept RECENT back)
         self.deadlines: OrderedDict[str, float] = OrderedDict()  # recent tasks' deadlines, for every lane
         self.floors = Floors()
         self.newest = 0  # the highest task number issued
@@ -71,7 +76,7 @@ class InFlight:
         if n is not None:
             self.newest = max(self.newest, n)
             if floors is not None:
-                self.floors.note(n, floors)
+                self.floors.note(n, floors, None if self.other_lanes else self.oldest_waited_on(n))
 
     def published(self, task_id: str, ticket: Ticket | None, now: float) -> None:
         """It is on the plane (at ``ticket`` of the task queue; None: not found there), since ``now``."""
@@ -89,6 +94,12 @@ class InFlight:
     def out_since(self) -> dict[str, float]:
         """Each task out, known on the plane -> since when (the audit's clock)."""
         return {r.task_id: r.since for r in self.tasks.at_stage(*OUT) if r.since is not None}
+
+    def oldest_waited_on(self, newest: int) -> int:
+        """The oldest task number the primary lane waits on (out, or kept): with no other lane, no older task's floors
+        are asked about (the state keeps a change point per version otherwise: thousands)."""
+        numbers = [task_number(r.task_id) for r in self.tasks.at_stage(*OUT, Stage.KEPT)]
+        return min((n for n in numbers if n is not None), default=newest)
 
     def note_prompt(self, task_id: str, prompt_id: str) -> None:
         """``task_id`` was issued with ``prompt_id`` (kept in memory for the last ``RECENT`` tasks; a restart reads it back

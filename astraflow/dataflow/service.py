@@ -104,7 +104,7 @@ class Dataflow:
         self.lanes = {p: PolicyLane(p, build_pipeline(recipe.dataflow.algorithms), p == recipe.primary, self.journal)
                       for p in recipe.policy_names}
         self.stats: Counter[str] = Counter()  # heartbeat counters
-        self.in_flight = InFlight(self.lanes[recipe.primary].tasks)
+        self.in_flight = InFlight(self.lanes[recipe.primary].tasks, other_lanes=len(self.lanes) > 1)
         rng = random.Random(recipe.data.seed)  # prompt selection and batch serving draw from one seeded stream
         train, _ = load_split(recipe.data)
         self.issuer = TaskIssuer(recipe, plane, self.lanes, train, self.in_flight, self.journal, rng)
