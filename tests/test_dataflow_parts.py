@@ -21,7 +21,15 @@ from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import DEADLINES, InFlight
 from astraflow.dataflow.ingest import Landing, TrajectoryIngest, land
-from astraflow.dataflow.issuing import PromptOrder, buffered_for_budget, lag_budget, min_versions, staleness_budget, sync_budget
+from astraflow.dataflow.issuing import (
+    PromptOrder,
+    buffered_for_budget,
+    lag_budget,
+    min_versions,
+    queued_for_budget,
+    staleness_budget,
+    sync_budget,
+)
 from astraflow.dataflow.lane import PolicyLane, plan_batch
 from astraflow.dataflow.lifecycle import Stage
 from astraflow.dataflow.validate import Limits, PolicyLimits
@@ -59,6 +67,7 @@ def test_async_budget_is_the_staleness_window_less_what_is_out_or_buffered():
     assert staleness_budget(CFG, in_flight=4, buffered=1) == -1  # over: nothing is issued
     assert staleness_budget(CFG.model_copy(update={"max_staleness": 9}), in_flight=3, buffered=0) == 7  # the cap binds
     assert lag_budget(CFG, pending=7) == 3  # the pool's measured backlog, whoever issued it
+    assert [staleness_budget(CFG, in_flight=1, buffered=0, queued=q) for q in range(4)] == [3, 3, 1, -1]  # one queued batch free
 
 
 def test_a_finished_policy_buffering_untrained_groups_does_not_starve_its_partner():
@@ -67,10 +76,14 @@ def test_a_finished_policy_buffering_untrained_groups_does_not_starve_its_partne
         solver.tasks.restore(f"t{i}", Stage.KEPT)
     verifier.tasks.restore("t0", Stage.KEPT)
     lanes, steps = {"solver": solver, "verifier": verifier}, {"solver": 40, "verifier": 40}
+    solver.backlog, verifier.backlog = 3, 1
     assert buffered_for_budget(lanes, steps, "solver") == 9  # both training: the fullest buffer bounds issuing
+    assert queued_for_budget(lanes, steps) == 3  # and the longest trainer backlog
     solver.advance(40)
     assert buffered_for_budget(lanes, steps, "solver") == 1  # the verifier still needs tasks
+    assert queued_for_budget(lanes, steps) == 1
     verifier.advance(40)
+    assert queued_for_budget(lanes, steps) == 0  # no trainer left: nothing it queues holds issuing back
     assert buffered_for_budget(lanes, steps, "solver") == 9  # every policy done: the primary's, as before
 
 

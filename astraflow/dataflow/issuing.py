@@ -3,7 +3,8 @@
 Tasks are issued for the primary policy (a multi-policy workflow feeds the other lanes from the
 same tasks). Each turn the issuer computes how many it may publish:
 
-    async:  min(max_tasks_in_flight, (max_staleness + 1) · groups_per_batch) − in_flight − buffered,
+    async:  min(max_tasks_in_flight, (max_staleness + 1) · groups_per_batch) − in_flight − buffered
+            − max(0, queued − 1) · groups_per_batch (queued: batches waiting for the trainer),
             and at most max_tasks_in_flight − pending (the pool consumer's lag, read from the server)
     sync:   groups_per_batch − buffered, once every task released before is back, settled and
             its batch trained; else nothing
@@ -32,10 +33,13 @@ from astraflow.streams.task_queue import TaskQueue
 from astraflow.tasks import Problem
 
 
-def staleness_budget(cfg: DataflowConfig, in_flight: int, buffered: int) -> int:
-    """async: (max_staleness + 1) batches' worth in flight or buffered, never above max_tasks_in_flight."""
+def staleness_budget(cfg: DataflowConfig, in_flight: int, buffered: int, queued: int = 0) -> int:
+    """async: (max_staleness + 1) batches' worth in flight, buffered, or queued for the trainer beyond its next batch,
+    never above max_tasks_in_flight. ``queued``: batches waiting for the trainer. A group issued now is served after
+    them: held behind more than one, it waits in the buffer while the trainer moves on, and goes stale there (a
+    generation wasted)."""
     cap = min(cfg.max_tasks_in_flight, (cfg.max_staleness + 1) * cfg.groups_per_batch)
-    return cap - in_flight - buffered
+    return cap - in_flight - buffered - max(0, queued - 1) * cfg.groups_per_batch
 
 
 def buffered_for_budget(lanes: Mapping[str, PolicyLane], steps: Mapping[str, int], primary: str) -> int:
@@ -44,6 +48,11 @@ def buffered_for_budget(lanes: Mapping[str, PolicyLane], steps: Mapping[str, int
     once every policy is done."""
     training = [lane.buffered() for name, lane in lanes.items() if lane.version < steps[name]]
     return max(training) if training else lanes[primary].buffered()
+
+
+def queued_for_budget(lanes: Mapping[str, PolicyLane], steps: Mapping[str, int]) -> int:
+    """The trainer backlog the budget counts: the longest among lanes whose trainer still has steps to take."""
+    return max((lane.backlog for name, lane in lanes.items() if lane.version < steps[name]), default=0)
 
 
 def lag_budget(cfg: DataflowConfig, pending: int) -> int:
@@ -128,7 +137,7 @@ class TaskIssuer:
 
     def staleness_room(self) -> int:
         """async: the tasks the staleness bound leaves room for now (``staleness_budget``)."""
-        return staleness_budget(self.cfg, len(self.in_flight), self.buffered())
+        return staleness_budget(self.cfg, len(self.in_flight), self.buffered(), queued_for_budget(self.lanes, self.steps))
 
     def buffered(self) -> int:
         return buffered_for_budget(self.lanes, self.steps, self.lane.name)

@@ -104,6 +104,7 @@ class BatchServer:
             self.journal.write_ahead(plan_record(batch))  # its tasks get fate records once trained or refused
             fresh = set(plan.tasks)
             out.append(Planned(lane, batch, [t for h in chosen if h.task_id in fresh for t in h.traj_ids]))
+        lane.backlog += len(out)  # queued for the trainer from now, until the backlog is measured again
         return out
 
     def published(self, planned: list[Planned]) -> None:
