@@ -455,3 +455,30 @@ def test_a_lane_remembers_batched_groups_only_when_its_server_replays():
     resumed = lane_after_batching({"type": "fifo"})  # a run that replayed, resumed without replay: nothing kept
     resumed.load_state(replaying.state())
     assert resumed.state().recent == {}
+
+
+async def test_a_failed_task_is_settled_in_the_primary_lane_and_forgotten_partway_in_the_others():
+    log: list[tuple[Any, ...]] = []
+    journal = Journal(MemoryStore(log), DataflowState)
+    solver, verifier = PolicyLane("solver", pipeline(), True, journal), PolicyLane("verifier", pipeline(), False, journal)
+    in_flight = InFlight(solver.tasks, other_lanes=True)
+    limits = Limits(group_size=2, policies={p: PolicyLimits(vocab=384, max_completion=8, max_generated=8, max_row=None)
+                                            for p in ("solver", "verifier")})
+
+    async def newest(policy: str) -> int:
+        return 4
+
+    ingest = TrajectoryIngest({"solver": solver, "verifier": verifier}, in_flight, journal, CFG, Counter(), limits, newest,
+                              Objects().resolve)
+    solver.issue("t1", None)
+    in_flight.issued("t1", None, {"solver": 0, "verifier": 0})
+    await ingest.take(MemoryDelivery(traj("t1", 0, 0.0, policy="verifier"), 1, log))
+    await ingest.take(MemoryDelivery(traj("t1", 0, 0.0), 2, log))
+    assert solver.tasks.stage("t1") is verifier.tasks.stage("t1") is Stage.ASSEMBLING
+    ingest.abandon("t1")  # as the dataflow does when the plane reports the task failed
+    solver.settle("t1", Fate.parse("failed:rollout"))
+    assert solver.tasks.stage("t1") is Stage.SETTLED and verifier.tasks.stage("t1") is None  # no fate where no group completed
+    await ingest.take(MemoryDelivery(traj("t1", 1, 1.0, policy="verifier"), 3, log))  # a late sample: a partial group again
+    assert verifier.tasks.stage("t1") is Stage.ASSEMBLING and solver.accounting().adds_up and verifier.accounting().adds_up
+    await journal.flush()
+    assert log == [("fates", [("t1", "failed:rollout")]), ("state", 0), ("ack", 1), ("ack", 2)]  # the late one stays held
