@@ -17,6 +17,7 @@ from factories import a_trajectory
 
 from astraflow.algorithms import AlgorithmsConfig, Context, build_pipeline
 from astraflow.config import DataflowConfig
+from astraflow.dataflow import durability
 from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import DEADLINES, InFlight
@@ -223,6 +224,31 @@ async def test_the_journal_writes_fates_then_the_state_then_acks():
     journal.changed()
     await journal.flush()
     assert log[7:] == [("state", 2)]
+
+
+async def test_a_turn_that_publishes_nothing_writes_once_the_last_write_is_old_enough(monkeypatch):
+    """Its changes and the acks they explain wait for a later write; a turn that publishes writes at once."""
+    log: list[tuple[Any, ...]] = []
+    seq = iter(range(100))
+    journal = Journal(MemoryStore(log), lambda: DataflowState.model_validate({"tasks": {"task_seq": next(seq)}}))
+    clock = [100.0]
+    monkeypatch.setattr(durability.time, "monotonic", lambda: clock[0])
+    await journal.commit()
+    a, b = (MemoryDelivery(traj("t1", i, 0.0), 10 + i, log) for i in range(2))
+    journal.hold("a", a)
+    journal.release(["a"])
+    journal.record("solver", "t1", TRAINED, batch="solver-b000001")
+    clock[0] += 0.6 * durability.COMMIT_EVERY_S
+    await journal.flush(publishing=False)
+    assert log == [("state", 0)] and journal.to_ack == [a]  # nothing written, nothing acked
+    clock[0] += 0.6 * durability.COMMIT_EVERY_S
+    await journal.flush(publishing=False)
+    assert log[1:] == [("fates", [("t1", "trained")]), ("state", 1), ("ack", 10)]
+    journal.ack_later(b)  # a copy of something settled: nothing to write, acked at once
+    await journal.flush(publishing=False)
+    journal.changed()
+    await journal.flush(publishing=True)  # its publications need the state written ahead, however recent the last write
+    assert log[4:] == [("ack", 11), ("state", 2)]
 
 
 def stub(t: Trajectory) -> Trajectory:

@@ -20,6 +20,7 @@ Nothing else in the dataflow writes the state or acks a trajectory.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.fates import Fate
 from astraflow.streams.state import BatchPlanRecord, FateRecord, Record
 
+COMMIT_EVERY_S = 0.1  # a turn that publishes nothing writes its changes only once the last write is this old
 
 class StateWriter(Protocol):
     """Where the journal writes (``Plane.state``)."""
@@ -64,6 +66,7 @@ class Journal:
         self.to_reject: list[tuple[Rejectable, str, str]] = []  # invalid; dead-lettered after the next durable write
         self.plans_done: list[tuple[str, str]] = []  # (policy, batch id) whose plan record goes after the next durable write
         self.dirty = False  # the state changed since it was last written
+        self.committed_at = 0.0  # monotonic time of the last durable write
 
     # ------------------------------------------------------------ queueing
     def record(self, policy: str, task_id: str, fate: Fate, **extra: Any) -> None:
@@ -114,10 +117,16 @@ class Journal:
             await self.store.put_many(records)
         await self.store.put(self.snapshot())
         self.dirty = False
+        self.committed_at = time.monotonic()
 
-    async def flush(self) -> None:
-        """Make what changed durable, then ack what it explains."""
+    async def flush(self, publishing: bool = True) -> None:
+        """Make what changed durable, then ack what it explains. A turn that publishes nothing (``publishing`` False)
+        writes only once the last write is ``COMMIT_EVERY_S`` old: until then its changes, and the acks, rejects and
+        deletes they explain, wait for a later write (a turn's state is written ahead of its publications, nearly every
+        turn changes it, and most turns publish nothing)."""
         if self.records or self.dirty:
+            if not publishing and time.monotonic() - self.committed_at < COMMIT_EVERY_S:
+                return
             await self.commit()
         if self.to_ack:
             acks, self.to_ack = self.to_ack, []

@@ -18,7 +18,8 @@ One loop, plain and explicit (STYLE 6); each turn (``Dataflow.step``):
    batch worth per version, only once every task of the last one is back and its batch is
    trained; they are queued to be written ahead too;
 5. write fate records and the state (the plans and the tasks in it), and only then ack what was
-   settled (``durability.Journal``, the only place that orders these): one commit per turn;
+   settled (``durability.Journal``, the only place that orders these): a commit in every turn that publishes, and
+   otherwise once the last is ``durability.COMMIT_EVERY_S`` old (the acks wait for it);
 6. publish the planned batch manifests (``Nats-Msg-Id`` = batch id; trajectory references, not
    trajectories) and the tasks (``Nats-Msg-Id`` = task id) in one pipelined publication, then let
    the batches' trajectories go (acked after the next turn's commit).
@@ -135,8 +136,8 @@ class Dataflow:
         planned = self.server.plan()
         await self.issuer.read_pending()  # after the plan: a planned batch leaves the buffer and may open the budget
         tasks = self.issuer.issue(self.context(), drained=self.drained())
-        await self.journal.flush()  # write-ahead: the plans and tasks are durable before they exist on the plane
         self._busy = bool(planned or tasks)
+        await self.journal.flush(publishing=self._busy)  # write-ahead: the plans and tasks are durable before they exist on the plane
         if self._busy:
             await self.publish(planned, tasks)
 

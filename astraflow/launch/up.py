@@ -44,6 +44,7 @@ from astraflow.train.base_warm_start import base_key, held_key, needs_base_warm_
 from astraflow.train.threads import pin, shared_cores, usable_core_ids, usable_cores, with_core_plan, with_thread_counts
 
 console = Console()
+LAUNCHER_TURN_S = 0.25  # the launcher's turns (announcements, the dataflow's count, the view) at most this often
 
 
 class RunFailed(RuntimeError):
@@ -298,6 +299,13 @@ class ServerKeeper:
                                                   "ts": time.time()})
 
 
+async def rest(stop: asyncio.Event, seconds: float) -> None:
+    """Wait out what is left of the launcher's turn; at once when told to stop."""
+    if seconds > 0:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
+
+
 @dataclasses.dataclass
 class PlanePatience:
     """The plane may hiccup (a cluster member lost, a leader elected) and the run goes on; silent for ``limit`` seconds
@@ -351,6 +359,7 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
                 view.note(f"[bold red]access[/]: {change}")
             keeping = asyncio.create_task(keeper.watch(view))
             while not stop.is_set():
+                began = time.monotonic()
                 keeper.check()
                 finished = await patience.poll(watcher, view)
                 act(view, sup, watcher, access, pool)
@@ -365,6 +374,7 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
                     session = len(rundir.sessions())
                     raise RunFailed(f"run did not finish in {timeout:.0f}s",
                                     stall_report(watcher.live, {s.name: rundir.log(s.name, session) for s in specs}))
+                await rest(stop, LAUNCHER_TURN_S - (time.monotonic() - began))
             with contextlib.suppress(Exception):  # told to stop: the summary says what could be read
                 await watcher.record_accounting()
             return "stopped"
