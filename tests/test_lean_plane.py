@@ -4,18 +4,21 @@ node's group settlement of finished tasks (``rollout/outbox.py``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import numpy as np
 from factories import a_task, a_trajectory
+from nats.aio.msg import Msg
 
 from astraflow.dataflow.parts import taken
 from astraflow.rollout.outbox import Outbox
+from astraflow.streams import pull
 from astraflow.streams.codec import decode
 from astraflow.streams.messages import Rejected, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Plane
 from astraflow.streams.trajectories import carried, publish_trajectories
-from astraflow.streams.trajectory_log import TrajectoryLog
+from astraflow.streams.trajectory_log import READ_WINDOW, TrajectoryLog
 
 
 def task(i: int) -> Task:
@@ -65,6 +68,34 @@ async def test_a_waiting_pull_returns_with_the_first_arrivals_not_at_its_timeout
     assert 1 <= len(got) <= 3 and time.monotonic() - t0 < 30.0  # nats-py's fetch would wait for 64 or the full 60 s
     rest = await tasks.pull(batch=64, timeout=5.0) if len(got) < 3 else []
     assert sorted(d.msg.task_id for d in got + rest) == ["t0000", "t0001", "t0002"]
+
+
+async def test_the_trajectory_reader_keeps_one_request_standing_and_hands_out_everything_once(plane: Plane):
+    """The dataflow's reader asks once for a window and is handed messages between its pulls: ``pull.STANDING_S``
+    bounds how often it asks, not the number of pulls; every message is handed out once, in order, by the pulls."""
+    asked: list[bytes] = []
+
+    async def ask(msg: Msg) -> None:
+        asked.append(msg.data)
+
+    await plane._nc.subscribe(f"{plane.api_prefix}.CONSUMER.MSG.NEXT.{plane.names.traj_stream}.{plane.names.DATAFLOW_CONSUMER}", cb=ask)
+    reader = TrajectoryLog(plane).reader()
+    assert await reader.pull(batch=16, timeout=0.2) == []
+    t0, pulls, seen = time.monotonic(), 0, []
+    for burst in range(30):
+        await publish_trajectories(plane, [trajectory(task(burst * 10 + k), i) for k in range(10) for i in range(2)])
+        while len(seen) < 10 * (burst + 1):
+            got = await reader.pull(batch=4, timeout=5.0)
+            pulls += 1
+            assert got and len(got) <= 4
+            seen += [d.msg.task_id for d in got]
+            for d in got:
+                await d.ack()
+    assert seen == [task(i).task_id for i in range(300)]
+    await until_lag(plane, (0, 0))
+    await plane._nc.flush()
+    assert pulls >= 75 and len(asked) <= 4 + (time.monotonic() - t0) / pull.STANDING_S, (pulls, len(asked))
+    assert {json.loads(a)["batch"] for a in asked} == {READ_WINDOW}
 
 
 async def test_tasks_that_finish_together_are_settled_together(plane: Plane):

@@ -131,16 +131,17 @@ class Delivery(Generic[M]):
 class Consumer(Generic[M]):
     """A durable pull consumer, bound by name, that hands out typed deliveries."""
 
-    def __init__(self, plane: Plane, stream: str, durable: str, decoder: Callable[[bytes], M]) -> None:
+    def __init__(self, plane: Plane, stream: str, durable: str, decoder: Callable[[bytes], M], standing: int = 0) -> None:
         self._plane = plane
         self.stream, self.durable, self.decoder = stream, durable, decoder  # decoder: bytes -> message, or DecodeError
+        self._standing = standing  # the window of a standing pull request (``pull.py``); 0: a request per pull
         self._pulls: PullRequests | None = None
         self._unavailable_since: float | None = None  # when pulls began to be answered "unavailable" (None: they are not)
 
     async def pull(self, batch: int = 1, timeout: float = 1.0) -> list[Delivery[M]]:
         """Fetch up to ``batch`` messages; an empty list on timeout. Bad ones go to the DLQ."""
         if self._pulls is None:
-            self._pulls = PullRequests(self._plane._nc, self._plane.api_prefix, self.stream, self.durable)
+            self._pulls = PullRequests(self._plane._nc, self._plane.api_prefix, self.stream, self.durable, self._standing)
         try:
             raws = await self._pulls.fetch(batch, timeout)
         except (NatsTimeout, asyncio.TimeoutError):

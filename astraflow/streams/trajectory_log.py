@@ -18,6 +18,8 @@ from astraflow.streams.messages import Trajectory, TrajectoryGroup
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
 
+READ_WINDOW = 256  # messages the dataflow's reader may be handed ahead of its pulls
+
 
 class TrajectoryLog:
     """The run's TRAJ stream and the dataflow's reader of it."""
@@ -27,8 +29,10 @@ class TrajectoryLog:
         self._stream, self._reader = plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER
 
     def reader(self) -> Consumer[Trajectory | TrajectoryGroup]:
-        """The dataflow's pull of every policy's trajectories and trajectory groups (the log carries both)."""
-        return Consumer(self.plane, self._stream, self._reader, functools.partial(decode_either, first=Trajectory, second=TrajectoryGroup))
+        """The dataflow's pull of every policy's trajectories and trajectory groups (the log carries both): one reader
+        that takes everything, so a standing request (``pull.py``) of ``READ_WINDOW`` messages."""
+        return Consumer(self.plane, self._stream, self._reader, functools.partial(decode_either, first=Trajectory, second=TrajectoryGroup),
+                        standing=READ_WINDOW)
 
     async def backlog(self) -> Lag:
         """Trajectories waiting for the dataflow and in its hands, unacked."""
