@@ -4,6 +4,9 @@ from its completion; which roles of a workflow are checked how; the sampled re-s
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -11,7 +14,10 @@ import pytest
 from factories import BYT5, a_task, a_trajectory, honest
 
 from astraflow.config import parse_recipe
+from astraflow.dataflow import reading
 from astraflow.dataflow.claims import FREE, ClaimCheck, role_claims, sampled
+from astraflow.dataflow.inflight import InFlight
+from astraflow.dataflow.reputation import Reputation
 from astraflow.models import decode_text, encode_prompt
 from astraflow.registry import REWARDS, Claims
 from astraflow.rollout.rewards import costly, range_of, reward_range
@@ -153,3 +159,31 @@ def test_a_completion_is_decoded_to_the_text_the_tokenizer_gives_without_its_spe
         rng.shuffle(ids)
         assert decode_text(BYT5, ids) == BYT5.decode(ids, skip_special_tokens=True)
     assert decode_text(BYT5, [*BYT5.encode("7+8=15"), BYT5.eos_token_id, BYT5.pad_token_id]) == "7+8=15"
+
+
+@dataclass
+class Sent:
+    subject: str = "af.run.traj.solver.node-0"  # a delivery as a node's credential publishes it
+
+
+async def test_a_pull_whose_checks_are_cheap_is_checked_on_the_loop_and_a_costly_one_in_a_worker_thread(monkeypatch):
+    r = run()
+    train, _ = load_split(r.data)
+    claims = ClaimCheck(r, train)
+    threaded: list[int] = []
+    to_thread = asyncio.to_thread
+
+    async def counted(f: Any, items: list[Any]) -> Any:
+        threaded.append(len(items))
+        return await to_thread(f, items)
+
+    monkeypatch.setattr(reading.asyncio, "to_thread", counted)
+    reader = reading.PullReader(None, claims, InFlight(), {"solver"}, Reputation(0), Counter())  # type: ignore[arg-type]
+    honest_one, lie = sample(train[0], correct=True), sample(train[0], reward=1.0, correct=False)
+    assert await reader.check_claims([(Sent(), honest_one, None)]) == [None]  # no cost known yet: a thread
+    assert threaded == [1]
+    found = await reader.check_claims([(Sent(), honest_one, None), (Sent(), lie, None)] * 2)
+    assert threaded == [1] and [f is None for f in found] == [True, False] * 2  # cheap: on the loop, the same verdicts
+    claims.cost.check_s += 10 * reading.INLINE_S * claims.cost.checked  # as a costly reward's checks would measure
+    assert await reader.check_claims([(Sent(), lie, None)]) != [None]
+    assert threaded == [1, 1]

@@ -35,7 +35,7 @@ from astraflow.dataflow.lane import PolicyLane, plan_batch
 from astraflow.dataflow.lifecycle import Stage
 from astraflow.dataflow.validate import Limits, PolicyLimits
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.fates import DROPPED_EXPIRED, TRAINED, Fate
+from astraflow.streams.fates import DROPPED_EXPIRED, TRAINED, Fate, Outcome
 from astraflow.streams.messages import PER_TOKEN, ObjectRef, Trajectory
 from astraflow.streams.state import FateRecord, Record
 from astraflow.streams.trajectories import PayloadUnavailable
@@ -249,6 +249,10 @@ async def test_a_turn_that_publishes_nothing_writes_once_the_last_write_is_old_e
     journal.changed()
     await journal.flush(publishing=True)  # its publications need the state written ahead, however recent the last write
     assert log[4:] == [("ack", 11), ("state", 2)]
+    journal.record("solver", "t2", Fate(Outcome.INVALID, "reward"))
+    journal.reject_later(b, "invalid reward: a test", "reward")
+    await journal.flush(publishing=False)  # a trajectory to dead-letter is not kept waiting either
+    assert log[6:] == [("fates", [("t2", "invalid:reward")]), ("state", 3), ("reject", 11, "invalid reward: a test")]
 
 
 def stub(t: Trajectory) -> Trajectory:

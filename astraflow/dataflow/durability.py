@@ -121,11 +121,11 @@ class Journal:
 
     async def flush(self, publishing: bool = True) -> None:
         """Make what changed durable, then ack what it explains. A turn that publishes nothing (``publishing`` False)
-        writes only once the last write is ``COMMIT_EVERY_S`` old: until then its changes, and the acks, rejects and
-        deletes they explain, wait for a later write (a turn's state is written ahead of its publications, nearly every
-        turn changes it, and most turns publish nothing)."""
+        writes only once the last write is ``COMMIT_EVERY_S`` old, unless it has trajectories to dead-letter (rare, and
+        watched): until then its changes, and the acks and deletes they explain, wait for a later write (a turn's state
+        is written ahead of its publications, nearly every turn changes it, and most turns publish nothing)."""
         if self.records or self.dirty:
-            if not publishing and time.monotonic() - self.committed_at < COMMIT_EVERY_S:
+            if not (publishing or self.to_reject) and time.monotonic() - self.committed_at < COMMIT_EVERY_S:
                 return
             await self.commit()
         if self.to_ack:

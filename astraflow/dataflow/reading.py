@@ -21,6 +21,7 @@ from astraflow.streams.messages import Trajectory
 from astraflow.streams.trajectories import PayloadUnavailable
 
 log = logging.getLogger(__name__)
+INLINE_S = 0.002  # claims expected to take less than this are checked on the loop: a worker thread's hand-off costs more
 Resolve = Callable[[list[Trajectory]], Awaitable[list[Trajectory | PayloadUnavailable]]]  # offloaded arrays read back
 
 
@@ -53,10 +54,11 @@ class PullReader:
     stats: Counter[str]  # the dataflow's heartbeat counters
 
     async def check_claims(self, items: Sequence[Read]) -> list[Invalid | None]:
-        """What each trajectory's claims fail on (None: nothing, or not checked), in a worker thread: scoring a
-        completion again may take milliseconds, and the loop serves batches meanwhile. A trajectory whose arrays
-        could not be read, of a policy the run does not have, or of a quarantined node, is not checked (admission turns
-        it away)."""
+        """What each trajectory's claims fail on (None: nothing, or not checked). In a worker thread when the checks so
+        far say this pull's would take ``INLINE_S`` or more (scoring completions again may take a while, and the loop
+        serves heartbeats and acks meanwhile); on the loop otherwise, where most pulls' checks take less than handing
+        them to a thread costs. A trajectory whose arrays could not be read, of a policy the run does not have, or of a
+        quarantined node, is not checked (admission turns it away)."""
         out: list[Invalid | None] = [None] * len(items)
         if self.claims is None:
             return out
@@ -64,9 +66,11 @@ class PullReader:
                 if unreadable is None and t.policy in self.policies and not self.reputation.refuses(sender(d.subject))]
         if todo:
             asked = [(items[k][1], self.in_flight.prompt_of(items[k][1].task_id)) for k in todo]
-            for k, bad in zip(todo, await asyncio.to_thread(self.claims.check_all, asked), strict=True):
+            cost = self.claims.cost  # what the checks cost so far: their mean says whether a thread is worth it
+            inline = cost.checked > 0 and cost.check_s / cost.checked * len(asked) < INLINE_S
+            found = self.claims.check_all(asked) if inline else await asyncio.to_thread(self.claims.check_all, asked)
+            for k, bad in zip(todo, found, strict=True):
                 out[k] = bad
-            cost = self.claims.cost  # heartbeat counters: what the checks cost so far
             self.stats["claims.checked"], self.stats["claims.rescored"] = cost.checked, cost.rescored
             self.stats["claims.check_ms"] = round(1e3 * cost.check_s)
         return out
