@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -232,7 +233,7 @@ async def test_a_turn_that_publishes_nothing_writes_once_the_last_write_is_old_e
     seq = iter(range(100))
     journal = Journal(MemoryStore(log), lambda: DataflowState.model_validate({"tasks": {"task_seq": next(seq)}}))
     clock = [100.0]
-    monkeypatch.setattr(durability.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(durability, "time", SimpleNamespace(monotonic=lambda: clock[0]))  # the journal's clock only
     await journal.commit()
     a, b = (MemoryDelivery(traj("t1", i, 0.0), 10 + i, log) for i in range(2))
     journal.hold("a", a)

@@ -30,6 +30,7 @@ from astraflow.streams.state import BatchPlanRecord, FateRecord, Record
 
 COMMIT_EVERY_S = 0.1  # a turn that publishes nothing writes its changes only once the last write is this old
 
+
 class StateWriter(Protocol):
     """Where the journal writes (``Plane.state``)."""
 
