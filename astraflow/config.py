@@ -425,7 +425,7 @@ class PlaneConfig(Strict):
     """Consumers each of the run's streams allows. Every rollout node reads the announcements through one, and a
     many-chunk version through another; nats-server 2.15 allows 1,000 to a stream that names no limit."""
     fate_ttl: float = Field(24 * 3600, gt=0)
-    """Seconds a fate record (the tasks one durable write settled) stays in the run's fates bucket."""
+    """Seconds a per-task fate record stays in the run's fates bucket."""
 
 
 class PolicyConfig(Strict):

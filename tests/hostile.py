@@ -42,6 +42,7 @@ from astraflow.streams.messages import Task, Trajectory
 from astraflow.streams.permissions import Scope
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
+from astraflow.streams.state import FateRecord
 from astraflow.streams.trajectories import publish_trajectories
 
 KINDS = ("logprobs", "logprobs", "reward", "prompt", "range")  # two that pass the dataflow before the node is cut off
@@ -145,9 +146,8 @@ async def fates_of(run_dir: Path, policy: str, lies: Lies) -> dict[str, str]:
     try:
         plane = await Plane.connect(NatsOptions.from_credential(str(cred_dir / "admin.json"), url=server.url), run, "fates")
         state, out = await plane.state.get(DataflowState), {}
-        fates = await plane.state.fates(policy)
         for t in lies.told:
-            rec = fates.get(t)
+            rec = await plane.state.get(FateRecord, policy, t)
             out[t] = rec.fate if rec is not None else waiting(state, policy, t)
         if state is not None and "hostile" in state.quarantined:  # still quarantined at the end (not admitted again)
             lies.quarantine = state.quarantined["hostile"]

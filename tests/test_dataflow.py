@@ -31,7 +31,7 @@ from astraflow.streams.messages import (
     Trajectory,
 )
 from astraflow.streams.plane import NatsOptions, Plane, Topology
-from astraflow.streams.state import AutoscaleRecord, VersionRecord
+from astraflow.streams.state import AutoscaleRecord, FateRecord, VersionRecord
 from astraflow.streams.trajectories import TrainingBatch, fetch_batch
 from astraflow.streams.trajectory_log import TrajectoryLog
 
@@ -252,7 +252,7 @@ async def test_stale_groups_are_dropped_at_serving_and_counted(harness: Harness)
     await harness.until(lambda: harness.acc().fates.get("dropped:stale") == 1)
     acc = harness.acc()
     assert acc.adds_up and acc.fates["dropped:stale"] == 1
-    record = await harness.plane.state.fate("solver", "t00000001")
+    record = await harness.plane.state.get(FateRecord, "solver", "t00000001")
     assert record is not None and record.fate == "dropped:stale"
 
 
@@ -298,10 +298,10 @@ async def test_every_task_has_a_fate_and_the_counts_add_up(harness: Harness):
     assert acc.adds_up, acc
     in_states = acc.in_flight + acc.buffered + acc.awaiting + sum(acc.fates.values())
     assert in_states == acc.total == harness.df.ledger.issued
-    failed = await harness.plane.state.fate("solver", "t00000001")
+    failed = await harness.plane.state.get(FateRecord, "solver", "t00000001")
     assert failed is not None and failed.fate == "failed:rollout" and failed.error and "boom" in failed.error
     batch = harness.batches["solver"][0]
-    trained = await harness.plane.state.fate("solver", batch.task_ids[0])
+    trained = await harness.plane.state.get(FateRecord, "solver", batch.task_ids[0])
     assert trained is not None and (trained.fate, trained.batch, trained.version) == ("trained", batch.batch_id, 1)
     await harness.df.journal.commit()
     state = await harness.plane.state.get(DataflowState)

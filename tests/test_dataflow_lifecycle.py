@@ -20,6 +20,7 @@ from test_dataflow import Harness, recipe
 
 from astraflow.dataflow.lifecycle import IN_A_BATCH, Stage
 from astraflow.streams.messages import BatchRefusal, Refusal, Trajectory
+from astraflow.streams.state import FateRecord
 
 EVENTS = ("turn", "answer", "answer_twice", "give_back", "fail", "crash", "train", "refuse_stale", "refuse_failed", "jump")
 RECIPE = recipe(max_tasks_in_flight=6, max_staleness=1, group_size=2, groups_per_batch=2)
@@ -82,8 +83,7 @@ async def life(url: str, events: list[str]) -> None:
         await h.df.journal.commit()
         lane, issued = h.df.lanes["solver"], h.df.ledger.issued
         ids = [f"t{n:08d}" for n in range(1, issued + 1)]
-        fates = await h.plane.state.fates("solver")
-        records = {t: fates.get(t) for t in ids}
+        records = dict(zip(ids, await asyncio.gather(*(h.plane.state.get(FateRecord, "solver", t) for t in ids)), strict=True))
         places = {"out": set(h.df.in_flight.out()), "buffered": {r.task_id for r in lane.tasks.at_stage(Stage.KEPT)},
                   "in a batch": {r.task_id for r in lane.tasks.at_stage(*IN_A_BATCH)},
                   "settled": {t for t, r in records.items() if r is not None}}

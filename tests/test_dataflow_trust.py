@@ -18,7 +18,7 @@ from astraflow.streams.codec import decode, decode_either, encode
 from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.messages import Batch, BatchRefusal, Refusal, Rejected, Suspect, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Delivery
-from astraflow.streams.state import AdmitRecord, BatchPlanRecord
+from astraflow.streams.state import AdmitRecord, BatchPlanRecord, FateRecord
 from astraflow.streams.trajectories import TrainingBatch, offload, publish_trajectories
 from astraflow.train.vetting import suspects_of
 
@@ -95,7 +95,7 @@ async def test_a_bad_value_is_dead_lettered_its_task_is_invalid_and_the_run_goes
     assert acc.adds_up and acc.buffered == 1 and acc.fates == {f"invalid:{code}": 1}
     (rej,) = await dead_letters(h)
     assert rej.reason.startswith(f"invalid {code}: ") and rej.subject == h.node.names.traj("solver")
-    assert (await h.plane.state.fate("solver", tasks[0].task_id)).fate == f"invalid:{code}"
+    assert (await h.plane.state.get(FateRecord, "solver", tasks[0].task_id)).fate == f"invalid:{code}"
     assert h.df.stats[f"invalid.{code}"] == 1 and h.df.stats["claims.checked"] >= 1
     for _ in range(3):  # the service keeps going: new tasks, batches, training
         await h.turn(2)
@@ -315,7 +315,7 @@ async def test_a_trainer_verdict_on_a_batch_becomes_its_tasks_fate(harness: Harn
     await h.until(lambda: h.acc().fates.get(fate) == 2)
     await h.turn()
     assert h.acc().adds_up and await h.plane.state.get(BatchPlanRecord, "solver", batch.batch_id) is None
-    record = await h.plane.state.fate("solver", batch.task_ids[0])
+    record = await h.plane.state.get(FateRecord, "solver", batch.task_ids[0])
     said = verdict.reason if isinstance(verdict, Refusal) else verdict
     assert record.fate == fate and record.batch == batch.batch_id and record.error == said
 
@@ -372,7 +372,7 @@ async def test_a_node_that_keeps_lying_is_quarantined_until_an_operator_admits_i
     await h.turn(2)
     (told_truth,) = await serve_as(h, "liar", good, 1)  # once quarantined, even the truth is refused
     await h.until(lambda: h.acc().fates.get("invalid:quarantined") == 1)
-    assert (await h.plane.state.fate("solver", told_truth.task_id)).fate == "invalid:quarantined"
+    assert (await h.plane.state.get(FateRecord, "solver", told_truth.task_id)).fate == "invalid:quarantined"
     saved = await h.plane.state.get(DataflowState)  # where the launcher and `astraflow status` read it
     assert saved is not None and set(saved.quarantined) == {"liar"}
     await h.turn(2)

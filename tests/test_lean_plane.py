@@ -1,6 +1,5 @@
-"""The lean paths of the plane against a real nats-server: pulls that wake once per burst (``streams/pull.py``), a
-node's group settlement of finished tasks (``rollout/outbox.py``) and the dataflow's fates, a record a write
-(``dataflow/durability.py``)."""
+"""The lean paths of the plane against a real nats-server: pulls that wake once per burst (``streams/pull.py``) and a
+node's group settlement of finished tasks (``rollout/outbox.py``)."""
 
 from __future__ import annotations
 
@@ -12,16 +11,12 @@ import numpy as np
 from factories import a_task, a_trajectory
 from nats.aio.msg import Msg
 
-from astraflow.dataflow.durability import Journal
 from astraflow.dataflow.parts import taken
 from astraflow.rollout.outbox import Outbox
 from astraflow.streams import pull
 from astraflow.streams.codec import decode
-from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.fates import FAILED_TRAIN, TRAINED, Fate
 from astraflow.streams.messages import Rejected, Task, Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Plane
-from astraflow.streams.state import TaskFate
 from astraflow.streams.trajectories import carried, publish_trajectories
 from astraflow.streams.trajectory_log import READ_WINDOW, TrajectoryLog
 
@@ -198,22 +193,3 @@ async def test_a_groups_message_is_acked_once_every_part_is_settled_and_given_ba
     for p in taken(again):
         await p.ack()
     await until_lag(plane, (0, 0))
-
-
-async def test_a_writes_fates_go_as_one_record_a_policy_and_are_read_back_by_task(plane: Plane):
-    """Not a message a task: a write of 50 settled tasks of one policy and one of another is two records; a task settled
-    again by a later write reads as the later write has it."""
-    journal = Journal(plane.state, DataflowState)
-    for i in range(50):
-        journal.record("solver", f"t{i:08d}", TRAINED, batch="solver-b000001", version=3)
-    journal.record("verifier", "t00000000", Fate.filtered("zero_variance"))
-    await journal.commit()
-    journal.record("solver", "t00000007", FAILED_TRAIN, batch="solver-b000001", error="refused")
-    await journal.commit()
-    assert [len(r.tasks) for r in await plane.state.fate_records("solver")] == [50, 1]
-    assert [len(r.tasks) for r in await plane.state.fate_records("verifier")] == [1]
-    solver = await plane.state.fates("solver")
-    assert len(solver) == 50 and solver["t00000001"] == TaskFate(fate="trained", batch="solver-b000001", version=3)
-    assert await plane.state.fate("solver", "t00000007") == TaskFate(fate="failed:train", batch="solver-b000001", error="refused")
-    assert await plane.state.fate("solver", "t00000050") is None
-    assert await plane.state.fates("verifier") == {"t00000000": TaskFate(fate="filtered:zero_variance")}

@@ -47,7 +47,7 @@ from astraflow.streams.codec import DecodeError, decode, encode
 from astraflow.streams.direct import MissingMessages
 from astraflow.streams.messages import Batch, BatchRefusal, Rejected, Task, Trajectory
 from astraflow.streams.plane import Plane
-from astraflow.streams.state import AutoscaleRecord, EvalRecord
+from astraflow.streams.state import AutoscaleRecord, EvalRecord, FateRecord
 from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, carried, fetch_trajectories, publish_trajectories
 from astraflow.streams.trajectory_log import TrajectoryLog
 from astraflow.tasks import load_split
@@ -107,8 +107,8 @@ async def test_every_poisoned_trajectory_is_dead_lettered_by_its_check_and_the_d
     acc = h.acc()
     assert acc.adds_up and sum(v for k, v in acc.fates.items() if k.startswith("invalid:")) == len(settled)
     assert undecoded and acc.fates.get("invalid:schema") == len(undecoded), acc.fates
-    checked = await h.plane.state.fate("solver", sorted(settled - undecoded)[0])
-    undecodable = await h.plane.state.fate("solver", sorted(undecoded)[0])
+    checked = await h.plane.state.get(FateRecord, "solver", sorted(settled - undecoded)[0])
+    undecodable = await h.plane.state.get(FateRecord, "solver", sorted(undecoded)[0])
     assert checked is not None and checked.fate.startswith("invalid:") and checked.fate != "invalid:schema"
     assert undecodable is not None and undecodable.fate == "invalid:schema"
     for _ in range(3):  # the dataflow keeps issuing, batching and training

@@ -37,6 +37,7 @@ from astraflow.streams.codec import decode, encode
 from astraflow.streams.messages import Batch, Task, Trajectory
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
+from astraflow.streams.state import FateRecord
 from astraflow.streams.trajectory_log import TrajectoryLog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -152,7 +153,7 @@ async def test_a_batch_of_512_trajectories_of_8192_tokens_is_trained_end_to_end(
         assert v1.batch_ids == [manifest.batch_id]
         assert v1.metrics["tokens"] == 512 * generated and v1.metrics["micro_batches"] == 128  # every token trained, 4 rows a pass
         assert math.isfinite(v1.metrics["loss"]) and v1.metrics["skipped"] == 0 and v1.metrics["fetch_s"] > 0
-        fate = await plane.state.fate("solver", manifest.task_ids[-1])
+        fate = await plane.state.get(FateRecord, "solver", manifest.task_ids[-1])
         assert fate is not None and (fate.fate, fate.batch, fate.version) == ("trained", manifest.batch_id, 1)
     finally:
         await plane.close()
@@ -181,7 +182,7 @@ async def test_a_trajectory_of_a_million_tokens_over_max_payload_is_trained_end_
         assert len(stub.payload_ref.digests) >= 2  # in chunks, each with its digest
         assert v1.batch_ids == [manifest.batch_id] and v1.metrics["tokens"] == generated and v1.metrics["skipped"] == 0
         assert math.isfinite(v1.metrics["loss"])
-        fate = await plane.state.fate("solver", manifest.task_ids[0])
+        fate = await plane.state.get(FateRecord, "solver", manifest.task_ids[0])
         assert fate is not None and fate.fate == "trained"
     finally:
         await plane.close()

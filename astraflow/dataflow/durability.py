@@ -26,10 +26,9 @@ from typing import Any, Protocol
 
 from astraflow.streams.dataflow_state import DataflowState
 from astraflow.streams.fates import Fate
-from astraflow.streams.state import BatchPlanRecord, FateRecord, Record, TaskFate
+from astraflow.streams.state import BatchPlanRecord, FateRecord, Record
 
 COMMIT_EVERY_S = 0.1  # a turn that publishes nothing writes its changes only once the last write is this old
-FATES_PER_RECORD = 1000  # a fate record stays far under the plane's largest message, whatever errors its tasks carry
 
 
 class StateWriter(Protocol):
@@ -62,19 +61,17 @@ class Journal:
     def __init__(self, store: StateWriter, snapshot: Callable[[], DataflowState]) -> None:
         self.store = store
         self.snapshot = snapshot  # the whole state as it stands now
-        self.fates: dict[str, dict[str, TaskFate]] = {}  # policy -> task -> its fate: one record a policy, before the state
-        self.records: list[Record] = []  # batch plan records, written with the fates
+        self.records: list[Record] = []  # per-task fates and batch plan records, written before the state
         self.held: dict[str, Ackable] = {}  # traj_id -> its latest delivery, unacked while the fate is open
         self.to_ack: list[Ackable] = []  # settled; acked after the next durable write
         self.to_reject: list[tuple[Rejectable, str, str]] = []  # invalid; dead-lettered after the next durable write
         self.plans_done: list[tuple[str, str]] = []  # (policy, batch id) whose plan record goes after the next durable write
         self.dirty = False  # the state changed since it was last written
         self.committed_at = 0.0  # monotonic time of the last durable write
-        self.written = 0  # the clock of the last fate record (ns; each later one larger)
 
     # ------------------------------------------------------------ queueing
     def record(self, policy: str, task_id: str, fate: Fate, **extra: Any) -> None:
-        self.fates.setdefault(policy, {})[task_id] = TaskFate(fate=str(fate), **extra)
+        self.records.append(FateRecord(policy=policy, task_id=task_id, fate=str(fate), **extra))
         self.dirty = True
 
     def write_ahead(self, record: BatchPlanRecord) -> None:
@@ -116,31 +113,19 @@ class Journal:
     # ------------------------------------------------------------ durable writes
     async def commit(self) -> None:
         """Fate records, then the state, now. Before a publication a successor must be able to repeat."""
-        if self.records or self.fates:
-            records, self.records = self.fate_records() + self.records, []
-            self.fates = {}
+        if self.records:
+            records, self.records = self.records, []
             await self.store.put_many(records)
         await self.store.put(self.snapshot())
         self.dirty = False
         self.committed_at = time.monotonic()
-
-    def fate_records(self) -> list[FateRecord]:
-        """The fates queued since the last write: a record a policy (a message each; one per ``FATES_PER_RECORD``
-        tasks), each stamped with a new clock."""
-        out = []
-        for policy, tasks in self.fates.items():
-            settled = list(tasks.items())
-            for i in range(0, len(settled), FATES_PER_RECORD):
-                self.written = max(self.written + 1, time.time_ns())
-                out.append(FateRecord(policy=policy, written=self.written, tasks=dict(settled[i:i + FATES_PER_RECORD])))
-        return out
 
     async def flush(self, publishing: bool = True) -> None:
         """Make what changed durable, then ack what it explains. A turn that publishes nothing (``publishing`` False)
         writes only once the last write is ``COMMIT_EVERY_S`` old, unless it has trajectories to dead-letter (rare, and
         watched): until then its changes, and the acks and deletes they explain, wait for a later write (a turn's state
         is written ahead of its publications, nearly every turn changes it, and most turns publish nothing)."""
-        if self.records or self.fates or self.dirty:
+        if self.records or self.dirty:
             if not (publishing or self.to_reject) and time.monotonic() - self.committed_at < COMMIT_EVERY_S:
                 return
             await self.commit()

@@ -42,7 +42,7 @@ from astraflow.streams.fates import FAILED_TRAIN, TRAINED, Fate
 
 
 class FateRecorder(Protocol):
-    """Where a lane's settled tasks go (the dataflow's journal writes them, a record per durable write)."""
+    """Where a lane's settled tasks go (the dataflow's journal writes a fate record each)."""
 
     def record(self, policy: str, task_id: str, fate: Fate, **extra: Any) -> None: ...
 

@@ -1,7 +1,7 @@
 """The run's KV buckets as typed run state: :class:`RunState` reads and writes :mod:`records <astraflow.streams.state>`.
 
 Two buckets per run: ``af_{run}_state`` (history 1, kept for the run) and ``af_{run}_fates``
-(the tasks' fates, every value expiring after ``plane.fate_ttl``, so the bucket does not grow
+(per-task fates, every value expiring after ``plane.fate_ttl``, so the bucket does not grow
 with the run). Writes go through the plane's JetStream domain, so a node on a region's leaf
 writes the hub's state (nats-py's own ``put`` uses ``$KV.…``, which is not forwarded across
 domains).
@@ -17,7 +17,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from astraflow.streams.retry import QUICK_S, ask_again
-from astraflow.streams.state import FateRecord, Record, StateReadError, TaskFate
+from astraflow.streams.state import Record, StateReadError
 from astraflow.streams.subjects import Names
 
 R = TypeVar("R", bound=Record)
@@ -68,33 +68,6 @@ class RunState:
         """The KV revision of the record (0 when absent): a new write has a higher one."""
         value, rev = await self._entry(cls, cls.key_for(*parts))
         return rev if value is not None else 0
-
-    async def fate_records(self, policy: str) -> list[FateRecord]:
-        """Every fate record of ``policy`` the fates bucket still holds (younger than ``plane.fate_ttl``), oldest write
-        first. Reads them all: for operators and tests, not for a loop."""
-        name = self._names.fates_bucket
-        try:
-            watcher = await (await self._bucket(name)).watch(FateRecord.keys_of(policy), ignore_deletes=True)
-        except (BucketNotFoundError, NotFoundError) as e:
-            raise StateReadError(f"run state bucket {name} does not exist (is the run id right?): {e}") from None
-        records: list[FateRecord] = []
-        try:
-            async for entry in watcher:
-                if entry is None:  # the values written before the watch began are all delivered
-                    break
-                if entry.value:
-                    records.append(FateRecord.decode(entry.key, entry.value))
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves it untyped
-        return sorted(records, key=lambda r: r.written)
-
-    async def fates(self, policy: str) -> dict[str, TaskFate]:
-        """Task id -> its fate, for every task of ``policy`` the held records name (the later write's, where two do)."""
-        return {task: fate for r in await self.fate_records(policy) for task, fate in r.tasks.items()}
-
-    async def fate(self, policy: str, task_id: str) -> TaskFate | None:
-        """How ``task_id`` ended for ``policy``; None when no fate of it is held (not settled yet, or expired)."""
-        return (await self.fates(policy)).get(task_id)
 
     def _subject(self, record: Record) -> str:
         subject = f"$KV.{self._bucket_name(type(record))}.{record.key}"

@@ -22,7 +22,7 @@ build's schema. A restarting role must never mistake a failed read for a new run
 | ``keyframe_request.{policy}`` | :class:`KeyframeRequest` | nodes, operators | trainer |
 | ``admit.{node}`` | :class:`AdmitRecord` | operators (``astraflow node admit``) | dataflow |
 | ``dataflow`` | ``DataflowState`` (``dataflow_state.py``) | dataflow | dataflow, ``status`` |
-| ``fate.{policy}.{written}`` | :class:`FateRecord`, fates bucket with a TTL | dataflow | operators, tests |
+| ``fate.{policy}.{task_id}`` | :class:`FateRecord`, fates bucket with a TTL | dataflow | operators, tests |
 | ``plan.{policy}.{batch_id}`` | :class:`BatchPlanRecord`, fates bucket with a TTL | dataflow | trainer |
 """
 
@@ -63,13 +63,6 @@ class Record(BaseModel):
         if len(parts) != len(cls.parts):
             raise TypeError(f"{cls.__name__} keys take {len(cls.parts)} parts ({', '.join(cls.parts)}), got {len(parts)}")
         return ".".join([cls.family, *(check_token(name, str(p)) for name, p in zip(cls.parts, parts))])
-
-    @classmethod
-    def keys_of(cls, *leading: str | int) -> str:
-        """The pattern of every key that begins with these parts (``fate.solver.>``)."""
-        if len(leading) >= len(cls.parts):
-            raise TypeError(f"{cls.__name__} keys take {len(cls.parts)} parts; a pattern names fewer, got {len(leading)}")
-        return ".".join([cls.family, *(check_token(name, str(p)) for name, p in zip(cls.parts, leading)), ">"])
 
     @property
     def key(self) -> str:
@@ -175,28 +168,19 @@ class AdmitRecord(Record):
         return quarantined_at <= self.quarantined_at if self.quarantined_at is not None else quarantined_at < self.ts
 
 
-class TaskFate(BaseModel):
-    """How one task ended for one policy (in a :class:`FateRecord`)."""
+class FateRecord(Record):
+    """How one task ended for one policy. Written by the dataflow; kept for ``plane.fate_ttl`` seconds."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    family: ClassVar[str] = "fate"
+    parts: ClassVar[tuple[str, ...]] = ("policy", "task_id")
+    fates: ClassVar[bool] = True
+    policy: str
+    task_id: str
     fate: str  # its ``fates.Fate`` as text: trained / filtered:R / dropped:R / failed:R / invalid:R (none while it waits in
     # a batch: the dataflow's state lists the batch's tasks, and the record comes once the trainer trains or refuses it)
     batch: str | None = None
     version: int | None = None
     error: str | None = None
-
-
-class FateRecord(Record):
-    """The tasks one durable write of the dataflow settled for one policy, and how each ended: one record a write, not one
-    a task (a message each cost the plane as much as the task's own). Kept for ``plane.fate_ttl`` seconds; read a task's
-    with ``RunState.fate``."""
-
-    family: ClassVar[str] = "fate"
-    parts: ClassVar[tuple[str, ...]] = ("policy", "written")
-    fates: ClassVar[bool] = True
-    policy: str
-    written: int = Field(ge=0)  # the write's clock (ns): unique to it, and larger for each later write
-    tasks: dict[str, TaskFate]  # task id -> its fate
 
 
 class BatchPlanRecord(Record):
