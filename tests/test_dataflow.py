@@ -16,6 +16,7 @@ import pytest
 from factories import a_keyframe_announcement, honest
 
 from astraflow.config import parse_recipe
+from astraflow.dataflow import issuing
 from astraflow.dataflow.autoscale import Meter
 from astraflow.dataflow.ingest import BUSY_PULL_WAIT_S, PULL_WAIT_S
 from astraflow.dataflow.service import Dataflow
@@ -163,7 +164,8 @@ def with_recipe(**kw: Any):
 
 
 @with_recipe(max_staleness=1, max_tasks_in_flight=10)
-async def test_tasks_in_flight_bounded_by_the_staleness_budget(harness: Harness):
+async def test_tasks_in_flight_bounded_by_the_staleness_budget(harness: Harness, monkeypatch):
+    monkeypatch.setattr(issuing, "LAG_READ_S", 0.0)  # no rest between lag reads: what gates them here is the budget
     reads: list[int] = []  # the pool's task lag is read from the server only in a turn the staleness budget lets issue
     backlog = harness.df.issuer.tasks.backlog
 
@@ -214,8 +216,33 @@ async def test_tasks_bounded_by_the_measured_task_lag(harness: Harness):
     foreign = [(harness.node.names.task("single_turn"), Task(task_id=f"x{i}", workflow="single_turn", policy="solver", prompt_id="p",
                                                            prompt="1+1=", group_size=2), f"x{i}") for i in range(4)]
     await harness.node.publish_many(foreign)  # not ours, but they sit in the stream the pool reads
+    reads = counted(harness.df.issuer.tasks, "backlog")
     await harness.turn(5)
     assert await harness.pending_tasks() == 6 and harness.df.ledger.issued == 2  # the lag allowed two more
+    assert len(reads) == 5  # read in every turn while tasks beyond its own wait
+
+
+@with_recipe(max_staleness=50, max_tasks_in_flight=6)
+async def test_the_task_lag_is_read_seldom_while_every_waiting_task_is_its_own(harness: Harness, monkeypatch):
+    """Each task of its own that waits is one it counts in flight: the lag cannot lower the budget below that count's,
+    and is read once every ``LAG_READ_S``, not every turn."""
+    monkeypatch.setattr(issuing, "LAG_READ_S", 600.0)
+    reads = counted(harness.df.issuer.tasks, "backlog")
+    await harness.turn(5)
+    assert len(reads) == 1 and harness.df.ledger.issued == 6  # the budget the staleness bound and its own count allow
+
+
+def counted(obj: Any, name: str) -> list[float]:
+    """Wrap ``obj.name`` (a coroutine method) so each call is noted; the notes."""
+    calls: list[float] = []
+    method = getattr(obj, name)
+
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        return await method(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+    return calls
 
 
 @with_recipe(policies=("solver", "verifier"), max_batch_backlog=1, max_tasks_in_flight=8, max_staleness=3)

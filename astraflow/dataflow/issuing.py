@@ -17,6 +17,7 @@ them again and the server keeps one copy; :meth:`TaskIssuer.published` then forg
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ from astraflow.streams.messages import Task
 from astraflow.streams.plane import Plane
 from astraflow.streams.task_queue import TaskQueue
 from astraflow.tasks import Problem
+
+LAG_READ_S = 1.0  # how seldom the pool's lag is read while the last read found no task unaccounted for
 
 
 def staleness_budget(cfg: DataflowConfig, in_flight: int, buffered: int, queued: int = 0) -> int:
@@ -56,7 +59,8 @@ def queued_for_budget(lanes: Mapping[str, PolicyLane], steps: Mapping[str, int])
 
 
 def lag_budget(cfg: DataflowConfig, pending: int) -> int:
-    """async: the pool's measured backlog of tasks (ours or anyone's) stays under max_tasks_in_flight."""
+    """async: the pool's backlog of tasks (ours or anyone's; at most ours in flight and those the last read found
+    beyond them) stays under max_tasks_in_flight."""
     return cfg.max_tasks_in_flight - pending
 
 
@@ -108,14 +112,21 @@ class TaskIssuer:
         self.rng = rng
         self.task_seq = 0
         self.issuing: list[Task] = []  # written ahead, not confirmed published yet
-        self.pending = 0  # the pool consumer's pending tasks, as last read (``read_pending``)
+        self.unaccounted = 0  # tasks waiting in the pool's queue beyond those counted in flight, at the last lag read
+        self.lag_read_at = -math.inf  # monotonic time of the last lag read
 
     async def read_pending(self) -> None:
-        """async: the pool consumer's backlog of tasks, as the server counts it now (read before :meth:`issue`), in a turn
-        whose staleness budget lets it issue: in the others the lag changes nothing, and most turns are such (a request to
-        the server each spared)."""
-        if self.cfg.mode == "async" and self.staleness_room() > 0:
-            self.pending = (await self.tasks.backlog()).pending
+        """async: how many tasks wait in the pool's queue that this dataflow does not count in flight (``unaccounted``:
+        another's, or one whose group came back that the server handed out again), from the server's count now (before
+        :meth:`issue`). Each of its own that waits there it counts in flight, so the queue's lag is at most
+        ``len(in_flight) + unaccounted``. Read in a turn whose staleness budget lets it issue (in the others the lag
+        changes nothing): in each while the last read found some unaccounted for, else once every ``LAG_READ_S`` (most
+        turns: a request to the server each spared)."""
+        if self.cfg.mode != "async" or self.staleness_room() <= 0:
+            return
+        if self.unaccounted or time.monotonic() - self.lag_read_at >= LAG_READ_S:
+            pending = (await self.tasks.backlog()).pending
+            self.unaccounted, self.lag_read_at = max(0, pending - len(self.in_flight)), time.monotonic()
 
     def issue(self, ctx: Context, drained: bool) -> list[Task]:
         """The tasks the budget allows now, counted in flight and held as ``issuing`` until :meth:`published`;
@@ -133,7 +144,7 @@ class TaskIssuer:
     def budget(self, drained: bool) -> int:
         if self.cfg.mode == "sync":
             return sync_budget(self.cfg, self.buffered(), drained and not self.in_flight and not self.issuing)
-        return min(self.staleness_room(), lag_budget(self.cfg, self.pending))
+        return min(self.staleness_room(), lag_budget(self.cfg, len(self.in_flight) + self.unaccounted))
 
     def staleness_room(self) -> int:
         """async: the tasks the staleness bound leaves room for now (``staleness_budget``)."""
