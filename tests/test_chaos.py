@@ -175,7 +175,9 @@ def server_of(launcher: int) -> int | None:
 def test_up_restarts_its_killed_server_and_a_sigint_to_the_launcher_alone_stops_it(repo_root: Path, tmp_path: Path):
     """kill -9 of the embedded nats-server, twice: ``up`` reaps it and starts it again on its address with its store,
     the roles reconnect and training goes on. Then SIGINT to the launcher alone (as ``timeout`` sends it, not to the
-    process group as a terminal's Ctrl-C does): the run ends ``stopped``, without a traceback, and nothing outlives it."""
+    process group as a terminal's Ctrl-C does), and SIGTERM again and again while it stops (``timeout`` sends its signal
+    twice, to the launcher and to its group; a process manager may repeat it): the run ends ``stopped``, without a
+    traceback, with its summary and its session closed, and nothing outlives it."""
     run_dir, steps = tmp_path / "server-kill", 400
     sets = ["--set", f"trainer.steps={steps}", "--set", "sft.steps=150", "--set", "eval.every=100", "--timeout", "500"]
     log_path = tmp_path / "up.log"
@@ -192,6 +194,12 @@ def test_up_restarts_its_killed_server_and_a_sigint_to_the_launcher_alone_stops_
             wait(lambda: len(versions(run_dir)) >= at + 5, "training to go on after the restart", 120)
         assert launcher.poll() is None and len(versions(run_dir)) < steps + 1, "the run ended before the SIGINT: lengthen it"
         launcher.send_signal(signal.SIGINT)
+        noted, deadline = 0, time.monotonic() + 60
+        while launcher.poll() is None and noted < 3 and time.monotonic() < deadline:  # into its drain: the default would end it
+            launcher.send_signal(signal.SIGTERM)
+            noted += "already stopping" in log_path.read_text()
+            time.sleep(0.05)
+        assert noted, log_path.read_text()[-3000:]  # a repeated signal reached it while it stopped, and was noted
         assert launcher.wait(timeout=120) == 0, log_path.read_text()[-3000:]
     finally:
         if launcher.poll() is None:
@@ -201,6 +209,7 @@ def test_up_restarts_its_killed_server_and_a_sigint_to_the_launcher_alone_stops_
     assert "Traceback" not in output, output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "stopped" and summary["restarts"].get("nats-server") == 2, (summary["outcome"], summary["restarts"])
+    assert json.loads((run_dir / "sessions.jsonl").read_text().splitlines()[-1])["end"] is not None
     seen = versions(run_dir)
     assert seen == list(range(len(seen)))  # every version once, across both restarts
     acc = summary["accounting"]["solver"]

@@ -347,7 +347,7 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
     pool = LocalPool(sup, added_node(recipe, specs), max_nodes=recipe.dataflow.autoscale.max_nodes) if autoscale else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
     patience = PlanePatience(recipe.plane.server_gone_timeout)
@@ -382,10 +382,30 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
         if keeping is not None:
             keeping.cancel()
             await asyncio.gather(keeping, return_exceptions=True)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        hold_stop_signals(loop)
         await watcher.stop()
         await plane.close()
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def hold_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """The run is stopping: a stop signal from here until the summary is written is noted, not fatal. ``timeout`` sends
+    its SIGTERM twice (to the launcher, then to its group), a process manager may send it again, a user may press Ctrl-C
+    again; the default action would end the launcher mid-drain, with no summary and its session never closed. The
+    event loop's handlers are swapped for this one with those signals blocked, so none lands on the default between."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, _already_stopping)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _already_stopping(signum: int, frame: object) -> None:
+    os.write(2, f"{signal.Signals(signum).name}: already stopping (the roles drain, then the summary)\n".encode())
 
 
 def cpu_seconds(who: int) -> float:
@@ -488,6 +508,7 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
                      env={k: v for k, v in os.environ.items() if k != "NATS_PASSWORD"}, on_restart=record_restart)
     specs = role_specs(recipe, rundir, metrics_port_base, cores)
     outcome, summary = "failed", {}
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # a caller of up() from Python gets them back
     try:
         outcome = asyncio.run(supervise(recipe, rundir, opts, sup, specs, timeout, autoscale,
                                         join_command(rundir, url, creds is not None), access, servers))
@@ -506,6 +527,9 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
             summary = summarize(recipe, rundir, console, outcome)
         if shared is not None:  # a caller of up() from Python gets its cores back
             pin(cores)
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
     return summary
 
 
