@@ -166,14 +166,8 @@ def with_recipe(**kw: Any):
 @with_recipe(max_staleness=1, max_tasks_in_flight=10)
 async def test_tasks_in_flight_bounded_by_the_staleness_budget(harness: Harness, monkeypatch):
     monkeypatch.setattr(issuing, "LAG_READ_S", 0.0)  # no rest between lag reads: what gates them here is the budget
-    reads: list[int] = []  # the pool's task lag is read from the server only in a turn the staleness budget lets issue
-    backlog = harness.df.issuer.tasks.backlog
-
-    async def counted() -> Any:
-        reads.append(harness.df.ledger.issued)
-        return await backlog()
-
-    harness.df.issuer.tasks.backlog = counted  # type: ignore[method-assign]
+    # the pool's task lag is read from the server only in a turn the staleness budget lets issue
+    reads = counted(harness.df.issuer.tasks, "backlog", lambda: harness.df.ledger.issued)
     await harness.turn(5)
     assert await harness.pending_tasks() == 4  # (max_staleness + 1) * groups_per_batch, below max_tasks_in_flight
     await harness.rollout(limit=1)  # one comes back and waits in the buffer: still counts against the budget
@@ -232,13 +226,13 @@ async def test_the_task_lag_is_read_seldom_while_every_waiting_task_is_its_own(h
     assert len(reads) == 1 and harness.df.ledger.issued == 6  # the budget the staleness bound and its own count allow
 
 
-def counted(obj: Any, name: str) -> list[float]:
-    """Wrap ``obj.name`` (a coroutine method) so each call is noted; the notes."""
-    calls: list[float] = []
+def counted(obj: Any, name: str, note: Callable[[], Any] = time.monotonic) -> list[Any]:
+    """Wrap ``obj.name`` (a coroutine method) so each call is noted (``note()`` as it is called); the notes."""
+    calls: list[Any] = []
     method = getattr(obj, name)
 
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        calls.append(time.monotonic())
+        calls.append(note())
         return await method(*args, **kwargs)
 
     setattr(obj, name, wrapper)

@@ -330,6 +330,9 @@ class PlanePatience:
         return finished
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supervisor, specs: list[RoleSpec], timeout: float,
                     autoscale: bool, join: str, access: ServerAccess | None = None, servers: list[EmbeddedServer] | None = None) -> str:
     """Start the roles and watch the run until it finishes; returns how it ended. ``servers``: the embedded one (or a
@@ -385,9 +388,6 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
         hold_stop_signals(loop)
         await watcher.stop()
         await plane.close()
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def hold_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
