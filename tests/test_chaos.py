@@ -218,6 +218,40 @@ def test_up_restarts_its_killed_server_and_a_sigint_to_the_launcher_alone_stops_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stop_signal_while_up_sets_up_ends_the_run_stopped_with_nothing_left(repo_root: Path, tmp_path: Path):
+    """SIGTERM to the launcher the moment its session begins, while it starts the embedded server and makes the
+    topology, before its event loop holds the stop signals: the default action would end it there, with no summary and
+    its session never closed. The signal is noted and acted on once the loop runs: no role starts, the run ends
+    ``stopped`` with its summary, and nothing outlives it."""
+    run_dir = tmp_path / "early-stop"
+    sessions = run_dir / "sessions.jsonl"
+    log_path = tmp_path / "up.log"
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "arithmetic"),
+                                     "--run-dir", str(run_dir), "--set", "sft.steps=0", "--set", "trainer.steps=5"],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not sessions.exists() and launcher.poll() is None:
+                assert time.monotonic() < deadline, "timed out waiting for the session to begin"
+                time.sleep(0.001)
+            launcher.send_signal(signal.SIGTERM)
+            code = launcher.wait(timeout=120)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    output = log_path.read_text()
+    assert code == 0, output[-3000:]
+    assert "SIGTERM: stopping as soon as the run is set up" in output, output[-3000:]  # it landed before the loop held it
+    assert "Traceback" not in output, output[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["outcome"] == "stopped"
+    assert json.loads(sessions.read_text().splitlines()[-1])["outcome"] == "stopped"
+    assert not [p.name for p in run_dir.glob("logs/*") if p.name.startswith(("trainer", "rollout", "dataflow", "evaluator"))]  # none began
+    assert not processes_of(run_dir)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_up_on_an_embedded_cluster_rides_through_members_killed_again_and_again(repo_root: Path, tmp_path: Path):
     """``up --cluster 3``: the run's streams replicated on three servers. A member killed at random moments, three times

@@ -333,25 +333,59 @@ class PlanePatience:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supervisor, specs: list[RoleSpec], timeout: float,
-                    autoscale: bool, join: str, access: ServerAccess | None = None, servers: list[EmbeddedServer] | None = None) -> str:
-    """Start the roles and watch the run until it finishes; returns how it ended. ``servers``: the embedded one (or a
-    cluster's), kept running (:class:`ServerKeeper`)."""
-    plane = await Plane.connect(opts, rundir.run, "launcher", wait=30)
-    await plane.ensure_topology(recipe.topology())  # before any role: they only look for it (a fresh cluster: waits for it)
-    from astraflow.rollout.evaluator import eval_subjects, eval_versions  # lazy: pulls in the model stack
+class EarlyStop:
+    """A stop signal that comes after the session has begun and before the run's event loop holds the signals (the
+    server starting, the topology made, the run read): noted, and acted on as soon as the loop runs, so the run still
+    ends ``stopped`` with its summary and its session closed. The default action would end the launcher there, with no
+    summary and the session never closed."""
 
-    watcher = RunWatcher(plane, recipe, rundir, set(eval_versions(recipe)) if recipe.eval.enabled else set(), eval_subjects(recipe))
-    await watcher.start()
-    await watcher.read_dataflow()  # a resumed run: the nodes quarantined before stay out from the start
-    early = enforce(access, sup, watcher.live.quarantined)
-    for spec in specs:
-        sup.start(spec)
-    pool = LocalPool(sup, added_node(recipe, specs), max_nodes=recipe.dataflow.autoscale.max_nodes) if autoscale else None
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.signum = signum
+        os.write(2, f"{signal.Signals(signum).name}: stopping as soon as the run is set up (then the summary)\n".encode())
+
+    def hold(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self)
+
+
+async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supervisor, specs: list[RoleSpec], timeout: float,
+                    autoscale: bool, join: str, access: ServerAccess | None = None, servers: list[EmbeddedServer] | None = None,
+                    early_stop: EarlyStop | None = None) -> str:
+    """Start the roles and watch the run until it finishes; returns how it ended. ``servers``: the embedded one (or a
+    cluster's), kept running (:class:`ServerKeeper`). ``early_stop``: where a stop signal that came before this loop
+    was noted; the roles are then not started."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
+    if early_stop is not None and early_stop.signum is not None:
+        stop.set()
+    async with contextlib.AsyncExitStack() as leaving:  # undone in reverse: the signals held last, until the summary
+        leaving.callback(hold_stop_signals, loop)
+        plane = await Plane.connect(opts, rundir.run, "launcher", wait=30)
+        leaving.push_async_callback(plane.close)
+        await plane.ensure_topology(recipe.topology())  # before any role: they only look for it (a fresh cluster: waits for it)
+        from astraflow.rollout.evaluator import eval_subjects, eval_versions  # lazy: pulls in the model stack
+
+        watcher = RunWatcher(plane, recipe, rundir, set(eval_versions(recipe)) if recipe.eval.enabled else set(), eval_subjects(recipe))
+        await watcher.start()
+        leaving.push_async_callback(watcher.stop)
+        await watcher.read_dataflow()  # a resumed run: the nodes quarantined before stay out from the start
+        if stop.is_set():  # told to stop before any role started
+            return "stopped"
+        return await watch(recipe, rundir, watcher, sup, specs, timeout, autoscale, join, access, servers, stop)
+
+
+async def watch(recipe: Recipe, rundir: RunDir, watcher: RunWatcher, sup: Supervisor, specs: list[RoleSpec], timeout: float,
+                autoscale: bool, join: str, access: ServerAccess | None, servers: list[EmbeddedServer] | None, stop: asyncio.Event) -> str:
+    """Start the roles, then watch the run until it finishes or ``stop`` is set."""
+    early = enforce(access, sup, watcher.live.quarantined)
+    for spec in specs:
+        sup.start(spec)
+    pool = LocalPool(sup, added_node(recipe, specs), max_nodes=recipe.dataflow.autoscale.max_nodes) if autoscale else None
     started = time.monotonic()
     patience = PlanePatience(recipe.plane.server_gone_timeout)
     keeper = ServerKeeper(servers or [], rundir)
@@ -385,9 +419,6 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
         if keeping is not None:
             keeping.cancel()
             await asyncio.gather(keeping, return_exceptions=True)
-        hold_stop_signals(loop)
-        await watcher.stop()
-        await plane.close()
 
 
 def hold_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
@@ -488,30 +519,35 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
     recipe, cluster = clustered(recipe, rundir, nats_url, cluster, resume)
     recipe = prepare(recipe, rundir, resume)  # a shared base's warm start, before the run's time and CPU count (its own record)
     cpu_at_start = cpu_seconds(resource.RUSAGE_SELF), cpu_seconds(resource.RUSAGE_CHILDREN)
-    session = rundir.begin_session()
     cores = usable_core_ids()
     shared = shared_cores(recipe, cores)
-    if shared is not None:  # the launcher too, and what it starts unless told otherwise (until up returns)
-        pin(shared)
-    servers, access, creds, opts, url = open_plane(rundir, recipe, nats_url, listen, shared, cluster, credentials)
-    banner(recipe, rundir.run, session, url, bool(servers), shared)
-
-    def record_restart(child: Child) -> None:
-        rundir.append("restarts.jsonl", {"session": session, "role": child.name, "after": exit_text(child.last_exit), "ts": time.time()})
-
-    def command(spec: RoleSpec) -> list[str]:
-        if access is not None and spec.role == "rollout":
-            access.let_in(spec.name)  # a node --autoscale adds gets its own credential, known to the server before it starts
-        return worker_command(rundir, url, creds, spec)
-
-    sup = Supervisor(command, lambda name: rundir.log(name, session),
-                     env={k: v for k, v in os.environ.items() if k != "NATS_PASSWORD"}, on_restart=record_restart)
-    specs = role_specs(recipe, rundir, metrics_port_base, cores)
-    outcome, summary = "failed", {}
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # a caller of up() from Python gets them back
+    early_stop = EarlyStop()
+    early_stop.hold()  # from the session's start: a stop signal ends it through the summary, not mid-setup
+    session = rundir.begin_session()
+    servers: list[EmbeddedServer] = []
+    sup: Supervisor | None = None
+    outcome, summary = "failed", {}
     try:
+        if shared is not None:  # the launcher too, and what it starts unless told otherwise (until up returns)
+            pin(shared)
+        servers, access, creds, opts, url = open_plane(rundir, recipe, nats_url, listen, shared, cluster, credentials)
+        banner(recipe, rundir.run, session, url, bool(servers), shared)
+
+        def record_restart(child: Child) -> None:
+            rundir.append("restarts.jsonl", {"session": session, "role": child.name, "after": exit_text(child.last_exit),
+                                             "ts": time.time()})
+
+        def command(spec: RoleSpec) -> list[str]:
+            if access is not None and spec.role == "rollout":
+                access.let_in(spec.name)  # a node --autoscale adds gets its own credential, known to the server before it starts
+            return worker_command(rundir, url, creds, spec)
+
+        sup = Supervisor(command, lambda name: rundir.log(name, session),
+                         env={k: v for k, v in os.environ.items() if k != "NATS_PASSWORD"}, on_restart=record_restart)
+        specs = role_specs(recipe, rundir, metrics_port_base, cores)
         outcome = asyncio.run(supervise(recipe, rundir, opts, sup, specs, timeout, autoscale,
-                                        join_command(rundir, url, creds is not None), access, servers))
+                                        join_command(rundir, url, creds is not None), access, servers, early_stop))
     except CrashLoop as e:
         outcome = f"crash loop: {e.child.name}"
         raise RunFailed(str(e)) from None
@@ -519,10 +555,12 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         outcome = e.why
         raise
     finally:
-        sup.stop(timeout=recipe.rollout.drain_timeout + 5)
+        if sup is not None:
+            sup.stop(timeout=recipe.rollout.drain_timeout + 5)
         for server in servers:
             server.stop()
-        rundir.end_session(session, outcome, sup.restarts, session_cpu(sup, cpu_at_start, embedded=bool(servers)))
+        rundir.end_session(session, outcome, sup.restarts if sup else {}, session_cpu(sup, cpu_at_start, embedded=bool(servers))
+                           if sup else {})
         with contextlib.suppress(Exception):  # the summary is best effort on the way out of a failure
             summary = summarize(recipe, rundir, console, outcome)
         if shared is not None:  # a caller of up() from Python gets its cores back
