@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from links import path_s
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "BENCHMARKS.md"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -171,6 +173,26 @@ def fanout(r: dict[str, Any]) -> str:
                     f"{1000 * run['to_all_s']:.0f} ms | {1000 * run['to_all_s_max']:.0f} ms |")
     return (f"Medians over the delta versions of each run ({r['elements']:,} elements, {100 * r['changed_fraction']:.0f} % changed "
             "per version). " + provenance(r) + "\n".join(rows) + "\n")
+
+
+def fanout_links(r: dict[str, Any]) -> str:
+    rows = ["| nodes | nodes read from | servers from the hub to a node | copies the hub sent | copies the busiest leaf sent | "
+            "copies the busiest relay sent | to every node | slowest version | the links alone: Σ copies × delta / rate | "
+            "the links unpaced |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in r["runs"]:
+        where = ("the hub" if run["mode"] == "direct" else f"a relay tree, {run['relays']} below each server "
+                 f"({run['relay_servers']} relays)" if run["relay_servers"] else "their region's leaf"
+                 + (" (the tree's one level)" if run["mode"] == "tree" else ""))
+        leaf = f"{run['leaf_copies_max']:.2f}" if run["regions"] else "—"
+        relay = f"{run['relay_copies_max']:.2f}" if run["relay_servers"] else "—"
+        rows.append(f"| {run['nodes']} | {where} | {run['depth']} | {run['hub_copies']:.2f} | {leaf} | {relay} | "
+                    f"{1000 * run['to_all_s']:.0f} ms | {1000 * run['to_all_s_max']:.0f} ms | {1000 * path_s(run):.0f} ms | "
+                    + (f"{1000 * run['unpaced_to_all_s']:.0f} ms |" if run.get("unpaced_to_all_s") else "— |"))
+    first = r["runs"][0]
+    return (f"Every server on an emulated uplink of {r['link_bytes_per_s'] / 1e6:g} MB/s (`benchmarks/links.py`); one region; "
+            f"medians over the delta versions of each run ({r['elements']:,} elements, {100 * r['changed_fraction']:.0f} % "
+            f"changed per version: {first['delta_bytes'] / 2**20:.2f} MiB a delta). " + provenance(r) + "\n".join(rows) + "\n"
+            + "".join(f"\nFailed: {f['mode']}, {f['nodes']} nodes: {f['error']}\n" for f in r.get("failed", [])))
 
 
 def pool_scale(r: dict[str, Any]) -> str:
@@ -380,7 +402,8 @@ def trl_seeds(r: dict[str, Any]) -> str:
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "facade": facade, "fanout": fanout, "moe": moe, "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
+    "facade": facade, "fanout": fanout, "fanout_links": fanout_links, "moe": moe,
+    "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
     "shared_base": shared_base, "lora_team": lora_team, "pool_model": pool_model, "pool_scale": pool_scale, "trl": trl,
     "trl_seeds": trl_seeds, "trl_seeds_1core": trl_seeds,
