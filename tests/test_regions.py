@@ -87,41 +87,44 @@ async def test_node_on_the_leaf_applies_versions_published_on_the_hub(planes):
     assert not await on_hub.refresh(wait=2.0) and on_hub.stats["missing"] > 0
 
 
-async def test_a_node_on_a_relay_applies_versions_through_two_mirrors_and_retention_reaches_it(tmp_path):
-    """The shipped relay (a leaf of the region's leaf) mirrors the region's mirrors: a node connected only to it keeps
-    the run's traffic on the hub and applies every version from the relay's mirror; the leaf sends one copy per relay,
-    not per node; the trainer's retention deletes on the relay too (the hub reaches its domain through the leaf)."""
-    port = free_port()
+async def test_nodes_on_relays_apply_versions_through_their_mirrors_and_retention_reaches_them(tmp_path):
+    """The shipped relay (a leaf of the region's leaf) mirrors the region's mirrors, and a relay below it (relays of
+    relays) mirrors its mirrors: a node connected only to either keeps the run's traffic on the hub and applies every
+    version from its own server's mirror; the leaf sends one copy per relay, not per node; the trainer's retention
+    deletes on both relays too (the hub reaches their domains through the leaf)."""
+    port, below = free_port(), free_port()
     hub, leaf = start_region_pair(CONF, tmp_path, relay_port=port)
-    relay = start_relay(CONF, tmp_path, port)
+    relay = start_relay(CONF, tmp_path, port, below_port=below)
+    relay2 = start_relay(CONF, tmp_path, below, name="relay2")
     run = "rly" + uuid.uuid4().hex[:6]
     planes: list[Plane] = []
     try:
         trainer_plane = await Plane.connect(NatsOptions(url=hub.url), run, "trainer")
         await trainer_plane.ensure_topology(Topology(policies=("solver",)))
-        for server, source in ((leaf, "hub"), (relay, "leaf")):
+        for server, source in ((leaf, "hub"), (relay, "leaf"), (relay2, "relay")):
             planes.append(await Plane.connect(NatsOptions(url=server.url, domain="hub"), run, f"raas-{source}"))
             await planes[-1].wait_for_domain(source)
             await ensure_region_mirrors(planes[-1], run, hub_domain=source)
-        on_relay = planes[-1]
+        on_relay, on_relay2 = planes[-2:]
         trainer = Trainer()
-        pub = WeightPublisher(trainer_plane, "solver", keyframe_every=2, keep_versions=2, mirror_domains=("leaf", "relay"))
-        sync = node(on_relay, domain="relay")
+        pub = WeightPublisher(trainer_plane, "solver", keyframe_every=2, keep_versions=2, mirror_domains=("leaf", "relay", "relay2"))
+        syncs = [node(on_relay, domain="relay"), node(on_relay2, domain="relay2")]
         anns = []
         for v in range(5):  # keyframes 0, 2, 4
             anns.append(await pub.publish(trainer.step() if v else trainer.model.state_dict(), v))
-            await sync.wait_for(v, timeout=30)
-            assert engine_digest(sync) == anns[-1].state_digest
-        assert await on_relay.state.get(VersionRecord, "solver") is not None  # the run's state, on the hub, from the relay
+            for sync in syncs:
+                await sync.wait_for(v, timeout=30)
+                assert engine_digest(sync) == anns[-1].state_digest
+        assert await on_relay2.state.get(VersionRecord, "solver") is not None  # the run's state, on the hub, two relays down
         await pub.keeper.wait()
         bucket = on_relay.names.object_bucket
         counts = [[await count_chunks(js, object_stream(bucket), chunk_subject(bucket, a.objects[0].nuid)) for a in anns]
-                  for js in (trainer_plane._js, on_relay._nc.jetstream(domain="relay"))]
-        assert counts[0] == counts[1] == [0, 0, 1, 1, 1]  # v3 needs keyframe v2: both kept, on the hub and on the relay
+                  for js in (trainer_plane._js, on_relay._nc.jetstream(domain="relay"), on_relay2._nc.jetstream(domain="relay2"))]
+        assert counts[0] == counts[1] == counts[2] == [0, 0, 1, 1, 1]  # v3 needs keyframe v2: both kept, everywhere
     finally:
         for p in planes:
             await p.close()
-        for s in (relay, leaf, hub):
+        for s in (relay2, relay, leaf, hub):
             s.stop()
 
 

@@ -267,10 +267,15 @@ def start_region_pair(conf_dir: Path | str, base_dir: Path | str,
     return hub, leaf
 
 
-def start_relay(conf_dir: Path | str, base_dir: Path | str, relay_port: int) -> EmbeddedServer:
-    """Start the shipped ``relay.conf`` on loopback (a free client port, its store under ``base_dir``), dialling the
-    region leaf that takes relays on ``relay_port`` (:func:`start_region_pair`)."""
+def start_relay(conf_dir: Path | str, base_dir: Path | str, relay_port: int, name: str = "relay",
+                below_port: int | None = None) -> EmbeddedServer:
+    """Start the shipped ``relay.conf`` on loopback (a free client port, its store under ``base_dir/name``) as server
+    and JetStream domain ``name``, dialling the server that takes relays on ``relay_port``: the region's leaf
+    (:func:`start_region_pair`) or a relay above it (a tree of relays). Relays below it dial ``below_port`` (default a
+    free one)."""
     base = Path(base_dir)
-    text = adapt_config((Path(conf_dir) / "relay.conf").read_text(), base / "relay" / "store",
-                        {4224: -1, 7423: relay_port, 7424: free_port()})
-    return EmbeddedServer(base / "relay", config_text=text).start()
+    text = (Path(conf_dir) / "relay.conf").read_text()
+    text = re.sub(r"(?m)^server_name: relay$", f"server_name: {name}", text)
+    text = re.sub(r"(?m)^(\s*domain:) relay\b", rf"\1 {name}", text)
+    text = adapt_config(text, base / name / "store", {4224: -1, 7423: relay_port, 7424: below_port or free_port()})
+    return EmbeddedServer(base / name, config_text=text).start()
