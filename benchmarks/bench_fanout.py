@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import links  # noqa: E402
+import pool_model  # noqa: E402
 from result_files import write  # noqa: E402
 
 from astraflow.streams.messages import WeightVersion  # noqa: E402
@@ -338,19 +339,19 @@ def plot(results: list[dict[str, Any]], link: float | None, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (when, copies) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (when, copies) = plt.subplots(1, 2, figsize=(11, 5))
     for mode, style in (("direct", "-o"), ("mirrored", "-s"), ("relayed", "-^"), ("tree", "-D")):
         pts = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["nodes"])
         if not pts:
             continue
         n = [r["nodes"] for r in pts]
         line = when.plot(n, [r["to_all_s"] for r in pts], style, label=LAYOUTS[mode])[0]
+        copies.plot(n, [max(r["hub_copies"], r["leaf_copies_max"], r["relay_copies_max"]) for r in pts], style, label=LAYOUTS[mode])
         if link:
-            when.plot(n, [links.path_s(r) for r in pts], ":", color=line.get_color(), label="  its links alone (Σ copies × delta / rate)")
+            when.plot(n, [pool_model.on_links(r) for r in pts], ":", color=line.get_color(), label="  the model (pool_model.fanout)")
         if all(r.get("unpaced_to_all_s") for r in pts):
             when.plot(n, [r["unpaced_to_all_s"] for r in pts], "--", color=line.get_color(), alpha=0.5,
                       label="  the links unpaced (this machine's cores and hops)")
-        copies.plot(n, [max(r["hub_copies"], r["leaf_copies_max"], r["relay_copies_max"]) for r in pts], style, label=LAYOUTS[mode])
     when.set_yscale("log")
     for ax, title, unit in ((when, "from the announcement to every node", "s (median over delta versions)"),
                             (copies, "copies the busiest server sent per version", "copies")):
@@ -358,11 +359,11 @@ def plot(results: list[dict[str, Any]], link: float | None, path: Path) -> None:
         ax.set_xlabel("nodes")
         ax.set_ylabel(unit)
         ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
+    fig.legend(*when.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7, frameon=False)
     fig.suptitle("Weight fan-out" + (f", every server on an emulated uplink of {link / 1e6:g} MB/s" if link else
                                      f", all servers sharing loopback and {os.cpu_count()} cores"), fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.sharedctypes import Synchronized
-from typing import Any
 
 READ = 32 * 1024  # the most one paced read forwards at once
 
@@ -85,13 +84,6 @@ async def serve(forwards: Sequence[tuple[int, int, str]], rate: Callable[[], flo
 def run(forwards: Sequence[tuple[int, int, str]], rate: Synchronized[float]) -> None:
     """A process's entry point: :func:`serve` forever, every link at ``rate.value`` bytes/s (its owner may change it)."""
     asyncio.run(serve(forwards, lambda: rate.value))
-
-
-def path_s(run: Mapping[str, Any]) -> float:
-    """What the links alone predict for a ``bench_fanout`` run: store and forward along the path from the hub to a
-    node, each server's copies sharing its link, Σ over the servers on the path of (copies it sent × delta bytes / rate)."""
-    copies = run["hub_copies"] + run["leaf_copies_max"] + run["relay_levels"] * run["relay_copies_max"]
-    return float(copies * run["delta_bytes"] / run["link_bytes_per_s"])
 
 
 def wait_listening(ports: Sequence[int], timeout: float = 30.0) -> None:

@@ -31,6 +31,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -312,6 +313,13 @@ def fanout(nodes: int, regions: int, delta_bytes: float, links: Links, relay: in
     to_all = (links.base_s + hub * delta_bytes / links.hub_bps + f * delta_bytes / links.leaf_bps
               + (depth - 1) * f * delta_bytes / links.relay_bps)
     return FanOut(hub, f, depth, hub * delta_bytes, f * delta_bytes, to_all)
+
+
+def on_links(run: Mapping[str, Any]) -> float:
+    """:func:`fanout`'s time for a ``bench_fanout.py`` run on its emulated links: every server at the links' rate, no
+    fixed part (a flat layout: the server's copies; a tree: a level's copies per level)."""
+    rate = run["link_bytes_per_s"]
+    return fanout(run["nodes"], run["regions"], run["delta_bytes"], Links(0.0, rate, rate, rate), relay=run["relays"] or None).to_all_s
 
 
 # ------------------------------------------------------------------------------------------------ what was measured

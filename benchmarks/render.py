@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from links import path_s
+from pool_model import on_links
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "BENCHMARKS.md"
@@ -177,7 +177,7 @@ def fanout(r: dict[str, Any]) -> str:
 
 def fanout_links(r: dict[str, Any]) -> str:
     rows = ["| nodes | nodes read from | servers from the hub to a node | copies the hub sent | copies the busiest leaf sent | "
-            "copies the busiest relay sent | to every node | slowest version | the links alone: Σ copies × delta / rate | "
+            "copies the busiest relay sent | to every node | slowest version | the model's fan-out on these links | "
             "the links unpaced |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in r["runs"]:
         where = ("the hub" if run["mode"] == "direct" else f"a relay tree, {run['relays']} below each server "
@@ -186,7 +186,7 @@ def fanout_links(r: dict[str, Any]) -> str:
         leaf = f"{run['leaf_copies_max']:.2f}" if run["regions"] else "—"
         relay = f"{run['relay_copies_max']:.2f}" if run["relay_servers"] else "—"
         rows.append(f"| {run['nodes']} | {where} | {run['depth']} | {run['hub_copies']:.2f} | {leaf} | {relay} | "
-                    f"{1000 * run['to_all_s']:.0f} ms | {1000 * run['to_all_s_max']:.0f} ms | {1000 * path_s(run):.0f} ms | "
+                    f"{1000 * run['to_all_s']:.0f} ms | {1000 * run['to_all_s_max']:.0f} ms | {1000 * on_links(run):.0f} ms | "
                     + (f"{1000 * run['unpaced_to_all_s']:.0f} ms |" if run.get("unpaced_to_all_s") else "— |"))
     first = r["runs"][0]
     return (f"Every server on an emulated uplink of {r['link_bytes_per_s'] / 1e6:g} MB/s (`benchmarks/links.py`); one region; "
