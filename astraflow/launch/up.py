@@ -559,8 +559,8 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
             sup.stop(timeout=recipe.rollout.drain_timeout + 5)
         for server in servers:
             server.stop()
-        rundir.end_session(session, outcome, sup.restarts if sup else {}, session_cpu(sup, cpu_at_start, embedded=bool(servers))
-                           if sup else {})
+        restarts, cpu = (sup.restarts, session_cpu(sup, cpu_at_start, embedded=bool(servers))) if sup else ({}, {})
+        rundir.end_session(session, outcome, restarts, cpu)
         with contextlib.suppress(Exception):  # the summary is best effort on the way out of a failure
             summary = summarize(recipe, rundir, console, outcome)
         if shared is not None:  # a caller of up() from Python gets its cores back
