@@ -145,14 +145,13 @@ class Plant:
         # every listening port: the server's own, and the one others dial (the same without links)
         listen: dict[str, dict[int, int]] = {}
         forwards: list[tuple[int, int, str]] = []
+        dial: dict[str, int] = {}  # the leafnode port the servers below each one dial
         for name, kind in plan:
             _, client, _, leafnodes = SHIPPED[kind]
             listen[name] = {client: free_port(), leafnodes: free_port()}
-            for own in listen[name].values():
-                public = free_port() if link else own
-                forwards.append((public, own, name))
-            self.urls[name] = f"nats://127.0.0.1:{forwards[-2][0]}"
-        dial = {name: forwards[2 * i + 1][0] for i, (name, _) in enumerate(plan)}  # the public leafnode port of each
+            public = {shipped: free_port() if link else own for shipped, own in listen[name].items()}
+            forwards += [(public[shipped], own, name) for shipped, own in listen[name].items()]
+            self.urls[name], dial[name] = f"nats://127.0.0.1:{public[client]}", public[leafnodes]
         ctx = mp.get_context("spawn")
         self.link, self.rate = link, ctx.Value("d", 0.0)  # the links' rate: not paced until pace()
         try:

@@ -316,10 +316,13 @@ def fanout(nodes: int, regions: int, delta_bytes: float, links: Links, relay: in
 
 
 def on_links(run: Mapping[str, Any]) -> float:
-    """:func:`fanout`'s time for a ``bench_fanout.py`` run on its emulated links: every server at the links' rate, no
-    fixed part (a flat layout: the server's copies; a tree: a level's copies per level)."""
+    """The model's fan-out time for a ``bench_fanout.py`` run on its emulated links: every server at the links' rate,
+    no fixed part (a flat layout: the server's copies; relays: :func:`relayed`; a tree: a level's copies per level)."""
     rate = run["link_bytes_per_s"]
-    return fanout(run["nodes"], run["regions"], run["delta_bytes"], Links(0.0, rate, rate, rate), relay=run["relays"] or None).to_all_s
+    links = Links(0.0, rate, rate, rate)
+    if run["mode"] == "relayed":
+        return relayed(run["nodes"], run["regions"], run["relays"], run["delta_bytes"], links)[0].to_all_s
+    return fanout(run["nodes"], run["regions"], run["delta_bytes"], links, relay=run["relays"] or None).to_all_s
 
 
 # ------------------------------------------------------------------------------------------------ what was measured
