@@ -200,18 +200,26 @@ class Follower(Generic[M]):
         self._sub: JetStreamContext.PushSubscription | None = None
         self._subscribing = asyncio.Lock()
         self._last_seq = 0  # the stream sequence of the newest message handed in (0: none yet)
+        self._generation = 0  # which consumer may hand messages in: the one made last, none once closed
         self._got: list[Msg] = []
         self._arrived = asyncio.Event()
         self._missing = 0
         self.rejected = 0
 
-    async def _on_msg(self, msg: Msg) -> None:
-        seq = msg.metadata.sequence.stream
-        if seq <= self._last_seq:  # a consumer remade from an earlier sequence than it had reached: once each
-            return
-        self._last_seq = seq
-        self._got.append(msg)
-        self._arrived.set()
+    def _handing_in(self, generation: int) -> Callable[[Msg], Awaitable[None]]:
+        """The callback of the consumer made as ``generation``. A consumer this follower has replaced or closed may
+        still deliver (its messages were on their way); what it delivers is dropped, not handed in, so that it cannot
+        move ``_last_seq`` past what the current one is to deliver (it delivers those again, from ``_last_seq``)."""
+
+        async def on_msg(msg: Msg) -> None:
+            seq = msg.metadata.sequence.stream
+            if generation != self._generation or seq <= self._last_seq:  # replaced, or remade from an earlier sequence
+                return
+            self._last_seq = seq
+            self._got.append(msg)
+            self._arrived.set()
+
+        return on_msg
 
     async def _subscribe(self) -> None:
         """The ordered consumer, from the sequence after the last one handed in (or from ``start`` when none was)."""
@@ -221,8 +229,10 @@ class Follower(Generic[M]):
             config = api.ConsumerConfig(opt_start_seq=self._last_seq + 1) if self._last_seq else None
             deliver = api.DeliverPolicy.BY_START_SEQUENCE if self._last_seq else \
                 api.DeliverPolicy.LAST if self._start == "last" else api.DeliverPolicy.ALL
-            self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True, cb=self._on_msg,
-                                                 idle_heartbeat=2.0, deliver_policy=deliver, config=config)
+            self._generation += 1
+            self._sub = await self._js.subscribe(self.subject, stream=self.stream, ordered_consumer=True,
+                                                 cb=self._handing_in(self._generation), idle_heartbeat=2.0, deliver_policy=deliver,
+                                                 config=config)
 
     async def resume(self) -> None:
         """Make the consumer again from the sequence after the last one handed in (the connection is back, maybe to a
@@ -325,6 +335,7 @@ class Follower(Generic[M]):
 
     async def close(self) -> None:
         sub, self._sub = self._sub, None
+        self._generation += 1  # what it still delivers is not handed in
         if sub is not None:
             try:
                 await sub.unsubscribe()
