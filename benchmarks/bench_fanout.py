@@ -41,7 +41,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import re
 import socket
 import statistics
 import sys
@@ -67,7 +66,7 @@ from result_files import write  # noqa: E402
 from astraflow.streams.messages import WeightVersion  # noqa: E402
 from astraflow.streams.objects import ensure_region_mirrors  # noqa: E402
 from astraflow.streams.plane import NatsOptions, Plane, Topology  # noqa: E402
-from astraflow.streams.server import EmbeddedServer, adapt_config  # noqa: E402
+from astraflow.streams.server import EmbeddedServer, adapt_config, renamed_config  # noqa: E402
 from astraflow.weights.publish import WeightPublisher  # noqa: E402
 
 CONF = ROOT / "jetstream"
@@ -82,15 +81,11 @@ SHIPPED = {  # per kind of server: its shipped config, its client port, the leaf
 }
 
 
-def server_config(kind: str, name: str, ports: dict[int, int]) -> str:
-    """``jetstream/{hub,leaf,relay}.conf`` as server and domain ``name`` (a leaf or relay), its shipped ports replaced
-    by ``ports``."""
+def server_config(kind: str, name: str) -> str:
+    """``jetstream/{hub,leaf,relay}.conf``, a leaf or relay as server and domain ``name``."""
     shipped = SHIPPED[kind][0]
     text = (CONF / f"{shipped}.conf").read_text()
-    if kind != "hub":
-        text = re.sub(rf"(?m)^server_name: {shipped}$", f"server_name: {name}", text)
-        text = re.sub(rf"(?m)^(\s*domain:) {shipped}\b", rf"\1 {name}", text)
-    return text
+    return text if kind == "hub" else renamed_config(text, shipped, name)
 
 
 class Ports:
@@ -165,7 +160,7 @@ class Plant:
                 if uplink is not None:
                     ports[uplink] = dial[self.parent[name]]
                 self.http[name] = free_port()
-                conf = adapt_config(server_config(kind, name, ports), base / name / "store", ports)
+                conf = adapt_config(server_config(kind, name), base / name / "store", ports)
                 conf += f"\nhttp: 127.0.0.1:{self.http[name]}\n"
                 self.servers[name] = EmbeddedServer(base / name, config_text=conf).start()
         except BaseException:

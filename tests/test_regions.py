@@ -90,8 +90,8 @@ async def test_node_on_the_leaf_applies_versions_published_on_the_hub(planes):
 async def test_nodes_on_relays_apply_versions_through_their_mirrors_and_retention_reaches_them(tmp_path):
     """The shipped relay (a leaf of the region's leaf) mirrors the region's mirrors, and a relay below it (relays of
     relays) mirrors its mirrors: a node connected only to either keeps the run's traffic on the hub and applies every
-    version from its own server's mirror; the leaf sends one copy per relay, not per node; the trainer's retention
-    deletes on both relays too (the hub reaches their domains through the leaf)."""
+    version from its own server's mirror; the trainer's retention deletes on both relays too (the hub reaches their
+    domains through the leaf)."""
     port, below = free_port(), free_port()
     hub, leaf = start_region_pair(CONF, tmp_path, relay_port=port)
     relay = start_relay(CONF, tmp_path, port, below_port=below)

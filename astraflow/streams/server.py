@@ -267,6 +267,13 @@ def start_region_pair(conf_dir: Path | str, base_dir: Path | str,
     return hub, leaf
 
 
+def renamed_config(text: str, shipped: str, name: str) -> str:
+    """A shipped leaf or relay config (``server_name`` and JetStream ``domain`` both ``shipped``) as server and domain
+    ``name``: one more copy of it in a region or a tree of relays."""
+    text = re.sub(rf"(?m)^server_name: {shipped}$", f"server_name: {name}", text)
+    return re.sub(rf"(?m)^(\s*domain:) {shipped}\b", rf"\1 {name}", text)
+
+
 def start_relay(conf_dir: Path | str, base_dir: Path | str, relay_port: int, name: str = "relay",
                 below_port: int | None = None) -> EmbeddedServer:
     """Start the shipped ``relay.conf`` on loopback (a free client port, its store under ``base_dir/name``) as server
@@ -274,8 +281,6 @@ def start_relay(conf_dir: Path | str, base_dir: Path | str, relay_port: int, nam
     (:func:`start_region_pair`) or a relay above it (a tree of relays). Relays below it dial ``below_port`` (default a
     free one)."""
     base = Path(base_dir)
-    text = (Path(conf_dir) / "relay.conf").read_text()
-    text = re.sub(r"(?m)^server_name: relay$", f"server_name: {name}", text)
-    text = re.sub(r"(?m)^(\s*domain:) relay\b", rf"\1 {name}", text)
+    text = renamed_config((Path(conf_dir) / "relay.conf").read_text(), "relay", name)
     text = adapt_config(text, base / name / "store", {4224: -1, 7423: relay_port, 7424: below_port or free_port()})
     return EmbeddedServer(base / name, config_text=text).start()
