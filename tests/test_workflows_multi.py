@@ -195,18 +195,19 @@ def test_solver_verifier_recipe_runs_end_to_end_with_up(nats_server, repo_root, 
 def test_policies_sharing_a_base_warm_start_it_once_and_nodes_serve_their_adapters_on_it(nats_server, repo_root, tmp_path):
     """``rollout.shared_base``: ``up`` warm-starts one base on both policies' warm-start data (every weight), every role
     loads it as ``model.pretrained``, each trainer adapts it, and the node serves each policy's adapters on that base:
-    the trainers recompute the node's logprobs (a node on another base would be refused, or far off)."""
+    the trainers recompute the node's logprobs. ``dataflow.mode=sync`` makes every step train on samples of the version
+    it holds, so every gap is the numerics of merging adapters (under 1e-4 here): a node that served the last version's
+    adapters, or none, is one step off (0.01-0.06 nats on this run), and one on another base is refused, or far off."""
     pytest.importorskip("peft", reason="peft is not installed (pip install 'astraflow[lora]')")
     run_dir = tmp_path / "shared-run"
-    rows = up_math_multi_agent(nats_server, repo_root, run_dir, "rollout.shared_base=true", "trainer.lora.rank=4")
+    rows = up_math_multi_agent(nats_server, repo_root, run_dir, "rollout.shared_base=true", "trainer.lora.rank=4",
+                               "dataflow.mode=sync")
     record = json.loads((run_dir / "base" / "warm_start.json").read_text())
     assert record["steps"] == {"solver": 20, "verifier": 20}
     resolved = load_recipe(run_dir / "recipe.yaml")
     for policy in resolved.policies.values():
         assert policy.model.pretrained == str((run_dir / "base").resolve()) and policy.sft.steps == 0
-    first = [r for r in rows if r["version"] == 1]  # the first step is taken on v0's samples, by the v0 model: the same model
-    assert len(first) == 2 and all(r["logprob_gap_max"] < 1e-4 for r in first), first
     trained = [r for r in rows if r["version"] > 0]
-    assert all(r["logprob_gap_max"] < 0.1 for r in trained)  # later ones within the staleness window (nats if wrong)
+    assert len(trained) == 4 and all(r["logprob_gap_max"] < 1e-3 for r in trained), trained  # v1's on adapters: not v0's
     assert all(r["bytes"] < 20_000 for r in trained)  # adapters, not the model
     assert "refus" not in (run_dir / "logs" / "rollout-0.s1.log").read_text()
