@@ -187,3 +187,39 @@ async def test_a_pull_whose_checks_are_cheap_is_checked_on_the_loop_and_a_costly
     claims.cost.check_s += 10 * reading.INLINE_S * claims.cost.checked  # as a costly reward's checks would measure
     assert await reader.check_claims([(Sent(), lie, None)]) != [None]
     assert threaded == [1, 1]
+
+
+def test_a_pull_scores_each_completion_once_against_each_samples_own_claim_and_encodes_each_prompt_once(monkeypatch):
+    calls: Counter[str] = Counter()
+
+    @REWARDS.register("claims_test_counted")
+    @reward_range(0, 1)
+    def counted(text: str, meta: dict[str, Any]) -> float:
+        calls[text] += 1
+        return float(text.strip() == str(meta["answer"]))
+
+    encoded: Counter[str] = Counter()
+    real_encode = encode_prompt
+
+    def counting_encode(tok: Any, text: str) -> list[int]:
+        encoded[text] += 1
+        return real_encode(tok, text)
+
+    monkeypatch.setattr("astraflow.dataflow.claims.encode_prompt", counting_encode)
+    try:
+        r = run(reward="claims_test_counted")
+        train, _ = load_split(r.data)
+        c, p = ClaimCheck(r, train), train[0]
+        right, wrong = (sample(p, correct=True, traj_id=f"t00000001.solver.{k}") for k in (0, 1))
+        lie = sample(p, reward=1.0, correct=False, traj_id="t00000001.solver.2")  # wrong's completion, claimed right
+        again = sample(p, correct=True, traj_id="t00000001.solver.3")
+        found = c.check_all([(t, p.prompt_id) for t in (right, wrong, lie, again)])
+        assert [bad and bad.code for bad in found] == [None, None, "reward_claim", None]
+        assert sorted(calls.values()) == [1, 1]  # two distinct completions, each scored once
+        assert c.cost.rescored == 4  # every sample's claim was checked
+        for q in train:  # the run's prompts, twice over: each encoded once
+            for _ in range(2):
+                c.check_all([(sample(q, correct=True), q.prompt_id)])
+        assert set(encoded.values()) == {1} and len(encoded) == len({q.prompt for q in train})
+    finally:
+        REWARDS.unregister("claims_test_counted")

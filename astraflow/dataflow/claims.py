@@ -22,6 +22,12 @@ reasoning-gym) is scored again for every trajectory; a costly one (``@costly``: 
 for a share ``dataflow.rescore_costly`` of them, picked by a keyed hash of the trajectory id whose
 key the dataflow draws at start, so a node cannot tell which of its answers will be checked.
 
+The checks of a pull run together (:meth:`ClaimCheck.check_all`), so a group's samples share the work they have in
+common: a completion its group holds twice (a trained policy repeats its answers) is decoded and scored once, against
+each sample's own claim (a reward is a function of the text and the task's meta). An issued prompt is encoded once
+per policy and prompt for the run (up to ``PROMPT_CACHE_BYTES`` of tokens per policy: a dataset's every prompt, in
+most runs), not once per task.
+
 ``dataflow.trust_claims: true`` turns the checks off (a test workflow whose prompts are its own).
 """
 
@@ -32,7 +38,7 @@ import math
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,9 +53,10 @@ from astraflow.tasks import Problem
 
 FREE = Claims()
 REWARD_TOLERANCE = 1e-6  # |claimed − rescored| allowed (relative above 1): float32 sums on one side, float64 on the other
-PROMPT_CACHE = 4096  # encoded prompts kept (per policy)
+PROMPT_CACHE_BYTES = 64 << 20  # encoded prompts kept, per policy (least recently used dropped beyond it)
 
 Reward = Callable[[str, dict[str, Any]], float]
+Scores = dict[tuple[str, int, bytes], "float | str"]  # (policy, id of the problem, completion tokens) -> reward, or why scoring failed
 
 
 def role_claims(recipe: Recipe) -> dict[str, Claims]:
@@ -97,27 +104,31 @@ class ClaimCheck:
         self.tokenizers = {p: load_tokenizer(recipe.policies[p].model.tokenizer) for p in recipe.policy_names}
         self.key = key if key is not None else secrets.token_bytes(16)
         self._prompts: dict[str, OrderedDict[str, bytes]] = {p: OrderedDict() for p in recipe.policy_names}
+        self._prompt_bytes: dict[str, int] = dict.fromkeys(recipe.policy_names, 0)
         self.cost = ClaimCost()
 
-    def check(self, t: Trajectory, issued: str | None) -> Invalid | None:
+    def check(self, t: Trajectory, issued: str | None, scores: Scores | None = None) -> Invalid | None:
         """``t``'s claims (its values already checked), against the ``prompt_id`` its task was issued with (None: not
-        known, a task issued before a restart whose message the TASK stream no longer holds)."""
+        known, a task issued before a restart whose message the TASK stream no longer holds). ``scores``: completions
+        scored so far in this pull (:meth:`check_all`)."""
         start = time.perf_counter()
         try:
-            return self._check(t, issued)
+            return self._check(t, issued, {} if scores is None else scores)
         finally:
             self.cost.checked += 1
             self.cost.check_s += time.perf_counter() - start
 
     def check_all(self, items: Sequence[tuple[Trajectory, str | None]]) -> list[Invalid | None]:
-        """:meth:`check` for each ``(trajectory, issued prompt_id)``; counted per code in ``cost.by_code``."""
-        out = [self.check(t, issued) for t, issued in items]
+        """:meth:`check` for each ``(trajectory, issued prompt_id)``, a completion scored once however many samples
+        hold it; counted per code in ``cost.by_code``."""
+        scores: Scores = {}
+        out = [self.check(t, issued, scores) for t, issued in items]
         for bad in out:
             if bad is not None:
                 self.cost.by_code[bad.code] = self.cost.by_code.get(bad.code, 0) + 1
         return out
 
-    def _check(self, t: Trajectory, issued: str | None) -> Invalid | None:
+    def _check(self, t: Trajectory, issued: str | None, scores: Scores) -> Invalid | None:
         claims = self.roles.get(t.policy, FREE)
         if issued is not None and t.prompt_id != issued:
             return Invalid("prompt_claim", f"prompt_id {t.prompt_id[:80]!r}, its task was issued with {issued!r}")
@@ -136,20 +147,28 @@ class ClaimCheck:
         if not low <= t.reward <= high:
             return Invalid("reward_range", f"reward {t.reward:g} outside [{low:g}, {high:g}], the range of the reward")
         if claims.reward == "rescored" and sampled(self.key, t.traj_id, self.share):
-            return self.rescore(t, problem.meta)
+            return self.rescore(t, problem, scores)
         return None
 
-    def rescore(self, t: Trajectory, meta: Mapping[str, Any]) -> Invalid | None:
-        """The recipe's reward of ``t``'s decoded completion and the issued meta, against the reward it claims."""
+    def rescore(self, t: Trajectory, problem: Problem, scores: Scores | None = None) -> Invalid | None:
+        """The recipe's reward of ``t``'s decoded completion and the issued ``problem``'s meta, against the reward it
+        claims. ``scores``: what the completions scored so far in this pull, by policy, problem and completion tokens:
+        one already there is not scored again."""
         start = time.perf_counter()
-        try:
-            text = decode_text(self.tokenizers[t.policy], t.completion().tolist())
-            scored = float(self.reward(text, dict(meta)))
-        except Exception as e:  # what a node's own scoring would have failed on: not a reward it earned
-            return Invalid("reward_claim", f"scoring its completion again raised {type(e).__name__}: {str(e)[:200]}")
-        finally:
-            self.cost.rescored += 1
-            self.cost.rescore_s += time.perf_counter() - start
+        key = (t.policy, id(problem), t.completion_ids)
+        scored = None if scores is None else scores.get(key)
+        if scored is None:
+            try:
+                text = decode_text(self.tokenizers[t.policy], t.completion().tolist())
+                scored = float(self.reward(text, dict(problem.meta)))
+            except Exception as e:  # what a node's own scoring would have failed on: not a reward it earned
+                scored = f"scoring its completion again raised {type(e).__name__}: {str(e)[:200]}"
+            if scores is not None:
+                scores[key] = scored
+        self.cost.rescored += 1
+        self.cost.rescore_s += time.perf_counter() - start
+        if isinstance(scored, str):
+            return Invalid("reward_claim", scored)
         assert t.reward is not None
         if not (math.isfinite(scored) and reward_matches(t.reward, scored)):
             return Invalid("reward_claim", f"reward {t.reward:g} claimed, its completion scores {scored:g}")
@@ -161,8 +180,9 @@ class ClaimCheck:
         ids = cache.get(problem.prompt)
         if ids is None:
             ids = cache[problem.prompt] = np.asarray(encode_prompt(self.tokenizers[policy], problem.prompt), "<i4").tobytes()
-            if len(cache) > PROMPT_CACHE:
-                cache.popitem(last=False)
+            self._prompt_bytes[policy] += len(ids)
+            while self._prompt_bytes[policy] > PROMPT_CACHE_BYTES and len(cache) > 1:
+                self._prompt_bytes[policy] -= len(cache.popitem(last=False)[1])
         else:
             cache.move_to_end(problem.prompt)
         return ids
