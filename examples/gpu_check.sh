@@ -18,7 +18,9 @@
 #        bash examples/gpu_check.sh run --arch qwen3_moe      # the same as Mixture-of-Experts
 #
 #    It installs the wheels offline (torch stays as installed) and runs the check; the last stdout
-#    line is its JSON: generation tokens/s, train step, publish and apply seconds, digests_ok.
+#    line is its JSON: generation tokens/s, train step, publish and apply seconds, digests_ok; the apply's
+#    install stage and its ratio to the train step, and whole-state installs from pageable and from pinned
+#    host memory (the node's image is pinned on CUDA: image_pinned).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-wheels}

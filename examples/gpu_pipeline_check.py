@@ -10,6 +10,12 @@ version, the engine's bf16 weights must hash to the trainer's.
 
 Last stdout line, JSON: generation tokens/s, train step seconds and tokens/s, publish and apply
 seconds (median over the iterations after the first), delta and keyframe bytes, ``digests_ok``.
+The apply is split into its last stage, the install into the engine's parameters (``install_s``), and
+the rest (fetch, decode, add into the node's host image, state digest); ``apply_over_step`` is a
+version's apply over its train step (goal: under 0.1). On CUDA the node keeps its image in pinned host
+memory and installs with non-blocking copies (``weights/load.py``); ``image_pinned`` says it did, and
+``install_whole_pageable_s`` / ``install_whole_pinned_s`` time one whole-state install from pageable
+and from pinned host memory side by side (medians of 5).
 
     python examples/gpu_pipeline_check.py                        # cuda, bf16, a ~150M-parameter Qwen2
     python examples/gpu_pipeline_check.py --arch qwen3_moe       # the same width as Mixture-of-Experts
@@ -52,6 +58,7 @@ from astraflow.tasks import load_split
 from astraflow.train.sft import sft
 from astraflow.train.torch_backend import TorchBackend
 from astraflow.weights.delta import state_digest, to_bf16_state
+from astraflow.weights.load import copy_weights, pinned_host
 from astraflow.weights.publish import WeightPublisher
 from astraflow.weights.sync import WeightSync
 
@@ -100,6 +107,15 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
     workflow = get_workflow("single_turn", get_reward("arithmetic"))
     rows: list[dict[str, float]] = []
     digests_ok = True
+    installs: list[float] = []  # seconds of each install into the engine's parameters (the apply's last stage)
+    engine_load = engine.load_state
+
+    def timed_load(state: Any, version: int) -> None:
+        t0 = time.perf_counter()
+        engine_load(state, version)
+        installs.append(time.perf_counter() - t0)
+
+    engine.load_state = timed_load  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as d:
         server = EmbeddedServer(Path(d)).start()
         plane = await Plane.connect(NatsOptions(url=server.url), "gpucheck", "check")
@@ -124,17 +140,22 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 ann = await publisher.publish(state, v, [f"check-{v:06d}"], step)
                 publish_s = time.perf_counter() - t0
+                installed = len(installs)
                 t0 = time.perf_counter()
                 await sync.goto(v)
                 _sync(cuda)
                 apply_s = time.perf_counter() - t0
+                install_s = sum(installs[installed:])
                 digests_ok &= state_digest(state) == ann.state_digest == state_digest(to_bf16_state(engine.state_view()))
                 rows.append({"gen_tokens_per_s": gen_tokens / gen_s, "gen_s": gen_s, "step_s": step["step_s"],
                              "train_tokens_per_s": step["tokens_per_s"], "publish_s": publish_s, "apply_s": apply_s,
+                             "install_s": install_s, "apply_over_step": apply_s / step["step_s"],
                              "delta_bytes": float(sum(o.size for o in ann.objects)), "reward_mean": step["reward_mean"]})
+            image_pinned = sync.held.pinned and all(t.is_pinned() for t in (sync.held.image or {}).values())
         finally:
             await plane.close()
             server.stop()
+    whole = whole_installs(engine, cuda)
     timed = rows[1:] or rows  # the first iteration warms up kernels and allocators
     out: dict[str, Any] = {k: round(statistics.median(r[k] for r in timed), 4) for k in timed[0]}
     out.update(
@@ -151,10 +172,30 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
         trainer_precision=tcfg.precision,
         engine_dtype=str(next(engine.model.parameters()).dtype),
         digests_ok=digests_ok,
+        image_pinned=image_pinned,
+        **whole,
         torch=torch.__version__,
     )
     if cuda:
         out["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return out
+
+
+def whole_installs(engine: HFEngine, cuda: bool, repeats: int = 5) -> dict[str, float]:
+    """One whole-state install into the engine's parameters from pageable host memory, and (on CUDA) from pinned host
+    memory with non-blocking copies: medians of ``repeats`` each, the engine's own weights as the source."""
+    pageable = to_bf16_state(engine.state_view())
+    sources = {"pageable": pageable, **({"pinned": pinned_host(pageable)} if cuda else {})}
+    out: dict[str, float] = {}
+    for kind, state in sources.items():
+        times = []
+        for _ in range(repeats):
+            _sync(cuda)
+            t0 = time.perf_counter()
+            copy_weights(engine.model, state)
+            _sync(cuda)
+            times.append(time.perf_counter() - t0)
+        out[f"install_whole_{kind}_s"] = round(statistics.median(times), 4)
     return out
 
 

@@ -31,6 +31,9 @@ async def test_the_gpu_check_runs_on_cpu(repo_root, arch):
     assert out["device"] == "cpu" and out["arch"] == arch and out["trainer_precision"] == "fp32"
     assert out["gen_tokens_per_s"] > 0 and out["train_tokens_per_s"] > 0 and out["apply_s"] > 0
     assert 0 < out["delta_bytes"] < out["keyframe_bytes"]
+    assert 0 < out["install_s"] < out["apply_s"] and out["apply_over_step"] > 0  # the install is the apply's last stage
+    assert out["image_pinned"] is False and out["install_whole_pageable_s"] > 0  # pinned memory needs an accelerator
+    assert "install_whole_pinned_s" not in out
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")

@@ -943,16 +943,18 @@ class DeltaApplier(_Streaming):
 class KeyframeDecoder(_Streaming):
     """Decodes a keyframe payload while its bytes arrive, each chunk as soon as its frames are in:
     feed() pieces split anywhere, close() returns fresh contiguous CPU tensors, bit-identical to the
-    encoded state, in payload order."""
+    encoded state, in payload order; with ``pin``, in pinned host memory (a node whose engine is on a
+    GPU: its installs then copy without blocking, ``weights/load.py``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool = False) -> None:
         super().__init__(KIND_KEYFRAME, by_part=True)
+        self.pin = pin
         self._out: dict[str, torch.Tensor] = {}
         self._flat: dict[str, np.ndarray] = {}  # their bits, which the chunks fill (disjoint ranges)
 
     def _on_layout(self, layout: list[_Tensor]) -> None:
         for t in layout:
-            signed = torch.empty(t.shape, dtype=t.bits.int_dtype)
+            signed = torch.empty(t.shape, dtype=t.bits.int_dtype, pin_memory=self.pin)
             self._out[t.name] = signed.view(t.bits.dtype)
             self._flat[t.name] = signed.numpy().reshape(-1).view(t.bits.np_uint)
 

@@ -20,6 +20,7 @@ from astraflow.streams.messages import AdapterSpec, ObjectRef, WeightVersion
 from astraflow.streams.objects import CorruptObject, MissingObject, ObjectError, ObjectStore
 from astraflow.weights.adapters import BaseMismatch, MergedAdapters
 from astraflow.weights.delta import DeltaApplier, DeltaError, KeyframeDecoder, state_digest
+from astraflow.weights.load import on_accelerator
 from astraflow.weights.retention import Key
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class WeightTarget(Protocol):
 
     Optional, used when present: ``load_tensors(tensors, version)`` to receive only the changed
     tensors (a hook for runtime-update APIs; no shipped engine has it yet), and ``state_view()`` (the engine's own tensors by
-    name) so a delta writes only what changed (hf).
+    name) so a delta writes only what changed (hf). Where that view's tensors are on a GPU, the image is decoded into
+    pinned host memory, so installing a version copies into the engine's parameters without blocking (``load.py``).
     """
 
     @property
@@ -110,6 +112,8 @@ class HeldImage:
         self.digest: str | None = None
         self.adapter: AdapterSpec | None = None  # the image is that LoRA version's adapters (None: full weights)
         self.adapters = MergedAdapters(engine)  # how the engine serves adapters, merged into a copy of its base
+        view = getattr(engine, "state_view", None)  # weights on a GPU: the image in pinned memory, installed without blocking
+        self.pinned = view is not None and on_accelerator(view())
 
     def key(self) -> Key | None:
         """The state held, as a chain may start from it (None: none)."""
@@ -163,8 +167,8 @@ class HeldImage:
         try:
             for ann in chain:
                 if ann.encoding == "keyframe":
-                    _, (image, digest) = await feed(self.objects, ann, KeyframeDecoder, False, self.stats, self.drop,
-                                                    finish=_with_digest)
+                    _, (image, digest) = await feed(self.objects, ann, partial(KeyframeDecoder, self.pinned), False, self.stats,
+                                                    self.drop, finish=_with_digest)
                     changed = None
                 else:
                     if self.image is None or ann.base_version != self.version or ann.base_digest != self.digest:
