@@ -221,5 +221,13 @@ def test_a_pull_scores_each_completion_once_against_each_samples_own_claim_and_e
             for _ in range(2):
                 c.check_all([(sample(q, correct=True), q.prompt_id)])
         assert set(encoded.values()) == {1} and len(encoded) == len({q.prompt for q in train})
+        bound = 3 * max(len(c.prompt_tokens("solver", q)) for q in train)
+        monkeypatch.setattr("astraflow.dataflow.claims.PROMPT_CACHE_BYTES", bound)  # room for three prompts or so
+        small = ClaimCheck(r, train)
+        small.check_all([(sample(q, correct=True), q.prompt_id) for q in train])
+        assert 0 < sum(map(len, small._prompts["solver"].values())) <= bound  # the least recently used dropped
+        encoded.clear()
+        small.check_all([(sample(q, correct=True), q.prompt_id) for q in train[:6]])
+        assert set(encoded) == {q.prompt for q in train[:6]}  # dropped long ago: encoded again
     finally:
         REWARDS.unregister("claims_test_counted")
