@@ -542,3 +542,16 @@ def test_digest_is_sha256_over_names_dtypes_shapes_and_tensor_hashes():
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         h.update(struct.pack("<Q", len(meta)) + meta + hashlib.sha256(raw).digest())
     assert state_digest(state) == h.hexdigest()
+
+
+def test_a_keyframe_asked_for_pinned_memory_where_none_can_be_pinned_decodes_into_pageable_memory(caplog):
+    """A node on a GPU decodes keyframes into pinned host memory; where pinning fails (page-locked memory exhausted;
+    here: no accelerator at all) the keyframe still decodes, bit for bit, into pageable memory, and says so."""
+    state = {"w": torch.randn(8, 4).to(torch.bfloat16), "b": torch.randn(3)}
+    decoder = KeyframeDecoder(pin=True)
+    decoder.feed(encode_keyframe(state))
+    out = decoder.close()
+    assert same_bits(out, state)
+    if not torch.cuda.is_available():
+        assert not any(t.is_pinned() for t in out.values())
+        assert "cannot pin host memory" in caplog.text and decoder.pin is False

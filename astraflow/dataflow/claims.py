@@ -150,21 +150,20 @@ class ClaimCheck:
             return self.rescore(t, problem, scores)
         return None
 
-    def rescore(self, t: Trajectory, problem: Problem, scores: Scores | None = None) -> Invalid | None:
+    def rescore(self, t: Trajectory, problem: Problem, scores: Scores) -> Invalid | None:
         """The recipe's reward of ``t``'s decoded completion and the issued ``problem``'s meta, against the reward it
         claims. ``scores``: what the completions scored so far in this pull, by policy, problem and completion tokens:
         one already there is not scored again."""
         start = time.perf_counter()
         key = (t.policy, id(problem), t.completion_ids)
-        scored = None if scores is None else scores.get(key)
+        scored = scores.get(key)
         if scored is None:
             try:
                 text = decode_text(self.tokenizers[t.policy], t.completion().tolist())
                 scored = float(self.reward(text, dict(problem.meta)))
             except Exception as e:  # what a node's own scoring would have failed on: not a reward it earned
                 scored = f"scoring its completion again raised {type(e).__name__}: {str(e)[:200]}"
-            if scores is not None:
-                scores[key] = scored
+            scores[key] = scored
         self.cost.rescored += 1
         self.cost.rescore_s += time.perf_counter() - start
         if isinstance(scored, str):

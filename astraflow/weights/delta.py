@@ -49,6 +49,7 @@ meta | sha256(raw bytes)`` with meta = ``name \\0 dtype \\0 shape``: tensors has
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import struct
@@ -93,6 +94,7 @@ _HEAD = struct.Struct("<4sHBBIIII")
 _SECTION_HEAD = struct.Struct("<II")
 _CHUNK_ROW = struct.Struct("<BBI")
 _U64 = struct.Struct("<Q")
+log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 _local = threading.local()
@@ -944,7 +946,8 @@ class KeyframeDecoder(_Streaming):
     """Decodes a keyframe payload while its bytes arrive, each chunk as soon as its frames are in:
     feed() pieces split anywhere, close() returns fresh contiguous CPU tensors, bit-identical to the
     encoded state, in payload order; with ``pin``, in pinned host memory (a node whose engine is on a
-    GPU: its installs then copy without blocking, ``weights/load.py``)."""
+    GPU: its installs then copy without blocking, ``weights/load.py``), or in pageable memory where
+    none can be pinned (the installs then block; said once, the version still applies)."""
 
     def __init__(self, pin: bool = False) -> None:
         super().__init__(KIND_KEYFRAME, by_part=True)
@@ -954,9 +957,18 @@ class KeyframeDecoder(_Streaming):
 
     def _on_layout(self, layout: list[_Tensor]) -> None:
         for t in layout:
-            signed = torch.empty(t.shape, dtype=t.bits.int_dtype, pin_memory=self.pin)
+            signed = self._host_empty(t.shape, t.bits.int_dtype)
             self._out[t.name] = signed.view(t.bits.dtype)
             self._flat[t.name] = signed.numpy().reshape(-1).view(t.bits.np_uint)
+
+    def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.pin:
+            try:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            except RuntimeError as e:  # page-locked memory exhausted (or no accelerator): pageable, and blocking installs
+                self.pin = False
+                log.warning("keyframe: cannot pin host memory (%s); decoding into pageable memory", str(e)[:200])
+        return torch.empty(shape, dtype=dtype)
 
     def _jobs(self, section: _Section) -> list[Callable[[], None]]:
         t = section.tensor
