@@ -4,6 +4,7 @@
     python examples/engine_check.py --engine vllm                    # a launched vLLM server (pause, reload, resume)
     python examples/engine_check.py --engine sglang                  # an SGLang server (a GPU)
     python examples/engine_check.py --engine vllm --lora [--mode inprocess]   # LoRA versions through vLLM's LoRA support
+    python examples/engine_check.py --engine vllm --plane [--mode inprocess]  # then versions its worker fetches itself
 
 Run it with the Python that has the engine installed (for vLLM on CPU: ``bash examples/vllm_cpu_env.sh``, then
 ``.venv-vllm/bin/python examples/engine_check.py …``). No download: the engine loads a tiny Qwen2 built from a
@@ -13,12 +14,18 @@ transformers (teacher forcing, same temperature) and reports the largest differe
 (perturbed weights) and checks that tokens carry version 1 and that their logprobs are those of the new weights.
 With ``--lora`` the versions are LoRA adapters (rank 8 on every linear layer, scale 2) over the model vLLM loaded, and
 the logprobs are recomputed with the merged weights W0 + 2 B A; a version over another base must be refused.
+With ``--plane``, after those two, versions 2-4 go through a real weight plane (an embedded nats-server): a trainer's publisher announces a
+keyframe, a delta that changes one layer's ``gate_proj`` only (vLLM fuses it with ``up_proj``) and a delta that changes
+every tensor; the node's
+``WeightSync`` plans, and vLLM's worker fetches each from the object store and installs it in place
+(``rollout/engines/worker_weights.py``); the report has each version's logprob check and generation stall.
 Its report is one stdout line of JSON, starting ``{"engine"`` (vLLM may log after it), with ``ok``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from typing import Any
@@ -38,12 +45,17 @@ def recompute(model: torch.nn.Module, prompt: list[int], ids: list[int], tempera
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1).tolist()
 
 
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
 def main() -> dict[str, object]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=["sglang", "vllm"], required=True)
     ap.add_argument("--mode", choices=["server", "inprocess"], default="server")
     ap.add_argument("--url", default=None, help="attach to a running server instead of launching one")
     ap.add_argument("--lora", action="store_true", help="versions are LoRA adapters (vllm, max_lora_rank 8)")
+    ap.add_argument("--plane", action="store_true", help="versions through a weight plane, fetched by vLLM's worker")
     args = ap.parse_args()
     tok = load_tokenizer("byt5")
     mcfg = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=256)
@@ -83,10 +95,66 @@ def main() -> dict[str, object]:
             v1_versions=sorted(set(comps1[0].versions)),
             v1_max_logprob_diff=max(abs(a - b) for a, b in zip(comps1[0].logprobs, recompute(model, prompts[0], comps1[0].token_ids, 1.0))),
         )
+        if args.plane:
+            out["plane"] = asyncio.run(plane_check(engine, model, tok, first=2))
     finally:
         engine.close()
     out["ok"] = (out.get("v0_versions") == [0] and out.get("v1_versions") == [1] and float(out["v0_max_logprob_diff"]) < 0.1  # type: ignore[arg-type]
-                 and float(out.get("v1_max_logprob_diff", 9)) < 0.1)  # type: ignore[arg-type]
+                 and float(out.get("v1_max_logprob_diff", 9)) < 0.1  # type: ignore[arg-type]
+                 and (not args.plane or out["plane"]["ok"]))  # type: ignore[index]
+    return out
+
+
+async def plane_check(engine: Any, model: torch.nn.Module, tok: Any, first: int) -> dict[str, object]:
+    """Versions ``first`` .. ``first + 2`` through a weight plane (module doc)."""
+    import tempfile
+
+    from astraflow.streams.plane import NatsOptions, Plane
+    from astraflow.streams.server import EmbeddedServer
+    from astraflow.streams.topology import Topology
+    from astraflow.weights.engine_held import EngineHeldImage
+    from astraflow.weights.publish import WeightPublisher
+    from astraflow.weights.sync import WeightSync
+
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1)
+    prompt = list(tok("12+7=", add_special_tokens=False)["input_ids"])
+    names = [n for n, _ in model.named_parameters()]
+    gate = next(n for n in names if n.endswith("gate_proj.weight"))  # vLLM fuses it with up_proj: a part of a layer
+    # a keyframe; a delta of one fused layer's part; a delta of every tensor
+    changes = {first: ([], 0.0), first + 1: ([gate], 1.0), first + 2: (names, 0.05)}
+    out: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as d, EmbeddedServer(d) as server:
+        plane = await Plane.connect(NatsOptions(url=server.url), "enginecheck", "check")
+        try:
+            await plane.ensure_topology(Topology(policies=("solver",)))
+            pub = WeightPublisher(plane, "solver", keyframe_every=100, max_delta_fraction=1.0)
+            sync = WeightSync(plane, "solver", engine)
+            out["worker_fetches"] = isinstance(sync.held, EngineHeldImage)
+            gen = torch.Generator().manual_seed(0)
+            for version, (changed, scale) in changes.items():
+                before = {k: v.clone() for k, v in model.state_dict().items()}
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if name in changed:
+                            p.add_(torch.randn(p.shape, generator=gen) * scale)
+                ann = await pub.publish(model.state_dict(), version)
+                await sync.wait_for(version, timeout=120)
+                (c,) = engine.generate([GenerationRequest(prompt, params)])
+                out[f"v{version}_encoding"] = ann.encoding
+                out[f"v{version}_versions"] = sorted(set(c.versions))
+                out[f"v{version}_max_logprob_diff"] = max_diff(c.logprobs, recompute(model, prompt, c.token_ids, 1.0))
+                out[f"v{version}_stall_s"] = round(engine.stall_s, 4)
+                if changed:  # the check tells the versions apart: the same tokens under the weights before differ
+                    after = {k: v.clone() for k, v in model.state_dict().items()}
+                    model.load_state_dict(before)
+                    out[f"v{version}_diff_from_previous"] = max_diff(c.logprobs, recompute(model, prompt, c.token_ids, 1.0))
+                    model.load_state_dict(after)
+            out["sync_stats"] = dict(sync.stats)
+        finally:
+            await plane.close()
+    out["ok"] = (out["worker_fetches"] and [out[f"v{v}_encoding"] for v in changes] == ["keyframe", "delta", "delta"]
+                 and all(out[f"v{v}_versions"] == [v] and float(out[f"v{v}_max_logprob_diff"]) < 0.1 for v in changes)  # type: ignore[arg-type]
+                 and all(float(out[f"v{v}_diff_from_previous"]) > 0.1 for v in changes if changes[v][0]))  # type: ignore[arg-type]
     return out
 
 

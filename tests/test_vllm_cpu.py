@@ -1,6 +1,7 @@
 """The vllm engine against a real vLLM (its CPU build), in-process and as a launched server: tokens carry the version
 that produced them, the behaviour logprobs are the policy's (recomputed with transformers), and a new version is
-applied in place (the server paused, reloaded, resumed).
+applied in place (the server paused, reloaded, resumed); versions announced on a weight plane are fetched by vLLM's
+worker itself and installed layer by layer, a delta of one part of a fused layer included.
 
 vLLM pins its own torch and transformers, so it lives in an environment of its own, built by
 ``examples/vllm_cpu_env.sh`` (``.venv-vllm``; or point ``ASTRAFLOW_VLLM_PYTHON`` at another one's Python). Without
@@ -26,7 +27,7 @@ PYTHON = Path(os.environ.get("ASTRAFLOW_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin
 def test_vllm_generates_the_policys_tokens_and_applies_versions_in_place(mode: str, tmp_path: Path):
     if not PYTHON.exists():
         pytest.skip(f"no vLLM environment at {PYTHON} (bash examples/vllm_cpu_env.sh builds one)")
-    proc = subprocess.run([str(PYTHON), str(ROOT / "examples" / "engine_check.py"), "--engine", "vllm", "--mode", mode],
+    proc = subprocess.run([str(PYTHON), str(ROOT / "examples" / "engine_check.py"), "--engine", "vllm", "--mode", mode, "--plane"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # vLLM logs to stdout too, some of it at exit: the report is the line the check printed
@@ -34,8 +35,13 @@ def test_vllm_generates_the_policys_tokens_and_applies_versions_in_place(mode: s
     assert out["v0_versions"] == [0] and out["v1_versions"] == [1], out
     assert out["v0_max_logprob_diff"] < 0.05 and out["v1_max_logprob_diff"] < 0.05, out  # the sampled distribution's
     assert out["v0_tokens"] == [16, 16], out
+    plane = out["plane"]  # versions 2-4: a keyframe, a delta of gate_proj alone (fused with up_proj), a delta of all
+    assert plane["worker_fetches"] and plane["sync_stats"]["keyframes"] == 1 and plane["sync_stats"]["deltas"] == 2, plane
+    for v in (2, 3, 4):
+        assert plane[f"v{v}_versions"] == [v] and plane[f"v{v}_max_logprob_diff"] < 0.05, plane
+    assert plane["v3_diff_from_previous"] > 0.1 and plane["v4_diff_from_previous"] > 0.1, plane  # the check tells versions apart
     if mode == "server":
-        assert out["paused_updates"] == 2, out  # each version applied between /pause and /resume
+        assert out["paused_updates"] == 5, out  # each version applied between /pause and /resume
     assert out["ok"], out
 
 

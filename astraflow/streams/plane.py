@@ -204,6 +204,7 @@ class Plane:
         self.stored = StoredMessages(nc, self._jsm, self.api_prefix)  # what the streams hold, by sequence; consumers' state
         self._gone = _Gone()
         self.node: str | None = None  # the node this connection's credential is (``node-NAME``): its trajectories' subject
+        self.options: NatsOptions | None = None  # how this connection was made (``connect``): another process of the role connects alike
 
     @classmethod
     async def connect(cls, opts: NatsOptions, run: str, worker_id: str, wait: float | None = None) -> Plane:
@@ -213,6 +214,7 @@ class Plane:
         plane = cls(nc, Names(run), worker_id, opts.domain)
         plane._gone = gone
         plane.node = node_of(opts.user)
+        plane.options = opts
         return plane
 
     def disconnected_for(self) -> float:

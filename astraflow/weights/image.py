@@ -115,6 +115,10 @@ class HeldImage:
         view = getattr(engine, "state_view", None)  # weights on a GPU: the image in pinned memory, installed without blocking
         self.pinned = view is not None and on_accelerator(view())
 
+    @property
+    def holding(self) -> bool:
+        return self.image is not None
+
     def key(self) -> Key | None:
         """The state held, as a chain may start from it (None: none)."""
         return (self.version, self.digest) if self.image is not None and self.digest is not None else None

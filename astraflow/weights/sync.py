@@ -24,10 +24,11 @@ checked), and the node rebuilds from the keyframe chain as above.
 
 Installing into the engine: a keyframe goes through ``load_state``; a delta chain writes only
 the tensors it changed — through ``load_tensors`` where an engine has it (none shipped does: the
-sglang and vllm engines take the whole image through ``load_state``, staged as a model directory;
+sglang engine takes the whole image through ``load_state``, staged as a model directory;
 docs/weights.md), else in place through
 ``load_state`` with the engine's own tensors standing in for the unchanged ones (hf: no model
-reload, the engine's lock held).
+reload, the engine's lock held). An engine that fetches its own weights (vLLM's worker: ``fetch_chain``) holds the image
+in its worker, with the same checks there; the node plans from what it reports (``weights/engine_held.py``).
 
 An announcement that is impossible on its face (``weights/checks.py``: another policy, a base
 that is not older, a keyframe version past the version, object sizes and digest counts that do
@@ -54,13 +55,15 @@ from collections import Counter
 from collections.abc import Mapping
 
 from astraflow.streams.messages import WeightVersion
+from astraflow.streams.object_source import ObjectSource
 from astraflow.streams.objects import ObjectError
 from astraflow.streams.plane import Plane
 from astraflow.streams.weight_channel import WeightChannel
 from astraflow.weights.adapters import AdapterError
 from astraflow.weights.checks import announcement_problem, in_order, order_problem
 from astraflow.weights.delta import DeltaError
-from astraflow.weights.image import HeldImage, WeightSyncError, WeightTarget
+from astraflow.weights.engine_held import holder_for
+from astraflow.weights.image import WeightSyncError, WeightTarget
 from astraflow.weights.publish import request_keyframe
 from astraflow.weights.retention import Key, base_key, key_of
 
@@ -94,7 +97,8 @@ class WeightSync:
         self.objects = plane.objects(domain=domain, stream=object_stream_name, wait_missing=wait)
         self.request_keyframes = request_keyframes
         self.stats: Counter[str] = Counter()
-        self.held = HeldImage(engine, self.objects, self.stats)  # the verified version it holds, and its way into the engine
+        source = ObjectSource.of(plane, domain, object_stream_name, wait)
+        self.held = holder_for(engine, source, self.objects, self.stats)  # the verified version it holds, its way into the engine
         self.last_error = ""
         self.known: dict[Key, WeightVersion] = {}
         self._followed: list[WeightVersion] = []  # the history's announcements a node would have followed (goto picks by number from these)
@@ -197,7 +201,7 @@ class WeightSync:
             self.last_error = f"v{target.version}: {refused}"
             log.error("weights %s: v%d refused: %s; keeping v%d", self.policy, target.version, refused, self.version)
             return False
-        holding = self.held.image is not None
+        holding = self.held.holding
         try:
             chain = plan_chain(target, self.known, self.held.key())
             if chain is None:

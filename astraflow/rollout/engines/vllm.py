@@ -10,12 +10,15 @@ Server mode (``rollout.engine: {type: vllm, mode: server}``, the default):
   ``return_tokens_as_token_ids`` (tokens come back as ``"token_id:N"``),
   ``include_stop_str_in_output``; per choice (ordered by ``index``) the ids come from
   ``logprobs.tokens`` and the behaviour logprobs from ``logprobs.token_logprobs``.
-- apply a weight version: the state is staged as a model directory, then ``POST /pause``
-  (``mode=wait``) → ``POST /collective_rpc`` calling :class:`WeightLoaderExtension`'s
-  ``astraflow_load_weights(path)`` on every worker (the worker's in-place ``reload_weights``) → ``POST /reset_prefix_cache`` →
-  ``POST /resume``. ``/collective_rpc``, ``/pause`` and ``/resume`` need
-  ``VLLM_SERVER_DEV_MODE=1`` (set for a launched server); servers without ``/pause`` are
-  updated without it (the node never overlaps an update with its own generation).
+- apply a weight version announced on the plane: vLLM's worker fetches it itself (``worker_weights.py``), never
+  through the node or a model directory. ``POST /collective_rpc`` calls :class:`WeightLoaderExtension`'s
+  ``astraflow_fetch(source, chain)`` on every worker (it starts reading and checking the chain while the engine
+  generates) and ``astraflow_poll(job)`` until it reports; then ``POST /pause`` (``mode=wait``) →
+  ``astraflow_install()`` (the changed layers through the worker's in-place ``reload_weights``) →
+  ``POST /reset_prefix_cache`` → ``POST /resume``: the generation stall (``stall_s``). A caller with the tensors in hand
+  (``load_state``) stages them as a model directory for ``astraflow_load_weights(path)`` instead.
+  ``/collective_rpc``, ``/pause`` and ``/resume`` need ``VLLM_SERVER_DEV_MODE=1`` (set for a launched server); servers
+  without ``/pause`` are updated without it (the node never overlaps an update with its own generation).
 - launch: ``python -m vllm.entrypoints.openai.api_server --model M --port P
   --worker-extension-cls astraflow.rollout.engines.vllm.WeightLoaderExtension
   --logprobs-mode processed_logprobs [args]`` — ``processed_logprobs`` makes
@@ -23,7 +26,7 @@ Server mode (``rollout.engine: {type: vllm, mode: server}``, the default):
 
 In-process mode (``mode: inprocess``): ``vllm.LLM(model, worker_extension_cls=...,
 logprobs_mode="processed_logprobs")``; ``LLM.generate`` with token prompts and
-``SamplingParams(logprobs=0)``; updates through ``LLM.collective_rpc`` with the same extension.
+``SamplingParams(logprobs=0)``; updates through ``LLM.collective_rpc`` with the same extension and calls.
 
 LoRA versions (``max_lora_rank`` > 0, ``trainer.lora.announce: adapter``): vLLM's own LoRA support serves them over the
 model it loaded, which must be their base (its digest is checked before a version is fetched: ``adapter_problem``). A
@@ -35,11 +38,14 @@ previous version's adapter is removed once the new one is in place. The base wei
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import sys
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from astraflow.registry import ENGINES
@@ -55,28 +61,88 @@ from astraflow.rollout.engines.remote import (
     model_digest,
     prepare,
 )
-from astraflow.streams.messages import AdapterSpec
+from astraflow.rollout.engines.worker_weights import WorkerWeights, whole_layers
+from astraflow.streams.messages import AdapterSpec, WeightVersion
+from astraflow.streams.object_source import ObjectSource
+from astraflow.weights.engine_held import FetchReport
+from astraflow.weights.image import WeightSyncError
 
 EXTENSION = "astraflow.rollout.engines.vllm.WeightLoaderExtension"
 SERVED_NAME = "policy"
 TOKEN_ID = "token_id:"  # vLLM's spelling of a token under return_tokens_as_token_ids: "token_id:N"
 
 
+class _QuietPartialReload(logging.Filter):
+    """A reload of the changed layers only: vLLM's warning for each layer it was not given is expected, not a fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
 class WeightLoaderExtension:
-    """Mixed into every vLLM worker (``--worker-extension-cls``): load a staged version in place."""
+    """Mixed into every vLLM worker (``--worker-extension-cls``): weight versions fetched and installed in place."""
 
     model_runner: Any
+    reload_weights: Any
 
     def astraflow_load_weights(self, path: str) -> int:
+        """A version staged as a model directory (``load_state``: a caller with the tensors in hand)."""
         from safetensors.torch import load_file
 
         state = load_file(os.path.join(path, "model.safetensors"), device="cpu")
-        reload = getattr(self, "reload_weights", None)
-        if callable(reload):  # the worker's in-place reload: it redoes the post-load processing (the CPU backend's repacking)
-            reload(weights_iterator=iter(state.items()), is_checkpoint_format=True)
-        else:  # older vLLM: straight into the parameters
-            self.model_runner.model.load_weights(weights=list(state.items()))
+        self._astraflow_reload(state.items())
         return len(state)
+
+    def astraflow_fetch(self, source: str, chain: str) -> int:
+        """Start fetching ``chain`` (JSON announcements, oldest first) from ``source`` (an ``ObjectSource``'s JSON) onto
+        the worker's image while the engine generates; the job's number (``worker_weights.py``)."""
+        from astraflow.streams.messages import WeightVersion
+        from astraflow.streams.object_source import ObjectSource
+
+        return self._astraflow_weights().begin(ObjectSource.model_validate_json(source),
+                                               [WeightVersion.model_validate(a) for a in json.loads(chain)])
+
+    def astraflow_poll(self, job: str) -> dict[str, Any] | None:
+        report = self._astraflow_weights().poll(int(job))
+        return None if report is None else report.model_dump(mode="json")
+
+    def astraflow_install(self) -> dict[str, Any]:
+        """Write the staged version into the live parameters: every layer it changed, rebuilt whole and repacked by
+        vLLM's layerwise reload (``whole_layers``); the engine is between decoding steps (paused)."""
+        weights = self._astraflow_weights()
+        t0 = time.perf_counter()
+        taken = weights.take()
+        if taken is None:
+            return {"version": weights.installed, "tensors": 0, "seconds": 0.0}
+        version, changed, image = taken
+        packed = getattr(self._astraflow_model(), "packed_modules_mapping", {}) or {}
+        names = whole_layers(changed, image, packed)
+        self._astraflow_reload((n, image[n]) for n in names)
+        return {"version": version, "tensors": len(names), "seconds": time.perf_counter() - t0}
+
+    def _astraflow_weights(self) -> WorkerWeights:
+        weights: WorkerWeights | None = getattr(self, "_astraflow_worker_weights", None)
+        if weights is None:
+            weights = WorkerWeights(f"vllm-worker-{os.getpid()}")
+            self._astraflow_worker_weights = weights
+        return weights
+
+    def _astraflow_model(self) -> Any:
+        get = getattr(self.model_runner, "get_model", None)
+        return get() if callable(get) else self.model_runner.model
+
+    def _astraflow_reload(self, items: Iterable[tuple[str, Any]]) -> None:
+        reload = getattr(self, "reload_weights", None)
+        if not callable(reload):  # older vLLM: straight into the parameters
+            self._astraflow_model().load_weights(weights=list(items))
+            return
+        quiet = _QuietPartialReload()
+        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        layerwise.addFilter(quiet)
+        try:  # the worker's in-place reload: it redoes the post-load processing (the CPU backend's repacking)
+            reload(weights_iterator=iter(items), is_checkpoint_format=True)
+        finally:
+            layerwise.removeFilter(quiet)
 
 
 def completion_body(model: str, prompts: list[list[int]], p: SamplingParams) -> dict[str, Any]:
@@ -117,7 +183,43 @@ def base_problem(base_digest: str | None, spec: AdapterSpec) -> str | None:
     return None
 
 
-class VLLMServerEngine(RemoteEngine):
+FETCH_TIMEOUT_S = 900.0  # a worker's fetch that takes longer is given up (its own reads time out well before)
+
+
+class WorkerFetch:
+    """Both modes: each version is fetched by vLLM's worker itself (``worker_weights.py``), never staged on disk; the
+    node only plans the chain (``weights/engine_held.py``). ``stall_s``: how long the last install held generation."""
+
+    stall_s = 0.0
+
+    def rpc(self, method: str, *args: str) -> list[Any]:
+        """Every worker's answer to ``WeightLoaderExtension.method(*args)``."""
+        raise NotImplementedError
+
+    def agreed(self, method: str, *args: str) -> Any:
+        """The workers' one answer (tensor-parallel workers each fetch the same chain: they must agree)."""
+        results = self.rpc(method, *args)
+        if not results or any(r != results[0] for r in results):
+            raise WeightSyncError(f"vllm's workers answered {method} with {results!r}")
+        return results[0]
+
+    def fetch_chain(self, source: ObjectSource, chain: list[WeightVersion]) -> FetchReport:
+        """Have the workers fetch and check ``chain`` while the engine generates; their report once they are done."""
+        job = self.agreed("astraflow_fetch", source.model_dump_json(), json.dumps([a.model_dump(mode="json") for a in chain]))
+        deadline, delay = time.monotonic() + FETCH_TIMEOUT_S, 0.002
+        while (report := self.agreed("astraflow_poll", str(job))) is None:
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"vllm's workers still fetching v{chain[-1].version} after {FETCH_TIMEOUT_S:.0f}s")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+        return FetchReport.model_validate(report)
+
+    def installed(self, results: list[Any], version: int) -> None:
+        if not results or any(not isinstance(r, dict) or r.get("version") != version for r in results):
+            raise WeightSyncError(f"vllm's workers were to install v{version} and answered {results!r}")
+
+
+class VLLMServerEngine(WorkerFetch, RemoteEngine):
     def __init__(self, url: str, server: ServerProcess | None, stager: WeightStager, tokenizer: Any, model: str = SERVED_NAME,
                  base_digest: str | None = None) -> None:
         super().__init__(url, server, stager, tokenizer)
@@ -150,6 +252,25 @@ class VLLMServerEngine(RemoteEngine):
             raise EngineHTTPError(f"{self.url}/v1/completions", 200, f"{len(choices)} choices for {len(prompts)} prompts")
         return [parse_choice(choice, version) for choice in choices]
 
+    def rpc(self, method: str, *args: str) -> list[Any]:
+        return list(self.post("/collective_rpc", {"method": method, "args": list(args)}).get("results") or [])
+
+    def install_fetched(self, version: int) -> None:
+        """Between /pause and /resume: the workers write the version they fetched into the live parameters."""
+        with self.lock.write():
+            paused = self.post_optional("/pause?mode=wait")
+            self.paused_updates += paused
+            t0 = time.perf_counter()
+            try:
+                results = self.rpc("astraflow_install")
+                self.post_optional("/reset_prefix_cache")
+            finally:
+                if paused:
+                    self.post("/resume")
+                self.stall_s = time.perf_counter() - t0
+            self.installed(results, version)
+            self._version = version
+
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)
         with self.lock.write():
@@ -166,7 +287,7 @@ class VLLMServerEngine(RemoteEngine):
         self.stager.commit(path)
 
 
-class VLLMInProcessEngine:
+class VLLMInProcessEngine(WorkerFetch):
     """``vllm.LLM`` inside the node (one GPU process: no HTTP, same update path through collective_rpc)."""
 
     def __init__(self, llm: Any, stager: WeightStager, base_digest: str | None = None) -> None:
@@ -208,6 +329,21 @@ class VLLMInProcessEngine:
             lps = [float(d[t].logprob) for t, d in zip(ids, co.logprobs or [])]
             comps.append(Completion(ids, lps, [version] * len(ids), "length" if co.finish_reason == "length" else "stop"))
         return comps
+
+    def rpc(self, method: str, *args: str) -> list[Any]:
+        with self.lock:
+            return list(self.llm.collective_rpc(method, args=args))
+
+    def install_fetched(self, version: int) -> None:
+        with self.lock:  # between two generate calls: the node's slots wait
+            t0 = time.perf_counter()
+            try:
+                results = list(self.llm.collective_rpc("astraflow_install"))
+                self.llm.reset_prefix_cache()
+            finally:
+                self.stall_s = time.perf_counter() - t0
+            self.installed(results, version)
+            self._version = version
 
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)
