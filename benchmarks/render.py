@@ -60,6 +60,21 @@ def generation_stall(r: dict[str, Any]) -> str:
             + "\n")
 
 
+def vllm_stall(r: dict[str, Any]) -> str:
+    ms = "{:,.1f} ms".format
+    rows = ["| size | parameters (bf16) | delta | decoding step | training step | in place: generation held | "
+            "of it, the worker's install | in place: announced → served | staged: generation held | "
+            "staged: writing the model directory |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in r["sizes"]:
+        ip, st = s["in_place"], s["staged"]
+        rows.append(f"| {s['size']} | {s['parameters'] / 1e6:,.2f} M ({s['bf16_bytes'] / 2**20:,.1f} MiB) | "
+                    f"{ip['bytes'] / 2**20:,.2f} MiB | {ms(1e3 * s['decode_step_s'])} | {ms(1e3 * s['train_step_s'])} | "
+                    f"{ms(1e3 * ip['stall_s'])} | "
+                    f"{ms(1e3 * ip['install_s'])} | {ms(1e3 * ip['landed_s'])} | {ms(1e3 * st['stall_s'])} | {ms(1e3 * st['stage_s'])} |")
+    return (f"`vllm.LLM` ({r['mode']}), {r['versions']} dense versions per size, medians; the decoding step is one of "
+            f"{r['rows']} rows. " + provenance(r) + "\n".join(rows) + "\n")
+
+
 def house(r: dict[str, Any]) -> str:
     from bench_house import FIGURES, cell
 
@@ -406,7 +421,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
     "shared_base": shared_base, "lora_team": lora_team, "pool_model": pool_model, "pool_scale": pool_scale, "trl": trl,
-    "trl_seeds": trl_seeds, "trl_seeds_1core": trl_seeds,
+    "trl_seeds": trl_seeds, "trl_seeds_1core": trl_seeds, "vllm_stall": vllm_stall,
 }
 
 

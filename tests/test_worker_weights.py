@@ -19,7 +19,7 @@ from test_weights_plane import rewrite_chunks
 from weights_helpers import Trainer, engine_digest, tiny_model
 
 from astraflow.rollout.engines.hf import HFEngine
-from astraflow.rollout.engines.worker_weights import WorkerWeights
+from astraflow.rollout.engines.worker_weights import WorkerWeights, whole_layers
 from astraflow.streams.messages import WeightVersion
 from astraflow.streams.object_source import ObjectSource
 from astraflow.streams.plane import Plane
@@ -102,3 +102,17 @@ async def test_a_corrupt_chunk_is_never_installed_and_a_keyframe_brings_the_work
     ann = await pub.publish(trainer.step(), 3, force_keyframe=True)
     assert await sync.refresh(wait=2.0)
     assert sync.version == 3 and engine_digest(sync) == trainer.digest
+
+
+def test_a_change_to_one_part_of_a_fused_layer_rewrites_the_whole_layer():
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
+             "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+             "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+             "model.layers.1.mlp.up_proj.weight", "model.norm.weight"]
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}  # vLLM's Qwen2
+    assert whole_layers({"model.layers.0.self_attn.k_proj.weight"}, names, packed) == [
+        "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight"]
+    assert whole_layers({"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}, names, packed) == [
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]  # not layer 1's
+    assert whole_layers({"model.layers.0.self_attn.o_proj.weight"}, names, {}) == ["model.layers.0.self_attn.o_proj.weight"]

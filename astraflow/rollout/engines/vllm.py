@@ -96,9 +96,6 @@ class WeightLoaderExtension:
     def astraflow_fetch(self, source: str, chain: str) -> int:
         """Start fetching ``chain`` (JSON announcements, oldest first) from ``source`` (an ``ObjectSource``'s JSON) onto
         the worker's image while the engine generates; the job's number (``worker_weights.py``)."""
-        from astraflow.streams.messages import WeightVersion
-        from astraflow.streams.object_source import ObjectSource
-
         return self._astraflow_weights().begin(ObjectSource.model_validate_json(source),
                                                [WeightVersion.model_validate(a) for a in json.loads(chain)])
 
@@ -188,9 +185,11 @@ FETCH_TIMEOUT_S = 900.0  # a worker's fetch that takes longer is given up (its o
 
 class WorkerFetch:
     """Both modes: each version is fetched by vLLM's worker itself (``worker_weights.py``), never staged on disk; the
-    node only plans the chain (``weights/engine_held.py``). ``stall_s``: how long the last install held generation."""
+    node only plans the chain (``weights/engine_held.py``). ``stall_s``: how long the last install (or ``load_state``)
+    held generation; ``install_s``: of that, the workers' own writing."""
 
     stall_s = 0.0
+    install_s = 0.0
 
     def rpc(self, method: str, *args: str) -> list[Any]:
         """Every worker's answer to ``WeightLoaderExtension.method(*args)``."""
@@ -217,6 +216,7 @@ class WorkerFetch:
     def installed(self, results: list[Any], version: int) -> None:
         if not results or any(not isinstance(r, dict) or r.get("version") != version for r in results):
             raise WeightSyncError(f"vllm's workers were to install v{version} and answered {results!r}")
+        self.install_s = max(float(r.get("seconds", 0.0)) for r in results)
 
 
 class VLLMServerEngine(WorkerFetch, RemoteEngine):
@@ -276,12 +276,14 @@ class VLLMServerEngine(WorkerFetch, RemoteEngine):
         with self.lock.write():
             paused = self.post_optional("/pause?mode=wait")
             self.paused_updates += paused
+            t0 = time.perf_counter()
             try:
                 self.post("/collective_rpc", {"method": "astraflow_load_weights", "args": [str(path)]})
                 self.post_optional("/reset_prefix_cache")
             finally:
                 if paused:
                     self.post("/resume")
+                self.stall_s = time.perf_counter() - t0
             self._version = version
             self._state = state
         self.stager.commit(path)
@@ -348,8 +350,10 @@ class VLLMInProcessEngine(WorkerFetch):
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)
         with self.lock:
+            t0 = time.perf_counter()
             self.llm.collective_rpc("astraflow_load_weights", args=(str(path),))
             self.llm.reset_prefix_cache()
+            self.stall_s = time.perf_counter() - t0
             self._version = version
             self._state = state
         self.stager.commit(path)
