@@ -18,6 +18,7 @@ So no version passes through the node process or a model directory, and generati
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -31,6 +32,8 @@ from astraflow.streams.object_source import ObjectSource
 from astraflow.streams.plane import Plane
 from astraflow.weights.engine_held import FetchReport
 from astraflow.weights.image import HeldImage
+
+log = logging.getLogger(__name__)
 
 
 class StagedInstall:
@@ -121,6 +124,7 @@ class WorkerWeights:
                 await self._plane.close()
             self._plane, objects = await source.open(self.worker_id)
             self._source = source
+            log.info("%s reads weight versions from %s itself (%s)", self.worker_id, source.nats.redacted(), objects.stream)
             if self.held is None:
                 self.held = HeldImage(self.staged, objects, self.stats)
             self.held.objects = objects
