@@ -46,6 +46,9 @@ class FetchesOwnWeights(WeightTarget, Protocol):
 
 
 class EngineHeldImage:
+    """``HeldImage``'s face over an image in the engine's worker (module doc); ``version``/``digest``: what the worker's
+    last report said it holds."""
+
     def __init__(self, engine: FetchesOwnWeights, source: ObjectSource, objects: ObjectStore, stats: Counter[str]) -> None:
         self.engine, self.source, self.stats = engine, source, stats
         self.local = HeldImage(engine, objects, stats)  # LoRA versions' adapters (module doc)

@@ -23,7 +23,6 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
-from typing import Any
 
 import torch
 
@@ -130,10 +129,6 @@ class WorkerWeights:
             self.held.objects = objects
         assert self.held is not None
         return self.held
-
-
-def report_json(report: FetchReport | None) -> Any:
-    return None if report is None else report.model_dump(mode="json")
 
 
 def whole_layers(changed: set[str], names: Iterable[str], packed: Mapping[str, list[str]]) -> list[str]:
