@@ -150,6 +150,7 @@ async def plane_check(engine: Any, model: torch.nn.Module, tok: Any, first: int)
                     out[f"v{version}_diff_from_previous"] = max_diff(c.logprobs, recompute(model, prompt, c.token_ids, 1.0))
                     model.load_state_dict(after)
             out["sync_stats"] = dict(sync.stats)
+            out["paused_updates"] = getattr(engine, "paused_updates", None)  # a server: the earlier two and these three
         finally:
             await plane.close()
     out["ok"] = (out["worker_fetches"] and [out[f"v{v}_encoding"] for v in changes] == ["keyframe", "delta", "delta"]
