@@ -45,7 +45,8 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from astraflow.registry import ENGINES
@@ -255,35 +256,32 @@ class VLLMServerEngine(WorkerFetch, RemoteEngine):
     def rpc(self, method: str, *args: str) -> list[Any]:
         return list(self.post("/collective_rpc", {"method": method, "args": list(args)}).get("results") or [])
 
-    def install_fetched(self, version: int) -> None:
-        """Between /pause and /resume: the workers write the version they fetched into the live parameters."""
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Generation held for an update: the node's own under the write lock, others' between /pause and /resume (a
+        server without them: the lock alone); the prefix cache reset after; ``stall_s`` measured."""
         with self.lock.write():
             paused = self.post_optional("/pause?mode=wait")
             self.paused_updates += paused
             t0 = time.perf_counter()
             try:
-                results = self.rpc("astraflow_install")
+                yield
                 self.post_optional("/reset_prefix_cache")
             finally:
                 if paused:
                     self.post("/resume")
                 self.stall_s = time.perf_counter() - t0
-            self.installed(results, version)
+
+    def install_fetched(self, version: int) -> None:
+        """The workers write the version they fetched into the live parameters, generation held."""
+        with self.held():
+            self.installed(self.rpc("astraflow_install"), version)
             self._version = version
 
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)
-        with self.lock.write():
-            paused = self.post_optional("/pause?mode=wait")
-            self.paused_updates += paused
-            t0 = time.perf_counter()
-            try:
-                self.post("/collective_rpc", {"method": "astraflow_load_weights", "args": [str(path)]})
-                self.post_optional("/reset_prefix_cache")
-            finally:
-                if paused:
-                    self.post("/resume")
-                self.stall_s = time.perf_counter() - t0
+        with self.held():
+            self.post("/collective_rpc", {"method": "astraflow_load_weights", "args": [str(path)]})
             self._version = version
             self._state = state
         self.stager.commit(path)
