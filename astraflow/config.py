@@ -165,7 +165,8 @@ class RolloutConfig(Strict):
     """Apply a new weight version inside a generation: the engine pauses between decoding steps, loads it, and the
     generation goes on under it (its KV cache recomputed), so a long completion does not hold a version back. Each
     token carries the version that sampled it, which the trainer's per-token correction uses. Engines that can:
-    ``hf``. Off: versions land between generations."""
+    ``hf`` and ``vllm`` (its scheduler paused, its running requests preempted and recomputed; versions that are LoRA
+    adapters still land between generations). Off: versions land between generations."""
     shared_base: bool = False
     """Every policy on one base model: a node holds the base once with each policy's LoRA adapter beside it (peft,
     unmerged; ``rollout/engines/shared_base.py``) and serves each task with its policy's adapter, instead of one merged
@@ -197,7 +198,7 @@ class RolloutConfig(Strict):
     def _engine_switches(self) -> RolloutConfig:
         if self.partial_rollouts and not getattr(type(self.engine), "switches_inside_generation", False):
             raise ValueError(f"partial_rollouts: engine {self.engine.type} cannot switch weights inside a generation "
-                             f"(hf can); drop partial_rollouts or use engine: hf")
+                             f"(hf and vllm can); drop partial_rollouts or use engine: hf or vllm")
         return self
 
 

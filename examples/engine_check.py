@@ -56,6 +56,7 @@ def main() -> dict[str, object]:
     ap.add_argument("--url", default=None, help="attach to a running server instead of launching one")
     ap.add_argument("--lora", action="store_true", help="versions are LoRA adapters (vllm, max_lora_rank 8)")
     ap.add_argument("--plane", action="store_true", help="versions through a weight plane, fetched by vLLM's worker")
+    ap.add_argument("--partial", action="store_true", help="with --plane: partial rollouts, a version installed mid-generation")
     args = ap.parse_args()
     tok = load_tokenizer("byt5")
     mcfg = ModelConfig(hidden_size=64, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=256)
@@ -64,7 +65,7 @@ def main() -> dict[str, object]:
         options["mode"] = args.mode
         options["max_lora_rank"] = 8 if args.lora else 0
     t0 = time.perf_counter()
-    engine = build_engine(mcfg, RolloutConfig(engine=options), tok)
+    engine = build_engine(mcfg, RolloutConfig(engine=options, partial_rollouts=args.partial), tok)
     model = build_model(mcfg, tok).eval()
     out: dict[str, object] = {"engine": args.engine, "mode": args.mode, "build_s": round(time.perf_counter() - t0, 1)}
     try:
@@ -96,7 +97,7 @@ def main() -> dict[str, object]:
             v1_max_logprob_diff=max(abs(a - b) for a, b in zip(comps1[0].logprobs, recompute(model, prompts[0], comps1[0].token_ids, 1.0))),
         )
         if args.plane:
-            out["plane"] = asyncio.run(plane_check(engine, model, tok, first=2))
+            out["plane"] = asyncio.run(plane_check(engine, model, tok, first=2, partial=args.partial))
     finally:
         engine.close()
     out["ok"] = (out.get("v0_versions") == [0] and out.get("v1_versions") == [1] and float(out["v0_max_logprob_diff"]) < 0.1  # type: ignore[arg-type]
@@ -105,8 +106,9 @@ def main() -> dict[str, object]:
     return out
 
 
-async def plane_check(engine: Any, model: torch.nn.Module, tok: Any, first: int) -> dict[str, object]:
-    """Versions ``first`` .. ``first + 2`` through a weight plane (module doc)."""
+async def plane_check(engine: Any, model: torch.nn.Module, tok: Any, first: int, partial: bool = False) -> dict[str, object]:
+    """Versions ``first`` .. ``first + 2`` through a weight plane (module doc); with ``partial`` one more, installed
+    while a generation runs (``switch_check``)."""
     import tempfile
 
     from astraflow.streams.plane import NatsOptions, Plane
@@ -149,14 +151,77 @@ async def plane_check(engine: Any, model: torch.nn.Module, tok: Any, first: int)
                     model.load_state_dict(before)
                     out[f"v{version}_diff_from_previous"] = max_diff(c.logprobs, recompute(model, prompt, c.token_ids, 1.0))
                     model.load_state_dict(after)
+            if partial:
+                out["partial"] = await switch_check(engine, model, tok, pub, sync, first + 3)
             out["sync_stats"] = dict(sync.stats)
             out["paused_updates"] = getattr(engine, "paused_updates", None)  # a server: the earlier two and these three
         finally:
             await plane.close()
     out["ok"] = (out["worker_fetches"] and [out[f"v{v}_encoding"] for v in changes] == ["keyframe", "delta", "delta"]
                  and all(out[f"v{v}_versions"] == [v] and float(out[f"v{v}_max_logprob_diff"]) < 0.1 for v in changes)  # type: ignore[arg-type]
-                 and all(float(out[f"v{v}_diff_from_previous"]) > 0.1 for v in changes if changes[v][0]))  # type: ignore[arg-type]
+                 and all(float(out[f"v{v}_diff_from_previous"]) > 0.1 for v in changes if changes[v][0])  # type: ignore[arg-type]
+                 and (not partial or out["partial"]["ok"]))  # type: ignore[index]
     return out
+
+
+async def switch_check(engine: Any, model: torch.nn.Module, tok: Any, pub: Any, sync: Any, version: int) -> dict[str, object]:
+    """Partial rollouts: a version (every tensor changed) is published while long generations run back to back. The
+    completions that switched carry the old version up to a token and the new one after it, and each token's logprob is
+    that of the weights its version names, given everything before it (the new weights recomputed the prefix). A
+    version that lands between two calls switches none of them (on a CPU the worker's fetch thread mostly gets the GIL
+    while vLLM is idle, between calls): up to six versions are tried."""
+    out: dict[str, object] = {"switches_before": getattr(engine, "switches", None)}
+    for attempt in range(6):
+        old_state = {k: v.clone() for k, v in model.state_dict().items()}
+        calls = await generating_through(engine, model, tok, pub, sync, version + attempt)
+        switched = [(p, c) for p, c in calls if len(set(c.versions)) > 1]
+        if switched:
+            break
+    out.update(attempts=attempt + 1, completions=len(calls), switches=getattr(engine, "switches", None), old_tokens=[],
+               new_tokens=[])
+    new_state = {k: v.clone() for k, v in model.state_dict().items()}
+    worst_match, least_change = 0.0, float("inf")
+    for prompt, c in switched:
+        k = c.versions.count(version + attempt - 1)
+        out["old_tokens"].append(k)  # type: ignore[attr-defined]
+        out["new_tokens"].append(len(c.versions) - k)  # type: ignore[attr-defined]
+        if c.versions != [version + attempt - 1] * k + [version + attempt] * (len(c.versions) - k):
+            out["bad_versions"] = c.versions
+        model.load_state_dict(old_state)
+        by_old = recompute(model, prompt, c.token_ids, 1.0)
+        model.load_state_dict(new_state)
+        by_new = recompute(model, prompt, c.token_ids, 1.0)
+        worst_match = max(worst_match, max_diff(c.logprobs, by_old[:k] + by_new[k:]))
+        least_change = min(least_change, max_diff(c.logprobs[k:], by_old[k:]))
+    out["max_logprob_diff"] = round(worst_match, 4)
+    out["new_tokens_diff_from_old_weights"] = round(least_change, 4)
+    out["stall_s"] = round(engine.stall_s, 4)
+    out["ok"] = "bad_versions" not in out and bool(switched) and worst_match < 0.1 and least_change > 0.1
+    return out
+
+
+async def generating_through(engine: Any, model: torch.nn.Module, tok: Any, pub: Any, sync: Any, version: int) -> list[Any]:
+    """(prompt, completion) of every generation run back to back until ``version``, published meanwhile, is installed."""
+    import threading
+
+    params = SamplingParams(max_new_tokens=200, temperature=1.0)
+    prompts = [list(tok(f"{a}+{a + 5}=", add_special_tokens=False)["input_ids"]) for a in (3, 14, 25, 36)]
+    calls: list[tuple[list[int], Any]] = []
+
+    def generations() -> None:
+        while engine.version < version:
+            calls.extend(zip(prompts, engine.generate([GenerationRequest(p, params) for p in prompts])))
+
+    gen = threading.Thread(target=generations)
+    gen.start()
+    await asyncio.sleep(0.2)  # the generations are under way
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    await pub.publish(model.state_dict(), version)
+    await sync.wait_for(version, timeout=120)
+    await asyncio.to_thread(gen.join, 300)
+    return calls
 
 
 def lora_check(engine: Any, model: torch.nn.Module, tok: Any) -> dict[str, object]:

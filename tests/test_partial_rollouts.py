@@ -146,8 +146,9 @@ def test_a_switch_keeps_every_row_of_a_batch_and_its_length_budget():
 
 
 def test_partial_rollouts_is_refused_for_an_engine_that_cannot_switch():
-    with pytest.raises(ValueError, match="partial_rollouts: engine vllm cannot switch"):
-        RolloutConfig(partial_rollouts=True, engine={"type": "vllm", "mode": "inprocess"})
+    with pytest.raises(ValueError, match="partial_rollouts: engine sglang cannot switch"):
+        RolloutConfig(partial_rollouts=True, engine={"type": "sglang", "url": "http://127.0.0.1:1"})
+    assert RolloutConfig(partial_rollouts=True, engine={"type": "vllm", "mode": "inprocess"}).partial_rollouts
     assert RolloutConfig(partial_rollouts=True).engine.type == "hf"
 
 

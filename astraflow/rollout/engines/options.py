@@ -93,6 +93,7 @@ class VllmOptions(ServerOptions):
     """vLLM's OpenAI-compatible server (launched or attached) or ``vllm.LLM`` inside the node (``vllm.py``)."""
 
     type: Literal["vllm"] = "vllm"
+    switches_inside_generation: ClassVar[bool] = True  # ``rollout.partial_rollouts``: paused and installed between steps
     mode: Literal["server", "inprocess"] = "server"
     """Talk to its server, or run ``vllm.LLM`` inside the node."""
     max_lora_rank: int = Field(0, ge=0)

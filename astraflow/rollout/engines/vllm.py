@@ -38,15 +38,17 @@ previous version's adapter is removed once the new one is in place. The base wei
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import shutil
 import sys
-import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from astraflow.registry import ENGINES
@@ -62,6 +64,8 @@ from astraflow.rollout.engines.remote import (
     model_digest,
     prepare,
 )
+from astraflow.rollout.engines.switches import InFlight, Switch, token_versions
+from astraflow.rollout.engines.turns import EngineTurns
 from astraflow.rollout.engines.worker_weights import WorkerWeights, whole_layers
 from astraflow.streams.messages import AdapterSpec, WeightVersion
 from astraflow.streams.object_source import ObjectSource
@@ -104,19 +108,35 @@ class WeightLoaderExtension:
         report = self._astraflow_weights().poll(int(job))
         return None if report is None else report.model_dump(mode="json")
 
+    def astraflow_track(self) -> int:
+        """Remember the requests the model runner drops (finished) with their tokens' count, until the next install
+        reports them (partial rollouts: ``switches.py``); the requests it holds now."""
+        requests = self.model_runner.requests
+        if not isinstance(requests, _Remembered):
+            requests = self.model_runner.requests = _Remembered(requests)
+        return len(requests)
+
     def astraflow_install(self) -> dict[str, Any]:
         """Write the staged version into the live parameters: every layer it changed, rebuilt whole and repacked by
-        vLLM's layerwise reload (``whole_layers``); the engine is between decoding steps (paused)."""
+        vLLM's layerwise reload (``whole_layers``); the engine is between decoding steps (paused). ``generated``: how
+        many tokens each request had sampled before it (those the runner holds, and those it dropped since the last
+        install where ``astraflow_track`` was called)."""
         weights = self._astraflow_weights()
         t0 = time.perf_counter()
+        generated = self._astraflow_generated()
         taken = weights.take()
         if taken is None:
-            return {"version": weights.installed, "tensors": 0, "seconds": 0.0}
+            return {"version": weights.installed, "tensors": 0, "seconds": 0.0, "generated": generated}
         version, changed, image = taken
         packed = getattr(self._astraflow_model(), "packed_modules_mapping", {}) or {}
         names = whole_layers(changed, image, packed)
         self._astraflow_reload((n, image[n]) for n in names)
-        return {"version": version, "tensors": len(names), "seconds": time.perf_counter() - t0}
+        return {"version": version, "tensors": len(names), "seconds": time.perf_counter() - t0, "generated": generated}
+
+    def _astraflow_generated(self) -> dict[str, int]:
+        requests = getattr(self.model_runner, "requests", {})
+        gone = requests.take_gone() if isinstance(requests, _Remembered) else {}
+        return gone | {rid: len(state.output_token_ids) for rid, state in requests.items()}
 
     def _astraflow_weights(self) -> WorkerWeights:
         weights: WorkerWeights | None = getattr(self, "_astraflow_worker_weights", None)
@@ -141,6 +161,30 @@ class WeightLoaderExtension:
             reload(weights_iterator=iter(items), is_checkpoint_format=True)
         finally:
             layerwise.removeFilter(quiet)
+
+
+class _Remembered(dict[str, Any]):
+    """vLLM's model runner's requests (``model_runner.requests``, which it drops with ``pop`` once they finish): each
+    dropped one is remembered with the tokens it sampled until ``take_gone`` (at most ``GONE_KEPT``, oldest forgotten)."""
+
+    GONE_KEPT = 100_000
+
+    def __init__(self, live: Mapping[str, Any]) -> None:
+        super().__init__(live)
+        self.gone: dict[str, int] = {}
+
+    def pop(self, key: str, *default: Any) -> Any:
+        state = super().pop(key, *default)
+        tokens = getattr(state, "output_token_ids", None)
+        if tokens is not None:
+            self.gone[key] = len(tokens)
+            if len(self.gone) > self.GONE_KEPT:
+                del self.gone[next(iter(self.gone))]
+        return state
+
+    def take_gone(self) -> dict[str, int]:
+        gone, self.gone = self.gone, {}
+        return gone
 
 
 def completion_body(model: str, prompts: list[list[int]], p: SamplingParams) -> dict[str, Any]:
@@ -214,21 +258,38 @@ class WorkerFetch:
             delay = min(2 * delay, 0.05)
         return FetchReport.model_validate(report)
 
-    def installed(self, results: list[Any], version: int) -> None:
+    def installed(self, results: list[Any], version: int) -> dict[str, int]:
+        """Check the workers' answers to ``astraflow_install``; how many tokens each request had sampled before it."""
         if not results or any(not isinstance(r, dict) or r.get("version") != version for r in results):
             raise WeightSyncError(f"vllm's workers were to install v{version} and answered {results!r}")
         self.install_s = max(float(r.get("seconds", 0.0)) for r in results)
+        return dict(results[0].get("generated") or {})  # tensor-parallel workers hold the same requests
 
 
 class VLLMServerEngine(WorkerFetch, RemoteEngine):
+    """A vLLM server. With ``partial_rollouts`` a version is installed while the node's requests run: ``/pause``
+    (``mode=keep``: they keep their place) → ``astraflow_install`` → ``/reset_prefix_cache`` with
+    ``reset_running_requests`` (they are preempted, and the new weights recompute their KV cache) → ``/resume``. Each
+    request names itself (``request_id``), so the worker's count of tokens each had sampled tells where its version
+    switched (``switches.py``)."""
+
     def __init__(self, url: str, server: ServerProcess | None, stager: WeightStager, tokenizer: Any, model: str = SERVED_NAME,
-                 base_digest: str | None = None) -> None:
+                 base_digest: str | None = None, partial_rollouts: bool = False) -> None:
         super().__init__(url, server, stager, tokenizer)
         self.model = model
         self.base_digest = base_digest  # of the model the server loaded: LoRA versions adapt it (None: no LoRA)
+        self.partial_rollouts = partial_rollouts
         self.adapter_name: str | None = None  # the adapter the requests name (LoRA versions)
         self.adapter_dir: Any = None
         self.paused_updates = 0  # weight updates made between /pause and /resume (a server without them: none)
+        self.inflight = InFlight()
+        if partial_rollouts:
+            self.agreed("astraflow_track")
+
+    @property
+    def switches(self) -> int:
+        """Calls that went on under a newer version (partial rollouts)."""
+        return self.inflight.switched
 
     def adapter_problem(self, spec: AdapterSpec) -> str | None:
         return base_problem(self.base_digest, spec)
@@ -241,17 +302,31 @@ class VLLMServerEngine(WorkerFetch, RemoteEngine):
             old, self.adapter_name, self.model = self.adapter_name, name, name
             if old is not None and old != name:
                 self.post_optional("/v1/unload_lora_adapter", {"lora_name": old})
-            self._version = version
+            with self.inflight.lock:
+                self._version = version
         if self.adapter_dir is not None and self.adapter_dir != path:
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
         self.adapter_dir = path
 
     def generate_group(self, prompts: list[list[int]], params: SamplingParams, version: int) -> list[Completion]:
-        reply = self.post("/v1/completions", completion_body(self.model, prompts, params))
+        """``version``: what the caller read; the tokens' own versions come from the installs that landed meanwhile."""
+        name = f"astraflow-{uuid.uuid4().hex}"
+        ids = [f"cmpl-{name}-{i}" for i in range(len(prompts))]  # vLLM's id of each prompt's request (completions serving)
+        with self.inflight.lock:
+            version = self._version
+            self.inflight.start(ids)
+        try:
+            reply = self.post("/v1/completions", completion_body(self.model, prompts, params) | {"request_id": name})
+        finally:
+            switches = [self.inflight.finish(i) for i in ids]
         choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
         if len(choices) != len(prompts):
             raise EngineHTTPError(f"{self.url}/v1/completions", 200, f"{len(choices)} choices for {len(prompts)} prompts")
-        return [parse_choice(choice, version) for choice in choices]
+        out = []
+        for choice, seen in zip(choices, switches, strict=True):
+            c = parse_choice(choice, version)
+            out.append(replace(c, versions=token_versions(version, len(c.token_ids), seen)))
+        return out
 
     def rpc(self, method: str, *args: str) -> list[Any]:
         return list(self.post("/collective_rpc", {"method": method, "args": list(args)}).get("results") or [])
@@ -273,36 +348,69 @@ class VLLMServerEngine(WorkerFetch, RemoteEngine):
                 self.stall_s = time.perf_counter() - t0
 
     def install_fetched(self, version: int) -> None:
-        """The workers write the version they fetched into the live parameters, generation held."""
-        with self.held():
-            self.installed(self.rpc("astraflow_install"), version)
+        """The workers write the version they fetched into the live parameters: generation held (``held``), or with
+        partial rollouts paused between two decoding steps (class doc)."""
+        if self.partial_rollouts and self.post_optional("/pause?mode=keep"):
+            self.paused_updates += 1
+            t0 = time.perf_counter()
+            try:
+                results = self.rpc("astraflow_install")
+                self.post("/reset_prefix_cache?reset_running_requests=true")
+            finally:
+                self.post("/resume")
+                self.stall_s = time.perf_counter() - t0
+        else:
+            with self.held():
+                results = self.rpc("astraflow_install")
+        generated = self.installed(results, version)
+        with self.inflight.lock:
+            self.inflight.record(version, generated)
             self._version = version
 
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)
         with self.held():
             self.post("/collective_rpc", {"method": "astraflow_load_weights", "args": [str(path)]})
-            self._version = version
+            with self.inflight.lock:
+                self._version = version
             self._state = state
         self.stager.commit(path)
 
 
 class VLLMInProcessEngine(WorkerFetch):
-    """``vllm.LLM`` inside the node (one GPU process: no HTTP, same update path through collective_rpc)."""
+    """``vllm.LLM`` inside the node (one GPU process: no HTTP, same update path through collective_rpc).
 
-    def __init__(self, llm: Any, stager: WeightStager, base_digest: str | None = None) -> None:
+    ``vllm.LLM`` is not thread-safe, so one thread drives it at a time (``turns.py``): a generation adds its requests and
+    steps the engine itself, and the node's other calls run between two of its steps (the worker's fetch polls; with
+    ``partial_rollouts`` the install too) or once it ends. An install in the middle of a generation pauses vLLM's
+    scheduler (``sleep(level=0, mode="keep")``), installs, preempts the running requests so that the new weights
+    recompute their KV cache (``reset_prefix_cache(reset_running_requests=True)``), and resumes; each token carries the
+    version that sampled it (``switches.py``).
+    """
+
+    def __init__(self, llm: Any, stager: WeightStager, base_digest: str | None = None, partial_rollouts: bool = False) -> None:
         self.llm = llm
         self.stager = stager
         self.base_digest = base_digest  # of the model vllm loaded: LoRA versions adapt it (None: no LoRA)
+        self.partial_rollouts = partial_rollouts  # a version is installed between two decoding steps of a generation
         self.lora: Any = None  # the LoRARequest of the version served (LoRA versions)
         self.adapter_dir: Any = None
         self._version = -1
         self._state: Mapping[str, Any] = {}
-        self.lock = threading.Lock()  # ``vllm.LLM`` is not thread-safe: a node's slots call it one at a time
+        self._ids = itertools.count()
+        self.turns = EngineTurns()
+        self.inflight = InFlight()
+        if partial_rollouts:
+            self.agreed("astraflow_track")
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def switches(self) -> int:
+        """Generations that went on under a newer version (partial rollouts)."""
+        return self.inflight.switched
 
     def state_view(self) -> Mapping[str, Any]:
         return self._state
@@ -311,49 +419,71 @@ class VLLMInProcessEngine(WorkerFetch):
         """Nothing to do: vLLM's scheduler batches the prompts of each call."""
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        from vllm import SamplingParams as VSP
-
         if not requests:
             return []
-        with self.lock:
-            version = self._version
-            sps = [VSP(max_tokens=r.params.max_new_tokens, temperature=r.params.temperature, top_p=r.params.top_p,
-                       stop=list(r.params.stop) or None, seed=r.params.seed, logprobs=0, include_stop_str_in_output=True,
-                       skip_special_tokens=False) for r in requests]
-            outs = self.llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], sps, use_tqdm=False,
-                                     lora_request=self.lora)
-        comps = []
-        for o in outs:
-            co = o.outputs[0]
-            ids = list(co.token_ids)
-            lps = [float(d[t].logprob) for t, d in zip(ids, co.logprobs or [])]
-            comps.append(Completion(ids, lps, [version] * len(ids), "length" if co.finish_reason == "length" else "stop"))
-        return comps
+        engine = self.llm.llm_engine
+        with self.turns.driving():
+            ids = [f"astraflow-{next(self._ids)}" for _ in requests]
+            with self.inflight.lock:
+                version = self._version
+                self.inflight.start(ids)
+            done: dict[str, Any] = {}
+            try:
+                for rid, r in zip(ids, requests, strict=True):
+                    engine.add_request(rid, {"prompt_token_ids": r.prompt_ids}, vllm_params(r.params), lora_request=self.lora)
+                while engine.has_unfinished_requests():
+                    done.update((o.request_id, o) for o in engine.step() if o.finished)
+                    self.turns.between_steps()
+            except BaseException:
+                engine.abort_request([i for i in ids if i not in done])
+                raise
+            finally:
+                switches = {i: self.inflight.finish(i) for i in ids}
+        missing = [i for i in ids if i not in done]
+        if missing:
+            raise RuntimeError(f"vllm finished without {len(missing)} of {len(ids)} requests")
+        return [output_completion(done[i], version, switches[i]) for i in ids]
 
     def rpc(self, method: str, *args: str) -> list[Any]:
-        with self.lock:
-            return list(self.llm.collective_rpc(method, args=args))
+        """The workers' answers; between two steps of a generation in flight (the RPCs here only read or stage)."""
+        return list(self.turns.call(lambda: self.llm.collective_rpc(method, args=args), mid_generation=True))
 
     def install_fetched(self, version: int) -> None:
-        with self.lock:  # between two generate calls: the node's slots wait
-            t0 = time.perf_counter()
+        """Between two generate calls, or with partial rollouts between two decoding steps of one (class doc)."""
+        self.turns.call(lambda: self._install(version), mid_generation=self.partial_rollouts)
+
+    def _install(self, version: int) -> None:
+        engine = self.llm.llm_engine
+        t0 = time.perf_counter()
+        try:
+            if self.partial_rollouts:
+                engine.sleep(level=0, mode="keep")  # the scheduler stops between two steps; requests keep their place
             try:
                 results = list(self.llm.collective_rpc("astraflow_install"))
-                self.llm.reset_prefix_cache()
+                engine.reset_prefix_cache(reset_running_requests=self.partial_rollouts)
             finally:
-                self.stall_s = time.perf_counter() - t0
-            self.installed(results, version)
+                if self.partial_rollouts:
+                    engine.wake_up(tags=["scheduling"])
+        finally:
+            self.stall_s = time.perf_counter() - t0
+        generated = self.installed(results, version)
+        with self.inflight.lock:
+            self.inflight.record(version, generated)
             self._version = version
 
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)
-        with self.lock:
+
+        def load() -> None:
             t0 = time.perf_counter()
             self.llm.collective_rpc("astraflow_load_weights", args=(str(path),))
             self.llm.reset_prefix_cache()
             self.stall_s = time.perf_counter() - t0
-            self._version = version
+            with self.inflight.lock:
+                self._version = version
             self._state = state
+
+        self.turns.call(load)
         self.stager.commit(path)
 
     def adapter_problem(self, spec: AdapterSpec) -> str | None:
@@ -363,17 +493,36 @@ class VLLMInProcessEngine(WorkerFetch):
         from vllm.lora.request import LoRARequest
 
         path = self.stager.stage_adapter(adapters, spec.scale, version)
-        with self.lock:
+
+        def swap() -> None:
             old, self.lora = self.lora, LoRARequest(f"v{version}", version + 1, str(path))
             if old is not None:
                 self.llm.llm_engine.remove_lora(old.lora_int_id)
-            self._version = version
+            with self.inflight.lock:
+                self._version = version
+
+        self.turns.call(swap)
         if self.adapter_dir is not None and self.adapter_dir != path:
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
         self.adapter_dir = path
 
     def close(self) -> None:
         self.stager.close()
+
+
+def vllm_params(p: SamplingParams) -> Any:
+    from vllm import SamplingParams as VSP
+
+    return VSP(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, stop=list(p.stop) or None, seed=p.seed,
+               logprobs=0, include_stop_str_in_output=True, skip_special_tokens=False)
+
+
+def output_completion(output: Any, version: int, switches: list[Switch]) -> Completion:
+    """A finished ``RequestOutput`` as a Completion; its tokens carry ``version`` until each switch (``switches.py``)."""
+    co = output.outputs[0]
+    ids = list(co.token_ids)
+    lps = [float(d[t].logprob) for t, d in zip(ids, co.logprobs or [])]
+    return Completion(ids, lps, token_versions(version, len(ids), switches), "length" if co.finish_reason == "length" else "stop")
 
 
 def launch_command(model_path: str, port: int, extra: list[str]) -> list[str]:
@@ -394,7 +543,7 @@ def build_vllm(options: VllmOptions, model_cfg: Any, rollout_cfg: Any, tokenizer
         os.environ.update(cpu_env)  # vLLM reads it in the engine processes it starts, which inherit it
         lora = {"enable_lora": True, "max_lora_rank": options.max_lora_rank, "max_loras": 2} if base else {}
         return VLLMInProcessEngine(LLM(model=path, worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs", **lora), stager,
-                                   base)
+                                   base, partial_rollouts=rollout_cfg.partial_rollouts)
     server = None
     url = options.url
     if url is None:
@@ -411,4 +560,5 @@ def build_vllm(options: VllmOptions, model_cfg: Any, rollout_cfg: Any, tokenizer
             stager.close()
             raise
     models = http_json(f"{url.rstrip('/')}/v1/models", timeout=30.0).get("data") or [{"id": SERVED_NAME}]
-    return VLLMServerEngine(url, server, stager, tokenizer, model=models[0]["id"], base_digest=base)
+    return VLLMServerEngine(url, server, stager, tokenizer, model=models[0]["id"], base_digest=base,
+                            partial_rollouts=rollout_cfg.partial_rollouts)
