@@ -25,8 +25,14 @@ Server mode (``rollout.engine: {type: vllm, mode: server}``, the default):
   vLLM report logprobs of the distribution it sampled from (after temperature / top-p).
 
 In-process mode (``mode: inprocess``): ``vllm.LLM(model, worker_extension_cls=...,
-logprobs_mode="processed_logprobs")``; ``LLM.generate`` with token prompts and
-``SamplingParams(logprobs=0)``; updates through ``LLM.collective_rpc`` with the same extension and calls.
+logprobs_mode="processed_logprobs")``; the node steps its ``LLMEngine`` itself (``add_request`` with token prompts and
+``SamplingParams(logprobs=0)``, then ``step``); updates through ``LLM.collective_rpc`` with the same extension and calls,
+run between two steps of a generation in flight (``turns.py``).
+
+Partial rollouts (``rollout.partial_rollouts``), both modes: a version is installed while requests run, the scheduler
+paused between two steps (``mode=keep``), and the running requests are preempted so that the new weights recompute
+their KV cache; the worker's count of the tokens each request had sampled says where its version switched
+(``switches.py``).
 
 LoRA versions (``max_lora_rank`` > 0, ``trainer.lora.announce: adapter``): vLLM's own LoRA support serves them over the
 model it loaded, which must be their base (its digest is checked before a version is fetched: ``adapter_problem``). A
