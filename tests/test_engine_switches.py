@@ -70,6 +70,7 @@ def test_a_mid_generation_call_runs_between_steps_by_the_driver_and_returns_its_
     caller = []
     assert turns.call(lambda: caller.append(threading.current_thread()) or "read", mid_generation=True) == "read"
     assert "released" not in log and caller == [gen]  # the driver ran it, between two of its steps
+    assert turns.call(lambda: turns.call(lambda: "inner"), mid_generation=True) == "inner"  # the holder's own call: at once
     gen.join(5)
 
 

@@ -39,10 +39,14 @@ class EngineTurns:
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._held = False
+        self._holder: int | None = None  # the thread that holds the engine
         self._calls: list[_Call] = []
 
     def call(self, fn: Callable[[], Any], mid_generation: bool = False) -> Any:
-        """``fn()`` run with the engine held: now, or by whoever holds it at its next safe point (module doc)."""
+        """``fn()`` run with the engine held: now, or by whoever holds it at its next safe point (module doc). The
+        holder's own calls (a call made by a call it runs) run at once."""
+        if self._holder == threading.get_ident():
+            return fn()
         with self._cv:
             if self._held:
                 call = _Call(fn, mid_generation)
@@ -51,7 +55,7 @@ class EngineTurns:
                 if call.error is not None:
                     raise call.error
                 return call.result
-            self._held = True
+            self._held, self._holder = True, threading.get_ident()
         try:
             return fn()
         finally:
@@ -62,7 +66,7 @@ class EngineTurns:
         """Hold the engine for a generation (waits for whoever holds it; runs what was handed over on the way out)."""
         with self._cv:
             self._cv.wait_for(lambda: not self._held)
-            self._held = True
+            self._held, self._holder = True, threading.get_ident()
         try:
             yield
         finally:
@@ -81,7 +85,7 @@ class EngineTurns:
                 call = next((c for c in self._calls if eligible(c)), None)
                 if call is None:
                     if release:
-                        self._held = False
+                        self._held, self._holder = False, None
                     self._cv.notify_all()
                     return
                 self._calls.remove(call)

@@ -53,7 +53,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from typing import Any
 
@@ -78,6 +78,7 @@ from astraflow.streams.object_source import ObjectSource
 from astraflow.weights.engine_held import FetchReport
 from astraflow.weights.image import WeightSyncError
 
+log = logging.getLogger(__name__)
 EXTENSION = "astraflow.rollout.engines.vllm.WeightLoaderExtension"
 SERVED_NAME = "policy"
 TOKEN_ID = "token_id:"  # vLLM's spelling of a token under return_tokens_as_token_ids: "token_id:N"
@@ -264,12 +265,19 @@ class WorkerFetch:
             delay = min(2 * delay, 0.05)
         return FetchReport.model_validate(report)
 
-    def installed(self, results: list[Any], version: int) -> dict[str, int]:
-        """Check the workers' answers to ``astraflow_install``; how many tokens each request had sampled before it."""
+    inflight: InFlight
+    _version: int
+
+    def switch_to(self, version: int, results: list[Any]) -> None:
+        """The workers answered ``astraflow_install`` with ``results``: check them; the engine is at ``version`` from
+        here on, and the requests in flight switched where the workers' counts say (``switches.py``)."""
         if not results or any(not isinstance(r, dict) or r.get("version") != version for r in results):
             raise WeightSyncError(f"vllm's workers were to install v{version} and answered {results!r}")
         self.install_s = max(float(r.get("seconds", 0.0)) for r in results)
-        return dict(results[0].get("generated") or {})  # tensor-parallel workers hold the same requests
+        generated = dict(results[0].get("generated") or {})  # tensor-parallel workers hold the same requests
+        with self.inflight.lock:
+            self.inflight.record(version, generated)
+            self._version = version
 
 
 class VLLMServerEngine(WorkerFetch, RemoteEngine):
@@ -360,18 +368,16 @@ class VLLMServerEngine(WorkerFetch, RemoteEngine):
             self.paused_updates += 1
             t0 = time.perf_counter()
             try:
-                results = self.rpc("astraflow_install")
-                self.post("/reset_prefix_cache?reset_running_requests=true")
+                self.switch_to(version, self.rpc("astraflow_install"))
+                if not self.post("/reset_prefix_cache?reset_running_requests=true").get("success", True):
+                    log.warning("vllm kept the running requests' KV cache across v%d (its prefix cache reset failed): "
+                                "their next tokens attend to the old weights' keys and values", version)
             finally:
                 self.post("/resume")
                 self.stall_s = time.perf_counter() - t0
         else:
             with self.held():
-                results = self.rpc("astraflow_install")
-        generated = self.installed(results, version)
-        with self.inflight.lock:
-            self.inflight.record(version, generated)
-            self._version = version
+                self.switch_to(version, self.rpc("astraflow_install"))
 
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)
@@ -441,7 +447,8 @@ class VLLMInProcessEngine(WorkerFetch):
                     done.update((o.request_id, o) for o in engine.step() if o.finished)
                     self.turns.between_steps()
             except BaseException:
-                engine.abort_request([i for i in ids if i not in done])
+                with suppress(Exception):  # an engine that failed may not take the abort either: its error is the one
+                    engine.abort_request([i for i in ids if i not in done])
                 raise
             finally:
                 switches = {i: self.inflight.finish(i) for i in ids}
@@ -465,17 +472,13 @@ class VLLMInProcessEngine(WorkerFetch):
             if self.partial_rollouts:
                 engine.sleep(level=0, mode="keep")  # the scheduler stops between two steps; requests keep their place
             try:
-                results = list(self.llm.collective_rpc("astraflow_install"))
+                self.switch_to(version, list(self.llm.collective_rpc("astraflow_install")))
                 engine.reset_prefix_cache(reset_running_requests=self.partial_rollouts)
             finally:
                 if self.partial_rollouts:
                     engine.wake_up(tags=["scheduling"])
         finally:
             self.stall_s = time.perf_counter() - t0
-        generated = self.installed(results, version)
-        with self.inflight.lock:
-            self.inflight.record(version, generated)
-            self._version = version
 
     def load_state(self, state: Mapping[str, Any], version: int) -> None:
         path = self.stager.stage(state, version)
