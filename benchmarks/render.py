@@ -75,6 +75,18 @@ def vllm_stall(r: dict[str, Any]) -> str:
             f"{r['rows']} rows. " + provenance(r) + "\n".join(rows) + "\n")
 
 
+def vllm_partial(r: dict[str, Any]) -> str:
+    ms = "{:,.1f} ms".format
+    rows = ["| size | partial rollouts | announced → served (median) | (largest) | generation held | completions | "
+            "of them, two versions | tokens/s | a generation call |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in r["runs"]:
+        rows.append(f"| {s['size']} ({s['parameters'] / 1e6:,.2f} M) | {'on' if s['partial_rollouts'] else 'off'} | "
+                    f"{ms(1e3 * s['landed_s'])} | {ms(1e3 * s['landed_max_s'])} | {ms(1e3 * s['stall_s'])} | {s['completions']:,} | "
+                    f"{s['switched']:,} | {s['tokens_per_s']:,.0f} | {ms(1e3 * s['call_s'])} |")
+    return (f"`vllm.LLM` ({r['mode']}), {r['versions']} dense versions per run, announced while calls of {r['rows']} rows of up to "
+            f"{r['tokens']} new tokens run back to back; medians over the versions. " + provenance(r) + "\n".join(rows) + "\n")
+
+
 def house(r: dict[str, Any]) -> str:
     from bench_house import FIGURES, cell
 
@@ -422,6 +434,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
     "shared_base": shared_base, "lora_team": lora_team, "pool_model": pool_model, "pool_scale": pool_scale, "trl": trl,
     "trl_seeds": trl_seeds, "trl_seeds_1core": trl_seeds, "vllm_stall": vllm_stall,
+    "vllm_partial": vllm_partial,
 }
 
 

@@ -516,6 +516,9 @@ class VLLMInProcessEngine(WorkerFetch):
         self.adapter_dir = path
 
     def close(self) -> None:
+        """vLLM's engine processes stopped now, not when the node's process ends; the staging directory removed."""
+        with suppress(Exception):  # an engine that already failed has nothing left to stop
+            self.llm.llm_engine.engine_core.shutdown()
         self.stager.close()
 
 
