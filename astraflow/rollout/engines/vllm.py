@@ -302,7 +302,7 @@ class VLLMServerEngine(WorkerFetch, RemoteEngine):
 
     @property
     def switches(self) -> int:
-        """Calls that went on under a newer version (partial rollouts)."""
+        """Installs that landed while generations were in flight (partial rollouts)."""
         return self.inflight.switched
 
     def adapter_problem(self, spec: AdapterSpec) -> str | None:
@@ -421,7 +421,7 @@ class VLLMInProcessEngine(WorkerFetch):
 
     @property
     def switches(self) -> int:
-        """Generations that went on under a newer version (partial rollouts)."""
+        """Installs that landed while generations were in flight (partial rollouts)."""
         return self.inflight.switched
 
     def state_view(self) -> Mapping[str, Any]:
