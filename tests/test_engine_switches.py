@@ -45,6 +45,15 @@ def test_an_install_reaches_the_requests_open_at_it_and_no_later_ones():
     assert inflight.switched == 1
 
 
+def test_a_requests_boundary_is_read_under_the_id_the_engine_says_it_used():
+    """A server that ignores the request's own id names it otherwise; its reply's id is what the worker reported."""
+    inflight = InFlight()
+    with inflight.lock:
+        inflight.start(["cmpl-mine-0"])
+        inflight.record(6, {"cmpl-theirs-0-0123abcd": 4})
+    assert inflight.finish("cmpl-mine-0", served_as="cmpl-theirs-0") == [(6, 4)]
+
+
 def driven(turns: EngineTurns, steps: int, log: list[str]) -> threading.Thread:
     """A generation holding the engine for ``steps`` steps, its safe points between them."""
     holding = threading.Event()

@@ -59,8 +59,9 @@ class InFlight:
         for switches in self._open.values():
             switches.append((version, generated))
 
-    def finish(self, request_id: str) -> list[Switch]:
-        """``request_id`` is done: the installs that landed while it ran, with its boundary at each."""
+    def finish(self, request_id: str, served_as: str | None = None) -> list[Switch]:
+        """``request_id`` is done: the installs that landed while it ran, with its boundary at each, read under
+        ``served_as`` (the id the engine says it used; default ``request_id``)."""
         with self.lock:
             seen = self._open.pop(request_id, [])
-        return [(version, sampled_before(generated, request_id)) for version, generated in seen]
+        return [(version, sampled_before(generated, served_as or request_id)) for version, generated in seen]

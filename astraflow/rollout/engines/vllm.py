@@ -329,10 +329,12 @@ class VLLMServerEngine(WorkerFetch, RemoteEngine):
         with self.inflight.lock:
             version = self._version
             self.inflight.start(ids)
+        reply: dict[str, Any] = {}
         try:
             reply = self.post("/v1/completions", completion_body(self.model, prompts, params) | {"request_id": name})
-        finally:
-            switches = [self.inflight.finish(i) for i in ids]
+        finally:  # the id the server used (one that ignores ``request_id`` names its own), or ours when it failed
+            served = str(reply.get("id") or f"cmpl-{name}")
+            switches = [self.inflight.finish(i, served_as=f"{served}-{k}") for k, i in enumerate(ids)]
         choices = sorted(reply.get("choices", []), key=lambda c: c.get("index", 0))
         if len(choices) != len(prompts):
             raise EngineHTTPError(f"{self.url}/v1/completions", 200, f"{len(choices)} choices for {len(prompts)} prompts")
