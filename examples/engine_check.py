@@ -98,6 +98,11 @@ def main() -> dict[str, object]:
         )
         if args.plane:
             out["plane"] = asyncio.run(plane_check(engine, model, tok, first=2, partial=args.partial))
+        if args.engine == "vllm" and args.mode == "server" and args.url is None:  # a node died mid-update, one attaches
+            engine.post("/pause?mode=keep")
+            attached = build_engine(mcfg, RolloutConfig(engine={"type": "vllm", "url": engine.url}), tok)
+            out["left_paused_resumed"] = not engine.post("/is_paused", method="GET")["is_paused"]
+            attached.close()
     finally:
         engine.close()
     out["ok"] = (out.get("v0_versions") == [0] and out.get("v1_versions") == [1] and float(out["v0_max_logprob_diff"]) < 0.1  # type: ignore[arg-type]

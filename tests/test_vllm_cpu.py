@@ -49,6 +49,7 @@ def test_vllm_generates_the_policys_tokens_and_applies_versions_in_place(mode: s
         assert switch["max_logprob_diff"] < 0.05 and switch["new_tokens_diff_from_old_weights"] > 0.1, switch
     if mode == "server":  # each version applied between /pause and /resume (with partial rollouts, mode=keep)
         assert out["paused_updates"] == 2 and plane["paused_updates"] == 5 + attempts, out
+        assert out["left_paused_resumed"], out  # a node attaching to a server another left paused resumes it
     assert out["ok"], out
 
 

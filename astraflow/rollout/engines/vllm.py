@@ -305,6 +305,20 @@ class VLLMServerEngine(WorkerFetch, RemoteEngine):
         """Installs that landed while generations were in flight (partial rollouts)."""
         return self.inflight.switched
 
+    def resume_if_left_paused(self) -> bool:
+        """An attached server a node left paused (it died between ``/pause`` and ``/resume``: kill -9 in an update)
+        would hold every request of the node that attaches next: resume it; whether it was paused."""
+        try:
+            paused = bool(self.post("/is_paused", method="GET").get("is_paused"))
+        except EngineHTTPError as e:
+            if e.status in (404, 405):  # a server without the pause endpoints cannot be left paused
+                return False
+            raise
+        if paused:
+            log.warning("vllm at %s was paused, left so by a node that stopped mid-update: resumed", self.url)
+            self.post("/resume")
+        return paused
+
     def adapter_problem(self, spec: AdapterSpec) -> str | None:
         return base_problem(self.base_digest, spec)
 
@@ -574,5 +588,8 @@ def build_vllm(options: VllmOptions, model_cfg: Any, rollout_cfg: Any, tokenizer
             stager.close()
             raise
     models = http_json(f"{url.rstrip('/')}/v1/models", timeout=30.0).get("data") or [{"id": SERVED_NAME}]
-    return VLLMServerEngine(url, server, stager, tokenizer, model=models[0]["id"], base_digest=base,
-                            partial_rollouts=rollout_cfg.partial_rollouts)
+    engine = VLLMServerEngine(url, server, stager, tokenizer, model=models[0]["id"], base_digest=base,
+                              partial_rollouts=rollout_cfg.partial_rollouts)
+    if server is None:
+        engine.resume_if_left_paused()
+    return engine
