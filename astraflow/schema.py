@@ -62,6 +62,15 @@ RULES: dict[str, list[str]] = {
         "published on af.{run}.traj.{policy} with Nats-Msg-Id '{task_id}.{policy}.group.' + the first 16 hex digits of the "
         "sha256 of its traj_ids joined by newlines; a batch names one of its trajectories by the group's sequence and traj_id",
     ],
+    "trajectory_bundle": [
+        "every group obeys the trajectory_group rules and has the bundle's policy; no task_id has two groups and no "
+        "traj_id appears twice in the bundle",
+        "the dataflow takes each group as if it had come alone: one with more trajectories than the run's group size is "
+        "dead-lettered (on dlq.traj, encoded as a trajectory_group) and the others are taken",
+        "published on af.{run}.traj.{policy} with Nats-Msg-Id '{policy}.bundle.' + the first 16 hex digits of the sha256 "
+        "of its traj_ids (in order) joined by newlines; a batch names one of its trajectories by the bundle's sequence and "
+        "traj_id",
+    ],
     "task": ["min_versions maps policies of the run to weight versions; a node holding older weights naks the task (delay 1 s)"],
     "batch": ["advantages holds one float32 per entry of refs; each ref names a trajectory by its sequence in AF_{run}_TRAJ"],
     "weight_version": ["a 'delta' applies onto exactly base_version, whose state digest is base_digest (a node checks both "
@@ -152,6 +161,8 @@ def envelope_schema() -> dict[str, Any]:
             "trajectory": "af.{run}.traj.{policy} on stream AF_{run}_TRAJ; publish with header Nats-Msg-Id = traj_id",
             "trajectory_group": "af.{run}.traj.{policy} on stream AF_{run}_TRAJ: several samples of one task in one message; "
                                 "publish with header Nats-Msg-Id = its group id (see its rules)",
+            "trajectory_bundle": "af.{run}.traj.{policy} on stream AF_{run}_TRAJ: the groups of several tasks in one message; "
+                                 "publish with header Nats-Msg-Id = its bundle id (see its rules)",
             "weight_version": "af.{run}.weights.{policy} on stream AF_{run}_WEIGHTS (Limits; follow it, never pull a durable)",
             "heartbeat": "af.{run}.hb.{role}.{worker_id}, core NATS, every 2 s",
             "rejected": "af.{run}.dlq.{family} on stream AF_{run}_DLQ: family is the subject family of the rejected message "

@@ -18,7 +18,7 @@ import pytest
 from learning import held_out_rose
 from node_example import NODE, installed
 
-from astraflow.streams.messages import Heartbeat, RolloutStats, Trajectory, TrajectoryGroup
+from astraflow.streams.messages import Heartbeat, RolloutStats, Trajectory, TrajectoryBundle, TrajectoryGroup
 from astraflow.streams.plane import NatsOptions, Plane
 
 STEPS = 40
@@ -66,7 +66,7 @@ async def test_a_javascript_agent_does_every_rollout_and_the_policy_learns(repo_
         async def collect(t: Trajectory) -> None:
             trajs.append(t)
 
-        async def collect_group(g: TrajectoryGroup) -> None:  # the node publishes a task's samples as one message
+        async def collect_group(g: TrajectoryGroup | TrajectoryBundle) -> None:  # a task's samples (or tasks') as one message
             trajs.extend(g.trajectories)
 
         endpoint = await until(lambda: next((b.stats.endpoint for b in beats if isinstance(b.stats, RolloutStats) and b.stats.endpoint),
@@ -74,6 +74,7 @@ async def test_a_javascript_agent_does_every_rollout_and_the_policy_learns(repo_
         every_node = watch.names.traj("solver") + ".>"  # each node publishes under its own name
         follow = await watch.follow(every_node, Trajectory, collect, on_bad=ignore)  # the topology exists now
         follow_groups = await watch.follow(every_node, TrajectoryGroup, collect_group, on_bad=ignore)
+        follow_bundles = await watch.follow(every_node, TrajectoryBundle, collect_group, on_bad=ignore)
         # the node's facade takes the node's own credential's password as its bearer token
         agent = subprocess.Popen([NODE, "agent.js", "--credential", str(creds / "nodes" / "rollout-0.json"), "--facade", endpoint,
                                   "--agent-id", "js-1", "--stream"], cwd=example, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -81,6 +82,7 @@ async def test_a_javascript_agent_does_every_rollout_and_the_policy_learns(repo_
         out, err = await asyncio.to_thread(agent.communicate, timeout=120)
         await follow.stop()
         await follow_groups.stop()
+        await follow_bundles.stop()
         await hb.stop()
         await watch.close()
     finally:

@@ -28,6 +28,7 @@ from astraflow.streams.messages import (
     Task,
     TrainerStats,
     Trajectory,
+    TrajectoryBundle,
     TrajectoryGroup,
     TrajRef,
     WeightVersion,
@@ -63,6 +64,9 @@ def samples() -> list:
                       keyframe_version=0, objects=[ref]),
         *(Heartbeat(worker_id="w", stats=s) for s in stats),
         Rejected(subject="af.r.task.x", reason="bad", worker_id="w", payload=b"\x01\xc1"),
+        TrajectoryBundle(policy="solver", groups=[
+            TrajectoryGroup(task_id="t", policy="solver", trajectories=[traj(), traj(traj_id="t.solver.1", index=1)]),
+            TrajectoryGroup(task_id="u", policy="solver", trajectories=[traj(task_id="u", traj_id="u.solver.0")])]),
     ]
 
 
@@ -141,6 +145,36 @@ def test_a_trajectory_groups_rules_are_listed_and_python_checks_them(repo_root, 
     assert not list(validator(repo_root, "trajectory_group").iter_errors(schema.json_mapping(fields)))  # beyond JSON Schema
     with pytest.raises(DecodeError):
         decode(wire("trajectory_group", fields), TrajectoryGroup)
+
+
+BUNDLE_RULES = {  # case -> (a change to the second group's fields, the rule it breaks, what Python says)
+    "the same task twice": ({"task_id": "t", "trajectories": "first"}, "no task_id has two groups", "a task_id has two groups"),
+    "a traj_id in two groups": ({"trajectories": "first's traj_id"}, "no traj_id appears twice", "a traj_id appears twice"),
+    "another policy": ({"policy": "verifier", "trajectories": "verifier's"}, "has the bundle's policy", "a group of policy verifier"),
+    "a group that breaks its own rules": ({"task_id": "v"}, "obeys the trajectory_group rules", "in a group of v/solver"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BUNDLE_RULES))
+def test_a_trajectory_bundles_rules_are_listed_and_python_checks_them(repo_root, case: str):
+    change, rule, says = BUNDLE_RULES[case]
+    rules = json.loads((repo_root / "schemas" / "trajectory_bundle.json").read_text())["x-astraflow-rules"]
+    assert any(rule in r for r in rules)
+    fields = fields_of(samples()[-1])
+    first, second = fields["groups"]
+    if change.get("trajectories") == "first":  # the first group's samples again, under the same task
+        second.update(task_id="t", trajectories=[{**t, "traj_id": f"t.solver.{i + 5}", "index": i + 5}
+                                                 for i, t in enumerate(first["trajectories"])])
+    elif change.get("trajectories") == "first's traj_id":
+        second["trajectories"][0]["traj_id"] = first["trajectories"][0]["traj_id"]
+    elif change.get("trajectories") == "verifier's":  # a well-formed group of another policy
+        second.update(policy="verifier",
+                      trajectories=[{**t, "policy": "verifier", "traj_id": "u.verifier.0"} for t in second["trajectories"]])
+    else:
+        second.update(change)
+    assert not list(validator(repo_root, "trajectory_bundle").iter_errors(schema.json_mapping(fields)))  # beyond JSON Schema
+    with pytest.raises(DecodeError, match=says):
+        decode(wire("trajectory_bundle", fields), TrajectoryBundle)
 
 
 def test_batch_advantages_align_with_its_references(repo_root):

@@ -16,7 +16,17 @@ from test_dataflow import Harness, recipe
 
 from astraflow.streams.codec import decode, decode_either, encode
 from astraflow.streams.dataflow_state import DataflowState
-from astraflow.streams.messages import Batch, BatchRefusal, Refusal, Rejected, Suspect, Task, Trajectory, TrajectoryGroup
+from astraflow.streams.messages import (
+    Batch,
+    BatchRefusal,
+    Refusal,
+    Rejected,
+    Suspect,
+    Task,
+    Trajectory,
+    TrajectoryBundle,
+    TrajectoryGroup,
+)
 from astraflow.streams.plane import Delivery
 from astraflow.streams.state import AdmitRecord, BatchPlanRecord, FateRecord
 from astraflow.streams.trajectories import TrainingBatch, offload, publish_trajectories
@@ -128,10 +138,11 @@ async def serve_groups(h: Harness, bad: Make | None = None, limit: int = 64) -> 
     """Serve the pool's tasks as a node does: each task's samples in one message (``TrajectoryGroup``); the first
     sample of the first task from ``bad``."""
     got = await h.task_sub.pull(batch=limit, timeout=0.3)
-    trajs = [(bad if bad is not None and k == 0 and i == 0 else good)(d.msg, "solver", i, h.versions["solver"])
-             for k, d in enumerate(got) for i in range(d.msg.group_size)]
-    seqs = await publish_trajectories(h.node, trajs)
-    assert len(set(seqs)) == len(got)  # one message a task
+    seqs = []
+    for k, d in enumerate(got):  # one message a task, as separate nodes (or settlements) send them
+        seqs += await publish_trajectories(h.node, [(bad if bad is not None and k == 0 and i == 0 else good)(
+            d.msg, "solver", i, h.versions["solver"]) for i in range(d.msg.group_size)])
+    assert len(set(seqs)) == len(got)
     for d in got:
         await d.ack()
     return [d.msg for d in got]
@@ -175,6 +186,45 @@ async def test_a_bad_trajectory_in_a_group_is_dead_lettered_alone_and_its_group_
 
 
 @with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_a_bundle_is_taken_group_by_group_and_its_bad_group_refused_alone(harness: Harness):
+    """The tasks a node finished together come in one message (``TrajectoryBundle``): a bad sample in it is
+    dead-lettered alone, a group larger than its task is refused whole (one entry), the other tasks are buffered,
+    batched and trained from the bundle, and the message is acked once every part of it is settled."""
+    h = harness
+    await h.turn(2)
+    got = await h.task_sub.pull(batch=3, timeout=0.3)
+    assert len(got) == 3
+    (a, b, c) = (d.msg for d in got)
+    trajs = [BAD["reward"](a, "solver", 0, 0), *(good(a, "solver", i, 0) for i in range(1, a.group_size)),
+             *(good(b, "solver", i, 0) for i in range(2 * b.group_size)),  # twice its task's samples
+             *(good(c, "solver", i, 0) for i in range(c.group_size))]
+    seqs = await publish_trajectories(h.node, trajs)
+    assert len(set(seqs)) == 1  # one message for the three tasks
+    for d in got:
+        await d.ack()
+    await h.until(lambda: h.acc().fates.get("invalid:reward") == 1 and h.acc().fates.get("invalid:group_size") == 1
+                  and h.acc().buffered == 1)
+    rejected = {r.code: r for r in await dead_letters(h)}
+    assert set(rejected) == {"reward", "group_size"}
+    assert decode(rejected["reward"].payload, Trajectory).traj_id == f"{a.task_id}.solver.0"
+    whole = decode(rejected["group_size"].payload, TrajectoryGroup)  # the oversize group, one entry
+    assert whole.task_id == b.task_id and len(whole.trajectories) == 2 * b.group_size
+    for _ in range(3):  # the run goes on: the bundled task batched, read back by the trainer from the bundle, trained
+        await h.turn(2)
+        await serve(h)
+        await h.turn(2)
+        await h.train("solver")
+    assert c.task_id in {t for batch in h.batches["solver"] for t in batch.task_ids}
+    assert h.acc().adds_up and h.acc().fates.get("trained", 0) >= 2
+    for _ in range(20):  # the bundle's message is acked (the first on the stream: the ack floor passes it)
+        info = await h.plane.stored._jsm.consumer_info(h.plane.names.traj_stream, h.plane.names.DATAFLOW_CONSUMER)
+        if info.ack_floor.stream_seq >= seqs[0]:
+            break
+        await h.turn()
+    assert info.ack_floor.stream_seq >= seqs[0]
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
 async def test_a_group_redelivered_after_a_restart_is_judged_once(harness: Harness):
     h = harness
     await h.turn(2)
@@ -214,6 +264,26 @@ async def test_an_undecodable_group_settles_its_task_invalid(harness: Harness):
     await h.until(lambda: h.acc().fates.get("invalid:schema") == 1)
     (rej,) = await dead_letters(h)
     assert "invalid trajectory_group" in rej.reason and h.acc().adds_up
+
+
+@with_recipe(max_staleness=1, max_tasks_in_flight=4)
+async def test_an_undecodable_bundle_settles_each_of_its_tasks_invalid(harness: Harness):
+    h = harness
+    await h.turn(2)
+    got = await h.task_sub.pull(batch=2, timeout=0.3)
+    assert len(got) == 2
+    bundle = TrajectoryBundle(policy="solver", groups=[
+        TrajectoryGroup(task_id=d.msg.task_id, policy="solver", trajectories=[good(d.msg, "solver", i, 0) for i in range(d.msg.group_size)])
+        for d in got])
+    fields = msgpack.unpackb(encode(bundle)[1:], raw=False)["d"]
+    fields["groups"][1]["trajectories"][0]["logprobs"] = fields["groups"][1]["trajectories"][0]["logprobs"][:4]  # do not align
+    wire = b"\x01" + msgpack.packb({"k": "trajectory_bundle", "d": fields}, use_bin_type=True)
+    await h.node._js.publish(h.node.names.traj("solver"), wire)
+    for d in got:
+        await d.ack()
+    await h.until(lambda: h.acc().fates.get("invalid:schema") == 2)  # the whole message is unreadable: both its tasks
+    (rej,) = await dead_letters(h)
+    assert "invalid trajectory_bundle" in rej.reason and h.acc().adds_up
 
 
 @with_recipe(max_staleness=1, max_tasks_in_flight=4)

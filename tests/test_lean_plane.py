@@ -1,5 +1,5 @@
-"""The lean paths of the plane against a real nats-server: pulls that wake once per burst (``streams/pull.py``) and a
-node's group settlement of finished tasks (``rollout/outbox.py``)."""
+"""The lean paths of the plane against a real nats-server: pulls that wake once per burst (``streams/pull.py``), a
+node's group settlement of finished tasks (``rollout/outbox.py``) and the messages that carry their samples."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 from factories import a_task, a_trajectory
 from nats.aio.msg import Msg
 
-from astraflow.dataflow.parts import taken
+from astraflow.dataflow.parts import GroupParts, by_group, taken
 from astraflow.rollout.outbox import Outbox
 from astraflow.streams import pull
 from astraflow.streams.codec import decode
-from astraflow.streams.messages import Rejected, Task, Trajectory, TrajectoryGroup
+from astraflow.streams.messages import Rejected, Task, Trajectory, TrajectoryBundle, TrajectoryGroup
 from astraflow.streams.plane import Plane
 from astraflow.streams.trajectories import carried, publish_trajectories
 from astraflow.streams.trajectory_log import READ_WINDOW, TrajectoryLog
@@ -84,7 +84,8 @@ async def test_the_trajectory_reader_keeps_one_request_standing_and_hands_out_ev
     assert await reader.pull(batch=16, timeout=0.2) == []
     t0, pulls, seen = time.monotonic(), 0, []
     for burst in range(30):
-        await publish_trajectories(plane, [trajectory(task(burst * 10 + k), i) for k in range(10) for i in range(2)])
+        for k in range(10):  # a message per task, as ten nodes would send them
+            await publish_trajectories(plane, [trajectory(task(burst * 10 + k), i) for i in range(2)])
         while len(seen) < 10 * (burst + 1):
             got = await reader.pull(batch=4, timeout=5.0)
             pulls += 1
@@ -107,13 +108,42 @@ async def test_tasks_that_finish_together_are_settled_together(plane: Plane):
         got += await tasks.pull(batch=12 - len(got), timeout=5.0)
     outbox = Outbox(plane)
     await asyncio.gather(*(outbox.settle(d, [trajectory(d.msg, i) for i in range(2)]) for d in got))
-    assert outbox.settlements == 1  # one pipelined publish of 12 groups of 2, one wait, then 12 acks
+    assert outbox.settlements == 1  # one publish of 12 groups of 2, one wait, then 12 acks
     await settled(plane)  # every task acked
-    assert await plane.stored.stream_msgs(plane.names.traj_stream) == 12  # a task's group is one message
+    assert await plane.stored.stream_msgs(plane.names.traj_stream) == 1  # the 12 groups in one message
     trajs = TrajectoryLog(plane).reader()
-    stored = await trajs.pull(batch=24, timeout=5.0)
-    assert all(isinstance(d.msg, TrajectoryGroup) for d in stored)
-    assert sorted(t.traj_id for d in stored for t in carried(d.msg)) == sorted(f"{d.msg.task_id}.{i}" for d in got for i in range(2))
+    (stored,) = await trajs.pull(batch=24, timeout=5.0)
+    assert isinstance(stored.msg, TrajectoryBundle) and [g.task_id for g in stored.msg.groups] == [d.msg.task_id for d in got]
+    assert sorted(t.traj_id for t in carried(stored.msg)) == sorted(f"{d.msg.task_id}.{i}" for d in got for i in range(2))
+    await stored.ack()
+
+
+async def test_groups_too_large_for_one_bundle_go_a_message_each(plane: Plane):
+    n = int(0.6 * plane.max_payload) // 4  # prompts of random int32 (no compression): a group fits, two together do not
+    big = [Trajectory(**{**trajectory(task(k), i).model_dump(), "prompt_ids": np.random.default_rng(k).integers(0, 1 << 30, n // 2)})
+           for k in range(2) for i in range(2)]
+    seqs = await publish_trajectories(plane, big)
+    assert seqs[0] == seqs[1] != seqs[2] == seqs[3]
+    stored = await plane.stored.get_many(plane.names.traj_stream, [seqs[0], seqs[2]], TrajectoryGroup)
+    assert [g.task_id for g in stored] == [task(0).task_id, task(1).task_id]
+
+
+async def test_a_bundles_group_is_refused_whole_and_the_others_are_taken(plane: Plane):
+    """A group of a bundle refused (one larger than a task's) goes to the DLQ as one group entry; the bundle's message
+    is acked once its other groups' trajectories are settled too."""
+    await publish_trajectories(plane, [trajectory(task(k), i) for k in range(3) for i in range(2)])
+    (d,) = await TrajectoryLog(plane).reader().pull(batch=4, timeout=5.0)
+    (g0, _, p0), (g1, r1, p1), (g2, _, p2) = by_group(d)
+    assert [g.task_id for g in (g0, g1, g2)] == [task(k).task_id for k in range(3)] and all(len(p) == 2 for p in (p0, p1, p2))
+    assert isinstance(r1, GroupParts) and [p.msg for p in p1] == g1.trajectories
+    await r1.reject("invalid group_size: a test", "group_size")
+    for p in p0 + p2[:1]:
+        await p.ack()
+    assert await settled_lag(plane) == (0, 1)  # a part still open: the message stays unacked
+    await p2[1].ack()
+    await until_lag(plane, (0, 0))
+    (rej,) = await plane.history(plane.names.dlq("traj"), Rejected, stream=plane.names.dlq_stream)
+    assert decode(rej.payload, TrajectoryGroup) == g1 and rej.code == "group_size"
 
 
 async def test_a_group_goes_as_one_message_when_it_fits_and_alone_otherwise(plane: Plane):

@@ -65,13 +65,14 @@ from astraflow.dataflow.durability import Journal, Rejectable
 from astraflow.dataflow.groups import Assembler, HeldGroup
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.lane import PolicyLane, context
-from astraflow.dataflow.parts import taken
+from astraflow.dataflow.parts import by_group
 from astraflow.dataflow.reading import Incoming, PullReader, Resolve
 from astraflow.dataflow.reputation import Reputation, sender
 from astraflow.dataflow.validate import Invalid, Limits, Stats, check_trajectory, check_versions, measure
 from astraflow.streams.fates import DROPPED_EXPIRED, FILTERED_SAMPLE_ERROR, Fate, Outcome
 from astraflow.streams.messages import Trajectory, TrajectoryGroup
 from astraflow.streams.plane import Consumer
+from astraflow.streams.trajectories import TrajMessage
 
 log = logging.getLogger(__name__)
 PULL_WAIT_S = 0.1  # how long a pull waits for the first trajectory (an idle turn: nothing else to do meanwhile)
@@ -144,15 +145,17 @@ class TrajectoryIngest:
     def assembling(self) -> bool:
         return self.assembler.assembling
 
-    async def pull(self, trajectories: Consumer[Trajectory | TrajectoryGroup], timeout: float = PULL_WAIT_S) -> int:
-        """One pull of the TRAJ stream taken in; returns the number of trajectories it carried (a group's each)."""
+    async def pull(self, trajectories: Consumer[TrajMessage], timeout: float = PULL_WAIT_S) -> int:
+        """One pull of the TRAJ stream taken in; returns the number of trajectories it carried (a group's or a
+        bundle's each)."""
         deliveries = await trajectories.pull(batch=256, timeout=timeout)
         incoming: list[Incoming] = []
         for delivery in deliveries:
-            if isinstance(delivery.msg, TrajectoryGroup) and len(delivery.msg.trajectories) > self.limits.group_size:
-                self.refuse_group(delivery, delivery.msg, sender(delivery.subject))
-            else:
-                incoming.extend(taken(delivery))  # a group's trajectory by trajectory (``parts.py``)
+            for group, refusable, parts in by_group(delivery):  # a group's trajectory by trajectory (``parts.py``)
+                if group is not None and refusable is not None and len(group.trajectories) > self.limits.group_size:
+                    self.refuse_group(refusable, group, sender(delivery.subject))
+                else:
+                    incoming.extend(parts)
         items = await self.reader.whole(incoming)
         claims = await self.reader.check_claims(items)
         for (d, t, unreadable), s, claim in zip(items, measure([t for _, t, _ in items]), claims, strict=True):  # a pull's arrays at once

@@ -64,13 +64,11 @@ from astraflow.streams.messages import (
     DataflowStats,
     Heartbeat,
     Task,
-    Trajectory,
-    TrajectoryGroup,
 )
 from astraflow.streams.plane import Consumer, Plane
 from astraflow.streams.state import AdmitRecord
 from astraflow.streams.task_queue import TaskQueue, Ticket
-from astraflow.streams.trajectories import resolve_all
+from astraflow.streams.trajectories import TrajMessage, resolve_all
 from astraflow.streams.trajectory_log import TrajectoryLog
 from astraflow.tasks import load_split
 
@@ -124,7 +122,7 @@ class Dataflow:
         self._busy = True  # the last turn issued tasks or planned batches: the next one does not wait for trajectories
 
     # ------------------------------------------------------------ the loop
-    async def step(self, trajectories: Consumer[Trajectory | TrajectoryGroup]) -> None:
+    async def step(self, trajectories: Consumer[TrajMessage]) -> None:
         """One turn. Its pull waits up to ``PULL_WAIT_S`` for trajectories only after a turn that had nothing to
         issue or plan; after one that had (the first, or one after groups landed) it may have more to do at once, so
         its pull takes what is there (``BUSY_PULL_WAIT_S``)."""

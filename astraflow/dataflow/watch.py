@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from astraflow.dataflow.reputation import sender
-from astraflow.streams.codec import DecodeError, decode, decode_either, fields_of
+from astraflow.streams.codec import DecodeError, decode, fields_of
 from astraflow.streams.messages import (
     Batch,
     BatchRefusal,
@@ -34,11 +35,13 @@ from astraflow.streams.messages import (
     Suspect,
     Task,
     Trajectory,
+    TrajectoryBundle,
     TrajectoryGroup,
     WeightVersion,
 )
 from astraflow.streams.plane import Plane, Subscription
 from astraflow.streams.task_queue import TaskQueue, Ticket
+from astraflow.streams.trajectories import decode_traj
 from astraflow.streams.weight_channel import WeightChannel
 from astraflow.weights.checks import announcement_problem, order_problem
 
@@ -155,16 +158,23 @@ class Watch:
                 batch = decode(rej.payload, Batch)
                 self.events.append(BatchFailed(batch.batch_id, batch.policy, rej.reason[:300], BatchRefusal.of(rej.code)))
             elif family == "traj":  # it decodes: ingest's own checks turned it away, and settled its task then
-                decode_either(rej.payload, Trajectory, TrajectoryGroup)
+                decode_traj(rej.payload)
         except DecodeError:
-            if family == "traj":  # the consumer turned it away undecoded: ingest never saw the task it claims
-                claimed = fields_of(rej.payload, Trajectory, TrajectoryGroup)
-                task_id, policy, traj_id = (claimed.get(k) for k in ("task_id", "policy", "traj_id"))
-                if "trajectories" in claimed and isinstance(task_id, str) and isinstance(policy, str):  # a whole group
-                    traj_id = f"{task_id}.{policy}.group"  # none of its samples can be held: it never reached ingest
-                if isinstance(task_id, str) and isinstance(policy, str) and isinstance(traj_id, str):
-                    self.events.append(SampleUndecodable(task_id, policy, traj_id, rej.reason[:300], sender(rej.subject), rej.ts))
+            if family == "traj":  # the consumer turned it away undecoded: ingest never saw the tasks it claims
+                claimed = fields_of(rej.payload, Trajectory, TrajectoryGroup, TrajectoryBundle)
+                groups = claimed.get("groups")
+                for fields in groups if isinstance(groups, list) else [claimed]:  # a bundle: each of its groups
+                    if isinstance(fields, dict):
+                        self._undecodable(fields, rej)
             # otherwise the original itself was malformed: never one of our tasks or batches
+
+    def _undecodable(self, claimed: dict[str, Any], rej: Rejected) -> None:
+        """The sample (or group) whose fields are ``claimed`` never reached ingest: its task is settled for it."""
+        task_id, policy, traj_id = (claimed.get(k) for k in ("task_id", "policy", "traj_id"))
+        if "trajectories" in claimed and isinstance(task_id, str) and isinstance(policy, str):  # a whole group
+            traj_id = f"{task_id}.{policy}.group"  # none of its samples can be held: it never reached ingest
+        if isinstance(task_id, str) and isinstance(policy, str) and isinstance(traj_id, str):
+            self.events.append(SampleUndecodable(task_id, policy, traj_id, rej.reason[:300], sender(rej.subject), rej.ts))
 
     async def _on_given_up(self, ticket: Ticket) -> None:
         try:

@@ -5,16 +5,19 @@ requests at once). Each finished task hands its delivery and trajectories to :me
 what arrives while a settlement is under way waits for the next one, so every settlement takes
 all the tasks that finished meanwhile:
 
-1. the trajectories of all of them are published pipelined (``Nats-Msg-Id`` = trajectory id; one
-   too large for a message goes by reference), and the server's acks are awaited together: one
-   wait for the lot instead of one per task;
+1. the trajectories of all of them are published together (``publish_trajectories``: each policy's
+   task groups in one message when they fit, else a message per group or per trajectory, one too
+   large for a message by reference), and the server's acks are awaited together: one wait for the
+   lot instead of one per task; when that fails, each task's are published again on their own,
+   so each task learns its own error (what was stored already is deduplicated);
 2. then each task whose trajectories are all stored is acked, the acks written in one go.
 
 The guarantee is each task's own, as before: a task is acked only after its trajectories are
 stored. A task whose publication failed is not acked; :meth:`Outbox.settle` raises its error to
 that task's caller (which naks or dead-letters it), and the other tasks of the settlement are not
 affected. A node that dies mid-settlement leaves its tasks unacked: they are redelivered after
-``ack_wait`` and the trajectories already stored are deduplicated by their ids.
+``ack_wait``; trajectories stored twice (in a message of other tasks the second time) are taken once, by their
+ids, by the dataflow.
 """
 
 from __future__ import annotations
@@ -78,7 +81,12 @@ class Outbox:
                     self.timed(time.perf_counter() - t0)
 
     async def _settle(self, batch: list[_Finished]) -> None:
-        errors = await asyncio.gather(*(publish_trajectories(self.plane, f.trajectories) for f in batch), return_exceptions=True)
+        errors: list[BaseException | None] = [None] * len(batch)
+        try:  # all of them at once: each policy's groups in one message when they fit
+            await publish_trajectories(self.plane, [t for f in batch for t in f.trajectories])
+        except Exception as e:  # task by task, so each task has its own error (what was stored is deduplicated)
+            errors = [e] if len(batch) == 1 else list(await asyncio.gather(
+                *(publish_trajectories(self.plane, f.trajectories) for f in batch), return_exceptions=True))
         for f, error in zip(batch, errors, strict=True):
             if isinstance(error, BaseException):
                 _resolve(f.settled, error)

@@ -46,9 +46,16 @@ def decode(data: bytes, expected: type[M]) -> M:
 
 
 def decode_either(data: bytes, first: type[M], second: type[N]) -> M | N:
-    """Decode a message of either kind (a stream that carries two, as TRAJ carries trajectories and their groups)."""
+    """Decode a message of either kind (a stream that carries two)."""
     kind, fields = _envelope(data, first, second)
     return _validate(second, fields) if kind == second.kind else _validate(first, fields)
+
+
+def decode_any(data: bytes, *kinds: type[Message]) -> Message:
+    """Decode a message of any of ``kinds`` (a stream that carries several, as TRAJ carries trajectories, their groups
+    and bundles of groups); the caller narrows the type."""
+    kind, fields = _envelope(data, *kinds)
+    return _validate(next(k for k in kinds if k.kind == kind), fields)
 
 
 def _validate(expected: type[M], fields: Any) -> M:

@@ -270,6 +270,47 @@ class TrajectoryGroup(Message):
         return f"{self.task_id}.{self.policy}.group.{ids}"
 
 
+MAX_BUNDLE = 1024  # task groups one TrajectoryBundle may carry
+
+
+class TrajectoryBundle(Message):
+    """The groups of several tasks for one policy in one message: what a RaaS node publishes for the tasks it finished
+    together (one publication, one delivery and one ack for the lot instead of one per task). Each group keeps its
+    task's rules; the dataflow takes each group as if it had come alone (one over its task's size is dead-lettered
+    alone, as a ``TrajectoryGroup``), and a batch names a trajectory by the bundle's TRAJ sequence and its ``traj_id``."""
+
+    kind: ClassVar[str] = "trajectory_bundle"
+    policy: Token  # the policy every group here belongs to (routing key)
+    groups: list[TrajectoryGroup] = Field(min_length=1, max_length=MAX_BUNDLE)  # distinct tasks, distinct traj_ids
+
+    @model_validator(mode="after")
+    def _distinct(self) -> TrajectoryBundle:
+        """Cross-field rules (listed in the schema's ``x-astraflow-rules``), in one pass."""
+        tasks: set[str] = set()
+        ids: set[str] = set()
+        for g in self.groups:
+            if g.policy != self.policy:
+                raise ValueError(f"a group of policy {g.policy} in a bundle of {self.policy}")
+            tasks.add(g.task_id)
+            ids.update(t.traj_id for t in g.trajectories)
+        if len(tasks) != len(self.groups):
+            raise ValueError("a task_id has two groups in the bundle")
+        if len(ids) != sum(len(g.trajectories) for g in self.groups):
+            raise ValueError("a traj_id appears twice in the bundle")
+        return self
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]
+
+    @property
+    def msg_id(self) -> str:
+        """Its ``Nats-Msg-Id``: the policy and a digest of the trajectory ids it carries (a retry of the same bundle is
+        deduplicated, a bundle of other samples is not)."""
+        ids = hashlib.sha256("\n".join(t.traj_id for t in self.trajectories).encode()).hexdigest()[:16]
+        return f"{self.policy}.bundle.{ids}"
+
+
 class TrajRef(BaseModel):
     """Where a batch's trajectory lies: its TRAJ stream sequence, and the ids the trainer checks it against."""
 
@@ -502,5 +543,7 @@ class Refusal:
         return f"{self.code.value}: {self.detail}"
 
 
-KINDS: dict[str, type[Message]] = {m.kind: m for m in (Task, Trajectory, TrajectoryGroup, Batch, WeightVersion, Heartbeat, Rejected)}
+KINDS: dict[str, type[Message]] = {
+    m.kind: m for m in (Task, Trajectory, TrajectoryGroup, TrajectoryBundle, Batch, WeightVersion, Heartbeat, Rejected)
+}
 HEARTBEAT_PERIOD_S = 2.0

@@ -1,5 +1,12 @@
 """Trajectories on the plane at any size: published (by reference when too large), fetched by sequence, resolved.
 
+**As few messages as fit.** The samples a node publishes together (:func:`publish_trajectories`:
+the tasks it finished together) go as one :class:`TrajectoryBundle` per policy, the task groups
+of that policy, when there are several tasks and the lot fits in ``max_payload``; else a
+:class:`TrajectoryGroup` per task (its samples for one policy) when it fits; else one message per
+trajectory. Every message a node sends costs a publication, a store, a delivery and an ack on the
+server and the dataflow, whatever its size, so fewer messages is most of the plane's CPU.
+
 **Too large for one message.** A trajectory whose encoding exceeds the server's ``max_payload``
 (a long multi-turn episode) is published as a small :class:`Trajectory` whose ``payload_ref``
 names one object in the run's trajectory bucket (``af_{run}_traj_objects``) holding its
@@ -30,13 +37,13 @@ from __future__ import annotations
 import asyncio
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import zstandard
 
-from astraflow.streams.codec import MessageTooLarge, decode_either, encode
-from astraflow.streams.messages import MAX_GROUP, PER_TOKEN, Batch, Message, Trajectory, TrajectoryGroup
+from astraflow.streams.codec import MessageTooLarge, decode_any, encode
+from astraflow.streams.messages import MAX_BUNDLE, MAX_GROUP, PER_TOKEN, Batch, Message, Trajectory, TrajectoryBundle, TrajectoryGroup
 from astraflow.streams.objects import ObjectError, ObjectStore
 from astraflow.streams.subjects import Names
 
@@ -129,10 +136,12 @@ def grouped(trajs: list[Trajectory]) -> list[list[Trajectory]]:
 
 
 async def publish_trajectories(plane: Plane, trajs: list[Trajectory]) -> list[int]:
-    """Publish ``trajs``, pipelined: the samples of one task for one policy as one :class:`TrajectoryGroup`
-    (``Nats-Msg-Id`` = its ``msg_id``) when there are several and they fit in a message; otherwise each alone
-    (``Nats-Msg-Id`` = ``traj_id``), one too large for a message with its arrays in the trajectory bucket. Returns
-    each trajectory's TRAJ stream sequence (its group's, for one that went in a group)."""
+    """Publish ``trajs``, pipelined, in as few messages as fit: each policy's groups (the samples of one task for one
+    policy) as one :class:`TrajectoryBundle` when there are several tasks and the lot fits in a message
+    (``Nats-Msg-Id`` = its ``msg_id``); otherwise each group as one :class:`TrajectoryGroup` when it has several
+    samples and fits (``msg_id`` likewise); otherwise each trajectory alone (``Nats-Msg-Id`` = ``traj_id``), one too
+    large for a message with its arrays in the trajectory bucket. Returns each trajectory's TRAJ stream sequence (that
+    of the message that carries it)."""
     store = plane.trajectory_objects()
 
     async def by_reference(msg: Message) -> Message:
@@ -142,18 +151,34 @@ async def publish_trajectories(plane: Plane, trajs: list[Trajectory]) -> list[in
 
     items: list[tuple[str, Message | bytes, str | None]] = []
     carrier: dict[int, int] = {}  # id of each trajectory -> the item that carries it
-    for group in grouped(trajs):
-        subject = plane.names.traj(group[0].policy, plane.node)
-        one = _one_message(group, plane.max_payload)
-        if one is not None:
-            carrier.update((id(t), len(items)) for t in group)
-            items.append((subject, *one))
+
+    def add(subject: str, carried: list[Trajectory], msg: Message | bytes, msg_id: str) -> None:
+        carrier.update((id(t), len(items)) for t in carried)
+        items.append((subject, msg, msg_id))
+
+    for policy, groups in by_policy(grouped(trajs)).items():
+        subject = plane.names.traj(policy, plane.node)
+        bundle = _bundle(groups, plane.max_payload)
+        if bundle is not None:
+            add(subject, [t for g in groups for t in g], *bundle)
             continue
-        for t in group:  # alone: a single sample, or a group too large (or unfit) for one message
-            carrier[id(t)] = len(items)
-            items.append((subject, t, t.traj_id))
+        for group in groups:
+            one = _one_message(group, plane.max_payload)
+            if one is not None:
+                add(subject, group, *one)
+                continue
+            for t in group:  # alone: a single sample, or a group too large (or unfit) for one message
+                add(subject, [t], t, t.traj_id)
     seqs = await plane.publish_many(items, oversize=by_reference)
     return [seqs[carrier[id(t)]] for t in trajs]
+
+
+def by_policy(groups: list[list[Trajectory]]) -> dict[str, list[list[Trajectory]]]:
+    """``groups`` (each one task's samples for one policy) by policy, in order of first appearance."""
+    out: dict[str, list[list[Trajectory]]] = {}
+    for g in groups:
+        out.setdefault(g[0].policy, []).append(g)
+    return out
 
 
 def _one_message(group: list[Trajectory], max_payload: int) -> tuple[bytes, str] | None:
@@ -169,14 +194,37 @@ def _one_message(group: list[Trajectory], max_payload: int) -> tuple[bytes, str]
     return (data, msg.msg_id) if len(data) <= max_payload else None
 
 
-def carried(msg: Trajectory | TrajectoryGroup) -> list[Trajectory]:
-    """The trajectories a TRAJ stream message carries: itself, or its group's."""
-    return msg.trajectories if isinstance(msg, TrajectoryGroup) else [msg]
+def _bundle(groups: list[list[Trajectory]], max_payload: int) -> tuple[bytes, str] | None:
+    """``groups`` (one policy's) encoded as one :class:`TrajectoryBundle` and its ``Nats-Msg-Id``; None when they should
+    go group by group: one task, more than ``MAX_BUNDLE`` or a group unfit for a :class:`TrajectoryGroup` (see
+    :func:`_one_message`), or too large for a message."""
+    if not 1 < len(groups) <= MAX_BUNDLE or any(len(g) > MAX_GROUP for g in groups):
+        return None
+    try:
+        msg = TrajectoryBundle(policy=groups[0][0].policy,
+                               groups=[TrajectoryGroup(task_id=g[0].task_id, policy=g[0].policy, trajectories=g) for g in groups])
+    except ValueError:
+        return None
+    data = encode(msg)
+    return (data, msg.msg_id) if len(data) <= max_payload else None
+
+
+TrajMessage = Trajectory | TrajectoryGroup | TrajectoryBundle  # what a TRAJ stream message is
+
+
+def decode_traj(data: bytes) -> TrajMessage:
+    """A TRAJ stream message's bytes decoded (``DecodeError`` when it is none of its kinds)."""
+    return cast(TrajMessage, decode_any(data, Trajectory, TrajectoryGroup, TrajectoryBundle))
+
+
+def carried(msg: TrajMessage) -> list[Trajectory]:
+    """The trajectories a TRAJ stream message carries: itself, or its group's, or its bundle's."""
+    return [msg] if isinstance(msg, Trajectory) else msg.trajectories
 
 
 def decode_carried(data: bytes) -> list[Trajectory]:
-    """The trajectories of a TRAJ stream message's bytes (``DecodeError`` when it is neither kind)."""
-    return carried(decode_either(data, Trajectory, TrajectoryGroup))
+    """The trajectories of a TRAJ stream message's bytes (``DecodeError`` when it is none of its kinds)."""
+    return carried(decode_traj(data))
 
 
 @dataclass(frozen=True)
@@ -210,7 +258,7 @@ async def fetch_trajectories(plane: Plane, batch: Batch) -> list[Trajectory]:
 
 async def fetch_batch(plane: Plane, batch: Batch) -> TrainingBatch:
     """The trajectories ``batch`` names, whole, in its order, with the node each one's subject names: read by TRAJ
-    stream sequence in a few batched requests (a group's message once for all of its trajectories), the one of each
+    stream sequence in a few batched requests (a group's or bundle's message once for all of its trajectories), the one of each
     reference's ``traj_id`` taken from a group, offloaded arrays resolved. Raises ``MissingMessages`` (sequences gone),
     :class:`PayloadUnavailable`, or the transient error of the read. The caller checks each one's ids against its
     reference (a group without that id gives its first trajectory, which fails that check)."""

@@ -1,4 +1,4 @@
-"""The trajectory flow as the dataflow sees it: nodes publish trajectories (and whole groups), the dataflow reads
+"""The trajectory flow as the dataflow sees it: nodes publish trajectories (and whole groups, and bundles of them), the dataflow reads
 them through its durable consumer and acks each once its fate is durable; batches name them by where the log keeps
 them, and trainers read them from there.
 
@@ -8,12 +8,10 @@ in marks: how far the log is written, how far its reader got; the two compare, a
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
-from astraflow.streams.codec import decode_either
 from astraflow.streams.consuming import Consumer, Lag
-from astraflow.streams.messages import Trajectory, TrajectoryGroup
+from astraflow.streams.trajectories import TrajMessage, decode_traj
 
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
@@ -28,11 +26,10 @@ class TrajectoryLog:
         self.plane = plane
         self._stream, self._reader = plane.names.traj_stream, plane.names.DATAFLOW_CONSUMER
 
-    def reader(self) -> Consumer[Trajectory | TrajectoryGroup]:
-        """The dataflow's pull of every policy's trajectories and trajectory groups (the log carries both): one reader
-        that takes everything, so a standing request (``pull.py``) of ``READ_WINDOW`` messages."""
-        return Consumer(self.plane, self._stream, self._reader, functools.partial(decode_either, first=Trajectory, second=TrajectoryGroup),
-                        standing=READ_WINDOW)
+    def reader(self) -> Consumer[TrajMessage]:
+        """The dataflow's pull of every policy's trajectories, groups and bundles of groups (the log carries all three):
+        one reader that takes everything, so a standing request (``pull.py``) of ``READ_WINDOW`` messages."""
+        return Consumer(self.plane, self._stream, self._reader, decode_traj, standing=READ_WINDOW)
 
     async def backlog(self) -> Lag:
         """Trajectories waiting for the dataflow and in its hands, unacked."""
