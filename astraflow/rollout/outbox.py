@@ -85,8 +85,9 @@ class Outbox:
         try:  # all of them at once: each policy's groups in one message when they fit
             await publish_trajectories(self.plane, [t for f in batch for t in f.trajectories])
         except Exception as e:  # task by task, so each task has its own error (what was stored is deduplicated)
-            errors = [e] if len(batch) == 1 else list(await asyncio.gather(
-                *(publish_trajectories(self.plane, f.trajectories) for f in batch), return_exceptions=True))
+            each = [e] if len(batch) == 1 else await asyncio.gather(
+                *(publish_trajectories(self.plane, f.trajectories) for f in batch), return_exceptions=True)
+            errors = [r if isinstance(r, BaseException) else None for r in each]
         for f, error in zip(batch, errors, strict=True):
             if isinstance(error, BaseException):
                 _resolve(f.settled, error)
