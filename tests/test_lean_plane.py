@@ -118,6 +118,34 @@ async def test_tasks_that_finish_together_are_settled_together(plane: Plane):
     await stored.ack()
 
 
+async def test_a_task_whose_samples_cannot_be_stored_fails_alone_in_its_settlement(plane: Plane):
+    """A settlement's joint publication fails (one task's samples are too large for a message, and the bucket they would
+    go by reference to is gone): each task's are published again on their own, so the others are stored and acked and
+    only that task's caller gets the error."""
+    await publish_tasks(plane, 3)
+    tasks = plane.consumer(plane.names.task_stream, plane.names.pool_consumer("raas"), Task)
+    got = await tasks.pull(batch=3, timeout=5.0)
+    while len(got) < 3:
+        got += await tasks.pull(batch=3 - len(got), timeout=5.0)
+    n = int(1.2 * plane.max_payload) // 4  # random int32 prompts: too large for a message even alone
+    big = [Trajectory(**{**trajectory(got[2].msg, i).model_dump(), "prompt_ids": np.random.default_rng(i).integers(0, 1 << 30, n)})
+           for i in range(2)]
+    await plane._jsm.delete_stream(f"OBJ_{plane.names.traj_object_bucket}")
+    outbox = Outbox(plane)
+    results = await asyncio.gather(*(outbox.settle(d, [trajectory(d.msg, i) for i in range(2)]) for d in got[:2]),
+                                   outbox.settle(got[2], big), return_exceptions=True)
+    assert results[:2] == [None, None] and isinstance(results[2], Exception) and outbox.settlements == 1
+    stored = carried_by_stream(await TrajectoryLog(plane).reader().pull(batch=8, timeout=5.0))
+    assert stored >= {f"{d.msg.task_id}.{i}" for d in got[:2] for i in range(2)}
+    assert not any(t.startswith(got[2].msg.task_id) for t in stored)
+    await got[2].ack()  # the caller's to settle (nak or dead-letter); acked here so the consumer drains
+    await settled(plane)
+
+
+def carried_by_stream(deliveries: list) -> set[str]:
+    return {t.traj_id for d in deliveries for t in carried(d.msg)}
+
+
 async def test_groups_too_large_for_one_bundle_go_a_message_each(plane: Plane):
     n = int(0.6 * plane.max_payload) // 4  # prompts of random int32 (no compression): a group fits, two together do not
     big = [Trajectory(**{**trajectory(task(k), i).model_dump(), "prompt_ids": np.random.default_rng(k).integers(0, 1 << 30, n // 2)})
