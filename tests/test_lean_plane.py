@@ -17,7 +17,7 @@ from astraflow.streams import pull
 from astraflow.streams.codec import decode
 from astraflow.streams.messages import Rejected, Task, Trajectory, TrajectoryBundle, TrajectoryGroup
 from astraflow.streams.plane import Plane
-from astraflow.streams.trajectories import carried, publish_trajectories
+from astraflow.streams.trajectories import carried, decode_traj, publish_trajectories
 from astraflow.streams.trajectory_log import READ_WINDOW, TrajectoryLog
 
 
@@ -146,14 +146,17 @@ def carried_by_stream(deliveries: list) -> set[str]:
     return {t.traj_id for d in deliveries for t in carried(d.msg)}
 
 
-async def test_groups_too_large_for_one_bundle_go_a_message_each(plane: Plane):
-    n = int(0.6 * plane.max_payload) // 4  # prompts of random int32 (no compression): a group fits, two together do not
-    big = [Trajectory(**{**trajectory(task(k), i).model_dump(), "prompt_ids": np.random.default_rng(k).integers(0, 1 << 30, n // 2)})
-           for k in range(2) for i in range(2)]
+async def test_groups_too_large_for_one_bundle_go_in_as_few_messages_as_fit(plane: Plane):
+    n = int(0.2 * plane.max_payload) // 4  # prompts of random int32 (no compression): two groups fit, three do not
+    big = [Trajectory(**{**trajectory(task(k), i).model_dump(), "prompt_ids": np.random.default_rng(k).integers(0, 1 << 30, n)})
+           for k in range(5) for i in range(2)]
     seqs = await publish_trajectories(plane, big)
-    assert seqs[0] == seqs[1] != seqs[2] == seqs[3]
-    stored = await plane.stored.get_many(plane.names.traj_stream, [seqs[0], seqs[2]], TrajectoryGroup)
-    assert [g.task_id for g in stored] == [task(0).task_id, task(1).task_id]
+    assert seqs[0] == seqs[3] != seqs[4] != seqs[6] == seqs[9] and len(set(seqs)) == 3  # halves of halves: 2 + 1 + 2 tasks
+    raw = await plane.stored.read_many(plane.names.traj_stream, sorted(set(seqs)))
+    two, one, three = (decode_traj(data) for _, data in sorted(raw.items()))
+    assert isinstance(two, TrajectoryBundle) and [g.task_id for g in two.groups] == [task(0).task_id, task(1).task_id]
+    assert isinstance(one, TrajectoryGroup) and one.task_id == task(2).task_id
+    assert isinstance(three, TrajectoryBundle) and [g.task_id for g in three.groups] == [task(3).task_id, task(4).task_id]
 
 
 async def test_a_bundles_group_is_refused_whole_and_the_others_are_taken(plane: Plane):

@@ -137,11 +137,11 @@ def grouped(trajs: list[Trajectory]) -> list[list[Trajectory]]:
 
 async def publish_trajectories(plane: Plane, trajs: list[Trajectory]) -> list[int]:
     """Publish ``trajs``, pipelined, in as few messages as fit: each policy's groups (the samples of one task for one
-    policy) as one :class:`TrajectoryBundle` when there are several tasks and the lot fits in a message
-    (``Nats-Msg-Id`` = its ``msg_id``); otherwise each group as one :class:`TrajectoryGroup` when it has several
-    samples and fits (``msg_id`` likewise); otherwise each trajectory alone (``Nats-Msg-Id`` = ``traj_id``), one too
-    large for a message with its arrays in the trajectory bucket. Returns each trajectory's TRAJ stream sequence (that
-    of the message that carries it)."""
+    policy) as one :class:`TrajectoryBundle` when there are several tasks and the lot fits in a message, else as
+    bundles of half as many, and so on (``Nats-Msg-Id`` = its ``msg_id``); a group left alone as one
+    :class:`TrajectoryGroup` when it has several samples and fits (``msg_id`` likewise); otherwise each trajectory
+    alone (``Nats-Msg-Id`` = ``traj_id``), one too large for a message with its arrays in the trajectory bucket.
+    Returns each trajectory's TRAJ stream sequence (that of the message that carries it)."""
     store = plane.trajectory_objects()
 
     async def by_reference(msg: Message) -> Message:
@@ -158,11 +158,11 @@ async def publish_trajectories(plane: Plane, trajs: list[Trajectory]) -> list[in
 
     for policy, groups in by_policy(grouped(trajs)).items():
         subject = plane.names.traj(policy, plane.node)
-        bundle = _bundle(groups, plane.max_payload)
-        if bundle is not None:
-            add(subject, [t for g in groups for t in g], *bundle)
-            continue
-        for group in groups:
+        for run, bundle in _bundles(groups, plane.max_payload):
+            if bundle is not None:
+                add(subject, [t for g in run for t in g], *bundle)
+                continue
+            (group,) = run
             one = _one_message(group, plane.max_payload)
             if one is not None:
                 add(subject, group, *one)
@@ -192,6 +192,20 @@ def _one_message(group: list[Trajectory], max_payload: int) -> tuple[bytes, str]
         return None
     data = encode(msg)
     return (data, msg.msg_id) if len(data) <= max_payload else None
+
+
+def _bundles(groups: list[list[Trajectory]], max_payload: int) -> list[tuple[list[list[Trajectory]], tuple[bytes, str] | None]]:
+    """``groups`` (one policy's) cut into runs, each with its encoded :class:`TrajectoryBundle` and ``Nats-Msg-Id``: all
+    of them in one when they fit in a message, else each half, and so on (a GPU node's settlement of hundreds of tasks
+    goes in as few messages as fit); a run of one group comes with None (it goes as a group message, or alone)."""
+    if len(groups) == 1:
+        return [(groups, None)]
+    if len(groups) <= MAX_BUNDLE:
+        one = _bundle(groups, max_payload)
+        if one is not None:
+            return [(groups, one)]
+    half = len(groups) // 2
+    return _bundles(groups[:half], max_payload) + _bundles(groups[half:], max_payload)
 
 
 def _bundle(groups: list[list[Trajectory]], max_payload: int) -> tuple[bytes, str] | None:
