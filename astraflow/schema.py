@@ -65,6 +65,7 @@ RULES: dict[str, list[str]] = {
     "trajectory_bundle": [
         "every group obeys the trajectory_group rules and has the bundle's policy; no task_id has two groups and no "
         "traj_id appears twice in the bundle",
+        "at most 4096 trajectories in all (what one trajectory_group may carry), counted before any is read",
         "the dataflow takes each group as if it had come alone: one with more trajectories than the run's group size is "
         "dead-lettered (on dlq.traj, encoded as a trajectory_group) and the others are taken",
         "published on af.{run}.traj.{policy} with Nats-Msg-Id '{policy}.bundle.' + the first 16 hex digits of the sha256 "

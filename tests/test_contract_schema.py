@@ -18,6 +18,7 @@ from astraflow import schema
 from astraflow.streams.codec import DecodeError, decode, encode
 from astraflow.streams.messages import (
     KINDS,
+    MAX_GROUP,
     Batch,
     DataflowStats,
     EvaluatorStats,
@@ -174,6 +175,17 @@ def test_a_trajectory_bundles_rules_are_listed_and_python_checks_them(repo_root,
         second.update(change)
     assert not list(validator(repo_root, "trajectory_bundle").iter_errors(schema.json_mapping(fields)))  # beyond JSON Schema
     with pytest.raises(DecodeError, match=says):
+        decode(wire("trajectory_bundle", fields), TrajectoryBundle)
+
+
+def test_a_bundle_carries_no_more_trajectories_than_a_group_may(repo_root):
+    rules = json.loads((repo_root / "schemas" / "trajectory_bundle.json").read_text())["x-astraflow-rules"]
+    assert any(f"at most {MAX_GROUP} trajectories in all" in r for r in rules)
+    fields = fields_of(samples()[-1])
+    one = fields["groups"][0]["trajectories"][0]
+    for g, task in zip(fields["groups"], "tu", strict=True):  # two groups of 2,049: each a valid group, too many in all
+        g["trajectories"] = [{**one, "task_id": task, "traj_id": f"{task}.solver.{i}", "index": i} for i in range(MAX_GROUP // 2 + 1)]
+    with pytest.raises(DecodeError, match=f"{MAX_GROUP + 2} trajectories in one bundle"):
         decode(wire("trajectory_bundle", fields), TrajectoryBundle)
 
 

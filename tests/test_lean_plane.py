@@ -159,6 +159,16 @@ async def test_groups_too_large_for_one_bundle_go_in_as_few_messages_as_fit(plan
     assert isinstance(three, TrajectoryBundle) and [g.task_id for g in three.groups] == [task(3).task_id, task(4).task_id]
 
 
+async def test_a_gpu_sized_settlement_goes_in_bundles_of_at_most_a_groups_trajectories(plane: Plane):
+    """300 tasks of 16 samples finished together (4,800 trajectories, small): halves of 2,400, each under the 4,096
+    a bundle may carry."""
+    tasks = [a_task(f"g{k:03d}", workflow="math", prompt_id=f"p{k}", prompt="1+1", answer=None, group_size=16) for k in range(300)]
+    seqs = await publish_trajectories(plane, [trajectory(t, i) for t in tasks for i in range(16)])
+    assert len(set(seqs)) == 2 and seqs[0] == seqs[150 * 16 - 1] != seqs[150 * 16]
+    raw = await plane.stored.read_many(plane.names.traj_stream, sorted(set(seqs)))
+    assert [len(decode_traj(data).groups) for _, data in sorted(raw.items())] == [150, 150]
+
+
 async def test_a_bundles_group_is_refused_whole_and_the_others_are_taken(plane: Plane):
     """A group of a bundle refused (one larger than a task's) goes to the DLQ as one group entry; the bundle's message
     is acked once its other groups' trajectories are settled too."""

@@ -270,7 +270,7 @@ class TrajectoryGroup(Message):
         return f"{self.task_id}.{self.policy}.group.{ids}"
 
 
-MAX_BUNDLE = 1024  # task groups one TrajectoryBundle may carry
+MAX_BUNDLE = 1024  # task groups one TrajectoryBundle may carry; its trajectories, MAX_GROUP in all (what one group may)
 
 
 class TrajectoryBundle(Message):
@@ -282,6 +282,18 @@ class TrajectoryBundle(Message):
     kind: ClassVar[str] = "trajectory_bundle"
     policy: Token  # the policy every group here belongs to (routing key)
     groups: list[TrajectoryGroup] = Field(min_length=1, max_length=MAX_BUNDLE)  # distinct tasks, distinct traj_ids
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        """At most ``MAX_GROUP`` trajectories in all, counted before any is validated: a bundle costs the reader no
+        more than one group may (a hostile node's bundle of a thousand groups of thousands is refused unread)."""
+        groups = data.get("groups") if isinstance(data, dict) else None
+        if isinstance(groups, list):
+            n = sum(len(g.get("trajectories") or ()) if isinstance(g, dict) else len(getattr(g, "trajectories", ())) for g in groups)
+            if n > MAX_GROUP:
+                raise ValueError(f"{n} trajectories in one bundle, more than {MAX_GROUP}")
+        return data
 
     @model_validator(mode="after")
     def _distinct(self) -> TrajectoryBundle:

@@ -210,9 +210,9 @@ def _bundles(groups: list[list[Trajectory]], max_payload: int) -> list[tuple[lis
 
 def _bundle(groups: list[list[Trajectory]], max_payload: int) -> tuple[bytes, str] | None:
     """``groups`` (one policy's) encoded as one :class:`TrajectoryBundle` and its ``Nats-Msg-Id``; None when they should
-    go group by group: one task, more than ``MAX_BUNDLE`` or a group unfit for a :class:`TrajectoryGroup` (see
-    :func:`_one_message`), or too large for a message."""
-    if not 1 < len(groups) <= MAX_BUNDLE or any(len(g) > MAX_GROUP for g in groups):
+    go group by group: one task, more than ``MAX_BUNDLE`` groups or ``MAX_GROUP`` trajectories, a group unfit for a
+    :class:`TrajectoryGroup` (see :func:`_one_message`), or too large for a message."""
+    if not 1 < len(groups) <= MAX_BUNDLE or sum(map(len, groups)) > MAX_GROUP:
         return None
     try:
         msg = TrajectoryBundle(policy=groups[0][0].policy,
