@@ -187,6 +187,13 @@ def test_a_bundle_carries_no_more_trajectories_than_a_group_may(repo_root):
         g["trajectories"] = [{**one, "task_id": task, "traj_id": f"{task}.solver.{i}", "index": i} for i in range(MAX_GROUP // 2 + 1)]
     with pytest.raises(DecodeError, match=f"{MAX_GROUP + 2} trajectories in one bundle"):
         decode(wire("trajectory_bundle", fields), TrajectoryBundle)
+    for odd in (5, "x" * 5000, {"a": 1}, None):  # not a list where the trajectories belong: refused as any bad field
+        fields["groups"][1]["trajectories"] = odd
+        with pytest.raises(DecodeError):
+            decode(wire("trajectory_bundle", fields), TrajectoryBundle)
+    fields["groups"] = [5, "x"]
+    with pytest.raises(DecodeError):
+        decode(wire("trajectory_bundle", fields), TrajectoryBundle)
 
 
 def test_batch_advantages_align_with_its_references(repo_root):

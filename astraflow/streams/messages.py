@@ -289,8 +289,9 @@ class TrajectoryBundle(Message):
         """At most ``MAX_GROUP`` trajectories in all, counted before any is validated: a bundle costs the reader no
         more than one group may (a hostile node's bundle of a thousand groups of thousands is refused unread)."""
         groups = data.get("groups") if isinstance(data, dict) else None
-        if isinstance(groups, list):
-            n = sum(len(g.get("trajectories") or ()) if isinstance(g, dict) else len(getattr(g, "trajectories", ())) for g in groups)
+        if isinstance(groups, list):  # anything else is the field validation's to refuse
+            lists = (g.get("trajectories") if isinstance(g, dict) else getattr(g, "trajectories", None) for g in groups)
+            n = sum(len(t) for t in lists if isinstance(t, list))
             if n > MAX_GROUP:
                 raise ValueError(f"{n} trajectories in one bundle, more than {MAX_GROUP}")
         return data
