@@ -8,11 +8,13 @@ say is listed in the schema's ``x-astraflow-rules``, and Python rejects those ca
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import msgpack
 import numpy as np
 import pytest
 from factories import a_trajectory
+from pydantic import model_validator
 
 from astraflow import schema
 from astraflow.streams.codec import DecodeError, decode, encode
@@ -23,6 +25,7 @@ from astraflow.streams.messages import (
     DataflowStats,
     EvaluatorStats,
     Heartbeat,
+    Message,
     ObjectRef,
     Rejected,
     RolloutStats,
@@ -194,6 +197,24 @@ def test_a_bundle_carries_no_more_trajectories_than_a_group_may(repo_root):
     fields["groups"] = [5, "x"]
     with pytest.raises(DecodeError):
         decode(wire("trajectory_bundle", fields), TrajectoryBundle)
+
+
+class Fragile(Message):
+    """A message whose validator fails on a value it did not expect with an error pydantic does not wrap."""
+
+    kind: ClassVar[str] = "fragile"
+    x: int
+
+    @model_validator(mode="after")
+    def _divide(self) -> Fragile:
+        1 / self.x  # ZeroDivisionError at 0
+        return self
+
+
+def test_a_validator_that_breaks_on_a_value_refuses_the_message_and_raises_nothing_else():
+    assert decode(wire("fragile", {"x": 2}), Fragile).x == 2
+    with pytest.raises(DecodeError, match="invalid fragile: ZeroDivisionError"):
+        decode(wire("fragile", {"x": 0}), Fragile)
 
 
 def test_batch_advantages_align_with_its_references(repo_root):

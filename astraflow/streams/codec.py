@@ -65,6 +65,8 @@ def _validate(expected: type[M], fields: Any) -> M:
         return expected.model_validate(fields, strict=True, context=WIRE)
     except ValidationError as e:
         raise DecodeError(f"invalid {expected.kind}: {e.errors(include_url=False)}") from None
+    except Exception as e:  # a validator that met a value it did not expect: the message is refused, the reader lives on
+        raise DecodeError(f"invalid {expected.kind}: {type(e).__name__}: {e}") from None
 
 
 def fields_of(data: bytes, *expected: type[Message]) -> dict[str, Any]:
