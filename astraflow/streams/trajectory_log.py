@@ -1,6 +1,6 @@
-"""The trajectory flow as the dataflow sees it: nodes publish trajectories (and whole groups, and bundles of them), the dataflow reads
-them through its durable consumer and acks each once its fate is durable; batches name them by where the log keeps
-them, and trainers read them from there.
+"""The trajectory flow as the dataflow sees it: nodes publish trajectories (alone, in a task's group, or in a bundle of
+groups), the dataflow reads them through its durable consumer and acks each once its fate is durable; batches name them
+by where the log keeps them, and trainers read them from there.
 
 What the audit needs to know (has every trajectory stored by a moment been handed to the dataflow since?) is asked
 in marks: how far the log is written, how far its reader got; the two compare, and mean nothing else.
