@@ -48,7 +48,14 @@ from astraflow.streams.direct import MissingMessages
 from astraflow.streams.messages import Batch, BatchRefusal, Rejected, Task, Trajectory
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import AutoscaleRecord, EvalRecord, FateRecord
-from astraflow.streams.trajectories import PayloadUnavailable, TrainingBatch, carried, fetch_trajectories, publish_trajectories
+from astraflow.streams.trajectories import (
+    PayloadUnavailable,
+    TrainingBatch,
+    carried,
+    fetch_trajectories,
+    grouped,
+    publish_trajectories,
+)
 from astraflow.streams.trajectory_log import TrajectoryLog
 from astraflow.tasks import load_split
 from astraflow.train.backend import build_backend
@@ -181,7 +188,9 @@ async def test_every_poisoned_batch_is_turned_away_by_the_trainers_checks(plane:
     model = build_model(r.policies["solver"].model, TOK)
     prompts = [p.prompt for p in load_split(r.data)[0][:4]]
     (sampled,) = sample_batches(model, TOK, prompts, groups_per_batch=2, group_size=2, max_new_tokens=4, version=10, prefix="base")
-    seqs = await publish_trajectories(plane, sampled.trajectories)  # as nodes publish them: the manifest names them there
+    seqs = []  # as two nodes publish them, a task's group each (one node's would be one bundle): the manifest names them there
+    for group in grouped(sampled.trajectories):
+        seqs += await publish_trajectories(plane, group)
     refs = [ref.model_copy(update={"seq": q}) for ref, q in zip(sampled.manifest.refs, seqs, strict=True)]
     base = TrainingBatch(sampled.manifest.model_copy(update={"refs": refs}), sampled.trajectories)
     backend = build_backend("torch", model, TOK, r.policies["solver"].trainer, temperature=1.0)

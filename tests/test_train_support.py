@@ -17,7 +17,7 @@ from astraflow.models import build_model, load_tokenizer
 from astraflow.streams.messages import Batch, WeightVersion
 from astraflow.streams.plane import Follower, NatsOptions, Plane
 from astraflow.streams.state import BatchPlanRecord
-from astraflow.streams.trajectories import TrainingBatch, publish_trajectories
+from astraflow.streams.trajectories import TrainingBatch, grouped, publish_trajectories
 from astraflow.tasks import load_split
 from astraflow.train.synthetic import sample_batches
 from astraflow.train.threads import threads_for
@@ -57,8 +57,12 @@ def at(b: TrainingBatch, seqs: list[int]) -> TrainingBatch:
 
 
 async def on_stream(plane: Plane, b: TrainingBatch) -> TrainingBatch:
-    """Publish ``b``'s trajectories as nodes do (one too large for a message by reference); ``b`` naming where they are."""
-    return at(b, await publish_trajectories(plane, b.trajectories))
+    """Publish ``b``'s trajectories as nodes do, a task's group a message (each task settled on its own; one too large
+    for a message by reference); ``b`` naming where they are."""
+    seqs = []
+    for group in grouped(b.trajectories):
+        seqs += await publish_trajectories(plane, group)
+    return at(b, seqs)
 
 
 async def publish_batches(plane: Plane, batches: list[TrainingBatch], planned: bool = True) -> list[TrainingBatch]:
