@@ -20,7 +20,6 @@ COMPRESS_ABOVE = 16 * 1024
 MAX_DECOMPRESSED = 256 * 1024 * 1024
 
 M = TypeVar("M", bound=Message)
-N = TypeVar("N", bound=Message)
 _zc = zstandard.ZstdCompressor(level=1)  # token arrays compress as well at level 1 as at 3 (a group of 8: 30.6 -> 11.9 KB), 22 % faster
 _zd = zstandard.ZstdDecompressor()
 
@@ -43,12 +42,6 @@ def encode(msg: Message, max_payload: int | None = None) -> bytes:
 
 def decode(data: bytes, expected: type[M]) -> M:
     return _validate(expected, _envelope(data, expected)[1])
-
-
-def decode_either(data: bytes, first: type[M], second: type[N]) -> M | N:
-    """Decode a message of either kind (a stream that carries two)."""
-    kind, fields = _envelope(data, first, second)
-    return _validate(second, fields) if kind == second.kind else _validate(first, fields)
 
 
 def decode_any(data: bytes, *kinds: type[Message]) -> Message:
