@@ -216,13 +216,18 @@ async def delete_object(js: JetStreamContext, bucket: str, ref: ObjectRef, strea
     """Purge the object's chunks and metadata from ``stream`` (default the bucket's own; a mirror works too). The metadata
     is kept when it names another object: a later put under the same name (the same state stored again) owns it now."""
     stream = stream or object_stream(bucket)
-    try:
-        await js.purge_stream(stream, subject=chunk_subject(bucket, ref.nuid))
-        meta = _meta_subject(bucket, ref.name)
-        try:
-            named = json.loads((await js.get_last_msg(stream, meta)).data or b"{}")
-        except NotFoundError:
+    meta = _meta_subject(bucket, ref.name)
+    try:  # the chunks purged while the metadata is read: one round trip, then the metadata's purge if it is this object's
+        purged, last = await asyncio.gather(js.purge_stream(stream, subject=chunk_subject(bucket, ref.nuid)),
+                                            js.get_last_msg(stream, meta), return_exceptions=True)
+        if isinstance(purged, BaseException):
+            raise purged
+        if isinstance(last, NotFoundError):
             return
+        try:
+            if isinstance(last, BaseException):
+                raise last
+            named = json.loads(last.data or b"{}")
         except Exception:  # unreadable: purge it, as before the check (a reader needs only the chunks)
             named = None
         if not isinstance(named, dict) or named.get("nuid") in (None, ref.nuid):

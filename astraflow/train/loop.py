@@ -6,8 +6,8 @@ subject, and none waits for another. Per batch, in this order:
 
 1. vet (``train/vetting.py``): a redelivered batch whose id is already trained is acked
    without training; a manifest the dataflow did not plan (no plan record, or another content)
-   is dead-lettered with its reason, untrained; then the trajectories it names are fetched from
-   the TRAJ stream by sequence (batched, offloaded arrays resolved), each checked to be the one
+   is dead-lettered with its reason, untrained; the trajectories a well-formed one names are read from
+   the TRAJ stream by sequence (batched, offloaded arrays resolved) while its plan record is, each checked to be the one
    its reference names; one gone, another than named, with values the model cannot take, or
    too stale makes the batch dead-lettered too (a failed read is retried: the batch is nak'ed);
 2. step; a step whose loss or gradient norm is not finite made no update: the batch is
@@ -112,8 +112,9 @@ class TrainerLoop:
             while self.version < end and not self.role.stop.is_set():
                 await self.commits.settle()
                 d = await self._pull()
-                if d is not None and await self._vet(d):
-                    await self._train(d)
+                reading = await self._vet(d) if d is not None else None
+                if d is not None and reading is not None:
+                    await self._train(d, reading)
             await self.commits.finish(self.meta_now())  # finished or stopped: the publish in flight landed, all durable, all acked
             settled = True
             if self.version >= end:  # finished, not stopped
@@ -147,36 +148,46 @@ class TrainerLoop:
             await self.commits.answer_keyframe_request()
         return got[0] if got else None
 
-    async def _vet(self, d: Delivery[Batch]) -> bool:
-        """Whether the manifest is one to train: not trained already (then acked, or left to the group commit that holds
-        it), planned and well-formed (else dead-lettered); a plan that cannot be read gives the batch back."""
+    async def _vet(self, d: Delivery[Batch]) -> asyncio.Task[TrainingBatch] | None:
+        """The read of the manifest's trajectories when it is one to train: not trained already (then acked, or left to
+        the group commit that holds it), planned and well-formed (else dead-lettered); a plan that cannot be read gives
+        the batch back. A well-formed manifest's trajectories are read while its plan record is: one round trip on the
+        way to the step, not two (a manifest the plan refuses has its read dropped, unused)."""
         manifest = d.msg
         if manifest.batch_id in self.seen:  # trained before a crash that came before its ack, or held here
             if not self.commits.redelivered(d, asyncio.create_task(_keep_alive(d, self.keepalive_s))):
                 log.info("%s was trained before the restart: ack without training", manifest.batch_id)
                 self.metrics.inc({"redelivered_trained_batches": 1})
                 await d.ack()
-            return False
+            return None
+        malformed = check_manifest(manifest, self.policy)
+        reading = None if malformed else asyncio.create_task(fetch_batch(self.plane, manifest))
         try:
-            refused = await check_plan(self.plane, self.policy, manifest) or check_manifest(manifest, self.policy)
+            refused = await check_plan(self.plane, self.policy, manifest) or malformed
         except StateReadError as e:  # the plan could not be read: neither train nor turn it away
             log.warning("%s: %s; trying again", manifest.batch_id, e)
+            await _dropped(reading)
             await d.nak(delay=1.0)
-            return False
+            return None
+        except BaseException:
+            await _dropped(reading)
+            raise
         if refused is not None:
+            await _dropped(reading)
             self.metrics.inc({"rejected_batches": 1})
             await d.refuse(refused)
-            return False
-        return True
+            return None
+        assert reading is not None  # a manifest with no plan refusal is well-formed here
+        return reading
 
-    async def _train(self, d: Delivery[Batch]) -> None:
-        """Fetch, check, step; then the image of the new version, a checkpoint when one is due, and its publication, which
-        takes the batch over (acked once a durable checkpoint covers it)."""
+    async def _train(self, d: Delivery[Batch], reading: asyncio.Task[TrainingBatch]) -> None:
+        """The trajectories ``reading`` fetches, checked, a step; then the image of the new version, a checkpoint when one
+        is due, and its publication, which takes the batch over (acked once a durable checkpoint covers it)."""
         keep = asyncio.create_task(_keep_alive(d, self.keepalive_s))
         handed = False  # to the group commit, which acks it or stops its keep-alive
         try:
             t_fetch = time.monotonic()
-            batch = await _fetch(self.plane, d, self.metrics)
+            batch = await _fetched(reading, d, self.metrics)
             if batch is None:
                 return
             fetch_s = time.monotonic() - t_fetch
@@ -237,11 +248,12 @@ class TrainerLoop:
         return state
 
 
-async def _fetch(plane: Plane, d: Delivery[Batch], metrics: Metrics) -> TrainingBatch | None:
-    """The trajectories the manifest names, whole, in its order; None when the batch was dead-lettered (one is gone
-    or does not decode) or given back to be tried again (a read failed for a reason that says nothing about it)."""
+async def _fetched(reading: asyncio.Task[TrainingBatch], d: Delivery[Batch], metrics: Metrics) -> TrainingBatch | None:
+    """The trajectories the manifest names, whole, in its order (``reading``: :func:`fetch_batch`); None when the batch
+    was dead-lettered (one is gone or does not decode) or given back to be tried again (a read failed for a reason that
+    says nothing about it)."""
     try:
-        return await fetch_batch(plane, d.msg)
+        return await reading
     except (MissingMessages, PayloadUnavailable, DecodeError) as e:
         metrics.inc({"rejected_batches": 1})
         await d.refuse(Refusal(BatchRefusal.INVALID if isinstance(e, DecodeError) else BatchRefusal.MISSING, str(e)))
@@ -249,6 +261,13 @@ async def _fetch(plane: Plane, d: Delivery[Batch], metrics: Metrics) -> Training
         log.warning("fetching the trajectories of %s failed (%s: %s); trying again", d.msg.batch_id, type(e).__name__, e)
         await d.nak(delay=1.0)
     return None
+
+
+async def _dropped(reading: asyncio.Task[TrainingBatch] | None) -> None:
+    """A read of trajectories that will not be trained: stopped, whatever it had come to."""
+    if reading is not None:
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
 
 
 def _checked_image(run_op: Collective) -> tuple[dict[str, torch.Tensor], list[str]]:

@@ -19,6 +19,7 @@ and that chain is always kept.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from astraflow.streams.messages import WeightVersion
 from astraflow.streams.objects import ObjectError, ObjectStore
 
 log = logging.getLogger(__name__)
+DELETE_WAVE = 64  # objects of one target deleted at once
 
 Key = tuple[int, str]  # (version, state_digest): unique even when a restarted trainer re-announces a version
 
@@ -90,26 +92,27 @@ def plan_retention(history: Iterable[WeightVersion], keep_last: int) -> Retentio
 async def execute_retention(plan: RetentionPlan, targets: Iterable[ObjectStore]) -> list[WeightVersion]:
     """Delete the objects of ``plan.delete`` from each target (the hub's bucket, each region's
     mirror). Returns the announcements whose objects are gone from every target; failures are
-    logged and retried next time."""
-    targets = list(targets)
-    down: set[int] = set()  # targets that failed in this pass are not tried again until the next one
-    done: list[WeightVersion] = []
-    for ann in plan.delete:
-        ok = True
-        for i, store in enumerate(targets):
-            if i in down:
-                ok = False
-                continue
-            for ref in ann.objects:
-                try:
-                    await store.delete(ref)
-                except ObjectError as e:
-                    ok = False
-                    down.add(i)
-                    log.warning("retention: %s", e)
-                    break
-        if ok:
-            done.append(ann)
+    logged (once per target) and retried next time. A target's deletes go out together, ``DELETE_WAVE`` at a time:
+    a keyframe's chain leaves the window all at once, and one after another each would be its own round trips."""
+    gone = [True] * len(plan.delete)
+    refs = [(i, ref) for i, ann in enumerate(plan.delete) for ref in ann.objects]
+    for store in targets:
+        failures: list[ObjectError] = []
+        for at in range(0, len(refs), DELETE_WAVE):
+            wave = refs[at:at + DELETE_WAVE]
+            outcomes = await asyncio.gather(*(store.delete(ref) for _, ref in wave), return_exceptions=True)
+            for (i, _), outcome in zip(wave, outcomes, strict=True):
+                if isinstance(outcome, ObjectError):
+                    gone[i] = False
+                    failures.append(outcome)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+            if failures:  # the target is failing: the rest of its deletes wait for the next pass
+                for i, _ in refs[at + DELETE_WAVE:]:
+                    gone[i] = False
+                break
+        if failures:
+            log.warning("retention: %d objects not deleted (%s)", len(failures), failures[0])
     if plan.broken:
         log.warning("retention: versions %s were already unreconstructible (links missing)", list(plan.broken))
-    return done
+    return [ann for ann, ok in zip(plan.delete, gone, strict=True) if ok]
