@@ -3,6 +3,7 @@ trajectory over max_payload travelling with its arrays in the trajectory bucket 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import struct
 
@@ -78,6 +79,22 @@ async def test_many_messages_by_sequence_in_a_few_requests(plane: Plane, nats_se
 
     cut = await read_seqs(plane._nc, "$JS.API", n.traj_stream, seqs[:10], max_bytes=1)  # each answer cut after one message
     assert sorted(cut) == seqs[:10] and all(cut[s].subject == items[s - seqs[0]][0] for s in cut)
+
+
+async def test_reads_on_one_connection_share_one_reply_subscription(plane: Plane):
+    """Direct gets answer to one subscription per connection, made at the first read and kept: no read subscribes or
+    unsubscribes (each a write to the server of its own); reads at once each get their own answers."""
+    n = plane.names
+    seqs = await plane.publish_many([(n.traj("solver"), traj(f"t{k}", 0, seed=k), None) for k in range(24)])
+    nc = plane._nc
+    await read_seqs(nc, "$JS.API", n.traj_stream, seqs[:1])
+    subscribed = nc._sid  # the client's count of subscriptions ever made
+    parts = [seqs[::2], seqs[1::2], seqs[5:17]] * 3
+    got = await asyncio.gather(*(read_seqs(nc, "$JS.API", n.traj_stream, p, max_bytes=4096) for p in parts))
+    assert [sorted(g) for g in got] == [sorted(p) for p in parts]
+    whole = await read_seqs(nc, "$JS.API", n.traj_stream, seqs)
+    assert all(g[s].data == whole[s].data for g in got for s in g)  # each answer went to the read that asked for it
+    assert nc._sid == subscribed
 
 
 async def test_sequences_that_are_gone_are_named(plane: Plane, nats_server):

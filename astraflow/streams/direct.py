@@ -4,7 +4,9 @@ A trainer reads the trajectories its batch manifest names this way. The wanted s
 sorted and cut into runs of consecutive ones (:func:`runs`); each run is one request
 ``{"seq": first, "batch": n, "max_bytes": B}`` to ``$JS.API.DIRECT.GET.{stream}``, which the
 server answers with the messages, in order, then an end-of-batch marker (status 204). No consumer
-is made or deleted, and nothing between runs is sent. Runs are requested concurrently, at most
+is made or deleted, and nothing between runs is sent. The answers come to one wildcard subscription per connection,
+made at the first read and kept (:class:`Replies`): a read sends no SUB or UNSUB of its own, each of which would be a
+write to the server of its own and a change to its subject index. Runs are requested concurrently, at most
 ``in_flight`` at a time and ``max_bytes`` each, so no run waits for another's round trip and the
 bytes in flight stay bounded; a run the server cut at ``max_bytes`` goes on from the next sequence.
 
@@ -20,14 +22,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 DEFAULT_MAX_BYTES = 8 << 20  # per request: what one answer may carry before the server cuts it
 DEFAULT_IN_FLIGHT = 8  # requests answered at once
+REPLY_PENDING_BYTES = 4 * DEFAULT_IN_FLIGHT * DEFAULT_MAX_BYTES  # what the answers' subscription may hold unrouted
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,51 @@ def runs(seqs: Iterable[int]) -> list[tuple[int, int]]:
     return out
 
 
+class Replies:
+    """The answers to one connection's direct gets: one subscription to ``{inbox}.*``, made at the first read and kept
+    (the client makes it again after a reconnect), each answer routed by its reply subject to the read that asked."""
+
+    def __init__(self, nc: Client) -> None:
+        self.prefix = nc.new_inbox()  # the client is not kept: it is this object's key in ``_REPLIES``
+        self.ids = itertools.count()
+        self.waiting: dict[str, asyncio.Queue[Msg]] = {}  # reply subject -> its answers, while a read waits for them
+        self.subscribed: asyncio.Task[Subscription] | None = None
+
+    async def open(self, nc: Client) -> tuple[str, asyncio.Queue[Msg]]:
+        """A fresh reply subject on ``nc`` and the queue its answers arrive in (:meth:`close` it once read)."""
+        if self.subscribed is None:
+            self.subscribed = asyncio.create_task(nc.subscribe(f"{self.prefix}.*", cb=self._route,
+                                                                    pending_bytes_limit=REPLY_PENDING_BYTES))
+        subscribed = self.subscribed
+        try:
+            await asyncio.shield(subscribed)
+        except Exception:
+            self.subscribed = None  # the next read tries again
+            raise
+        reply = f"{self.prefix}.{next(self.ids)}"
+        queue = self.waiting[reply] = asyncio.Queue()
+        return reply, queue
+
+    def close(self, reply: str) -> None:
+        self.waiting.pop(reply, None)  # an answer still to come is dropped
+
+    async def _route(self, msg: Msg) -> None:
+        queue = self.waiting.get(msg.subject)
+        if queue is not None:
+            queue.put_nowait(msg)
+
+
+_REPLIES: weakref.WeakKeyDictionary[Client, Replies] = weakref.WeakKeyDictionary()
+
+
+def replies(nc: Client) -> Replies:
+    """The connection's :class:`Replies`."""
+    found = _REPLIES.get(nc)
+    if found is None:
+        found = _REPLIES[nc] = Replies(nc)
+    return found
+
+
 async def read_seqs(nc: Client, api_prefix: str, stream: str, seqs: Iterable[int], max_bytes: int = DEFAULT_MAX_BYTES,
                     in_flight: int = DEFAULT_IN_FLIGHT, timeout: float = 10.0) -> dict[int, StreamMsg]:
     """The messages at ``seqs`` of ``stream`` (``api_prefix``: ``$JS.API``, or ``$JS.{domain}.API``), by sequence.
@@ -82,23 +132,13 @@ async def read_seqs(nc: Client, api_prefix: str, stream: str, seqs: Iterable[int
     Raises :class:`MissingMessages` when some are gone, :class:`DirectGetError` when the server refuses,
     ``asyncio.TimeoutError`` when an answer stalls for ``timeout`` seconds."""
     wanted = runs(seqs)
-    inbox = nc.new_inbox()
-    answers: dict[str, asyncio.Queue[Msg]] = {}
-
-    async def route(msg: Msg) -> None:
-        queue = answers.get(msg.subject)
-        if queue is not None:  # an answer to a request given up on is dropped
-            queue.put_nowait(msg)
-
-    sub = await nc.subscribe(f"{inbox}.*", cb=route, pending_bytes_limit=max(64 << 20, 4 * in_flight * max_bytes))
+    mux = replies(nc)
     got: dict[int, StreamMsg] = {}
-    ids = itertools.count()
     slots = asyncio.Semaphore(in_flight)
 
     async def request(first: int, last: int) -> int:
         """One batched get of ``[first, last]``; returns the highest sequence of the range that arrived (first - 1: none)."""
-        reply = f"{inbox}.{next(ids)}"
-        queue = answers[reply] = asyncio.Queue()
+        reply, queue = await mux.open(nc)
         body = {"seq": first, "batch": last - first + 1, "max_bytes": max_bytes}
         highest = first - 1
         try:
@@ -112,7 +152,7 @@ async def read_seqs(nc: Client, api_prefix: str, stream: str, seqs: Iterable[int
                 if not more:
                     return highest
         finally:
-            del answers[reply]
+            mux.close(reply)
 
     async def read_run(first: int, count: int) -> None:
         async with slots:
@@ -130,7 +170,6 @@ async def read_seqs(nc: Client, api_prefix: str, stream: str, seqs: Iterable[int
         for r in reads:
             r.cancel()
         await asyncio.gather(*reads, return_exceptions=True)
-        await sub.unsubscribe()
     gone = [s for first, count in wanted for s in range(first, first + count) if s not in got]
     if gone:
         raise MissingMessages(stream, gone)
@@ -145,18 +184,13 @@ async def read_subject(nc: Client, api_prefix: str, stream: str, subject: str, c
     server refuses (503: no stream here allows direct gets, e.g. a mirror), ``asyncio.TimeoutError``
     when an answer stalls for ``timeout`` seconds."""
     got: list[StreamMsg] = []
-    queue: asyncio.Queue[Msg] = asyncio.Queue()
-    inbox = nc.new_inbox()
-
-    async def route(msg: Msg) -> None:
-        queue.put_nowait(msg)
-
-    sub = await nc.subscribe(inbox, cb=route, pending_bytes_limit=max(64 << 20, 2 * max_bytes))
+    mux = replies(nc)
+    reply, queue = await mux.open(nc)
     try:
         start = 1
         while len(got) < count:
             body = {"seq": start, "next_by_subj": subject, "batch": count - len(got), "max_bytes": max_bytes}
-            await nc.publish(f"{api_prefix}.DIRECT.GET.{stream}", json.dumps(body).encode(), reply=inbox)
+            await nc.publish(f"{api_prefix}.DIRECT.GET.{stream}", json.dumps(body).encode(), reply=reply)
             before = len(got)
             while True:
                 msg = queue.get_nowait() if not queue.empty() else await asyncio.wait_for(queue.get(), timeout)
@@ -169,5 +203,5 @@ async def read_subject(nc: Client, api_prefix: str, stream: str, subject: str, c
                 break
             start = got[-1].seq + 1  # cut at max_bytes: go on after what arrived
     finally:
-        await sub.unsubscribe()
+        mux.close(reply)
     return got
