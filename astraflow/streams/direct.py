@@ -94,7 +94,7 @@ class Replies:
         """A fresh reply subject on ``nc`` and the queue its answers arrive in (:meth:`close` it once read)."""
         if self.subscribed is None:
             self.subscribed = asyncio.create_task(nc.subscribe(f"{self.prefix}.*", cb=self._route,
-                                                                    pending_bytes_limit=REPLY_PENDING_BYTES))
+                                                               pending_bytes_limit=REPLY_PENDING_BYTES))
         subscribed = self.subscribed
         try:
             await asyncio.shield(subscribed)
