@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_async_vs_sync import Roles  # noqa: E402
+from proc_stats import cpu_s  # noqa: E402
 from result_files import write  # noqa: E402
 
 from astraflow.config import load_recipe  # noqa: E402
@@ -61,7 +62,6 @@ from astraflow.streams.server import EmbeddedServer, cluster_members, free_port 
 from astraflow.streams.subjects import Names  # noqa: E402
 
 SLOTS, GROUP, BATCH, MEDIAN_S, SIGMA, NEW_TOKENS = 4, 8, 32, 2.0, 1.0, 4
-CLK = os.sysconf("SC_CLK_TCK")
 
 
 def recipe(nodes: int, replicas: int) -> dict[str, Any]:
@@ -126,12 +126,6 @@ def host_main(url: str, run: str, recipe_file: str, first: int, count: int, out:
 
 
 # ------------------------------------------------------------------ the driver
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
-
 
 def rss_mib(pid: int) -> float:
     line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import nats
 from nats.js import api
+from proc_stats import cpu_s
 from rich.console import Console
 from rich.table import Table
 
@@ -40,12 +41,6 @@ from astraflow.streams.server import EmbeddedServer
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "arithmetic" / "inprocess.yaml"
 console = Console()
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def per_op(n: int) -> list[dict[str, float | str]]:

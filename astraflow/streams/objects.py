@@ -224,11 +224,11 @@ async def delete_object(js: JetStreamContext, bucket: str, ref: ObjectRef, strea
             raise purged
         if isinstance(last, NotFoundError):
             return
-        try:
-            if isinstance(last, BaseException):
-                raise last
-            named = json.loads(last.data or b"{}")
-        except Exception:  # unreadable: purge it, as before the check (a reader needs only the chunks)
+        if isinstance(last, BaseException) and not isinstance(last, Exception):  # cancelled: not a fact about the object
+            raise last
+        try:  # unreadable (a failed read, not JSON): purged, as before the check (a reader needs only the chunks)
+            named = None if isinstance(last, Exception) else json.loads(last.data or b"{}")
+        except ValueError:
             named = None
         if not isinstance(named, dict) or named.get("nuid") in (None, ref.nuid):
             await js.purge_stream(stream, subject=meta)
