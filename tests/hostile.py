@@ -130,8 +130,8 @@ async def tell(plane: Plane, d: Delivery[Task], k: int, lies: Lies, rng: random.
     kind = lies.kinds[(k // 2) % len(lies.kinds)]
     version = max(await newest(plane, task.policy), task.min_versions.get(task.policy, 0))
     await publish_trajectories(plane, [lie(task, i, version, kind, rng, recipe.rollout.max_new_tokens) for i in range(task.group_size)])
+    lies.told[task.task_id] = kind  # told once stored: the ack may fail as the server cuts the node off, the lie judged all the same
     await d.ack()
-    lies.told[task.task_id] = kind
 
 
 async def fates_of(run_dir: Path, policy: str, lies: Lies) -> dict[str, str]:
