@@ -152,6 +152,31 @@ def test_large_gaps_use_wider_positions():
     assert same_bits(target, new) and stats.n_changed == 4
 
 
+
+def chunk_modes(payload: bytes) -> list[tuple[int, int]]:
+    """(mode, width) of each chunk of a one-tensor payload with one chunk."""
+    (layout_len,) = struct.unpack_from("<I", payload, 16)
+    mode, width, _ = struct.unpack_from("<BBI", payload, 24 + layout_len + 8)
+    return [(mode, width)]
+
+
+@pytest.mark.parametrize("changed, expect", [  # 1,000 bf16 values: dense is 2,000 B, sparse is chosen up to 1,500 B
+    (np.arange(0, 1000, 4), (1, 1)),  # 250 a gap of 3 apart: 250 x (1 + 2) = 750 B sparse
+    (np.arange(0, 1000, 2), (1, 1)),  # 500: 1,500 B sparse, just within
+    (np.r_[1, np.arange(0, 1000, 2)], (2, 0)),  # 501: over 1,500 B sparse whatever the gaps
+    (np.r_[np.arange(0, 399), 999], (2, 0)),  # 400 and one gap of 600: 2-byte gaps, 1,600 B sparse
+    (np.r_[np.arange(0, 300), 999], (1, 2)),  # 301 and one gap of 699: 2-byte gaps, 1,204 B sparse
+])
+def test_a_chunk_is_sparse_or_dense_whichever_is_smaller(changed, expect):
+    base = {"w": torch.zeros(1000, dtype=torch.bfloat16)}
+    new = clone(base)
+    new["w"][torch.as_tensor(changed)] = 1.0
+    payload, stats = encode_delta(base, new)
+    assert chunk_modes(payload) == [expect]
+    target = clone(base)
+    apply_delta(target, payload)
+    assert same_bits(target, new) and stats.n_changed == len(changed)
+
 def test_apply_writes_through_views_and_parameters():
     storage = torch.zeros(2, 6, dtype=torch.bfloat16)
     param = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))

@@ -421,18 +421,20 @@ def _gaps(idx: np.ndarray) -> np.ndarray:
 
 
 def _delta_chunk(pair: tuple[np.ndarray, np.ndarray]) -> _Encoded:
+    """Sparse planes cost m (width + size) bytes against n size dense: dense once that passes DENSE_RATIO. Since
+    width >= 1, the count m alone may settle it before the positions and gaps are worked out."""
     base, new = pair
-    idx = np.flatnonzero(np.not_equal(base, new, out=_scratch("changed", new.size, np.bool_)))
-    n, m, size = new.size, idx.size, new.itemsize
+    diff = np.subtract(new, base, out=_scratch("diff", new.size, new.dtype.type))  # wrapping: zero where unchanged
+    n, m, size = new.size, int(np.count_nonzero(diff)), new.itemsize
     if m == 0:
         return _Encoded(_Chunk(MODE_UNCHANGED, 0, 0, ()), [])
-    gaps = _gaps(idx)
-    width = max(1, (int(gaps.max()).bit_length() + 7) // 8)
-    if m * (width + size) > DENSE_RATIO * n * size:
-        diff = np.subtract(new, base, out=_scratch("diff", n, new.dtype.type))
-        return _encoded(MODE_DENSE, 0, m, _to_planes((_zigzag(diff), size)))
-    diff = _zigzag(np.take(new, idx) - np.take(base, idx))
-    return _encoded(MODE_SPARSE, width, m, _to_planes((gaps, width), (diff, size)))
+    if m * (1 + size) <= DENSE_RATIO * n * size:
+        idx = np.flatnonzero(diff)
+        gaps = _gaps(idx)
+        width = max(1, (int(gaps.max()).bit_length() + 7) // 8)
+        if m * (width + size) <= DENSE_RATIO * n * size:
+            return _encoded(MODE_SPARSE, width, m, _to_planes((gaps, width), (_zigzag(np.take(diff, idx)), size)))
+    return _encoded(MODE_DENSE, 0, m, _to_planes((_zigzag(diff), size)))
 
 
 def _chunk_spans(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
