@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import time
@@ -180,7 +181,12 @@ async def test_object_round_trip_and_corrupt_chunk_refused(plane: Plane):
     data = os.urandom(3 * 1024 * 1024 + 123)
     ref = await put_object(plane._js, bucket, "w/v1", data, chunk_size=256 * 1024)
     assert len(ref.digests) == 13
+    assert ref.digests == [hashlib.sha256(data[i * 256 * 1024:(i + 1) * 256 * 1024]).hexdigest() for i in range(13)]
+    assert ref.digest == hashlib.sha256(data).hexdigest()
     assert bytes(await get_object(plane._js, bucket, ref)) == data
+    one = await put_object(plane._js, bucket, "w/v2", iter([data[:1000], data[1000:5000]]), chunk_size=256 * 1024)
+    assert one.digests == [hashlib.sha256(data[:5000]).hexdigest()] == [one.digest]  # its one chunk is the whole
+    assert bytes(await get_object(plane._js, bucket, one)) == data[:5000]
     # corrupt one chunk: rewrite the chunk subject with a flipped byte and a wrong order
     bad = ref.model_copy(update={"digests": ref.digests[:5] + ["0" * 64] + ref.digests[6:]})
     with pytest.raises(CorruptObject, match="chunk 5"):

@@ -128,14 +128,15 @@ def _in_chunks(data: Data | Pieces, chunk_size: int) -> Iterator[bytes]:
         yield bytes(buf)
 
 
-def _next_chunk(chunks: Iterator[bytes], whole: Any) -> tuple[bytes, str] | None:
+def _next_chunk(chunks: Iterator[bytes], whole: Any, first: bool) -> tuple[bytes, str] | None:
     """The next chunk and its sha256 (the whole payload's hash updated), or None at the end; runs on a worker
-    thread: pulling a piece may run its encoder, and hashlib releases the GIL."""
+    thread: pulling a piece may run its encoder, and hashlib releases the GIL. The first chunk's hash is the whole's
+    so far: it is hashed once (a one-chunk payload, a small model's delta, is all of it)."""
     chunk = next(chunks, None)
     if chunk is None:
         return None
     whole.update(chunk)
-    return chunk, hashlib.sha256(chunk).hexdigest()
+    return chunk, (whole.copy() if first else hashlib.sha256(chunk)).hexdigest()
 
 
 def owner_tag(owner: str) -> str:
@@ -164,12 +165,12 @@ async def put_object(js: JetStreamContext, bucket: str, name: str | Awaitable[st
     size = 0
     futs: list[asyncio.Future[Any]] = []
     reconnects = reconnects_of(js)
-    pulling = asyncio.ensure_future(asyncio.to_thread(_next_chunk, chunks, whole))
+    pulling = asyncio.ensure_future(asyncio.to_thread(_next_chunk, chunks, whole, True))
     try:
         while True:
             nxt = await pulling
             if nxt is not None:  # the next chunk is encoded and hashed while this one goes out
-                pulling = asyncio.ensure_future(asyncio.to_thread(_next_chunk, chunks, whole))
+                pulling = asyncio.ensure_future(asyncio.to_thread(_next_chunk, chunks, whole, False))
             elif digests:
                 break
             chunk, digest = nxt or (b"", hashlib.sha256(b"").hexdigest())  # an empty payload is one empty chunk
