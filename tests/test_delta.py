@@ -152,12 +152,11 @@ def test_large_gaps_use_wider_positions():
     assert same_bits(target, new) and stats.n_changed == 4
 
 
-
-def chunk_modes(payload: bytes) -> list[tuple[int, int]]:
-    """(mode, width) of each chunk of a one-tensor payload with one chunk."""
+def only_chunk_mode(payload: bytes) -> tuple[int, int]:
+    """(mode, width) of the one chunk of a one-tensor payload: the first index row after the layout and section head."""
     (layout_len,) = struct.unpack_from("<I", payload, 16)
     mode, width, _ = struct.unpack_from("<BBI", payload, 24 + layout_len + 8)
-    return [(mode, width)]
+    return mode, width
 
 
 @pytest.mark.parametrize("changed, expect", [  # 1,000 bf16 values: dense is 2,000 B, sparse is chosen up to 1,500 B
@@ -172,10 +171,11 @@ def test_a_chunk_is_sparse_or_dense_whichever_is_smaller(changed, expect):
     new = clone(base)
     new["w"][torch.as_tensor(changed)] = 1.0
     payload, stats = encode_delta(base, new)
-    assert chunk_modes(payload) == [expect]
+    assert only_chunk_mode(payload) == expect
     target = clone(base)
     apply_delta(target, payload)
     assert same_bits(target, new) and stats.n_changed == len(changed)
+
 
 def test_apply_writes_through_views_and_parameters():
     storage = torch.zeros(2, 6, dtype=torch.bfloat16)
