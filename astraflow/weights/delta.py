@@ -425,14 +425,15 @@ def _delta_chunk(pair: tuple[np.ndarray, np.ndarray]) -> _Encoded:
     width >= 1, the count m alone may settle it before the positions and gaps are worked out."""
     base, new = pair
     diff = np.subtract(new, base, out=_scratch("diff", new.size, new.dtype.type))  # wrapping: zero where unchanged
-    n, m, size = new.size, int(np.count_nonzero(diff)), new.itemsize
+    m, size = int(np.count_nonzero(diff)), new.itemsize
     if m == 0:
         return _Encoded(_Chunk(MODE_UNCHANGED, 0, 0, ()), [])
-    if m * (1 + size) <= DENSE_RATIO * n * size:
+    sparse_budget = DENSE_RATIO * new.size * size  # bytes the sparse planes may take
+    if m * (1 + size) <= sparse_budget:
         idx = np.flatnonzero(diff)
         gaps = _gaps(idx)
         width = max(1, (int(gaps.max()).bit_length() + 7) // 8)
-        if m * (width + size) <= DENSE_RATIO * n * size:
+        if m * (width + size) <= sparse_budget:
             return _encoded(MODE_SPARSE, width, m, _to_planes((gaps, width), (_zigzag(np.take(diff, idx)), size)))
     return _encoded(MODE_DENSE, 0, m, _to_planes((_zigzag(diff), size)))
 
