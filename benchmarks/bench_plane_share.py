@@ -12,7 +12,7 @@ per message, so their CPU follows samples/s; the trainer's step and the node's g
 plane's share falls as the width grows: this shows by how much. Output: a rich table, ``benchmarks/figures/
 plane_share.png``, ``benchmarks/results/plane_share.json`` and, as the last stdout line, JSON.
 
-    python benchmarks/bench_plane_share.py [--widths 64 128 256 512] [--seconds 120] [--sft-steps 150] [--keep DIR]
+    python benchmarks/bench_plane_share.py [--widths 64 128 256 512] [--seconds 120] [--sft-steps 150] [--set K=V] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -45,16 +45,16 @@ def width_sets(width: int) -> list[str]:
     return [f"model.hidden_size={width}", f"model.intermediate_size={4 * width}"]
 
 
-def one_width(width: int, seconds: float, sft_steps: int, workdir: Path, progress: Progress) -> dict[str, Any]:
-    """Warm start at ``width``, then ``up`` from it for ``seconds``; the figures of that run."""
+def one_width(width: int, seconds: float, sft_steps: int, workdir: Path, progress: Progress, sets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Warm start at ``width``, then ``up`` from it for ``seconds`` with the recipe overrides ``sets``; the figures of that run."""
     workdir.mkdir(parents=True, exist_ok=True)
-    recipe = load_recipe(RECIPE, [*width_sets(width), f"sft.steps={sft_steps}"])
+    recipe = load_recipe(RECIPE, [*width_sets(width), f"sft.steps={sft_steps}", *sets])
     checkpoint = workdir / "sft-checkpoint"
     t0 = time.perf_counter()
     warm_start(recipe, checkpoint, threads=2)  # nothing else runs yet: both cores
     sft_s = time.perf_counter() - t0
     bar = progress.add_task(f"width {width}: astraflow up", total=seconds)
-    curve = run_up(checkpoint, seconds, 1, recipe.eval.every, int(30 * seconds), workdir, lambda s: progress.update(bar, completed=s))
+    curve = run_up(checkpoint, seconds, 1, recipe.eval.every, int(30 * seconds), workdir, lambda s: progress.update(bar, completed=s), sets)
     notes = curve.notes
     cpu = {k.removeprefix("cpu."): v for k, v in notes.items() if k.startswith("cpu.")}
     plane, total = sum(cpu.get(k, 0.0) for k in PLANE), sum(cpu.values())
@@ -126,15 +126,16 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=150, help="each width's SFT warm start")
     ap.add_argument("--keep", type=Path, default=None, help="keep checkpoints, run directories and logs here")
     ap.add_argument("--figure", type=Path, default=FIGURE)
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="a recipe override for every width (repeatable)")
     ap.add_argument("--no-record", action="store_true", help="print only; write no result file or figure")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = args.keep or Path(tmp)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
                       TimeElapsedColumn(), console=console) as progress:
-            results = [one_width(w, args.seconds, args.sft_steps, base / f"w{w}", progress) for w in args.widths]
+            results = [one_width(w, args.seconds, args.sft_steps, base / f"w{w}", progress, tuple(args.sets)) for w in args.widths]
     console.print(table(results, args.seconds))
-    figures = {"seconds": args.seconds, "widths": results}
+    figures = {"seconds": args.seconds, "sets": args.sets, "widths": results}
     if not args.no_record:
         plot(results, args.figure)
         result_files.write("plane_share", figures)

@@ -428,13 +428,30 @@ def trl_seeds(r: dict[str, Any]) -> str:
             "above zero):\n\n" + "\n".join(times) + f"\n\n![held-out over seeds, and up − TRL with its interval]({r['figure']})\n")
 
 
+def plane_share(r: dict[str, Any]) -> str:
+    roles = ("trainer-solver", "rollout-0", "evaluator", "dataflow", "nats-server", "launcher")
+    rows = ["| width | parameters | samples/s trained | s/version | trainer outside its step | trainer waiting for a batch "
+            "| delta a version | trainer | node | evaluator | dataflow | nats-server | launcher | the plane's share "
+            "| plane CPU per 1k samples |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w in r["widths"]:
+        c, waits = w["cpu"], w.get("trainer_waits")
+        rows.append(f"| {w['width']} | {w['parameters'] / 1e6:.2f} M | {w['trained_per_s']:.0f} | {w['s_per_version']:.3f} | "
+                    f"{100 * w['outside_step']:.0f} % | {'–' if waits is None else f'{100 * waits:.0f} %'} | "
+                    f"{(w['delta_bytes'] or 0) / 2**10:,.0f} KiB | "
+                    + " | ".join(f"{c.get(k, 0.0):.3f}" for k in roles)
+                    + f" | **{100 * w['plane_share']:.1f} %** | {w['plane_ms_per_1k_samples']:,.0f} ms |")
+    return (provenance(r) + f"{r['seconds']:.0f} s of RL at each width, each from its own {r['widths'][0]['sft_steps']}-step SFT "
+            "warm start; CPU in cores busy over the window.\n\n" + "\n".join(rows)
+            + "\n\n![the plane's share and the trainer's time outside its step by model size](benchmarks/figures/plane_share.png)\n")
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "facade": facade, "fanout": fanout, "fanout_links": fanout_links, "moe": moe,
     "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
     "shared_base": shared_base, "lora_team": lora_team, "pool_model": pool_model, "pool_scale": pool_scale, "trl": trl,
     "trl_seeds": trl_seeds, "trl_seeds_1core": trl_seeds, "vllm_stall": vllm_stall,
-    "vllm_partial": vllm_partial,
+    "vllm_partial": vllm_partial, "plane_share": plane_share,
 }
 
 
