@@ -1,4 +1,4 @@
-"""The plane's share of ``astraflow up``'s CPU as the model grows: a cost per sample, not per parameter.
+"""The plane's share of ``astraflow up``'s CPU, and the trainer's time outside its step, as the model grows.
 
 The in-process workload (``recipes/arithmetic/inprocess.yaml``: a+b, 8 prompts x 8 samples a step, lr 1e-4, one
 rollout node) at several widths of its Qwen2 (``model.hidden_size`` W, ``intermediate_size`` 4W, the recipe's
@@ -7,10 +7,10 @@ it for ``--seconds`` after version 0, as ``bench_trl.py`` runs it. Per width it 
 each role kept busy, the plane's share (dataflow, nats-server and launcher over all roles), the plane's CPU per
 1,000 samples, the trainer's time outside its step (1 − step / version) and the weight delta's bytes a version.
 
-The dataflow's work is per sample (decode, checks, the claims scored again, a batch's bookkeeping) and the server's
-per message, so their CPU follows samples/s; the trainer's step and the node's generation grow with the model. The
-plane's share falls as the width grows: this shows by how much. Output: a rich table, ``benchmarks/figures/
-plane_share.png``, ``benchmarks/results/plane_share.json`` and, as the last stdout line, JSON.
+The dataflow's work is per sample (decode, checks, the claims scored again, a batch's bookkeeping) and per turn, the
+server's per message and per byte of the weights; the trainer's step and the node's generation grow with the model.
+So the plane's share falls as the width grows: this shows by how much, and what stays. Output: a rich table,
+``benchmarks/figures/plane_share.png``, ``benchmarks/results/plane_share.json`` and, as the last stdout line, JSON.
 
     python benchmarks/bench_plane_share.py [--widths 64 128 256 512] [--seconds 120] [--sft-steps 150] [--set K=V] [--keep DIR]
 """
