@@ -1,4 +1,5 @@
-"""What every role process shares: stop signals, a heartbeat loop, periodic tasks, the crash points of the kill tests."""
+"""What every role process shares: stop signals, a heartbeat loop, periodic tasks, stopping a task for sure, the crash
+points of the kill tests."""
 
 from __future__ import annotations
 
@@ -106,6 +107,20 @@ async def watch_server(plane: Plane, stop: Stop, bound_s: float) -> None:
             return
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), 1.0)
+
+
+async def cancel_and_wait(*tasks: asyncio.Future[Any], every_s: float = 1.0) -> None:
+    """Cancel ``tasks`` and return once every one has ended, whatever it came to (results and errors are dropped). One
+    still running after ``every_s`` is cancelled again: before Python 3.12, ``asyncio.wait_for`` swallows a cancellation
+    that comes just as what it waits for finishes (CPython gh-86296), and a loop around it would then run on forever."""
+    running = {t for t in tasks if not t.done()}
+    while running:
+        for t in running:
+            t.cancel()
+        _, running = await asyncio.wait(running, timeout=every_s)
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()  # retrieved: never reported as "never retrieved"
 
 
 async def every(seconds: float, fn: Callable[[], Awaitable[object]], stop: asyncio.Event) -> None:

@@ -35,6 +35,7 @@ from astraflow.launch.supervisor import Child, CrashLoop, LocalPool, RoleSpec, S
 from astraflow.launch.view import View
 from astraflow.launch.warm_base import warm_shared_base
 from astraflow.launch.watcher import RunWatcher
+from astraflow.runtime import cancel_and_wait
 from astraflow.streams.credentials import Credential, is_loopback, issue, make_tls, node_path, redact
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S
 from astraflow.streams.permissions import Scope
@@ -417,8 +418,7 @@ async def watch(recipe: Recipe, rundir: RunDir, watcher: RunWatcher, sup: Superv
             return "stopped"
     finally:
         if keeping is not None:
-            keeping.cancel()
-            await asyncio.gather(keeping, return_exceptions=True)
+            await cancel_and_wait(keeping)
 
 
 def hold_stop_signals(loop: asyncio.AbstractEventLoop) -> None:

@@ -18,6 +18,7 @@ import contextlib
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+from astraflow.runtime import cancel_and_wait
 from astraflow.streams.messages import Task
 from astraflow.streams.plane import Delivery
 
@@ -94,6 +95,4 @@ class Slots:
             try:
                 await self.drain()
             finally:
-                keeper.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await keeper
+                await cancel_and_wait(keeper)

@@ -24,6 +24,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
+from astraflow.runtime import cancel_and_wait
 from astraflow.streams.codec import DecodeError, decode
 from astraflow.streams.messages import Message, Refusal
 from astraflow.streams.pull import PullRequests
@@ -303,8 +304,7 @@ class Follower(Generic[M]):
         task = asyncio.create_task(hand_over())
 
         async def stop() -> None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
             await self.close()
 
         return Subscription(stop)

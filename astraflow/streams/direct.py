@@ -30,6 +30,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from astraflow.runtime import cancel_and_wait
+
 DEFAULT_MAX_BYTES = 8 << 20  # per request: what one answer may carry before the server cuts it
 DEFAULT_IN_FLIGHT = 8  # requests answered at once
 REPLY_PENDING_BYTES = 4 * DEFAULT_IN_FLIGHT * DEFAULT_MAX_BYTES  # what the answers' subscription may hold unrouted
@@ -167,9 +169,7 @@ async def read_seqs(nc: Client, api_prefix: str, stream: str, seqs: Iterable[int
     try:
         await asyncio.gather(*reads)
     finally:  # one run failed: the others stop too
-        for r in reads:
-            r.cancel()
-        await asyncio.gather(*reads, return_exceptions=True)
+        await cancel_and_wait(*reads)
     gone = [s for first, count in wanted for s in range(first, first + count) if s not in got]
     if gone:
         raise MissingMessages(stream, gone)

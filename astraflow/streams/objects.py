@@ -44,6 +44,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext, JetStreamManager, api
 from nats.js.errors import BadRequestError, NotFoundError
 
+from astraflow.runtime import cancel_and_wait
 from astraflow.streams.acks import AcksLost, acked, reconnects_of
 from astraflow.streams.direct import DirectGetError, read_subject
 from astraflow.streams.messages import ObjectRef
@@ -381,8 +382,7 @@ async def iter_object(js: JetStreamContext, bucket: str, ref: ObjectRef, stream:
                 raise CorruptObject(f"object {ref.name}: whole-payload digest mismatch")
             yield chunk
     finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+        await cancel_and_wait(reader)
         while not checked.empty():  # checks the consumer did not wait for: their errors are this one's
             await asyncio.gather(checked.get_nowait(), return_exceptions=True)
         try:

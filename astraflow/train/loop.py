@@ -45,7 +45,7 @@ import torch
 from astraflow.config import Recipe
 from astraflow.metrics import Metrics, serving
 from astraflow.role import Role
-from astraflow.runtime import crash_point
+from astraflow.runtime import cancel_and_wait, crash_point
 from astraflow.streams.batch_queue import BatchQueue
 from astraflow.streams.codec import DecodeError
 from astraflow.streams.direct import MissingMessages
@@ -266,8 +266,7 @@ async def _fetched(reading: asyncio.Task[TrainingBatch], d: Delivery[Batch], met
 async def _dropped(reading: asyncio.Task[TrainingBatch] | None) -> None:
     """A read of trajectories that will not be trained: stopped, whatever it had come to."""
     if reading is not None:
-        reading.cancel()
-        await asyncio.gather(reading, return_exceptions=True)
+        await cancel_and_wait(reading)
 
 
 def _checked_image(run_op: Collective) -> tuple[dict[str, torch.Tensor], list[str]]:

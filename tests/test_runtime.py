@@ -1,0 +1,57 @@
+"""Stopping a task for sure (``runtime.cancel_and_wait``): what every close path of the plane relies on."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from astraflow.runtime import cancel_and_wait
+
+
+def a_loop_around_wait_for(arrived: asyncio.Event) -> asyncio.Task[int]:
+    """A follower's shape: wait (bounded) for something to arrive, take it, wait again; it returns only if it is
+    cancelled out of its loop."""
+
+    async def follow() -> int:
+        taken = 0
+        while True:
+            try:
+                await asyncio.wait_for(arrived.wait(), 1.0)
+            except asyncio.TimeoutError:
+                continue
+            arrived.clear()
+            taken += 1
+
+    return asyncio.create_task(follow())
+
+
+async def test_a_loop_is_stopped_even_when_its_cancellation_comes_as_something_arrives():
+    arrived = asyncio.Event()
+    if sys.version_info < (3, 12):  # the premise: there, a bare cancel at that moment is swallowed and the loop runs on
+        task = a_loop_around_wait_for(arrived)
+        await asyncio.sleep(0.01)
+        arrived.set()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=0.3)
+        assert not done, "the cancellation was not swallowed: this Python no longer needs cancel_and_wait's second try"
+        await cancel_and_wait(task)
+        assert task.cancelled()
+    task = a_loop_around_wait_for(arrived)
+    await asyncio.sleep(0.01)
+    arrived.set()
+    await asyncio.wait_for(cancel_and_wait(task, every_s=0.05), 5.0)
+    assert task.cancelled()
+
+
+async def test_what_the_tasks_came_to_is_dropped_and_finished_ones_are_left_as_they_are():
+    async def fails() -> None:
+        raise RuntimeError("boom")
+
+    async def sleeps() -> None:
+        await asyncio.sleep(60)
+
+    failed, finished, sleeping = asyncio.create_task(fails()), asyncio.create_task(asyncio.sleep(0, "ok")), asyncio.create_task(sleeps())
+    await asyncio.sleep(0.01)
+    await cancel_and_wait(failed, finished, sleeping)
+    assert finished.result() == "ok" and isinstance(failed.exception(), RuntimeError) and sleeping.cancelled()
+    await cancel_and_wait()  # nothing to stop: returns at once
