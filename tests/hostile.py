@@ -55,6 +55,7 @@ LETTERS = [i + 3 for i in b"abcdefghijklmnopqrstuvwxyz"]  # ByT5 ids of letters:
 @dataclass
 class Lies:
     told: dict[str, str] = field(default_factory=dict)  # task id -> the kind of lie its trajectories told
+    cut_short: dict[str, str] = field(default_factory=dict)  # likewise, for a lie whose store was cut off: maybe stored
     given_back: int = 0  # real tasks left to the honest nodes
     started: float = 0.0  # time.time() of the first lie
     cut_off: float | None = None  # time.time() the server closed its connection (its credential revoked)
@@ -129,16 +130,20 @@ async def tell(plane: Plane, d: Delivery[Task], k: int, lies: Lies, rng: random.
     task = d.msg
     kind = lies.kinds[(k // 2) % len(lies.kinds)]
     version = max(await newest(plane, task.policy), task.min_versions.get(task.policy, 0))
-    await publish_trajectories(plane, [lie(task, i, version, kind, rng, recipe.rollout.max_new_tokens) for i in range(task.group_size)])
+    try:
+        await publish_trajectories(plane, [lie(task, i, version, kind, rng, recipe.rollout.max_new_tokens) for i in range(task.group_size)])
+    except Exception:  # the server may have stored it and closed the connection before its acknowledgement: judged too
+        lies.cut_short[task.task_id] = kind
+        raise
     lies.told[task.task_id] = kind  # told once stored: the ack may fail as the server cuts the node off, the lie judged all the same
     await d.ack()
 
 
 async def fates_of(run_dir: Path, policy: str, lies: Lies) -> dict[str, str]:
-    """The fate the finished run gave each task the node lied about (none yet: ``BATCHED`` where the stopped run's state
-    has it in a batch, ``IN_FLIGHT`` where it holds it out, its samples unread; ``"?"``: none recorded and neither), and
-    the node's quarantine (``lies.quarantine``), read from the run's store: a server of our own on it (the run's embedded
-    one stopped with ``up``)."""
+    """The fate the finished run gave each task the node lied about, or began to as it was cut off (none yet:
+    ``BATCHED`` where the stopped run's state has it in a batch, ``IN_FLIGHT`` where it holds it out, its samples unread;
+    ``"?"``: none recorded and neither), and the node's quarantine (``lies.quarantine``), read from the run's store: a
+    server of our own on it (the run's embedded one stopped with ``up``)."""
     recipe, cred_dir = load_recipe(run_dir / "recipe.yaml"), run_dir / "credentials"
     run = Credential.read(cred_dir / "admin.json").run
     users = ServerAccess(cred_dir, run, recipe.policy_names, Scope(run, recipe.policy_names, (recipe.rollout.pool,))).config()
@@ -146,7 +151,7 @@ async def fates_of(run_dir: Path, policy: str, lies: Lies) -> dict[str, str]:
     try:
         plane = await Plane.connect(NatsOptions.from_credential(str(cred_dir / "admin.json"), url=server.url), run, "fates")
         state, out = await plane.state.get(DataflowState), {}
-        for t in lies.told:
+        for t in [*lies.told, *lies.cut_short]:
             rec = await plane.state.get(FateRecord, policy, t)
             out[t] = rec.fate if rec is not None else waiting(state, policy, t)
         if state is not None and "hostile" in state.quarantined:  # still quarantined at the end (not admitted again)
