@@ -7,8 +7,9 @@ helpers step the service loop until a condition holds, with a bound on the numbe
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,14 @@ def varied(task: Task, policy: str, i: int) -> float:
     return float(i % 2)  # rewards differ within every group
 
 
+async def closed(what: str, closing: Awaitable[None], within: float = 30.0) -> None:
+    """Wait for ``closing`` up to ``within`` seconds (not ``wait_for``: its cancellation would wait on what hangs)."""
+    task = asyncio.ensure_future(closing)
+    done, _ = await asyncio.wait({task}, timeout=within)
+    assert done, f"{what} did not close within {within:.0f}s"
+    task.result()
+
+
 class Harness:
     """One dataflow plus scripted nodes and trainers, each its own connection to the plane."""
 
@@ -79,9 +88,10 @@ class Harness:
         await self.plane._nc.close()
 
     async def close(self) -> None:
-        await self.df.watch.stop()
-        for p in (self.plane, self.node, self.trainer):
-            await p.close()
+        """Every part stopped and closed; one that hangs fails the test at once, named, not at the suite's timeout."""
+        await closed("the dataflow's subscriptions", self.df.watch.stop())
+        for name, p in (("dataflow", self.plane), ("node", self.node), ("trainer", self.trainer)):
+            await closed(f"the {name}'s connection", p.close())
 
     async def turn(self, n: int = 1) -> None:
         for _ in range(n):
