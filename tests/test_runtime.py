@@ -8,19 +8,16 @@ import sys
 from astraflow.runtime import cancel_and_wait
 
 
-def a_loop_around_wait_for(arrived: asyncio.Event) -> asyncio.Task[int]:
-    """A follower's shape: wait (bounded) for something to arrive, take it, wait again; it returns only if it is
-    cancelled out of its loop."""
+def a_loop_around_wait_for(arrived: asyncio.Event) -> asyncio.Task[None]:
+    """A follower's shape: wait (bounded) for something to arrive, take it, wait again; it ends only when cancelled."""
 
-    async def follow() -> int:
-        taken = 0
+    async def follow() -> None:
         while True:
             try:
                 await asyncio.wait_for(arrived.wait(), 1.0)
             except asyncio.TimeoutError:
                 continue
             arrived.clear()
-            taken += 1
 
     return asyncio.create_task(follow())
 
