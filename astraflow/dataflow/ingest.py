@@ -25,9 +25,10 @@ Each delivery of the TRAJ stream goes through, in order:
    - its token versions (``validate.check_versions``): none newer than the policy's newest
      announced version (a version the dataflow has not heard of yet is first confirmed on the
      plane), generated ones not older than the task's ``min_versions``;
-   - a redelivery of a trajectory held now replaces the held delivery, but the same trajectory from
-     another sender is a replay (``replay``: turned away, the held one stays); another sample for a
-     group already complete is acked and ignored.
+   - a redelivery of a trajectory held now replaces the held delivery; the same trajectory from
+     another node is acked and ignored, counted against no one (``redelivered_elsewhere``: its task went
+     to a second node after the first one's ack was lost or its ack wait ran out, and both answered; the held
+     one stays); another sample for a group already complete is acked and ignored.
 
    **The invalid fate.** An invalid trajectory is dead-lettered with its reason after the next
    durable write. If its task is one this lane still waits on and this sample has not arrived
@@ -90,6 +91,7 @@ class Admission:
 
 ASSEMBLE = Admission("assemble")
 CONFIRM = Admission("confirm")  # a token version newer than the lane knows: ask the plane, then admit again
+REDELIVERED_ELSEWHERE = Admission("ack", "redelivered_elsewhere")  # a held trajectory, answered by a second node too
 
 
 @dataclass(frozen=True)
@@ -195,11 +197,8 @@ class TrajectoryIngest:
         held = self.journal.is_held(t.traj_id)
         if bad is not None:
             return Admission("invalid", bad.reason, bad.code, settles=not held and not lane.is_buffered(t.task_id))
-        if held and (first := self.held_from(t.traj_id)) != node:  # a copy from another sender: a replay, not a redelivery
-            return Admission("reject", f"invalid replay: {t.traj_id} came from {first or 'an unnamed sender'}, sent again by "
-                                       f"{node or 'an unnamed sender'}", "replay")
-        if held:  # redelivered while we hold it: the newer delivery is the live one
-            return Admission("refresh", "redelivered_held")
+        if held:  # redelivered while we hold it: the newer delivery is the live one; another node's answer changes nothing
+            return Admission("refresh", "redelivered_held") if self.held_from(t.traj_id) == node else REDELIVERED_ELSEWHERE
         if lane.is_buffered(t.task_id):  # another sample for a complete group
             return Admission("ack", "duplicates")
         return ASSEMBLE
