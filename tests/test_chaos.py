@@ -122,7 +122,7 @@ def test_up_restarts_a_trainer_killed_during_its_warm_start(repo_root: Path, tmp
     """kill -9 of the trainer before version 0 exists: ``up`` restarts it, the new trainer warm-starts from the
     beginning on the thread count ``up`` wrote into the run's recipe, and the run ends with every version once."""
     run_dir, steps = tmp_path / "warm-kill", 6
-    sets = ["--set", f"trainer.steps={steps}", "--set", "sft.steps=3000", "--set", "eval.every=3", "--timeout", "420",
+    sets = ["--set", f"trainer.steps={steps}", "--set", "sft.steps=1000", "--set", "eval.every=3", "--timeout", "420",
             "--set", "trainer.kl_coef=0.05"]  # as the agentic recipes: the KL reference is the restarted warm start's
     log = open(tmp_path / "up.log", "w")
     launcher = subprocess.Popen([sys.executable, "-m", "astraflow.cli", "up", str(repo_root / "recipes" / "arithmetic"),
@@ -145,8 +145,8 @@ def test_up_restarts_a_trainer_killed_during_its_warm_start(repo_root: Path, tmp
     assert (run_dir / "checkpoints" / "solver" / "reference.safetensors").exists()  # written once, after the warm start
     threads = load_recipe(run_dir / "recipe.yaml").policies["solver"].sft.threads  # the count up chose and wrote down
     text = trainer_log.read_text()  # one log per role and session: the restarted trainer appends to it
-    assert re.findall(r"SFT warm start begins: 3000 steps on (\d+) threads", text) == [str(threads)] * 2
-    assert re.findall(r"SFT warm start: 3000 steps in \d+ s on (\d+) threads", text) == [str(threads)]  # one finished
+    assert re.findall(r"SFT warm start begins: 1000 steps on (\d+) threads", text) == [str(threads)] * 2
+    assert re.findall(r"SFT warm start: 1000 steps in \d+ s on (\d+) threads", text) == [str(threads)]  # one finished
 
 
 def servers_of(launcher: int) -> dict[int, str]:
