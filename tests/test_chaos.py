@@ -114,6 +114,8 @@ def test_up_survives_kill_9_of_every_role_and_of_itself(repo_root: Path, tmp_pat
     acc = summary["accounting"]["solver"]
     assert acc["adds_up"] and acc["total"] == acc["in_flight"] + acc["buffered"] + acc["awaiting"] + sum(acc["fates"].values())
     assert held_out_rose(summary, by=0.05), summary  # it still learns
+    for output in ((tmp_path / "up.log").read_text(), resumed.stdout):  # a killed node's tasks, answered again by another,
+        assert "quarantined" not in output, output[-3000:]             # blame no honest node
 
 
 @pytest.mark.slow
