@@ -168,6 +168,30 @@ def test_hf_engine_versions_logprobs_and_seeds():
         assert all(lp <= 0 for lp in c.logprobs)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_hf_engine_reads_a_groups_prompt_once_and_samples_as_the_plain_path(monkeypatch, window: int | None):
+    """Groups of samples of prompts of different lengths (left padding), and two prompts alike but for their last token:
+    the cache of the distinct prefixes is computed once and repeated, and the seeded samples and their logprobs are
+    those of ``generate`` reading every row itself (plain attention and ``attention_window``)."""
+    from astraflow.rollout.engines import hf
+    from astraflow.rollout.engines.shared_prefill import shared_prefill
+
+    cfg = TINY.model_copy(update={"num_layers": 2, "attention_window": window, "seed": 3})
+    engine = HFEngine(build_model(cfg, TOK), TOK)
+    params = SamplingParams(max_new_tokens=6, seed=5)
+    prompts = [[10, 11, 12, 13, 14], [20, 21], [30, 31, 32], [40, 41, 42, 43, 44], [40, 41, 42, 43, 45]]
+    requests = [GenerationRequest(p, params) for p in prompts for _ in range(4)]
+    reads: list[int] = []
+    monkeypatch.setattr(hf, "shared_prefill", lambda m, ids, att: reads.append(len(c := shared_prefill(m, ids, att))) or c)
+    shared = engine.generate(requests)
+    monkeypatch.setattr(hf, "shared_prefill", lambda m, ids, att: {})
+    plain = engine.generate(requests)
+    assert reads == [1]  # the cache was shared
+    assert [c.token_ids for c in shared] == [c.token_ids for c in plain]
+    for a, b in zip(shared, plain, strict=True):
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0.0) < 1e-4
+
+
 def test_hf_engine_batches_concurrent_calls_together():
     """Calls from several generation slots that wait while the engine is busy share its next batch, and each gets
     exactly its own completions (greedy: the same tokens as generating it alone)."""

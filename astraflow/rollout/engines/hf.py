@@ -17,6 +17,7 @@ from astraflow.moe_routing import Routes, RoutingRecorder
 from astraflow.registry import ENGINES
 from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from astraflow.rollout.engines.options import HfOptions
+from astraflow.rollout.engines.shared_prefill import shared_prefill
 from astraflow.weights.load import copy_weights
 
 
@@ -247,11 +248,13 @@ class HFEngine:
         adapters = {"adapter_names": [row.adapter or "__base__" for row in rows]} if any(row.adapter for row in rows) else {}
         if self._routing is not None:
             self._routing.start()
+        # a group's samples share their prompt: read once (not under LoRA adapters or routing records, which follow rows)
+        cached = shared_prefill(self.model, ids, att) if not adapters and self._routing is None else {}
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=att.to(self.device),
             max_new_tokens=params.max_new_tokens - min(len(row.tokens) for row in rows), **sampling(params, self.tokenizer),
             stopping_criteria=StoppingCriteriaList([interrupt]) if interrupt else None, output_logits=True, return_dict_in_generate=True,
-            **adapters,
+            **adapters, **cached,
         )
         new = out.sequences[:, ids.shape[1]:].cpu()  # (B, T)
         logits = torch.stack(out.logits, dim=1).float().cpu() / (params.temperature or 1.0)  # (B, T, V)
