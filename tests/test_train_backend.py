@@ -13,7 +13,7 @@ from factories import sampled_batches
 from astraflow.config import TrainerConfig, parse_recipe
 from astraflow.models import build_model
 from astraflow.train.backend import build_backend
-from astraflow.train.batching import micro_batches, to_tensors
+from astraflow.train.batching import first_predicting, micro_batches, to_tensors
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.losses.functional import m2po_mask
 from astraflow.train.torch_backend import TorchBackend
@@ -64,6 +64,26 @@ def test_micro_batches_accumulate_to_the_full_batch_step(setup, over):
     assert _max_diff(full_w, split_w) < 1e-6
     unchanged = build_model(setup[0].model, tok).state_dict()
     assert max(float((full_w[k] - unchanged[k]).abs().max()) for k in full_w) > 1e-4  # it did train
+
+
+def test_logits_from_the_first_predicting_position_on_train_as_logits_everywhere(setup):
+    """The forward computes logits from the first position that predicts a completion token on (``logits_to_keep``):
+    the same loss, gradient norm and weights as with logits at every position, on prompts of several lengths."""
+    pcfg, tok, batches = setup
+    x = to_tensors(batches[0], tok.pad_token_id)
+    assert first_predicting(x) > 0 and len(set(x.logit_index[:, 0].tolist())) > 1
+    runs = []
+    for keep in (True, False):
+        torch.manual_seed(0)
+        backend = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer)
+        assert backend.keeps_logits
+        backend.keeps_logits = keep
+        runs.append(([backend.step(b) for b in batches], backend.full_state()))
+    (kept_m, kept_w), (all_m, all_w) = runs
+    for a, b in zip(kept_m, all_m, strict=True):
+        for key in ("loss", "pg_loss", "grad_norm", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    assert _max_diff(kept_w, all_w) < 1e-6
 
 
 def test_m2po_masks_over_the_whole_batch(setup):

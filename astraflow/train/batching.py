@@ -97,6 +97,12 @@ def to_tensors(batch: TrainingBatch, pad_id: int, routing: tuple[int, int, int] 
     return Tensors(ids, att, idx, tgt, blp, mask, adv, rewards, ver, lens, torch.arange(B), routes)
 
 
+def first_predicting(x: Tensors) -> int:
+    """The first position whose logits predict a completion token of any row (0 when no row has one)."""
+    real = torch.arange(x.logit_index.shape[1], device=x.comp_lens.device)[None, :] < x.comp_lens[:, None]  # (B, T)
+    return int(x.logit_index[real].min()) if bool(real.any()) else 0
+
+
 def routing_tensor(trajs: list[Trajectory], width: int, shape: tuple[int, int, int]) -> torch.Tensor | None:
     """(B, width, layers, k) int32 of the routing recorded in the layout ``shape`` (layers, k, experts), -1 where none;
     None when no trajectory recorded any."""

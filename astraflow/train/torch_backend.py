@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -23,7 +24,7 @@ from safetensors.torch import load_model, save_file, save_model
 from astraflow.config import TrainerConfig
 from astraflow.moe_routing import RoutingCounts, routed, routing_shape
 from astraflow.streams.trajectories import TrainingBatch
-from astraflow.train.batching import Tensors, micro_batches, to_tensors
+from astraflow.train.batching import Tensors, first_predicting, micro_batches, to_tensors
 from astraflow.train.experts import expert_params, hold_quiet_experts
 from astraflow.train.lora import (
     adapter_state,
@@ -69,6 +70,7 @@ class TorchBackend:
         self.held_experts = expert_params(self.module) if cfg.unrouted_experts == "hold" else []
         self.routing_counts: RoutingCounts | None = None  # the last forward's, with recorded routing in the batch
         self.route_shape = routing_shape(self.module) if cfg.routing != "own" else None  # (layers, k, experts) it routes
+        self.keeps_logits = keeps_logits(self.module)
 
     # ------------------------------------------------------------------ hooks for subclasses
     def _device(self) -> torch.device:
@@ -117,12 +119,16 @@ class TorchBackend:
     # ------------------------------------------------------------------ the step
     def _logprobs(self, model: Any, mb: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
         """(log π(y_t|s_t) (b, t) float32, completion logits (b, t, V) / temperature). With the routing the nodes
-        recorded (``trainer.routing``), the forward takes it (``replayed``) and counts where its own differs."""
+        recorded (``trainer.routing``), the forward takes it (``replayed``) and counts where its own differs. Logits
+        are computed from the first position that predicts a completion token on (``logits_to_keep``): a prompt's
+        others would cost the output layer, forward and backward, and (b, l, V) floats of memory, for nothing."""
+        first = first_predicting(mb) if self.keeps_logits else 0  # the positions before it predict nothing trained
+        keep = {"logits_to_keep": mb.input_ids.shape[1] - first} if first else {}
         with self._autocast(), routed(model, mb.routing, self.cfg.routing == "replayed") as counts:
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits  # (b, l, V)
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **keep).logits  # (b, l − first, V)
         self.routing_counts = counts
         rows = torch.arange(logits.shape[0], device=logits.device)[:, None]  # (b, 1)
-        comp_logits = logits[rows, mb.logit_index] / self.temperature  # (b, t, V)
+        comp_logits = logits[rows, (mb.logit_index - first).clamp(min=0)] / self.temperature  # (b, t, V); padding: masked
         return gather_logprobs(comp_logits, mb.targets), comp_logits
 
     @torch.no_grad()
@@ -289,3 +295,10 @@ def _frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
         p.requires_grad_(False)
     return ref
 
+
+def keeps_logits(module: torch.nn.Module) -> bool:
+    """Whether the model's forward computes logits for its last positions alone (``logits_to_keep``, transformers
+    4.50 on); a peft model passes it to the model it adapts."""
+    unwrap = getattr(module, "get_base_model", None)
+    base = unwrap() if callable(unwrap) else module
+    return "logits_to_keep" in inspect.signature(type(base).forward).parameters
