@@ -2,7 +2,7 @@
 
 ``write(name, figures)`` records the figures with the command line, the machine (cores, CPU model,
 memory, load average when it started), the date and the commit (``+dirty`` when the tree had
-changes). ``benchmarks/render.py`` renders BENCHMARKS.md's sections from these files, so the page
+changes other than the benchmarks' own outputs). ``benchmarks/render.py`` renders BENCHMARKS.md's sections from these files, so the page
 shows what was run, not what someone copied.
 """
 
@@ -41,7 +41,8 @@ def commit() -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    outputs = [":!benchmarks/results", ":!benchmarks/figures", ":!BENCHMARKS.md"]  # what benchmarks write, not what they run
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs) else "")
 
 
 def write(name: str, figures: dict[str, Any], path: str | Path | None = None) -> Path:
