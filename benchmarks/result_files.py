@@ -2,8 +2,8 @@
 
 ``write(name, figures)`` records the figures with the command line, the machine (cores, CPU model,
 memory, load average when it started), the date and the commit (``+dirty`` when the tree had
-changes other than the benchmarks' own outputs). ``benchmarks/render.py`` renders BENCHMARKS.md's sections from these files, so the page
-shows what was run, not what someone copied.
+changes other than the benchmarks' own outputs). ``benchmarks/render.py`` renders BENCHMARKS.md's
+sections from these files, so the page shows what was run, not what someone copied.
 """
 
 from __future__ import annotations
