@@ -11,6 +11,7 @@ transformers.
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -113,6 +114,20 @@ class ModelLimits:
     experts: int | None = None  # Mixture-of-Experts: experts per layer (None: dense)
     top_k: int | None = None  # experts each position is routed to
     moe_layers: int | None = None  # layers that route (None: not known from the config)
+
+
+def forward_takes(module: Any, argument: str) -> bool:
+    """Whether ``module``'s forward takes ``argument`` (transformers renames them between versions: ``cache`` was
+    ``past_key_values``, ``logits_to_keep`` was ``num_logits_to_keep``). Read from its class, which a wrapper set on
+    the instance does not hide; a peft model's from the model it adapts, to which it passes its arguments on."""
+    unwrap = getattr(module, "get_base_model", None)
+    cls: Any = type(unwrap() if callable(unwrap) else module)
+    return _forward_takes(cls, argument)
+
+
+@lru_cache(maxsize=64)
+def _forward_takes(cls: Any, argument: str) -> bool:
+    return argument in inspect.signature(cls.forward).parameters
 
 
 def model_limits(cfg: ModelConfig) -> ModelLimits:

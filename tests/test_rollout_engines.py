@@ -11,6 +11,7 @@ version tagging — not the real engines (see docs/rollout.md for what was verif
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -182,11 +183,17 @@ def test_hf_engine_reads_a_groups_prompt_once_and_samples_as_the_plain_path(monk
     prompts = [[10, 11, 12, 13, 14], [20, 21], [30, 31, 32], [40, 41, 42, 43, 44], [40, 41, 42, 43, 45]]
     requests = [GenerationRequest(p, params) for p in prompts for _ in range(4)]
     reads: list[int] = []
+    widths: list[int] = []  # of each input the model's forward took: generate's first is the prompt, or its last token
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward",  # wraps: generate reads the forward's signature
+                        functools.wraps(forward)(lambda *a, **kw: widths.append(kw["input_ids"].shape[1]) or forward(*a, **kw)))
     monkeypatch.setattr(hf, "shared_prefill", lambda m, ids, att: reads.append(len(c := shared_prefill(m, ids, att))) or c)
     shared = engine.generate(requests)
+    shared_first, widths[:] = widths[0], []
     monkeypatch.setattr(hf, "shared_prefill", lambda m, ids, att: {})
     plain = engine.generate(requests)
     assert reads == [1]  # the cache was shared
+    assert (shared_first, widths[0]) == (1, 5)  # generate read each row's last token alone, not the 5-token prompts
     assert [c.token_ids for c in shared] == [c.token_ids for c in plain]
     for a, b in zip(shared, plain, strict=True):
         assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0.0) < 1e-4

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_model, save_file, save_model
 
 from astraflow.config import TrainerConfig
+from astraflow.models import forward_takes
 from astraflow.moe_routing import RoutingCounts, routed, routing_shape
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.batching import Tensors, first_predicting, micro_batches, to_tensors
@@ -70,7 +70,7 @@ class TorchBackend:
         self.held_experts = expert_params(self.module) if cfg.unrouted_experts == "hold" else []
         self.routing_counts: RoutingCounts | None = None  # the last forward's, with recorded routing in the batch
         self.route_shape = routing_shape(self.module) if cfg.routing != "own" else None  # (layers, k, experts) it routes
-        self.keeps_logits = keeps_logits(self.module)
+        self.keeps_logits = forward_takes(self.module, "logits_to_keep")  # transformers 4.50 on
 
     # ------------------------------------------------------------------ hooks for subclasses
     def _device(self) -> torch.device:
@@ -304,11 +304,3 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> t
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     except RuntimeError:  # no fused kernel for this device or dtype
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-
-
-def keeps_logits(module: torch.nn.Module) -> bool:
-    """Whether the model's forward computes logits for its last positions alone (``logits_to_keep``, transformers
-    4.50 on); a peft model passes it to the model it adapts."""
-    unwrap = getattr(module, "get_base_model", None)
-    base = unwrap() if callable(unwrap) else module
-    return "logits_to_keep" in inspect.signature(type(base).forward).parameters

@@ -14,10 +14,11 @@ model reads before the first sample:
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
+
+from astraflow.models import forward_takes
 
 
 def shared_prefill(model: Any, ids: torch.Tensor, att: torch.Tensor) -> dict[str, Any]:
@@ -55,5 +56,5 @@ def full_attention(model: Any) -> bool:
 
 def cache_argument(module: Any) -> str:
     """The name ``module``'s forward (and its model's ``generate``) takes a KV cache under: ``cache`` from transformers
-    5 on, ``past_key_values`` before. Read from its class, which a wrapper set on the instance does not hide."""
-    return "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
+    5 on, ``past_key_values`` before."""
+    return "cache" if forward_takes(module, "cache") else "past_key_values"
