@@ -12,8 +12,8 @@ import os
 import signal
 import threading
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from astraflow.streams.plane import Plane
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 CRASH_ENV = "ASTRAFLOW_CRASH"
 _crossed: Counter[str] = Counter()
+_T = TypeVar("_T")
 
 
 def crash_point(where: str, at: int | None = None) -> None:
@@ -154,3 +155,27 @@ def tune_gc() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
+
+
+EVENT_LOOP_ENV = "ASTRAFLOW_EVENT_LOOP"
+
+
+def run_event_loop(main: Coroutine[Any, Any, _T]) -> _T:
+    """Run a process's main coroutine to the end, on uvloop where it is installed (``ASTRAFLOW_EVENT_LOOP=asyncio``
+    keeps asyncio's own loop).
+
+    A role's event loop turns many times for each message it reads (timers, hand-offs from its threads, nats-py's
+    flushes); uvloop does a turn's polling, scheduling and socket work in C instead of Python."""
+    choice = os.environ.get(EVENT_LOOP_ENV, "uvloop")
+    if choice not in ("uvloop", "asyncio"):
+        main.close()
+        raise ValueError(f"{EVENT_LOOP_ENV}={choice!r}: give uvloop or asyncio")
+    factory = None
+    if choice == "uvloop":
+        try:
+            import uvloop
+            factory = uvloop.new_event_loop
+        except ImportError:
+            log.debug("uvloop is not installed: asyncio's own event loop")
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)

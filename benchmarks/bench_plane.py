@@ -44,10 +44,12 @@ from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.trajectories import fetch_trajectories
 
 try:  # the tree's roles tune the garbage collector at start-up; this process does as they do, before both paths
-    from astraflow.runtime import tune_gc
-except ImportError:  # a tree from before it
+    from astraflow.runtime import run_event_loop, tune_gc
+except ImportError:  # a tree from before them: the collector as CPython sets it, asyncio's own event loop
     def tune_gc() -> None:
         pass
+
+    run_event_loop = asyncio.run
 
 try:  # the tree's rollout node settles tasks that finish together at once
     from astraflow.rollout.outbox import Outbox
@@ -263,5 +265,5 @@ if __name__ == "__main__":
         print(json.dumps(side_by_side(args.before, args.rounds, args.quick, args.batches)))
     else:
         tune_gc()
-        result = asyncio.run(main(args.quick, table=not args.child, batches=args.batches))
+        result = run_event_loop(main(args.quick, table=not args.child, batches=args.batches))
         print(json.dumps(result))

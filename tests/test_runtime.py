@@ -52,3 +52,23 @@ async def test_what_the_tasks_came_to_is_dropped_and_finished_ones_are_left_as_t
     await cancel_and_wait(failed, finished, sleeping)
     assert finished.result() == "ok" and isinstance(failed.exception(), RuntimeError) and sleeping.cancelled()
     await cancel_and_wait()  # nothing to stop: returns at once
+
+
+def test_a_process_runs_on_uvloop_unless_it_asks_for_asyncios_own_loop(monkeypatch):
+    import pytest
+    import uvloop
+
+    from astraflow.runtime import EVENT_LOOP_ENV, run_event_loop
+
+    async def which_loop(x: int) -> tuple[type, int]:
+        await asyncio.sleep(0)
+        return type(asyncio.get_running_loop()), x + 1
+
+    monkeypatch.delenv(EVENT_LOOP_ENV, raising=False)
+    assert run_event_loop(which_loop(1)) == (uvloop.Loop, 2)
+    monkeypatch.setenv(EVENT_LOOP_ENV, "asyncio")
+    loop_type, two = run_event_loop(which_loop(1))
+    assert two == 2 and not issubclass(loop_type, uvloop.Loop)
+    monkeypatch.setenv(EVENT_LOOP_ENV, "trio")
+    with pytest.raises(ValueError, match=EVENT_LOOP_ENV):
+        run_event_loop(which_loop(1))

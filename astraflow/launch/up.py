@@ -35,7 +35,7 @@ from astraflow.launch.supervisor import Child, CrashLoop, LocalPool, RoleSpec, S
 from astraflow.launch.view import View
 from astraflow.launch.warm_base import warm_shared_base
 from astraflow.launch.watcher import RunWatcher
-from astraflow.runtime import cancel_and_wait
+from astraflow.runtime import cancel_and_wait, run_event_loop
 from astraflow.streams.credentials import Credential, is_loopback, issue, make_tls, node_path, redact
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S
 from astraflow.streams.permissions import Scope
@@ -546,8 +546,8 @@ def up(recipe: Recipe, run_dir: Path, nats_url: str | None = None, timeout: floa
         sup = Supervisor(command, lambda name: rundir.log(name, session),
                          env={k: v for k, v in os.environ.items() if k != "NATS_PASSWORD"}, on_restart=record_restart)
         specs = role_specs(recipe, rundir, metrics_port_base, cores)
-        outcome = asyncio.run(supervise(recipe, rundir, opts, sup, specs, timeout, autoscale,
-                                        join_command(rundir, url, creds is not None), access, servers, early_stop))
+        outcome = run_event_loop(supervise(recipe, rundir, opts, sup, specs, timeout, autoscale,
+                                         join_command(rundir, url, creds is not None), access, servers, early_stop))
     except CrashLoop as e:
         outcome = f"crash loop: {e.child.name}"
         raise RunFailed(str(e)) from None
