@@ -1,11 +1,15 @@
-"""Stopping a task for sure (``runtime.cancel_and_wait``): what every close path of the plane relies on."""
+"""Stopping a task for sure (``runtime.cancel_and_wait``): what every close path of the plane relies on; the event loop a
+process runs on (``runtime.run_event_loop``)."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 
-from astraflow.runtime import cancel_and_wait
+import pytest
+import uvloop
+
+from astraflow.runtime import EVENT_LOOP_ENV, cancel_and_wait, run_event_loop
 
 
 def a_loop_around_wait_for(arrived: asyncio.Event) -> asyncio.Task[None]:
@@ -55,11 +59,6 @@ async def test_what_the_tasks_came_to_is_dropped_and_finished_ones_are_left_as_t
 
 
 def test_a_process_runs_on_uvloop_unless_it_asks_for_asyncios_own_loop(monkeypatch):
-    import pytest
-    import uvloop
-
-    from astraflow.runtime import EVENT_LOOP_ENV, run_event_loop
-
     async def which_loop(x: int) -> tuple[type, int]:
         await asyncio.sleep(0)
         return type(asyncio.get_running_loop()), x + 1
