@@ -159,6 +159,18 @@ def test_a_completion_is_decoded_to_the_text_the_tokenizer_gives_without_its_spe
         rng.shuffle(ids)
         assert decode_text(BYT5, ids) == BYT5.decode(ids, skip_special_tokens=True)
     assert decode_text(BYT5, [*BYT5.encode("7+8=15"), BYT5.eos_token_id, BYT5.pad_token_id]) == "7+8=15"
+    assert decode_text(BYT5, [*BYT5.encode("é")[:1], 70]) == BYT5.decode([*BYT5.encode("é")[:1], 70])  # a cut character
+
+
+def test_a_prompt_is_encoded_to_the_ids_the_tokenizer_gives_with_or_without_its_added_tokens():
+    rng = np.random.default_rng(0)
+    pieces = ["12", "+", " ", "\n", "\t", "é", "ß", "中", "🙂", "\x00", "<", ">", "</s>", "<pad>", " <unk> ", "<extra_id_7>",
+              "<extra_id_", "s>"]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces, int(rng.integers(0, 12))))
+        ids = BYT5(text, add_special_tokens=False)["input_ids"]
+        assert encode_prompt(BYT5, text) == (ids[:-1] if ids and ids[-1] == BYT5.eos_token_id else ids), repr(text)
+    assert encode_prompt(BYT5, "7+8=") == [b + 3 for b in b"7+8="]
 
 
 @dataclass

@@ -81,5 +81,7 @@ def _count(value: object) -> float:
 
 def _switched(t: Trajectory) -> bool:
     """Its generated tokens come from more than one version (a partial rollout, or a refresh between turns)."""
+    if t.versions == t.versions[:4] * (len(t.versions) // 4):  # every token's version the same: most trajectories
+        return False
     v = t.token_versions()[t.mask() == 1]
     return len(v) > 0 and int(v.min()) != int(v.max())
