@@ -80,8 +80,7 @@ def byte_ids(tokenizer: Any) -> ByteIds | None:
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """Prompt token ids without the end-of-sequence id ByT5 appends to every encoding."""
-    by_bytes = None if getattr(tokenizer, "is_fast", True) else byte_ids(tokenizer)
-    if by_bytes is not None and (fast := by_bytes.encode(text)) is not None:
+    if (by_bytes := byte_ids(tokenizer)) is not None and (fast := by_bytes.encode(text)) is not None:
         return fast
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if ids and tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id:

@@ -62,7 +62,8 @@ def main() -> dict[str, object]:
         finally:
             models.byte_ids = as_bytes  # type: ignore[assignment]
 
-    side(True), side(False)  # warm
+    for warm in (True, False):
+        side(warm)
     rounds: dict[str, list[dict[str, float]]] = {"tokenizer": [], "bytes": []}
     for _ in range(args.rounds):
         rounds["tokenizer"].append(side(False))
