@@ -72,10 +72,10 @@ def routing_shape(model: Any) -> tuple[int, int, int]:
 
 
 class RoutingRecorder:
-    """Records what a model's routers choose during a ``generate`` (the engine held, one generation at a time).
+    """Records what a model's routers choose during a generation (the engine held, one generation at a time).
 
-    ``generate`` runs one prefill over the left-padded batch (B·W positions) and then one forward per decoding
-    step (B positions); :meth:`rows` cuts them into each row's positions.
+    The ``hf`` engine's decoding run (its loop, or ``generate``) runs one prefill over the left-padded batch (B·W
+    positions) and then one forward per decoding step (B positions); :meth:`rows` cuts them into each row's positions.
     """
 
     def __init__(self, model: Any) -> None:

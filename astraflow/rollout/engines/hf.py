@@ -7,16 +7,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from astraflow.models import decode_text
 from astraflow.moe_routing import Routes, RoutingRecorder
 from astraflow.registry import ENGINES
 from astraflow.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from astraflow.rollout.engines.options import HfOptions
+from astraflow.rollout.engines.sampler import Stopped, decode_run, generate_run, runs_itself
 from astraflow.rollout.engines.shared_prefill import shared_prefill
 from astraflow.weights.load import copy_weights
 
@@ -65,7 +67,7 @@ def by_params(calls: list[_Call]) -> list[list[tuple[_Call, int]]]:
 
 
 class HFEngine:
-    """Generates with ``model.generate`` and reports per-token behaviour logprobs and versions.
+    """Generates batches with its own decoding loop (``sampler.py``) and reports per-token behaviour logprobs and versions.
 
     The behaviour logprob is ``log_softmax(logits / T)`` of the sampled token: the distribution
     the token was actually drawn from (top-p aside), which the trainer recomputes the same way.
@@ -96,6 +98,11 @@ class HFEngine:
         self._paused = 0  # generations paused for a load (``partial_rollouts``): they go before new batches
         self._routing: RoutingRecorder | None = None  # records each token's experts (``record_routing``)
         self.adapter_versions: dict[str, int] = {}  # the version each LoRA adapter of the model holds (shared_base.py)
+
+    @cached_property
+    def _ends(self) -> tuple[int, int]:
+        """The tokenizer's (pad, eos) ids, read once: a transformers tokenizer looks each up anew (about 25 µs)."""
+        return self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
 
     @property
     def version(self) -> int:
@@ -242,60 +249,52 @@ class HFEngine:
     def _decode(self, rows: list[_Row], params: SamplingParams) -> bool:
         """Decode ``rows`` (prompt + tokens so far) until each finishes, or until a weight load is waiting (then True)."""
         contexts = [row.prompt + row.tokens for row in rows]
-        ids, att = left_padded(contexts, self.tokenizer.pad_token_id)
-        interrupt = _LoadWaiting(self) if self.partial_rollouts else None
+        pad, eos = self._ends
+        ids, att = left_padded(contexts, pad)
+        interrupt = (lambda: self._loads_waiting > 0) if self.partial_rollouts else None
         versions = [self._version if row.adapter is None else self.adapter_versions.get(row.adapter, -1) for row in rows]
         adapters = {"adapter_names": [row.adapter or "__base__" for row in rows]} if any(row.adapter for row in rows) else {}
+        steps = params.max_new_tokens - min(len(row.tokens) for row in rows)
         if self._routing is not None:
             self._routing.start()
         # a group's samples share their prompt: read once (not under LoRA adapters or routing records, which follow rows)
         cached = shared_prefill(self.model, ids, att) if not adapters and self._routing is None else {}
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=att.to(self.device),
-            max_new_tokens=params.max_new_tokens - min(len(row.tokens) for row in rows), **sampling(params, self.tokenizer),
-            stopping_criteria=StoppingCriteriaList([interrupt]) if interrupt else None, output_logits=True, return_dict_in_generate=True,
-            **adapters, **cached,
-        )
-        new = out.sequences[:, ids.shape[1]:].cpu()  # (B, T)
-        logits = torch.stack(out.logits, dim=1).float().cpu() / (params.temperature or 1.0)  # (B, T, V)
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        if runs_itself(self.model):
+            run = decode_run(self.model, ids, att, params, steps, pad=pad, eos=eos,
+                             cached=cached, forward=adapters, stopped=stop_seen(self.tokenizer, rows, params.stop), interrupt=interrupt)
+        else:
+            run = generate_run(self.model, ids, att, params, steps, tokenizer=self.tokenizer, cached=cached, forward=adapters,
+                               interrupt=interrupt)
         for i, row in enumerate(rows):
-            row.extend(self.tokenizer, new[i].tolist(), logp[i].tolist(), versions[i], params)
+            row.extend(self.tokenizer, run.tokens[i].tolist(), run.logprobs[i].tolist(), versions[i], params, pad, eos)
         if self._routing is not None:  # this run re-read each row's context: its routes replace the row's (``_Row.routes``)
             for row, routes in zip(rows, self._routing.rows([len(c) for c in contexts], ids.shape[1]), strict=True):
                 row.routing = routes
-        return interrupt is not None and interrupt.fired and any(row.reason is None for row in rows)
+        return run.interrupted and any(row.reason is None for row in rows)
+
+
+def stop_seen(tokenizer: Any, rows: list[_Row], stops: tuple[str, ...]) -> Stopped | None:
+    """Whether a row's text now holds one of ``stops``, given its tokens of this run (None: no stop strings).
+
+    Only the text of the row's last tokens is read: a stop string of n characters spans at most 4n tokens of a
+    byte-level tokenizer, fewer of a subword one. A stop string missed costs decoding on to the budget, and one seen
+    in a tail's text but not in the row's a second run; ``_Row.extend`` cuts the row where the stop string completes
+    either way."""
+    if not stops:
+        return None
+    tail = 4 * max(len(s) for s in stops) + 4
+    return lambda i, new: any(s in decode_text(tokenizer, (rows[i].tokens + new)[-tail:]) for s in stops)
 
 
 def left_padded(contexts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, attention mask), each (B, W): ``contexts`` left-padded to the longest."""
     width = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-    att = torch.zeros_like(ids)
+    ids = np.full((len(contexts), width), pad, dtype=np.int64)
+    att = np.zeros_like(ids)
     for i, c in enumerate(contexts):
-        ids[i, width - len(c):] = torch.tensor(c)
+        ids[i, width - len(c):] = c
         att[i, width - len(c):] = 1
-    return ids, att
-
-
-def sampling(params: SamplingParams, tokenizer: Any) -> dict[str, Any]:
-    """``generate``'s sampling arguments for ``params`` (temperature 0: greedy)."""
-    greedy = params.temperature == 0
-    return dict(do_sample=not greedy, temperature=None if greedy else params.temperature, top_p=None if greedy else params.top_p,
-                top_k=None if greedy else 0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                stop_strings=list(params.stop) or None, tokenizer=tokenizer if params.stop else None)
-
-
-class _LoadWaiting(StoppingCriteria):
-    """Stops a generation after the decoding step during which a weight load started waiting for the engine."""
-
-    def __init__(self, engine: HFEngine) -> None:
-        self.engine = engine
-        self.fired = False
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
-        self.fired = self.engine._loads_waiting > 0
-        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+    return torch.from_numpy(ids), torch.from_numpy(att)
 
 
 @dataclass
@@ -315,9 +314,9 @@ class _Row:
         past a row's end while others went on, and a stop string may have cut tokens)."""
         return None if self.routing is None else self.routing.head(len(self.prompt) + len(self.tokens) - 1)
 
-    def extend(self, tokenizer: Any, toks: list[int], logps: list[float], version: int, params: SamplingParams) -> None:
-        """Append a decoding run's tokens (up to the row's end) and settle whether the row finished."""
-        pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    def extend(self, tokenizer: Any, toks: list[int], logps: list[float], version: int, params: SamplingParams, pad: int,
+               eos: int) -> None:
+        """Append a decoding run's tokens (up to the row's end: ``eos``, ``pad``) and settle whether the row finished."""
         n, reason = len(toks), None
         if eos in toks:
             n, reason = toks.index(eos) + 1, "stop"  # keep the EOS token: it is a decision too
