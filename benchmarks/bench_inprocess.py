@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from inprocess_loop import Curve, Point, run_inprocess, warm_start  # noqa: E402
 from stats import at, binomial_se  # noqa: E402
 
+import astraflow  # noqa: E402
 from astraflow.config import load_recipe  # noqa: E402
 from astraflow.streams.messages import Heartbeat, RolloutStats, TrainerStats  # noqa: E402
 from astraflow.streams.plane import NatsOptions, Plane  # noqa: E402
@@ -147,8 +148,12 @@ def run_up(checkpoint: Path, seconds: float, nodes: int, eval_every: int, steps:
     sets = [f"model.pretrained={checkpoint}", "sft.steps=0", f"trainer.steps={steps}", f"rollout.nodes={nodes}",
             f"eval.every={eval_every}", *extra]
     cmd = [sys.executable, "-m", "astraflow.cli", "up", str(RECIPE), "--run-dir", str(run_dir), *(a for s in sets for a in ("--set", s))]
+    # the roles run the astraflow this process imported (PYTHONPATH=TREE probes TREE): `python -m` would put the working
+    # directory first on their path, and a checkout there would shadow the tree
+    tree = Path(astraflow.__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
     with open(workdir / f"up-{nodes}n.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=env)
     try:
         seen = asyncio.run(watch_up(proc, run_dir, seconds, tick))
     finally:

@@ -91,3 +91,26 @@ def test_every_module_imports(tmp_path: Path):
     assert out.returncode == 0, out.stderr[-3000:]
     failures = json.loads(out.stdout.strip().splitlines()[-1])
     assert not failures, "modules that fail to import here:\n" + "\n".join(f"{k}: {v}" for k, v in failures.items())
+
+
+def test_the_launcher_and_the_dataflow_start_without_the_model_stack():
+    """``astraflow up`` prepares a CPU run, and the dataflow loads ByT5 and serves, without importing torch: on a 2-core
+    machine its import is seconds of CPU before any role starts, and again at every restart of the plane's roles."""
+    script = (
+        "import sys\n"
+        "from astraflow.config import load_recipe\n"
+        "from astraflow.launch.up import trains_on_accelerator\n"
+        "from astraflow.rollout.eval_plan import eval_subjects, eval_versions\n"
+        "import astraflow.dataflow.service\n"
+        "from astraflow.models import decode_text, encode_prompt, load_tokenizer\n"
+        "recipe = load_recipe('recipes/arithmetic/inprocess.yaml')\n"
+        "assert not trains_on_accelerator(recipe.model_copy(update={'policies': {p: c.model_copy(update={'trainer': "
+        "c.trainer.model_copy(update={'device': 'cpu'})}) for p, c in recipe.policies.items()}}))\n"
+        "assert eval_versions(recipe)[0] == 0 and eval_subjects(recipe) == ('solver',)\n"
+        "tok = load_tokenizer('byt5')\n"
+        "assert decode_text(tok, encode_prompt(tok, '12+34=')) == '12+34='\n"
+        "print(sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"the model stack was imported: {out.stdout}"

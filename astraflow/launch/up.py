@@ -35,6 +35,7 @@ from astraflow.launch.supervisor import Child, CrashLoop, LocalPool, RoleSpec, S
 from astraflow.launch.view import View
 from astraflow.launch.warm_base import warm_shared_base
 from astraflow.launch.watcher import RunWatcher
+from astraflow.rollout.eval_plan import eval_subjects, eval_versions
 from astraflow.runtime import cancel_and_wait, run_event_loop
 from astraflow.streams.credentials import Credential, is_loopback, issue, make_tls, node_path, redact
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S
@@ -172,13 +173,19 @@ def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None, co
     return specs
 
 
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")  # NVIDIA's driver, ROCm's, WSL's: CUDA needs one
+
+
 def trains_on_accelerator(recipe: Recipe) -> bool:
     """Whether a trainer of ``recipe`` would train on an accelerator on this machine (then no core is its own: its step
     runs there, and the roles beside it, an SGLang server among them, keep every core)."""
-    import torch  # lazy: the launcher imports the model stack only once it runs
+    if not any(cfg.trainer.backend == "deepspeed" or cfg.trainer.device != "cpu" for cfg in recipe.policies.values()):
+        return False
+    if sys.platform == "linux" and not any(Path(node).exists() for node in GPU_DEVICE_NODES):
+        return False  # no driver to reach one: torch, whose import costs the launcher seconds, is not asked
+    import torch
 
-    return torch.cuda.is_available() and any(cfg.trainer.backend == "deepspeed" or cfg.trainer.device != "cpu"
-                                             for cfg in recipe.policies.values())
+    return torch.cuda.is_available()
 
 
 def added_node(recipe: Recipe, specs: list[RoleSpec]) -> Callable[[str], RoleSpec]:
@@ -369,8 +376,6 @@ async def supervise(recipe: Recipe, rundir: RunDir, opts: NatsOptions, sup: Supe
         plane = await Plane.connect(opts, rundir.run, "launcher", wait=30)
         leaving.push_async_callback(plane.close)
         await plane.ensure_topology(recipe.topology())  # before any role: they only look for it (a fresh cluster: waits for it)
-        from astraflow.rollout.evaluator import eval_subjects, eval_versions  # lazy: pulls in the model stack
-
         watcher = RunWatcher(plane, recipe, rundir, set(eval_versions(recipe)) if recipe.eval.enabled else set(), eval_subjects(recipe))
         await watcher.start()
         leaving.push_async_callback(watcher.stop)

@@ -41,11 +41,11 @@ from astraflow.metrics import Metrics, serving
 from astraflow.models import decode_text, encode_prompt, load_tokenizer
 from astraflow.role import Role, RoleOptions
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams
+from astraflow.rollout.eval_plan import eval_subjects, eval_versions
 from astraflow.rollout.node import make_handle
 from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.scores import sample_metrics
 from astraflow.rollout.task_checks import TaskRules, check_content, check_prompt
-from astraflow.rollout.workflows.base import TEAM
 from astraflow.rollout.workflows.registry import evaluation_of, get_workflow, workflow_class
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, EvaluatorStats, Heartbeat
 from astraflow.streams.plane import Plane
@@ -56,11 +56,6 @@ from astraflow.weights.sync import VersionGone, WeightSync, WeightSyncError
 
 log = logging.getLogger(__name__)
 GOTO_PATIENCE_S = 60.0  # how long an announced version may stay out of reach (a cluster electing a leader) before a restart
-
-
-def eval_versions(recipe: Recipe) -> list[int]:
-    every, last = recipe.eval.every, recipe.policies[recipe.eval_policy].trainer.steps
-    return sorted({0, last, *range(every, last, every)})
 
 
 def _summary(greedy: list[float], samples: list[list[float]] | None, k: int) -> dict[str, float]:
@@ -170,14 +165,6 @@ async def evaluated(plane: Plane, policy: str, version: int) -> bool:
 async def _announced(plane: Plane, policy: str) -> int:
     record = await plane.state.get(VersionRecord, policy)
     return record.version if record is not None else -1
-
-
-def eval_subjects(recipe: Recipe) -> tuple[str, ...]:
-    """What gets an ``eval.{subject}.{version}`` record: the evaluated policy; for a team workflow, every policy
-    and the team (``TEAM``)."""
-    if evaluation_of(recipe.workflow, recipe.workflow_options) == "team":
-        return (*recipe.policy_names, TEAM)
-    return (recipe.eval_policy,)
 
 
 def evaluate_team(recipe: Recipe, handles: dict[str, Any], problems: list[Any]) -> dict[str, dict[str, float]]:
