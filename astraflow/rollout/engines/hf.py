@@ -277,9 +277,9 @@ def stop_seen(tokenizer: Any, rows: list[_Row], stops: tuple[str, ...]) -> Stopp
     """Whether a row's text now holds one of ``stops``, given its tokens of this run (None: no stop strings).
 
     Only the text of the row's last tokens is read: a stop string of n characters spans at most 4n tokens of a
-    byte-level tokenizer, fewer of a subword one. A stop string missed costs decoding on to the budget, and one seen
-    in a tail's text but not in the row's a second run; ``_Row.extend`` cuts the row where the stop string completes
-    either way."""
+    byte-level tokenizer, fewer of a subword one. A stop string missed here costs decoding on to the budget, and one
+    seen in a tail's text but not in the whole row's costs a second run; ``_Row.extend`` cuts the row where the stop
+    string completes either way."""
     if not stops:
         return None
     tail = 4 * max(len(s) for s in stops) + 4
