@@ -100,3 +100,5 @@ def test_sampling_is_reproducible_under_a_seed_and_greedy_takes_the_argmax():
     certain = torch.full((4, 8), -1e4)
     certain[:, 5] = 0.0  # all the mass on one token: drawn whatever the uniform
     assert sample(certain, params)[0].tolist() == [5] * 4
+    with pytest.raises(ValueError, match="not finite"):
+        sample(torch.full((2, 8), float("nan")), params)

@@ -57,6 +57,8 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, 
             q = q.masked_fill(q.cumsum(-1) - q >= params.top_p, 0.0)  # the mass before a token already reaches p
         cdf = q.cumsum(dim=-1)
         total = cdf[:, -1:]
+        if not bool(torch.isfinite(total).all()):  # a NaN would draw an id past the vocabulary, or any id
+            raise ValueError("the model's logits are not finite: nothing can be sampled from them")
         u = torch.minimum(torch.rand(total.shape, device=z.device) * total, total.nextafter(torch.zeros_like(total)))
         tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # u < Q_V: an index whose q > 0
         if order is not None:
