@@ -119,6 +119,8 @@ def worker(
     domain: str | None = typer.Option(None, help="JetStream domain to read (a region's leafnode)."),
     checkpoint_dir: Path | None = CheckpointDir,
     metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port (0: a free one, logged; default: none)."),
+    cores: str | None = typer.Option(None, help="Run on these CPUs (e.g. 0,1) once started; the start-up may use any "
+                                     "(a trainer: trainer.cores)."),
     fresh_lineage: bool = FreshLineage,
     set_: list[str] = Overrides,
 ) -> None:
@@ -141,12 +143,22 @@ def worker(
     own = {"policy": policy, "checkpoint_dir": checkpoint_dir, "fresh_lineage": fresh_lineage or None, "pool": pool,
            "region": region, "hardware": hardware, "weights_domain": weights_domain}
     options = _role_options(role, nats=opts, run=run, worker_id=id or f"{role}-{os.getpid()}", metrics_port=metrics_port,
-                            **{k: v for k, v in own.items() if v is not None})
+                            cores=_cpu_list(cores), **{k: v for k, v in own.items() if v is not None})
     tune_gc()
     run_event_loop(_serve(role, r, options))
 
 
 ROLES = ("dataflow", "rollout", "trainer", "evaluator")
+
+
+def _cpu_list(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(c) for c in text.split(","))
+    except ValueError:
+        typer.echo(f"--cores: {text!r} is not a list of CPU numbers such as 0,1", err=True)
+        raise typer.Exit(2) from None
 
 
 def _role_options(role: str, **given: Any):

@@ -30,6 +30,7 @@ from astraflow.metrics import Metrics, start_metrics_server
 from astraflow.runtime import Stop, every, stop_event, watch_server
 from astraflow.streams.plane import NatsOptions, Plane
 from astraflow.streams.subjects import check_token
+from astraflow.train.threads import pin
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,14 @@ class RoleOptions(BaseModel):
     run: str
     worker_id: str
     metrics_port: int | None = Field(None, ge=0, le=65535)  # serve Prometheus metrics here (0: a free port, logged)
+    cores: tuple[int, ...] | None = None  # the CPUs it keeps to once started (``Role.started``); its start-up may use any
+
+    @field_validator("cores")
+    @classmethod
+    def _cores(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None and (not value or min(value) < 0):
+            raise ValueError("give one CPU number or more, none negative")
+        return value
 
     @field_validator("run", "worker_id")
     @classmethod
@@ -79,6 +88,7 @@ class Role:
         self.kind, self.nats, self.run, self.worker_id = kind, options.nats, options.run, options.worker_id
         self.server_gone_timeout = server_gone_timeout
         self.metrics_port = options.metrics_port if metrics else None
+        self.cores = options.cores
         self.policy = policy
         self.metrics: Metrics | None = None  # exported when a metrics port was given
         self._plane: Plane | None = None
@@ -106,6 +116,14 @@ class Role:
         self._stop = stop_event()
         self._chores.append(asyncio.create_task(watch_server(self._plane, self._stop, self.server_gone_timeout)))
         return self
+
+    def started(self) -> None:
+        """The role's start-up (imports, model build, the first weights) is done: from now on it runs on ``cores``
+        alone. ``up`` starts the roles beside a pinned trainer on every core, so their start-ups do not queue on the
+        cores left to them while the trainer's sit idle, and moves them there at this point. Safe to call twice."""
+        if self.cores is not None and pin(self.cores):
+            log.info("%s on CPUs %s", self.kind, list(self.cores))
+        self.cores = None
 
     def every(self, seconds: float, chore: Callable[[], Awaitable[None]]) -> None:
         """Run ``chore`` every ``seconds`` until the role stops (an error is logged, never fatal)."""

@@ -112,11 +112,16 @@ def test_up_keeps_every_role_but_the_trainer_off_its_cores(tmp_path: Path):
     recipe = with_core_plan(with_thread_counts(parse_recipe({"name": "t", "rollout": {"nodes": 1}}), 4), [0, 1, 2, 3], False)
     assert recipe.policies["solver"].trainer.cores == [2, 3]  # 4 cores - 1 node - the evaluator
     specs = role_specs(recipe, RunDir(tmp_path / "run"), None, cores=[0, 1, 2, 3])
-    assert {s.name: s.cores for s in specs} == {"trainer-solver": (0, 1, 2, 3), "dataflow": (0, 1), "evaluator": (0, 1),
-                                                 "rollout-0": (0, 1)}  # the trainer warm-starts on all, then pins itself
-    assert added_node(recipe, specs)("rollout-5").cores == (0, 1)
+    # every role starts on every core (the trainer warm-starts there), then keeps to its own: the trainer to
+    # trainer.cores, the others to those left (--cores, ``Role.started``)
+    assert {s.cores for s in specs} == {(0, 1, 2, 3)}
+    assert {s.name: s.args[s.args.index("--cores") + 1] for s in specs if s.role != "trainer"} == {
+        "dataflow": "0,1", "evaluator": "0,1", "rollout-0": "0,1"}
+    assert "--cores" not in next(s for s in specs if s.role == "trainer").args
+    assert added_node(recipe, specs)("rollout-5").args == next(s for s in specs if s.name == "rollout-0").args
     shared = parse_recipe({"name": "t", "trainer": {"cores": "shared"}})
     assert {s.cores for s in role_specs(shared, RunDir(tmp_path / "run"), None, cores=[0, 1, 2, 3])} == {None}
+    assert not any("--cores" in s.args for s in role_specs(shared, RunDir(tmp_path / "run"), None, cores=[0, 1, 2, 3]))
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")

@@ -134,3 +134,27 @@ def test_pin_moves_every_thread_and_the_threads_started_later():
         done.set()
         pin(before)
     assert usable_core_ids() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_a_role_keeps_to_its_cores_only_once_started():
+    """``up`` starts the roles beside a pinned trainer on every core and moves them to the cores left once started, so
+    their start-ups (imports, model build) do not queue on one core while the trainer's sits idle."""
+    from astraflow.role import Role, RoleOptions
+    from astraflow.streams.plane import NatsOptions
+
+    before = usable_core_ids()
+    role = Role("rollout", RoleOptions(nats=NatsOptions(url="nats://127.0.0.1:1"), run="r", worker_id="w",
+                                       cores=(before[-1],)), 5.0)
+    assert usable_core_ids() == before  # not entered, nothing pinned: the start-up runs anywhere
+    try:
+        role.started()
+        assert usable_core_ids() == [before[-1]]
+        pin(before)
+        role.started()  # once only: a second call moves nothing
+        assert usable_core_ids() == before
+    finally:
+        pin(before)
+    for bad in ((), (-1,)):
+        with pytest.raises(ValueError, match="cores"):
+            RoleOptions(nats=NatsOptions(url="nats://127.0.0.1:1"), run="r", worker_id="w", cores=bad)

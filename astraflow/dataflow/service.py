@@ -296,6 +296,7 @@ async def serve(recipe: Recipe, options: RoleOptions) -> None:
         role.every(HEARTBEAT_PERIOD_S, df.beat)
         role.every(ack_wait / 3, df.journal.keep_alive)
         log.info("dataflow up for run %s (%s), policies %s", options.run, recipe.dataflow.mode, list(df.lanes))
+        role.started()
         try:
             while not role.stop.is_set():
                 await df.step(trajectories)

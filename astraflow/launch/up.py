@@ -165,10 +165,12 @@ def role_specs(recipe: Recipe, rundir: RunDir, metrics_port_base: int | None, co
     every = tuple(cores) if shared is not None else None  # the launcher runs on the shared cores, its trainers may not
     specs = [RoleSpec(f"trainer-{p}", "trainer", ("--policy", p, "--checkpoint-dir", str(rundir.checkpoints(p)), *metrics(i)),
                       finishes=True, cores=every) for i, p in enumerate(recipe.policy_names)]  # pinned after the warm start
-    specs.append(RoleSpec("dataflow", "dataflow", metrics(20), cores=shared))
+    # the others start there too and keep to the shared cores once started (``Role.started``)
+    keep = ("--cores", ",".join(map(str, shared))) if shared is not None else ()
+    specs.append(RoleSpec("dataflow", "dataflow", (*metrics(20), *keep), cores=every))
     if recipe.eval.enabled:
-        specs.append(RoleSpec("evaluator", "evaluator", metrics(10), finishes=True, nice=recipe.rollout.nice, cores=shared))
-    specs += [RoleSpec(f"rollout-{i}", "rollout", metrics(30 + i), nice=recipe.rollout.nice, cores=shared)
+        specs.append(RoleSpec("evaluator", "evaluator", (*metrics(10), *keep), finishes=True, nice=recipe.rollout.nice, cores=every))
+    specs += [RoleSpec(f"rollout-{i}", "rollout", (*metrics(30 + i), *keep), nice=recipe.rollout.nice, cores=every)
               for i in range(recipe.rollout.nodes)]
     return specs
 
@@ -408,8 +410,7 @@ async def watch(recipe: Recipe, rundir: RunDir, watcher: RunWatcher, sup: Superv
                 act(view, sup, watcher, access, pool)
                 view.update(watcher.live, sup.restarts, watcher.run_time(), local_nodes=len(sup.live("rollout")))
                 if finished:
-                    await asyncio.sleep(2 * HEARTBEAT_PERIOD_S)  # the dataflow accounts the last announcements
-                    await watcher.record_accounting()
+                    await watcher.record_accounting(wait=2 * HEARTBEAT_PERIOD_S)  # the last announcements accounted
                     return "finished"
                 if time.monotonic() - started > timeout:
                     with contextlib.suppress(Exception):  # what the dataflow accounts, for the summary of a stalled run

@@ -13,6 +13,7 @@ message count is no such count, since a message may carry a whole group.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -231,12 +232,23 @@ class RunWatcher:
             path.with_suffix(".tmp").write_text(json.dumps(targets, indent=2))
             path.with_suffix(".tmp").replace(path)  # Prometheus never reads a half-written file
 
-    async def record_accounting(self) -> None:
-        """The dataflow's task accounting as it stands, into ``accounting.json`` (the summary reads it)."""
+    async def record_accounting(self, wait: float = 0.0) -> None:
+        """The dataflow's task accounting into ``accounting.json`` (the summary reads it): once the dataflow has taken
+        in every trainer's last announcement (it writes its state within ``COMMIT_EVERY_S`` of a change), or as it
+        stands after ``wait`` seconds (a dataflow that is gone)."""
+        deadline = time.monotonic() + wait
         state = await self.plane.state.get(DataflowState)
+        while time.monotonic() < deadline and not self._accounted(state):
+            await asyncio.sleep(0.1)
+            state = await self.plane.state.get(DataflowState)
         if state is not None:
             self.rundir.file("accounting.json").write_text(
                 json.dumps({p: a.model_dump() for p, a in state.accounting.items()}, indent=2))
+
+    def _accounted(self, state: DataflowState | None) -> bool:
+        return state is not None and all(
+            lane is not None and lane.followed >= cfg.trainer.steps
+            for p, cfg in self.recipe.policies.items() for lane in [state.lanes.get(p)])
 
     async def finished(self) -> bool:
         """Every trainer done, its last version's announcement recorded in ``metrics.jsonl`` (after a server's restart

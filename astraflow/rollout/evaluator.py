@@ -186,6 +186,7 @@ async def serve(recipe: Recipe, options: RoleOptions) -> None:
             role.on_exit(h.engine.close)
         syncs = {p: WeightSync(plane, p, handles[p].engine) for p in followed}
         held_out = scorable(recipe, load_split(recipe.data)[1])
+        role.started()
         done: list[tuple[int, float]] = []
 
         async def beat() -> None:

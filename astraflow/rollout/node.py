@@ -134,7 +134,8 @@ class RolloutNode:
                                         stats=self.report.heartbeat_stats(self.endpoint),
                                         state="draining" if self.draining else "running", metrics=serving()))
 
-    async def run(self, stop: Stop) -> None:
+    async def run(self, stop: Stop, joined: Callable[[], None] = lambda: None) -> None:
+        """Serve tasks until ``stop``; ``joined`` is called once the node holds the current weights."""
         self._loop = asyncio.get_running_loop()
         for h in self.handles.values():
             h.safe_point_fn = self._safe_point
@@ -143,6 +144,7 @@ class RolloutNode:
         chores = [asyncio.create_task(every(2.0, self.beat, stop))]
         try:
             await self.weights.join(stop)  # joining: the current weights first, however long a warm start takes
+            joined()
             chores.append(asyncio.create_task(self.weights.watch(stop)))  # after the join: versions ready before a safe point
             if isinstance(self.workflow, AgentHost):
                 self.endpoint = self.workflow.start(NodeServices(self.worker_id, self.handles, self._publish_from_thread,
@@ -329,4 +331,4 @@ async def serve(recipe: Recipe, options: NodeOptions) -> None:
             role.on_exit(h.engine.close)
         if callable(close := getattr(node.workflow, "close", None)):  # a workflow that holds servers (the OpenAI facade)
             role.on_exit(close)
-        await node.run(role.stop)  # the node beats itself (tests drive it without a Role); the Role watches the server
+        await node.run(role.stop, role.started)  # the node beats itself (tests drive it without a Role); the Role watches the server

@@ -15,7 +15,8 @@ trainer``) takes every core it may run on.
 
 Where the cores go (``trainer.cores``): on a CPU-only machine ``up`` gives each trainer on ``auto`` its ``threads``
 cores of its own (the last ones), when the cores left over still hold every node's ``rollout.threads``; every other
-role runs on those left over (``shared_cores``). A trainer pins itself once its warm start is done (``pin``).
+role runs on those left over (``shared_cores``). A trainer pins itself once its warm start is done (``pin``); the
+other roles start on every core and move to those left once started (``Role.started``, ``--cores``).
 """
 
 from __future__ import annotations
