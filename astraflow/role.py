@@ -74,6 +74,13 @@ class TrainerOptions(RoleOptions):
     checkpoint_dir: Path | None = None  # a restart resumes from it (default: none, start at v0)
     fresh_lineage: bool = False  # start over from the initial weights, announced after the plane's newest version
 
+    @field_validator("cores")
+    @classmethod
+    def _own_cores(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None:
+            raise ValueError("a trainer runs on trainer.cores once its warm start is done (--set 'trainer.cores=[0,1]')")
+        return value
+
 
 def options_for(role: str) -> type[RoleOptions]:
     """The option model of ``role`` (``dataflow``, ``rollout``, ``trainer``, ``evaluator``)."""

@@ -176,6 +176,9 @@ def test_arithmetic_operands_span_min_to_max_operand_and_a_reversed_range_fails_
     (["trainer", "--metrics-port", "70000"], "--metrics-port: Input should be less than or equal to 65535"),
     (["rollout", "--id", "a.b"], "worker id 'a.b' must match"),
     (["learner"], "unknown role 'learner': dataflow | rollout | trainer | evaluator"),
+    (["rollout", "--cores", "0,x"], "--cores: '0,x' is not a list of CPU numbers"),
+    (["evaluator", "--cores", "-1"], "--cores: Value error, give one CPU number or more, none negative"),
+    (["trainer", "--cores", "1"], "--cores: Value error, a trainer runs on trainer.cores"),
 ])
 def test_a_worker_takes_its_own_roles_options_and_names_the_one_it_refuses(args: list[str], said: str):
     """``astraflow worker ROLE``: the flags build that role's option model (``astraflow.role``); another role's flag,
