@@ -468,7 +468,7 @@ def banner(recipe: Recipe, run: str, session: int, url: str, embedded: bool, sha
     if shared is not None:
         own = ", ".join(f"trainer {p} on CPUs {cfg.trainer.cores}" for p, cfg in recipe.policies.items()
                         if isinstance(cfg.trainer.cores, list))
-        console.print(f"cores: {own}; every other role on CPUs {list(shared)} (trainer.cores)")
+        console.print(f"cores: {own} once warm-started; every other role on CPUs {list(shared)} once started (trainer.cores)")
 
 
 def external_plane(rundir: RunDir, url: str, credentials: Path | None) -> tuple[dict[str, Credential] | None, NatsOptions]:
