@@ -204,8 +204,6 @@ class TrainerLoop:
         finally:
             if not handed:
                 keep.cancel()
-        self.metrics.set({**self.last, "version": self.version})
-        self.metrics.inc({"trained_tokens": step["tokens"], "trained_batches": 1})
         log.info("v%d %s loss %.4f reward %.3f wait %.0f%% (v%s announced, %d held)", self.version, batch.batch_id, step["loss"],
                  step["reward_mean"], 100 * self.last["wait_frac"], self.publisher.image_version, self.commits.held)
 
@@ -238,6 +236,8 @@ class TrainerLoop:
         self.trained.append(batch.batch_id)
         self.seen.add(batch.batch_id)
         self.last = {**step, "wait_frac": self.waited / (time.monotonic() - self.started), "batch_wait_s": self.wait, "fetch_s": fetch_s}
+        self.metrics.set({**self.last, "version": self.version})  # with the heartbeat's figures, before the version is published
+        self.metrics.inc({"trained_tokens": step["tokens"], "trained_batches": 1})
         self.last_ids = [batch.batch_id]
         self.last_suspects = suspects_of(batch, self.run_op.backend.suspects)
         state, bad = await asyncio.to_thread(_checked_image, self.run_op)
