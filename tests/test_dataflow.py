@@ -154,6 +154,14 @@ class Harness:
         await self.trainer.state.put(VersionRecord(policy=policy, version=version))
         self.versions[policy] = version
 
+    async def heard(self, policy: str, version: int, timeout: float = 5.0) -> None:
+        """Wait, without a turn, until the dataflow has received ``policy``'s announcement of ``version`` (a turn taken
+        before it would still issue tasks with the older floors)."""
+        deadline = time.monotonic() + timeout
+        while (ann := self.df.watch.newest.get(policy)) is None or ann.version < version:
+            assert time.monotonic() < deadline, f"the dataflow never heard {policy} v{version}"
+            await asyncio.sleep(0.05)
+
     async def pending_tasks(self) -> int:
         return (await self.node.stored.lag(self.node.names.task_stream, "raas")).pending
 

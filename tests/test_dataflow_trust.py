@@ -5,7 +5,6 @@ counted fate, the accounting adds up, and the service keeps serving and training
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Callable
 
@@ -329,10 +328,7 @@ async def test_an_explicitly_failed_sample_settles_its_group_without_reaching_th
 async def test_tokens_older_than_the_task_allowed_are_invalid(harness: Harness):
     h = harness
     await h.announce("solver", 3, [])
-    for _ in range(100):  # heard before the first turn: a turn before it would issue the tasks with floor 0
-        if (heard := h.df.watch.newest.get("solver")) is not None and heard.version == 3:
-            break
-        await asyncio.sleep(0.05)
+    await h.heard("solver", 3)  # before the first turn: a turn before it would issue the tasks with floor 0
     await h.until(lambda: h.df.lanes["solver"].version == 3)
     await h.turn(2)  # tasks issued now carry min_versions solver >= 2
     await serve(h, lambda t, p, i, v: good(t, p, i, v, versions=np.full(4, 1, np.int32)), limit=2)

@@ -246,9 +246,10 @@ class RunWatcher:
                 json.dumps({p: a.model_dump() for p, a in state.accounting.items()}, indent=2))
 
     def _accounted(self, state: DataflowState | None) -> bool:
-        return state is not None and all(
-            lane is not None and lane.followed >= cfg.trainer.steps
-            for p, cfg in self.recipe.policies.items() for lane in [state.lanes.get(p)])
+        """The dataflow's state shows every trainer's last version taken in."""
+        if state is None:
+            return False
+        return all(p in state.lanes and state.lanes[p].followed >= cfg.trainer.steps for p, cfg in self.recipe.policies.items())
 
     async def finished(self) -> bool:
         """Every trainer done, its last version's announcement recorded in ``metrics.jsonl`` (after a server's restart
