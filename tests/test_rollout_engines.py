@@ -18,6 +18,7 @@ import random
 import threading
 import time
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -27,6 +28,7 @@ from safetensors.torch import load_file
 
 from astraflow.config import ModelConfig, RolloutConfig
 from astraflow.models import build_model, load_tokenizer
+from astraflow.rollout.engines import remote
 from astraflow.rollout.engines import sglang as sglang_engine
 from astraflow.rollout.engines import vllm as vllm_engine
 from astraflow.rollout.engines.base import GenerationRequest, SamplingParams
@@ -340,6 +342,23 @@ def test_launch_commands():
     assert vl[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert vl[vl.index("--worker-extension-cls") + 1] == "astraflow.rollout.engines.vllm.WeightLoaderExtension"
     assert vl[vl.index("--logprobs-mode") + 1] == "processed_logprobs"
+
+
+def test_a_tiny_model_is_saved_once_under_a_path_named_by_its_files(tmp_path, monkeypatch):
+    """Servers load a recipe's tiny model from one path per content, so their compile caches (keyed by the path) serve
+    every later start; a copy whose files changed there is replaced, never loaded."""
+    monkeypatch.setattr(remote.tempfile, "tempdir", str(tmp_path))
+    tok = load_tokenizer("byt5")
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    first = remote.model_dir(cfg, tok, tmp_path / "a" / "initial")
+    again = remote.model_dir(cfg, tok, tmp_path / "b" / "initial")
+    assert first == again and Path(first).name.startswith("astraflow-model-")
+    assert not (tmp_path / "a" / "initial").exists() and not (tmp_path / "b" / "initial").exists()
+    digest = remote.files_digest(Path(first))
+    other = remote.model_dir(cfg.model_copy(update={"seed": cfg.seed + 1}), tok, tmp_path / "c" / "initial")
+    assert other != first  # other weights, another path
+    (Path(first) / "config.json").write_text("{}")  # changed in place: the next start puts the saved files back
+    assert remote.model_dir(cfg, tok, tmp_path / "d" / "initial") == first and remote.files_digest(Path(first)) == digest
 
 
 def test_vllm_worker_extension_loads_staged_weights(tmp_path):

@@ -13,6 +13,7 @@ has loaded the new one.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import logging
 import os
@@ -197,7 +198,8 @@ def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def model_dir(model_cfg: ModelConfig, tokenizer: Any, where: Path) -> str:
-    """A directory or hub id the server can load at start: ``pretrained``, or the recipe's tiny model saved to ``where``."""
+    """A directory or hub id the server can load at start: ``pretrained``, or the recipe's tiny model saved to ``where``
+    and then moved to a path named by its files' digest (``saved_once``)."""
     if model_cfg.pretrained:
         return model_cfg.pretrained
     from astraflow.models import build_model
@@ -205,7 +207,36 @@ def model_dir(model_cfg: ModelConfig, tokenizer: Any, where: Path) -> str:
     where.mkdir(parents=True, exist_ok=True)
     build_model(model_cfg, tokenizer).save_pretrained(where)
     tokenizer.save_pretrained(where)
-    return str(where)
+    return str(saved_once(where))
+
+
+def saved_once(where: Path) -> Path:
+    """``where``'s files under one path per content, ``{tmp}/astraflow-model-{files_digest}``, shared by every node and
+    run that saves the same model. A server's compile cache is keyed by the model's path (vLLM's
+    ``torch_compile_cache``): a temp dir per start would make it compile again at every start, about 20 s on CPU for
+    the tiny models. The move is atomic; a process that finds the path taken by the same files drops its own copy, and
+    one taken by other files (changed since) is replaced."""
+    digest = files_digest(where)
+    final = Path(tempfile.gettempdir()) / f"astraflow-model-{digest[:32]}"
+    for _ in range(3):
+        if final.is_dir() and files_digest(final) == digest:
+            shutil.rmtree(where, ignore_errors=True)
+            return final
+        shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.rename(where, final)
+            return final
+        except OSError:  # another process moved its copy there first: check that one
+            continue
+    raise RuntimeError(f"could not save the model's files at {final}")
+
+
+def files_digest(folder: Path) -> str:
+    """sha256 over a folder's files, names and bytes, in name order."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.iterdir() if p.is_file()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def model_digest(model_cfg: ModelConfig, tokenizer: Any) -> str:
