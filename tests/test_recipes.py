@@ -60,9 +60,12 @@ def test_cpu_recipe_runs_briefly(name: str, nats_server, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-1500:] + logs
     recipe = load_recipe(run_dir / "recipe.yaml")
+    said = " ".join(proc.stdout.split())
+    assert "every trainer is done: rollout-0 leave" in said, said[-1500:]  # the last evaluations have the cores
     if any(isinstance(cfg.trainer.cores, list) for cfg in recipe.policies.values()):  # a trainer held cores of its own:
         for role in ("dataflow", "rollout-0"):  # the others started anywhere and then kept to those left
             assert " on CPUs " in (run_dir / "logs" / f"{role}.s1.log").read_text(), role
+        assert "the evaluator runs on CPUs" in said, said[-1500:]  # and once it was done, the evaluator took them all
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for policy in recipe.policy_names:
         assert [r["version"] for r in rows if r["policy"] == policy] == [0, 1, 2], policy

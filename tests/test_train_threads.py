@@ -4,13 +4,17 @@ trainer.cores: auto gives a CPU trainer those cores as its own, and the other ro
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
 from astraflow.config import parse_recipe
 from astraflow.train.threads import (
     pin,
+    pin_group,
     sft_threads,
     shared_cores,
     threads_for,
@@ -158,3 +162,42 @@ def test_a_role_keeps_to_its_cores_only_once_started():
     for bad in ((), (-1,)):
         with pytest.raises(ValueError, match="cores"):
             RoleOptions(nats=NatsOptions(url="nats://127.0.0.1:1"), run="r", worker_id="w", cores=bad)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_pin_group_moves_every_thread_of_a_role_and_of_what_it_started():
+    """``up`` widens the evaluator's cores from the launcher once the trainers are done: every thread of the role's
+    process group moves, its children's too, and nothing outside the group."""
+    cores = usable_core_ids()
+    code = ("import subprocess, sys, threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('up', flush=True); time.sleep(60)")
+    role = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, process_group=0)
+    try:
+        assert role.stdout is not None and role.stdout.readline().strip() == "up"
+        group = []
+        for _ in range(100):  # the child's interpreter may still be starting
+            group = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgrp(p) == role.pid]
+            if len(group) == 2:
+                break
+            time.sleep(0.05)
+        tids = [int(t) for p in group for t in os.listdir(f"/proc/{p}/task")]
+        assert len(group) == 2 and len(tids) >= 3, (group, tids)
+        assert pin_group(role.pid, [cores[0]]) >= len(tids)
+        assert all(os.sched_getaffinity(t) == {cores[0]} for t in tids)
+        assert usable_core_ids() == cores  # the caller's own threads are not in the group
+        assert pin_group(role.pid, cores) >= len(tids) and all(os.sched_getaffinity(t) == set(cores) for t in tids)
+    finally:
+        os.killpg(role.pid, 9)
+        role.wait(10)
+    deadline = time.monotonic() + 5  # SIGKILL lands on the orphaned child a moment later
+    while pin_group(role.pid, cores) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pin_group(role.pid, cores) == 0  # a group gone: nothing to move, no error
+
+
+def _pgrp(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[2])
+    except OSError:
+        return None

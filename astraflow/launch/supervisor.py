@@ -26,10 +26,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from astraflow.train.threads import pin_group
 
 State = Literal["running", "backoff", "done", "retired", "quarantined", "failed"]
 
@@ -207,6 +209,11 @@ class Supervisor:
         c.state = "retired"
         if c.alive():
             c.proc.send_signal(signal.SIGTERM)
+
+    def widen(self, role: str, cores: Sequence[int]) -> list[str]:
+        """Every live child of ``role``, with all it started, onto ``cores`` (a restart starts on its spec's again);
+        the names of those moved."""
+        return [c.name for c in self.live(role) if c.alive() and pin_group(c.proc.pid, cores)]
 
     def live(self, role: str) -> list[Child]:
         return [c for c in self.children.values() if c.spec.role == role and c.state in ("running", "backoff")]

@@ -398,6 +398,7 @@ async def watch(recipe: Recipe, rundir: RunDir, watcher: RunWatcher, sup: Superv
     patience = PlanePatience(recipe.plane.server_gone_timeout)
     keeper = ServerKeeper(servers or [], rundir)
     keeping: asyncio.Task[None] | None = None
+    trained = False
     try:
         with View(recipe, console, join) as view:
             for change in early:
@@ -407,6 +408,9 @@ async def watch(recipe: Recipe, rundir: RunDir, watcher: RunWatcher, sup: Superv
                 began = time.monotonic()
                 keeper.check()
                 finished = await patience.poll(watcher, view)
+                if watcher.trained and not trained:
+                    trained, pool = True, None  # no node is started any more
+                    view.note(f"[bold]supervisor[/]: every trainer is done: {trained_all(sup, specs)}")
                 act(view, sup, watcher, access, pool)
                 view.update(watcher.live, sup.restarts, watcher.run_time(), local_nodes=len(sup.live("rollout")))
                 if finished:
@@ -425,6 +429,20 @@ async def watch(recipe: Recipe, rundir: RunDir, watcher: RunWatcher, sup: Superv
     finally:
         if keeping is not None:
             await cancel_and_wait(keeping)
+
+
+def trained_all(sup: Supervisor, specs: list[RoleSpec]) -> str:
+    """Every trainer is done, and nothing a node makes from now on is trained: every local node is told to leave
+    (SIGTERM: it drains what it holds), and the evaluator, kept to the cores the trainers left while they trained, runs
+    its last evaluations on every core. What was done, for the view."""
+    nodes = [c.name for c in sup.live("rollout")]
+    for name in nodes:
+        sup.retire(name)
+    done = [f"{', '.join(nodes)} leave"] if nodes else []
+    every = next((s.cores for s in specs if s.role == "evaluator" and s.cores is not None), None)  # None: it was not kept
+    if every is not None and sup.widen("evaluator", every):
+        done.append(f"the evaluator runs on CPUs {list(every)}")
+    return "; ".join(done) or "nothing to change"
 
 
 def hold_stop_signals(loop: asyncio.AbstractEventLoop) -> None:

@@ -74,6 +74,7 @@ class RunWatcher:
             self._seen_version(r)
         evals = list(rundir.rows("evals.jsonl"))
         self._evals = {(r["policy"], int(r["version"])) for r in evals}
+        self.trained = False  # every trainer done (:meth:`finished`); the run may still wait for evaluations
         self.live.evals = {int(r["version"]): float(r["reward"]) for r in evals if r.get("policy") == recipe.eval_policy and "reward" in r}
         self._offset = rundir.wall_s()  # run time before this session
         self._start = time.time()
@@ -260,4 +261,5 @@ class RunWatcher:
             done = await self.plane.state.get(DoneRecord, p)
             if done is None or done.version < c.trainer.steps:
                 return False
+        self.trained = True
         return self.wanted_evals <= self._evals

@@ -128,6 +128,27 @@ def pin(cores: Sequence[int]) -> bool:
     return True
 
 
+def pin_group(pgid: int, cores: Sequence[int]) -> int:
+    """Run every thread of every process in process group ``pgid`` (a role and what it started) on ``cores``, from
+    another process: a role pins itself (``pin``) and ``up`` widens the evaluator's cores when the trainers are done.
+    Processes and threads that end meanwhile are skipped; how many threads were moved (0 without CPU affinity)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return 0
+    moved = 0
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]  # the fields after the name
+            if int(pgrp) != pgid or state == "Z":  # another group's, or ended and not yet reaped
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), cores)
+                moved += 1
+        except (FileNotFoundError, ProcessLookupError):  # ended meanwhile
+            continue
+    return moved
+
+
 def threads_for(threads: int | str) -> int:
     """A trainer's torch threads: the configured count, or on ``auto`` (a trainer on its own) the usable cores shared
     by the ranks of a data-parallel group on this machine (``LOCAL_WORLD_SIZE``, set by torchrun)."""
