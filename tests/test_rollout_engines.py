@@ -359,6 +359,10 @@ def test_a_tiny_model_is_saved_once_under_a_path_named_by_its_files(tmp_path, mo
     assert other != first  # other weights, another path
     (Path(first) / "config.json").write_text("{}")  # changed in place: the next start puts the saved files back
     assert remote.model_dir(cfg, tok, tmp_path / "d" / "initial") == first and remote.files_digest(Path(first)) == digest
+    Path(other).rename(tmp_path / "moved")
+    Path(other).write_text("not a folder")  # a path it cannot take: the private copy is loaded instead
+    private = tmp_path / "e" / "initial"
+    assert remote.model_dir(cfg.model_copy(update={"seed": cfg.seed + 1}), tok, private) == str(private) and private.is_dir()
 
 
 def test_vllm_worker_extension_loads_staged_weights(tmp_path):

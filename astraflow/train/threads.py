@@ -131,7 +131,8 @@ def pin(cores: Sequence[int]) -> bool:
 def pin_group(pgid: int, cores: Sequence[int]) -> int:
     """Run every thread of every process in process group ``pgid`` (a role and what it started) on ``cores``, from
     another process: a role pins itself (``pin``) and ``up`` widens the evaluator's cores when the trainers are done.
-    Processes and threads that end meanwhile are skipped; how many threads were moved (0 without CPU affinity)."""
+    Best effort: a process or thread that ends meanwhile, or refuses (another user's), is skipped; how many threads
+    were moved (0 without CPU affinity)."""
     if not hasattr(os, "sched_setaffinity"):
         return 0
     moved = 0
@@ -144,7 +145,7 @@ def pin_group(pgid: int, cores: Sequence[int]) -> int:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 os.sched_setaffinity(int(tid), cores)
                 moved += 1
-        except (FileNotFoundError, ProcessLookupError):  # ended meanwhile
+        except OSError:  # ended meanwhile, or not ours to move
             continue
     return moved
 

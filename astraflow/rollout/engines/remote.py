@@ -215,7 +215,7 @@ def saved_once(where: Path) -> Path:
     run that saves the same model. A server's compile cache is keyed by the model's path (vLLM's
     ``torch_compile_cache``): a temp dir per start would make it compile again at every start, about 20 s on CPU for
     the tiny models. The move is atomic; a process that finds the path taken by the same files drops its own copy, and
-    one taken by other files (changed since) is replaced."""
+    one taken by other files (changed since) is replaced. Where it cannot be (another user's), ``where`` is kept."""
     digest = files_digest(where)
     final = Path(tempfile.gettempdir()) / f"astraflow-model-{digest[:32]}"
     for _ in range(3):
@@ -228,7 +228,8 @@ def saved_once(where: Path) -> Path:
             return final
         except OSError:  # another process moved its copy there first: check that one
             continue
-    raise RuntimeError(f"could not save the model's files at {final}")
+    log.warning("the model's files could not be shared at %s; loading them from %s (compiled again at every start)", final, where)
+    return where
 
 
 def files_digest(folder: Path) -> str:
