@@ -5,7 +5,8 @@ side reads each batch's trajectories back by sequence (``fetch_trajectories``), 
 
 The rollout side here answers each task instantly with fixed tokens (no model): this measures
 the plane and the real dataflow service (started, and stepped as ``dataflow.service.serve``
-does), not an engine. It publishes and acks the tasks of a pull the way the tree's rollout node
+does), not an engine. The trainer side announces each batch it read as a version trained on it, as a trainer does
+(the announcement names the batch; no weights are stored), so the dataflow settles each batch's tasks as in a run. It publishes and acks the tasks of a pull the way the tree's rollout node
 settles tasks that finish together (``rollout/outbox.py``: one pipelined publish of all their
 trajectories, then their acks); a tree without it settles each task on its own (publish, wait for
 the server, ack), concurrently, as its node's slots did.
@@ -38,7 +39,7 @@ import astraflow
 from astraflow.config import parse_recipe
 from astraflow.dataflow.service import Dataflow
 from astraflow.streams.codec import encode
-from astraflow.streams.messages import Batch, Task, Trajectory
+from astraflow.streams.messages import Batch, ObjectRef, Task, Trajectory, WeightVersion
 from astraflow.streams.plane import Delivery, NatsOptions, Plane
 from astraflow.streams.server import EmbeddedServer
 from astraflow.streams.trajectories import fetch_trajectories
@@ -88,6 +89,15 @@ def trajectory_for(task: Task, i: int) -> Trajectory:
     )
 
 
+def announcement(version: int, batch_id: str) -> WeightVersion:
+    """Version ``version``, trained on ``batch_id``: what a trainer announces after its step (a keyframe whose object
+    the dataflow never reads; nothing is stored)."""
+    digest = f"{version:064x}"
+    ref = ObjectRef(name=f"v{version}", nuid=f"bench{version}", size=1, chunk_size=1, digests=[digest], digest=digest)
+    return WeightVersion(policy="solver", version=version, encoding="keyframe", state_digest=digest, keyframe_version=version,
+                         objects=[ref], batch_ids=[batch_id])
+
+
 async def raw_throughput(url: str, n: int, size: int) -> float:
     """The baseline: plain nats-py on the same server, no astraflow in the path."""
     nc = await nats.connect(url)
@@ -130,7 +140,7 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
                 "group_size": group,
                 "groups_per_batch": groups_per_batch,
                 "max_tasks_in_flight": 4 * groups_per_batch,
-                "max_staleness": 100,
+                "max_staleness": 1_000_000,  # the fixed arrays claim version 0 whatever the trainer side announced
                 "max_batch_backlog": 4,
                 "trust_claims": True,  # fixed arrays, not answers: the plane's own cost (claims: bench_validation.py)
             },
@@ -169,6 +179,7 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
                 await fetch_trajectories(trainer, d.msg)  # a batch is a manifest: the trainer reads its trajectories itself
                 trained += 1
                 await d.ack()
+                await trainer.publish(trainer.names.weights("solver"), announcement(trained, d.msg.batch_id))
         done.set()
 
     async def dataflow_loop() -> None:
