@@ -5,11 +5,12 @@ side reads each batch's trajectories back by sequence (``fetch_trajectories``), 
 
 The rollout side here answers each task instantly with fixed tokens (no model): this measures
 the plane and the real dataflow service (started, and stepped as ``dataflow.service.serve``
-does), not an engine. The trainer side announces each batch it read as a version trained on it, as a trainer does
-(the announcement names the batch; no weights are stored), so the dataflow settles each batch's tasks as in a run. It publishes and acks the tasks of a pull the way the tree's rollout node
+does), not an engine. It publishes and acks the tasks of a pull the way the tree's rollout node
 settles tasks that finish together (``rollout/outbox.py``: one pipelined publish of all their
 trajectories, then their acks); a tree without it settles each task on its own (publish, wait for
-the server, ack), concurrently, as its node's slots did.
+the server, ack), concurrently, as its node's slots did. The trainer side announces each batch it
+read as a version trained on it, as a trainer does (the announcement names the batch; no weights
+are stored), so the dataflow settles each batch's tasks as in a run.
 
 Run: ``python benchmarks/bench_plane.py [--batches 60]``. Side by side with another tree (e.g. ``main``):
 ``python benchmarks/bench_plane.py --before /tmp/lean_before`` runs each tree in its own child

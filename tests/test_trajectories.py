@@ -7,19 +7,22 @@ import asyncio
 import random
 import struct
 
+import msgpack
 import nats
 import numpy as np
 import pytest
 import zstandard
 from factories import a_trajectory
 
-from astraflow.streams.codec import encode
+from astraflow.streams.codec import DecodeError, encode
 from astraflow.streams.direct import MissingMessages, read_seqs, runs
 from astraflow.streams.messages import PER_TOKEN, Batch, ObjectRef, Trajectory, TrajRef
 from astraflow.streams.plane import Plane, Topology
 from astraflow.streams.trajectories import (
     MAX_ARRAYS,
     PayloadUnavailable,
+    decode_named,
+    decode_traj,
     fetch_trajectories,
     pack_arrays,
     publish_trajectories,
@@ -169,3 +172,47 @@ async def test_an_older_traj_stream_is_brought_to_allow_direct_gets(plane: Plane
     await plane._jsm.update_stream(cfg)
     await plane.ensure_topology(Topology(policies=("solver",)))
     assert (await plane._jsm.stream_info(plane.names.traj_stream)).config.allow_direct
+
+
+def tampered(data: bytes, change) -> bytes:
+    """``data``'s envelope with ``change`` applied to its fields, packed again as the wire has it (a node that
+    does not build its messages with our models)."""
+    obj = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(data[1:]) if data[:1] == b"\x02" else data[1:], raw=False)
+    change(obj["d"])
+    return b"\x01" + msgpack.packb(obj, use_bin_type=True)
+
+
+async def test_a_batch_reads_only_the_samples_it_names_of_a_bundle(plane: Plane):
+    """A bundle feeds two batches: each validates its own groups' samples, not the other's (a bad one there is not its
+    to read); a bad sample a batch names is refused; a bundle not shaped as one is refused with the whole decode's reason."""
+    groups = [[traj(f"t{k}", i, seed=10 * k + i) for i in range(4)] for k in range(4)]
+    [seq] = set(await publish_trajectories(plane, [t for g in groups for t in g]))
+    data = (await read_seqs(plane._nc, "$JS.API", plane.names.traj_stream, [seq]))[seq].data
+    assert decode_traj(data).kind == "trajectory_bundle"
+
+    def misaligned(fields: dict) -> None:  # the last group's first sample: logprobs one short of its completion
+        fields["groups"][3]["trajectories"][0]["logprobs"] = fields["groups"][3]["trajectories"][0]["logprobs"][:-4]
+
+    bad = tampered(data, misaligned)
+    first = {t.traj_id for t in groups[0] + groups[1]}
+    got = decode_named(bad, first)
+    assert got == {t.traj_id: t for t in groups[0] + groups[1]}  # whole and equal, the bad sample of group 3 unread
+    with pytest.raises(DecodeError, match="per-token arrays must align"):
+        decode_named(bad, {groups[3][0].traj_id})
+    none_here = decode_named(data, {"elsewhere"})
+    assert none_here == {groups[0][0].traj_id: groups[0][0]}  # none named here: the first, which the caller's id check refuses
+    with pytest.raises(DecodeError, match="invalid trajectory_bundle"):
+        decode_named(tampered(data, lambda f: f.update(groups={"not": "a list"})), first)
+    odd = decode_named(tampered(data, lambda f: f["groups"][0]["trajectories"][0].update(traj_id=["unhashable"])), first)
+    assert groups[0][0].traj_id not in odd and len(odd) == 7  # an id of another type names nothing: that one is missing
+
+    def manifest(ts: list[Trajectory], at: int = seq) -> Batch:
+        return Batch(batch_id="solver-b1", policy="solver", refs=[TrajRef(seq=at, traj_id=t.traj_id, task_id=t.task_id) for t in ts],
+                     advantages=np.zeros(len(ts), np.float32), task_ids=sorted({t.task_id for t in ts}))
+
+    later = groups[3][1:] + groups[2]  # a batch's own order, not the bundle's
+    assert await fetch_trajectories(plane, manifest(later)) == later
+    at = (await plane._nc.jetstream().publish(plane.names.traj("solver"), bad)).seq
+    assert await fetch_trajectories(plane, manifest(groups[1] + groups[0], at)) == groups[1] + groups[0]
+    with pytest.raises(DecodeError):
+        await fetch_trajectories(plane, manifest(groups[3], at))

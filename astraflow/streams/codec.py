@@ -51,6 +51,18 @@ def decode_any(data: bytes, *kinds: type[Message]) -> Message:
     return _validate(next(k for k in kinds if k.kind == kind), fields)
 
 
+def envelope(data: bytes, *kinds: type[Message]) -> tuple[type[Message], Any]:
+    """The kind (one of ``kinds``) and the unvalidated fields of ``data``: for a reader that validates only part of a
+    message (:func:`validate` each part it reads); ``DecodeError`` when ``data`` is not an envelope of one of them."""
+    kind, fields = _envelope(data, *kinds)
+    return next(k for k in kinds if k.kind == kind), fields
+
+
+def validate(expected: type[M], fields: Any) -> M:
+    """``fields`` as an ``expected``, checked as strictly as :func:`decode` checks a whole message."""
+    return _validate(expected, fields)
+
+
 def _validate(expected: type[M], fields: Any) -> M:
     if isinstance(fields, dict) and fields.get("v", SCHEMA_VERSION) != SCHEMA_VERSION:
         raise DecodeError(f"schema version {fields.get('v')} not supported (this build speaks {SCHEMA_VERSION})")

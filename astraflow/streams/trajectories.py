@@ -38,12 +38,12 @@ from __future__ import annotations
 import asyncio
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import zstandard
 
-from astraflow.streams.codec import MessageTooLarge, decode_any, encode
+from astraflow.streams.codec import MessageTooLarge, decode_any, encode, envelope, validate
 from astraflow.streams.messages import MAX_BUNDLE, MAX_GROUP, PER_TOKEN, Batch, Message, Trajectory, TrajectoryBundle, TrajectoryGroup
 from astraflow.streams.objects import ObjectError, ObjectStore
 from astraflow.streams.subjects import Names
@@ -242,6 +242,39 @@ def decode_carried(data: bytes) -> list[Trajectory]:
     return carried(decode_traj(data))
 
 
+def decode_named(data: bytes, wanted: set[str]) -> dict[str, Trajectory]:
+    """The trajectories ``wanted`` (by ``traj_id``) of a TRAJ stream message's bytes, each validated as strictly as a
+    message of its own; a group's or a bundle's other samples are not validated (a batch that names some of a bundle's
+    groups reads those, where decoding the whole bundle cost each batch it feeds all of it). None wanted there: its
+    first trajectory, which fails the caller's check of ids. ``DecodeError`` when a wanted one is invalid, or when the
+    message is not the shape its kind has (then decoded whole, for the reason)."""
+    kind, fields = envelope(data, Trajectory, TrajectoryGroup, TrajectoryBundle)
+    if kind is Trajectory:
+        t = validate(Trajectory, fields)
+        return {t.traj_id: t}
+    samples = _samples_of(fields if kind is TrajectoryGroup else fields.get("groups") if isinstance(fields, dict) else None,
+                          kind is TrajectoryBundle)
+    if samples is None:
+        return {t.traj_id: t for t in decode_carried(data)}  # malformed: the whole decode names why (or it was fine)
+    named = [f for f in samples if isinstance(i := f.get("traj_id"), str) and i in wanted] or samples[:1]
+    return {t.traj_id: t for t in (validate(Trajectory, f) for f in named)}
+
+
+def _samples_of(fields: Any, bundle: bool) -> list[dict[str, Any]] | None:
+    """The unvalidated fields of each sample of a group's (or, ``bundle``, a bundle's ``groups``') fields, in order;
+    None when they are not shaped as a message of that kind's, or hold more than ``MAX_GROUP`` samples."""
+    groups = fields if bundle else [fields]
+    if not isinstance(groups, list) or not groups:
+        return None
+    out: list[dict[str, Any]] = []
+    for g in groups:
+        trajs = g.get("trajectories") if isinstance(g, dict) else None
+        if not isinstance(trajs, list) or not trajs or not all(isinstance(f, dict) for f in trajs):
+            return None
+        out += trajs
+    return out if len(out) <= MAX_GROUP else None
+
+
 @dataclass(frozen=True)
 class TrainingBatch:
     """A batch manifest with its trajectories in hand, whole and in manifest order: what a trainer steps on."""
@@ -273,15 +306,19 @@ async def fetch_trajectories(plane: Plane, batch: Batch) -> list[Trajectory]:
 
 async def fetch_batch(plane: Plane, batch: Batch) -> TrainingBatch:
     """The trajectories ``batch`` names, whole, in its order, with the node each one's subject names: read by TRAJ
-    stream sequence in a few batched requests (a group's or bundle's message once for all of its trajectories), the one of each
-    reference's ``traj_id`` taken from a group, offloaded arrays resolved. Raises ``MissingMessages`` (sequences gone),
+    stream sequence in a few batched requests (a group's or bundle's message once for all of its trajectories), only the
+    trajectories it names validated (:func:`decode_named`), offloaded arrays resolved. Raises ``MissingMessages`` (sequences gone),
     :class:`PayloadUnavailable`, or the transient error of the read. The caller checks each one's ids against its
     reference (a group without that id gives its first trajectory, which fails that check)."""
     stored = await plane.stored.read_stored(plane.names.traj_stream, [r.seq for r in batch.refs])
     raw = {seq: m.data for seq, m in stored.items()}
 
+    wanted: dict[int, set[str]] = {}
+    for r in batch.refs:
+        wanted.setdefault(r.seq, set()).add(r.traj_id)
+
     def pick() -> list[Trajectory]:
-        found = {seq: {t.traj_id: t for t in decode_carried(data)} for seq, data in raw.items()}
+        found = {seq: decode_named(data, wanted[seq]) for seq, data in raw.items()}
         return [found[r.seq].get(r.traj_id) or next(iter(found[r.seq].values())) for r in batch.refs]
 
     small = sum(map(len, raw.values())) <= INLINE_DECODE_BYTES  # a thread's hand-off costs more than a small batch's decode
