@@ -114,6 +114,38 @@ def decode_text(tokenizer: Any, ids: list[int]) -> str:
     return str(tokenizer.decode(kept))
 
 
+BYT5_BYTES = ByteIds(offset=3, marks=frozenset("<"))  # byte_ids(load_tokenizer("byt5")): its added tokens all begin "<"
+BYT5_SPECIAL = frozenset([0, 1, 2, *range(259, 384)])  # its special ids: pad, </s>, unk and the 125 extra ids
+
+
+class TextOf:
+    """A tokenizer's prompts as ids and completions as text (:func:`encode_prompt`, :func:`decode_text`, the same
+    results), for a role that reads only text (the dataflow's claims). ByT5's byte ids are read without loading it: its
+    load imports transformers, about 0.9 s of CPU at every start of a role that would not otherwise need it. Any other
+    tokenizer, or a ByT5 text that may hold an added token, is asked itself, loaded the first time it is needed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bytes = BYT5_BYTES if name == "byt5" else None
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.name)
+        return self._tokenizer
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if self.bytes is not None and (fast := self.bytes.encode(text)) is not None:
+            return fast
+        return encode_prompt(self.tokenizer, text)
+
+    def decode_text(self, ids: list[int]) -> str:
+        if self.bytes is not None and (text := self.bytes.decode([i for i in ids if i not in BYT5_SPECIAL])) is not None:
+            return text
+        return decode_text(self.tokenizer, ids)
+
+
 def build_model(cfg: ModelConfig, tokenizer: Any) -> PreTrainedModel:
     """A causal LM from ``cfg``: a pretrained path, or a tiny ``arch`` (``qwen2`` dense, ``qwen3_moe`` experts) built from the config."""
     import torch

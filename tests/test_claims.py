@@ -5,6 +5,8 @@ from its completion; which roles of a workflow are checked how; the sampled re-s
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +20,7 @@ from astraflow.dataflow import reading
 from astraflow.dataflow.claims import FREE, ClaimCheck, role_claims, sampled
 from astraflow.dataflow.inflight import InFlight
 from astraflow.dataflow.reputation import Reputation
-from astraflow.models import decode_text, encode_prompt
+from astraflow.models import BYT5_BYTES, BYT5_SPECIAL, TextOf, byte_ids, decode_text, encode_prompt, special_ids
 from astraflow.registry import REWARDS, Claims
 from astraflow.rollout.rewards import costly, range_of, reward_range
 from astraflow.tasks import Problem, load_split
@@ -157,7 +159,7 @@ def test_a_completion_is_decoded_to_the_text_the_tokenizer_gives_without_its_spe
     for _ in range(200):
         ids = [int(i) for i in rng.integers(0, len(BYT5), int(rng.integers(0, 24)))] + [int(rng.choice(special))]
         rng.shuffle(ids)
-        assert decode_text(BYT5, ids) == BYT5.decode(ids, skip_special_tokens=True)
+        assert decode_text(BYT5, ids) == TextOf("byt5").decode_text(ids) == BYT5.decode(ids, skip_special_tokens=True)
     assert decode_text(BYT5, [*BYT5.encode("7+8=15"), BYT5.eos_token_id, BYT5.pad_token_id]) == "7+8=15"
     assert decode_text(BYT5, [*BYT5.encode("é")[:1], 70]) == BYT5.decode([*BYT5.encode("é")[:1], 70])  # a cut character
 
@@ -169,8 +171,23 @@ def test_a_prompt_is_encoded_to_the_ids_the_tokenizer_gives_with_or_without_its_
     for _ in range(300):
         text = "".join(rng.choice(pieces, int(rng.integers(0, 12))))
         ids = BYT5(text, add_special_tokens=False)["input_ids"]
-        assert encode_prompt(BYT5, text) == (ids[:-1] if ids and ids[-1] == BYT5.eos_token_id else ids), repr(text)
+        want = ids[:-1] if ids and ids[-1] == BYT5.eos_token_id else ids
+        assert encode_prompt(BYT5, text) == TextOf("byt5").encode_prompt(text) == want, repr(text)
     assert encode_prompt(BYT5, "7+8=") == [b + 3 for b in b"7+8="]
+
+
+def test_byt5s_bytes_are_read_as_the_tokenizer_has_them_without_loading_it():
+    """What ``TextOf`` knows of ByT5 without loading it is what the tokenizer says; the dataflow's claims of a byte-level
+    run are checked without importing transformers (its load was about 0.9 s of CPU at every start)."""
+    assert byte_ids(BYT5) == BYT5_BYTES and special_ids(BYT5) == BYT5_SPECIAL
+    probe = ("import sys; from astraflow.config import parse_recipe; from astraflow.dataflow.claims import ClaimCheck; "
+             "from astraflow.tasks import load_split; r = parse_recipe({'name': 't', 'data': {'n_train': 30}}); "
+             "train, _ = load_split(r.data); c = ClaimCheck(r, train); "
+             "assert c.prompt_tokens('solver', train[0]) and c.texts['solver'].decode_text([58, 59, 1]) == '78'; "
+             "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
 
 
 @dataclass
@@ -211,13 +228,13 @@ def test_a_pull_scores_each_completion_once_against_each_samples_own_claim_and_e
         return float(text.strip() == str(meta["answer"]))
 
     encoded: Counter[str] = Counter()
-    real_encode = encode_prompt
+    real_encode = TextOf.encode_prompt
 
-    def counting_encode(tok: Any, text: str) -> list[int]:
+    def counting_encode(self: TextOf, text: str) -> list[int]:
         encoded[text] += 1
-        return real_encode(tok, text)
+        return real_encode(self, text)
 
-    monkeypatch.setattr("astraflow.dataflow.claims.encode_prompt", counting_encode)
+    monkeypatch.setattr(TextOf, "encode_prompt", counting_encode)
     try:
         r = run(reward="claims_test_counted")
         train, _ = load_split(r.data)

@@ -46,7 +46,7 @@ import numpy as np
 
 from astraflow.config import Recipe
 from astraflow.dataflow.validate import Invalid
-from astraflow.models import decode_text, encode_prompt, load_tokenizer
+from astraflow.models import TextOf
 from astraflow.registry import DEFAULT_REWARD_RANGE, REWARDS, WORKFLOWS, Claims
 from astraflow.streams.messages import Trajectory
 from astraflow.tasks import Problem
@@ -101,7 +101,7 @@ class ClaimCheck:
         self.reward: Reward = REWARDS.get(recipe.reward)
         self.range: tuple[float, float] = getattr(self.reward, "value_range", DEFAULT_REWARD_RANGE)
         self.share = recipe.dataflow.rescore_costly if getattr(self.reward, "costly", False) else 1.0
-        self.tokenizers = {p: load_tokenizer(recipe.policies[p].model.tokenizer) for p in recipe.policy_names}
+        self.texts = {p: TextOf(recipe.policies[p].model.tokenizer) for p in recipe.policy_names}
         self.key = key if key is not None else secrets.token_bytes(16)
         self._prompts: dict[str, OrderedDict[str, bytes]] = {p: OrderedDict() for p in recipe.policy_names}
         self._prompt_bytes: dict[str, int] = dict.fromkeys(recipe.policy_names, 0)
@@ -159,7 +159,7 @@ class ClaimCheck:
         scored = scores.get(key)
         if scored is None:
             try:
-                text = decode_text(self.tokenizers[t.policy], t.completion().tolist())
+                text = self.texts[t.policy].decode_text(t.completion().tolist())
                 scored = float(self.reward(text, dict(problem.meta)))
             except Exception as e:  # what a node's own scoring would have failed on: not a reward it earned
                 scored = f"scoring its completion again raised {type(e).__name__}: {str(e)[:200]}"
@@ -178,7 +178,7 @@ class ClaimCheck:
         cache = self._prompts[policy]
         ids = cache.get(problem.prompt)
         if ids is None:
-            ids = cache[problem.prompt] = np.asarray(encode_prompt(self.tokenizers[policy], problem.prompt), "<i4").tobytes()
+            ids = cache[problem.prompt] = np.asarray(self.texts[policy].encode_prompt(problem.prompt), "<i4").tobytes()
             self._prompt_bytes[policy] += len(ids)
             while self._prompt_bytes[policy] > PROMPT_CACHE_BYTES and len(cache) > 1:
                 self._prompt_bytes[policy] -= len(cache.popitem(last=False)[1])
