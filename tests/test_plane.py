@@ -256,6 +256,9 @@ async def test_publications_and_writes_a_servers_restart_cut_off_fail_at_once_or
         _, took = await cut_off(lambda: plane.state.put(VersionRecord(policy="solver", version=4)))
         got = await plane.state.get(VersionRecord, "solver")
         assert took < 5 and got is not None and got.version == 4
+        tasks_consumer = plane.consumer(plane.names.task_stream, plane.names.pool_consumer("raas"), Task)
+        settings, took = await cut_off(tasks_consumer.settings)  # what a role reads as it starts (a node: its ack_wait)
+        assert took < 5 and settings == await tasks_consumer.settings(), settings
     finally:
         await plane.close()
         server.stop()

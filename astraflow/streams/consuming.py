@@ -151,7 +151,7 @@ class Consumer(Generic[M]):
             try:
                 if await self._plane.remake_consumer(self.stream, self.durable):  # forgotten (a restart without its store)
                     return []
-                await self._plane.stored.consumer_settings(self.stream, self.durable)
+                await self._plane.stored.consumer_settings(self.stream, self.durable, patience=0.0)  # one probe: is it there?
             except NotFoundError:  # forgotten, and not this role's to make again: it says so
                 raise unavailable from None
             except (NatsError, TimeoutError):  # no answer either: the plane is still coming back

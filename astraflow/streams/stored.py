@@ -36,8 +36,12 @@ class StoredMessages:
         delivered = int(info.delivered.stream_seq or 0) if info.delivered is not None else 0
         return Lag(info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0, delivered)
 
-    async def consumer_settings(self, stream: str, durable: str) -> ConsumerSettings:
-        cfg = (await self._jsm.consumer_info(stream, durable)).config
+    async def consumer_settings(self, stream: str, durable: str, patience: float | None = None) -> ConsumerSettings:
+        """The server's settings of ``durable`` on ``stream``, asked again while the plane does not answer (a role's start
+        during a member's restart: ``ask_again``; ``patience`` 0: one attempt)."""
+        info = await ask_again(lambda: self._jsm.consumer_info(stream, durable), f"the settings of {durable} on {stream}", self._jsm,
+                               patience=patience, attempt_s=QUICK_S)
+        cfg = info.config
         return ConsumerSettings(float(cfg.ack_wait or 30.0), int(cfg.max_deliver or -1))
 
     # ---------------------------------------------------------------- streams
