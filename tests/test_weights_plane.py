@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NoStreamResponseError
 from weights_helpers import Trainer, engine_digest, node, tiny_model
 
 from astraflow.rollout.engines.hf import HFEngine
@@ -37,7 +39,7 @@ from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.streams.weight_channel import WeightChannel
 from astraflow.train.resume import adopt
 from astraflow.weights.delta import to_bf16_state
-from astraflow.weights.publish import WeightPublisher, request_keyframe
+from astraflow.weights.publish import WeightPublisher, request_keyframe, written
 from astraflow.weights.retention import chain_of, key_of, plan_retention
 from astraflow.weights.sync import WeightSync, WeightSyncError
 
@@ -527,3 +529,34 @@ async def test_payloads_whose_announcements_the_stream_trimmed_are_swept_once(na
         assert engine_digest(late) == trainer.digest
     finally:
         await plane.close()
+
+
+async def test_a_versions_write_the_plane_did_not_answer_is_written_again_within_patience():
+    """A cluster electing the weights bucket's leader (a member killed) leaves a write unanswered: it is written again,
+    after a pause, for up to the patience (the trainer rode through it; it exited on the timeout before); a write that
+    keeps going unanswered raises its error once the patience is spent; a refusal is not retried."""
+    calls: list[float] = []
+
+    async def elected_after(n: int) -> str:
+        calls.append(time.monotonic())
+        if len(calls) <= n:
+            raise (NatsTimeout if len(calls) % 2 else NoStreamResponseError)()
+        return "stored"
+
+    assert await written(lambda: elected_after(3), "weights solver v3") == "stored" and len(calls) == 4
+    assert calls[-1] - calls[0] >= 0.25 + 0.5 + 1.0 - 0.05  # paused between, doubling
+    calls.clear()
+    t0 = time.monotonic()
+    with pytest.raises(NatsTimeout):
+        await written(lambda: elected_after(10**6), "weights solver v4", patience=1.0)
+    assert time.monotonic() - t0 < 2.0 and len(calls) == 3
+    refused = 0
+
+    async def refuse() -> None:
+        nonlocal refused
+        refused += 1
+        raise PublishRefused("maximum bytes exceeded")
+
+    with pytest.raises(PublishRefused):
+        await written(refuse, "weights solver v5")
+    assert refused == 1

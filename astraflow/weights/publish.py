@@ -43,6 +43,7 @@ import torch
 from astraflow.streams.messages import AdapterSpec, ObjectRef, Suspect, WeightVersion
 from astraflow.streams.objects import WriteInterrupted
 from astraflow.streams.plane import Plane, PublishConflict, PublishRefused
+from astraflow.streams.retry import MAX_PAUSE_S, PATIENCE_S, PAUSE_S, UNANSWERED
 from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.streams.weight_channel import WeightChannel
 from astraflow.weights.checks import foreign_harmless
@@ -92,14 +93,27 @@ async def request_keyframe(plane: Plane, policy: str, reason: str = "") -> None:
     await plane.state.put(KeyframeRequest(policy=policy, by=plane.worker_id, reason=reason[:500]))
 
 
-async def written(write: Callable[[], Awaitable[T]], what: str) -> T:
-    """``write()``, done again at once (up to ``WRITE_ATTEMPTS`` in all) when the server's restart interrupted it."""
-    for _ in range(WRITE_ATTEMPTS - 1):
+async def written(write: Callable[[], Awaitable[T]], what: str, patience: float = PATIENCE_S) -> T:
+    """``write()``, done again when the server's restart interrupted it (at once, up to ``WRITE_ATTEMPTS`` in all), or
+    when the plane did not answer it (a cluster electing the bucket's leader after a member was killed: for up to
+    ``patience`` seconds, pausing between). Each attempt writes under a fresh object id; a failed one's chunks are
+    purged, and the next one's metadata replaces any it left."""
+    loop = asyncio.get_running_loop()
+    deadline, pause, interrupted = loop.time() + patience, PAUSE_S, 0
+    while True:
         try:
             return await write()
         except WriteInterrupted as e:
+            interrupted += 1
+            if interrupted >= WRITE_ATTEMPTS:
+                raise
             log.warning("%s: %s; writing it again", what, e)
-    return await write()
+        except UNANSWERED as e:
+            if loop.time() + pause > deadline:
+                raise
+            log.warning("%s: no answer (%s); writing it again in %.2fs", what, type(e).__name__, pause)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, MAX_PAUSE_S)
 
 
 def keyframe_reason(image_version: int | None, version: int, forced: bool, keyframe_every: int) -> str | None:
