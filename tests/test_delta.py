@@ -177,6 +177,30 @@ def test_a_chunk_is_sparse_or_dense_whichever_is_smaller(changed, expect):
     assert same_bits(target, new) and stats.n_changed == len(changed)
 
 
+@st.composite
+def one_dtype_pairs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Several tensors of one dtype: a state the encoder works out whole."""
+    rng, dtype = np.random.default_rng(draw(st.integers(0, 2**32 - 1))), draw(st.sampled_from(list(DTYPES)))
+    base = {f"t{i}": random_tensor(rng, dtype, draw(SHAPES)) for i in range(draw(st.integers(1, 6)))}
+    new = {k: perturb(rng, v, draw(st.sampled_from([0.0, 1.0, 0.003, 0.05, 0.4, 0.6, 0.9])), draw(st.booleans()))
+           for k, v in base.items()}
+    return base, new
+
+
+@PROPERTY
+@given(one_dtype_pairs(), st.sampled_from([1, 3, 64, 1000, 1 << 22]))
+def test_a_small_state_worked_out_whole_encodes_as_chunk_by_chunk(pair, chunk_elements):
+    base, new = pair
+    whole = b"".join(iter_encode_delta(base, new, chunk_elements))
+    with pytest.MonkeyPatch.context() as mp:  # every state counts as large: its chunks encode one by one
+        mp.setattr("astraflow.weights.delta.PARALLEL_MIN_ELEMENTS", 0)
+        by_chunk = b"".join(iter_encode_delta(base, new, chunk_elements))
+    assert whole == by_chunk
+    target = clone(base)
+    apply_delta(target, whole)
+    assert same_bits(target, new)
+
+
 def test_apply_writes_through_views_and_parameters():
     storage = torch.zeros(2, 6, dtype=torch.bfloat16)
     param = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))

@@ -16,7 +16,9 @@ values change, a dense plane of zigzag differences is cheaper. A keyframe chunk 
 Values are split into byte planes (all lowest bytes, then the next, ...) and each plane is its
 own zstd frame (content size and checksum written): the exponent plane of weights compresses to
 ~1/3, mantissa planes do not and zstd stores them raw at memory speed; high gap and difference
-planes are runs of zeros. Chunks compress and decompress in parallel.
+planes are runs of zeros. Chunks compress and decompress in parallel. A small state of one dtype (under
+``PARALLEL_MIN_ELEMENTS`` values) is encoded whole, its chunks spans of whole-state arrays: the same bytes, without a
+dozen numpy calls per chunk.
 
 The payload streams: the head and layout are known before anything is encoded, and each tensor's
 section (index, then frames) follows in layout order, so a publisher sends sections as they are
@@ -411,6 +413,12 @@ def _keyframe_chunk(bits: np.ndarray) -> _Encoded:
     return _encoded(MODE_RAW, 0, bits.size, _to_planes((bits, bits.itemsize)))
 
 
+def _positions(diff: np.ndarray) -> np.ndarray:
+    """Where diff is not zero. numpy finds the true values of a bool mask several times faster than the nonzero
+    values of an integer array (3.1 against 0.6 ms for a million values, 15 % of them changed)."""
+    return np.flatnonzero(np.not_equal(diff, 0, out=_scratch("nonzero", diff.size, np.bool_)))
+
+
 def _gaps(idx: np.ndarray) -> np.ndarray:
     """g_k = i_k - i_{k-1} - 1 with i_{-1} = -1, for sorted positions below 2**32."""
     gaps = np.empty(idx.size, dtype=np.uint32)
@@ -430,12 +438,63 @@ def _delta_chunk(pair: tuple[np.ndarray, np.ndarray]) -> _Encoded:
         return _Encoded(_Chunk(MODE_UNCHANGED, 0, 0, ()), [])
     sparse_budget = DENSE_RATIO * new.size * size  # bytes the sparse planes may take
     if m * (1 + size) <= sparse_budget:
-        idx = np.flatnonzero(diff)
+        idx = _positions(diff)
         gaps = _gaps(idx)
         width = max(1, (int(gaps.max()).bit_length() + 7) // 8)
         if m * (width + size) <= sparse_budget:
             return _encoded(MODE_SPARSE, width, m, _to_planes((gaps, width), (_zigzag(np.take(diff, idx)), size)))
     return _encoded(MODE_DENSE, 0, m, _to_planes((_zigzag(diff), size)))
+
+
+def _planes_of_all(values: np.ndarray, nbytes: int, slot: str) -> list[np.ndarray]:
+    """_to_planes of one array whole, in this thread's scratch `slot`: a span's plane is a slice of it."""
+    n = values.size
+    out = _scratch(slot, n * nbytes, np.uint8)
+    return [np.right_shift(values, 8 * k, out=out[k * n:(k + 1) * n], casting="unsafe") for k in range(nbytes)]
+
+
+def _whole_delta_chunks(layout: list[_Tensor], base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
+                        chunk: int) -> list[_Encoded]:
+    """What _delta_chunk gives chunk by chunk, worked out over a small state of one dtype at once: the
+    differences, positions, gaps and planes of the whole state in a few numpy passes, each chunk then a span
+    of them. On a state of many small tensors, a dozen numpy calls per chunk cost more than the work."""
+    offsets = list(accumulate((t.numel for t in layout), initial=0))
+    spans = [(o + a, o + b) for t, o in zip(layout, offsets) for a, b in _chunk_spans(t.numel, chunk)]
+    if not spans:
+        return []
+    bits, total = layout[0].bits, offsets[-1]
+    size = bits.itemsize
+    old, diff = _scratch("whole_base", total, bits.np_uint), _scratch("whole_diff", total, bits.np_uint)
+    np.concatenate([_flat_bits(base[t.name], bits) for t in layout], out=old)
+    np.concatenate([_flat_bits(new[t.name], bits) for t in layout], out=diff)
+    diff -= old  # wrapping: zero where unchanged
+    idx = _positions(diff)
+    zig = _zigzag(diff)
+    starts = np.array([s for s, _ in spans], dtype=np.int64)
+    lo = np.searchsorted(idx, starts)
+    hi = np.searchsorted(idx, np.array([e for _, e in spans], dtype=np.int64))
+    # g_k = i_k - i_{k-1} - 1 within a chunk; a chunk's first gap counts from its start (i_{-1} = start - 1)
+    gaps = np.empty(idx.size, dtype=np.uint32)
+    np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
+    gaps[1:] -= 1
+    some = lo < hi
+    gaps[lo[some]] = idx[lo[some]] - starts[some]
+    zig_planes, gap_planes = _planes_of_all(zig, size, "whole_zig"), _planes_of_all(gaps, 4, "whole_gaps")
+    change_planes = _planes_of_all(zig[idx], size, "whole_changes")
+    out: list[_Encoded] = []
+    for (s, e), a, b in zip(spans, lo.tolist(), hi.tolist()):
+        m, sparse_budget = b - a, DENSE_RATIO * (e - s) * size
+        if m == 0:
+            out.append(_Encoded(_Chunk(MODE_UNCHANGED, 0, 0, ()), []))
+            continue
+        if m * (1 + size) <= sparse_budget:
+            width = max(1, (int(gaps[a:b].max()).bit_length() + 7) // 8)
+            if m * (width + size) <= sparse_budget:
+                planes = [p[a:b] for p in gap_planes[:width]] + [p[a:b] for p in change_planes]
+                out.append(_encoded(MODE_SPARSE, width, m, planes))
+                continue
+        out.append(_encoded(MODE_DENSE, 0, m, [p[s:e] for p in zig_planes]))
+    return out
 
 
 def _chunk_spans(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
@@ -457,14 +516,14 @@ def _section(encoded: list[_Encoded]) -> list[bytes]:
     return [_SECTION_HEAD.pack(len(index), zlib.crc32(index)) + index] + [f for e in encoded for f in e.frames]
 
 
-def _iter_encode(kind: int, layout: list[_Tensor], work: Iterable[_T], fn: Callable[[_T], _Encoded],
+def _iter_encode(kind: int, layout: list[_Tensor], encode: Callable[[], Iterator[_Encoded]],
                  chunk: int) -> Generator[bytes, None, tuple[int, int, frozenset[str]]]:
     """Yields the payload piece by piece (head + layout, then each section once all its chunks are
-    encoded); `work` holds one item per chunk, in layout order. Returns (changed values, payload bytes,
-    names of the tensors with a changed value)."""
+    encoded); `encode()` yields one chunk's encoding after another, in layout order. Returns (changed values,
+    payload bytes, names of the tensors with a changed value)."""
     head = _head(kind, layout, chunk)
     yield head
-    results = _map(fn, work, parallel=_large(layout))
+    results = encode()
     n_changed, size, changed = 0, len(head), set()
     for t in layout:
         encoded = [next(results) for _ in _chunk_spans(t.numel, chunk)]
@@ -493,7 +552,7 @@ def iter_encode_keyframe(state: Mapping[str, torch.Tensor], chunk_elements: int 
             bits = _flat_bits(state[t.name], t.bits)
             yield from (bits[a:b] for a, b in _chunk_spans(t.numel, chunk_elements))
 
-    yield from _iter_encode(KIND_KEYFRAME, layout, work(), _keyframe_chunk, chunk_elements)
+    yield from _iter_encode(KIND_KEYFRAME, layout, lambda: _map(_keyframe_chunk, work(), _large(layout)), chunk_elements)
 
 
 def encode_keyframe(state: Mapping[str, torch.Tensor]) -> bytes:
@@ -516,7 +575,12 @@ def iter_encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.
             b, n = _flat_bits(base[t.name], t.bits), _flat_bits(new[t.name], t.bits)
             yield from ((b[i:j], n[i:j]) for i, j in _chunk_spans(t.numel, chunk_elements))
 
-    n_changed, size, changed = yield from _iter_encode(KIND_DELTA, layout, work(), _delta_chunk, chunk_elements)
+    def encode() -> Iterator[_Encoded]:
+        if _large(layout) or len({t.bits for t in layout}) > 1:
+            return _map(_delta_chunk, work(), _large(layout))
+        return iter(_whole_delta_chunks(layout, base, new, chunk_elements))
+
+    n_changed, size, changed = yield from _iter_encode(KIND_DELTA, layout, encode, chunk_elements)
     return _stats(layout, n_changed, size, changed)
 
 
