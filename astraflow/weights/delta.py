@@ -456,8 +456,8 @@ def _planes_of_all(values: np.ndarray, nbytes: int, slot: str) -> list[np.ndarra
 def _whole_delta_chunks(layout: list[_Tensor], base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
                         chunk: int) -> list[_Encoded]:
     """What _delta_chunk gives chunk by chunk, worked out over a small state of one dtype at once: the
-    differences, positions, gaps and planes of the whole state in a few numpy passes, each chunk then a span
-    of them. On a state of many small tensors, a dozen numpy calls per chunk cost more than the work."""
+    differences, counts, positions, gaps and planes of the whole state in a few numpy passes, each chunk then a
+    span of them. On a state of many small tensors, a dozen numpy calls per chunk cost more than the work."""
     offsets = list(accumulate((t.numel for t in layout), initial=0))
     spans = [(o + a, o + b) for t, o in zip(layout, offsets) for a, b in _chunk_spans(t.numel, chunk)]
     if not spans:
@@ -468,31 +468,37 @@ def _whole_delta_chunks(layout: list[_Tensor], base: Mapping[str, torch.Tensor],
     np.concatenate([_flat_bits(base[t.name], bits) for t in layout], out=old)
     np.concatenate([_flat_bits(new[t.name], bits) for t in layout], out=diff)
     diff -= old  # wrapping: zero where unchanged
-    idx = _positions(diff)
-    zig = _zigzag(diff)
+    changed = np.not_equal(diff, 0, out=_scratch("nonzero", total, np.bool_))
     starts = np.array([s for s, _ in spans], dtype=np.int64)
+    counts = [int(np.count_nonzero(changed[s:e])) for s, e in spans]
+    # the count alone settles a dense chunk (see _delta_chunk): its positions are not looked for
+    dense = [m * (1 + size) > DENSE_RATIO * (e - s) * size for (s, e), m in zip(spans, counts)]
+    for (s, e), d in zip(spans, dense):
+        if d:
+            changed[s:e] = False
+    idx = np.flatnonzero(changed)  # the positions in chunks that may be sparse (bool masks: see _positions)
+    zig = _zigzag(diff)
     lo = np.searchsorted(idx, starts)
-    hi = np.searchsorted(idx, np.array([e for _, e in spans], dtype=np.int64))
+    has = lo < np.searchsorted(idx, np.array([e for _, e in spans], dtype=np.int64))  # chunks with positions
     # g_k = i_k - i_{k-1} - 1 within a chunk; a chunk's first gap counts from its start (i_{-1} = start - 1)
     gaps = np.empty(idx.size, dtype=np.uint32)
     np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
     gaps[1:] -= 1
-    some = lo < hi
-    gaps[lo[some]] = idx[lo[some]] - starts[some]
-    zig_planes, gap_planes = _planes_of_all(zig, size, "whole_zig"), _planes_of_all(gaps, 4, "whole_gaps")
-    change_planes = _planes_of_all(zig[idx], size, "whole_changes")
+    gaps[lo[has]] = idx[lo[has]] - starts[has]
+    gap_planes, change_planes = _planes_of_all(gaps, 4, "whole_gaps"), _planes_of_all(zig[idx], size, "whole_changes")
+    zig_planes: list[np.ndarray] = []  # worked out once a chunk is dense
     out: list[_Encoded] = []
-    for (s, e), a, b in zip(spans, lo.tolist(), hi.tolist()):
-        m, sparse_budget = b - a, DENSE_RATIO * (e - s) * size
+    for (s, e), a, m, d in zip(spans, lo.tolist(), counts, dense):
         if m == 0:
             out.append(_Encoded(_Chunk(MODE_UNCHANGED, 0, 0, ()), []))
             continue
-        if m * (1 + size) <= sparse_budget:
-            width = max(1, (int(gaps[a:b].max()).bit_length() + 7) // 8)
-            if m * (width + size) <= sparse_budget:
-                planes = [p[a:b] for p in gap_planes[:width]] + [p[a:b] for p in change_planes]
+        if not d:
+            width = max(1, (int(gaps[a:a + m].max()).bit_length() + 7) // 8)
+            if m * (width + size) <= DENSE_RATIO * (e - s) * size:
+                planes = [p[a:a + m] for p in gap_planes[:width]] + [p[a:a + m] for p in change_planes]
                 out.append(_encoded(MODE_SPARSE, width, m, planes))
                 continue
+        zig_planes = zig_planes or _planes_of_all(zig, size, "whole_zig")
         out.append(_encoded(MODE_DENSE, 0, m, [p[s:e] for p in zig_planes]))
     return out
 

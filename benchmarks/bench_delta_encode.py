@@ -1,0 +1,134 @@
+"""Encoding a small model's weight delta, two source trees side by side on the same versions.
+
+The trainer of ``recipes/arithmetic/inprocess.yaml`` (a 1.08M-parameter Qwen2: 51 tensors, 2.07 MB in bf16) encodes
+the delta of each version on its own core, in line with its loop, so the encoder's time is time outside the step. This
+benchmark takes real AdamW versions of that model at the recipe's lr 1e-4 (random tokens), in two regimes:
+
+- ``first steps``: versions 1-6 of a fresh optimizer, where Adam's updates are largest (about half the values change);
+- ``steady``: versions 51-56, where about a seventh change, as in a run (``up``'s deltas are 170-240 KB).
+
+Each tree encodes every pair in a child process (``PYTHONPATH`` = the tree), the trees taking turns ``--rounds``
+times; the figure is the median over rounds of each child's median encode time. The payloads of both trees must be
+byte for byte the same (the wire format does not change).
+
+    python benchmarks/bench_delta_encode.py --before TREE [--rounds 4] [--repeats 30]
+
+The last stdout line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+REGIMES = {"first steps": (0, 6), "steady": (50, 56)}  # versions kept: [start, end) of the optimizer's steps
+
+
+def versions(seed: int = 0) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """bf16 states of the recipe's model after each AdamW step, per regime."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from astraflow.config import load_recipe
+
+    m = load_recipe(ROOT / "recipes" / "arithmetic" / "inprocess.yaml").model
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=384, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                                         num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                                         num_key_value_heads=m.num_kv_heads, tie_word_embeddings=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    out: dict[str, list[dict[str, torch.Tensor]]] = {name: [] for name in REGIMES}
+    for step in range(max(end for _, end in REGIMES.values())):
+        ids = torch.randint(0, 384, (64, 12))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for name, (start, end) in REGIMES.items():
+            if start <= step < end:
+                out[name].append({k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def child(states_file: Path, repeats: int) -> None:
+    """In a tree's own process: the median encode time and the payloads' digest, per regime (a JSON line)."""
+    from astraflow.weights.delta import encode_delta
+
+    torch.set_num_threads(1)
+    result = {}
+    for name, states in torch.load(states_file, weights_only=True).items():
+        pairs = list(pairwise(states))
+        digest, times = hashlib.sha256(), []
+        for base, new in pairs:
+            digest.update(encode_delta(base, new)[0])
+        for r in range(repeats):
+            base, new = pairs[r % len(pairs)]
+            t = time.perf_counter()
+            payload, stats = encode_delta(base, new)
+            times.append(time.perf_counter() - t)
+        result[name] = {"encode_ms": statistics.median(times) * 1e3, "payload_bytes": len(payload),
+                        "changed": round(1 - stats.sparsity, 3), "digest": digest.hexdigest()}
+    print(json.dumps(result))
+
+
+def run_tree(tree: Path, states_file: Path, repeats: int) -> dict[str, dict[str, float]]:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, __file__, "--child", str(states_file), "--repeats", str(repeats)],
+                         env=env, capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", type=Path, help="the source tree to compare with (e.g. a `git archive` of a commit)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=30, help="encodes timed per regime in each child")
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.repeats)
+        return
+    trees = {"before": args.before.resolve(), "after": ROOT} if args.before else {"after": ROOT}
+    console = Console()
+    with tempfile.TemporaryDirectory() as tmp:
+        states_file = Path(tmp) / "states.pt"
+        torch.save(versions(), states_file)
+        runs: dict[str, list[dict[str, dict[str, float]]]] = {side: [] for side in trees}
+        for r in range(args.rounds):
+            for side in (trees if r % 2 == 0 else reversed(list(trees))):
+                runs[side].append(run_tree(trees[side], states_file, args.repeats))
+    record: dict[str, dict[str, object]] = {}
+    table = Table(title="encoding a delta of the 1.08M-parameter Qwen2 (51 tensors), median over rounds")
+    for col in ("regime", "values changed", "payload", *(f"{s} (ms)" for s in trees), "by round"):
+        table.add_column(col)
+    for name in REGIMES:
+        first = runs["after"][0][name]
+        digests = {run[name]["digest"] for side in runs for run in runs[side]}
+        if len(digests) != 1:
+            raise SystemExit(f"{name}: the trees' payloads differ")
+        ms = {side: [run[name]["encode_ms"] for run in runs[side]] for side in trees}
+        record[name] = {"changed": first["changed"], "payload_bytes": first["payload_bytes"],
+                        **{f"{side}_ms": round(statistics.median(v), 2) for side, v in ms.items()},
+                        **{f"{side}_by_round": [round(x, 2) for x in v] for side, v in ms.items()}}
+        table.add_row(name, f"{first['changed']:.1%}", f"{first['payload_bytes'] / 1e3:.0f} KB",
+                      *(f"{statistics.median(v):.2f}" for v in ms.values()),
+                      " / ".join(", ".join(f"{x:.1f}" for x in v) for v in ms.values()))
+    console.print(table)
+    print(json.dumps({"rounds": args.rounds, "repeats": args.repeats, "trees": {k: str(v) for k, v in trees.items()},
+                      "regimes": record}))
+
+
+if __name__ == "__main__":
+    main()
