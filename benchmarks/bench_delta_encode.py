@@ -40,25 +40,26 @@ REGIMES = {"first steps": (0, 6), "steady": (50, 56)}  # versions kept: [start, 
 
 def versions(seed: int = 0) -> dict[str, list[dict[str, torch.Tensor]]]:
     """bf16 states of the recipe's model after each AdamW step, per regime."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from astraflow.config import load_recipe
+    from astraflow.models import build_model, load_tokenizer
+    from astraflow.weights.delta import to_bf16_state
 
-    m = load_recipe(ROOT / "recipes" / "arithmetic" / "inprocess.yaml").model
+    recipe = load_recipe(ROOT / "recipes" / "arithmetic" / "inprocess.yaml")
+    m = recipe.policies[recipe.primary].model
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=384, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                                         num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-                                         num_key_value_heads=m.num_kv_heads, tie_word_embeddings=True))
+    tokenizer = load_tokenizer(m.tokenizer)
+    model = build_model(m, tokenizer)  # as the trainer builds it
+    vocab = len(tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     out: dict[str, list[dict[str, torch.Tensor]]] = {name: [] for name in REGIMES}
     for step in range(max(end for _, end in REGIMES.values())):
-        ids = torch.randint(0, 384, (64, 12))
+        ids = torch.randint(0, vocab, (64, 12))
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
         for name, (start, end) in REGIMES.items():
             if start <= step < end:
-                out[name].append({k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()})
+                out[name].append(to_bf16_state(model.state_dict()))  # the trainer's image of a version
     return out
 
 
