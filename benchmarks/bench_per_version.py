@@ -14,6 +14,7 @@ Each tree runs in its own child processes (``PYTHONPATH`` = the tree), on a fres
    write, announce) the step does not hide.
 
     python benchmarks/bench_per_version.py --before /path/to/old/tree [--versions 16] [--checkpoint-every 1 10] [--halves trainer]
+        [--trainer-cores 1]
 
 The trees take turns in ABBA order over the ``--checkpoint-every`` list (``10 10`` runs before, after, after, before).
 
@@ -128,7 +129,7 @@ async def node_child(versions: int) -> dict[str, object]:
             "fetch_and_hops_ms": _ms(rest)}
 
 
-async def trainer_child(versions: int, checkpoint_every: int, work: Path) -> dict[str, object]:
+async def trainer_child(versions: int, checkpoint_every: int, work: Path, cores: list[int] | None) -> dict[str, object]:
     import yaml
 
     from astraflow.config import load_recipe
@@ -144,7 +145,7 @@ async def trainer_child(versions: int, checkpoint_every: int, work: Path) -> dic
     recipe_file = work / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump({
         "name": "bench", "model": MODEL, "sft": {"steps": 0}, "eval": {"enabled": False},
-        "trainer": {"steps": versions, "checkpoint_every": checkpoint_every, "threads": 1},
+        "trainer": {"steps": versions, "checkpoint_every": checkpoint_every, "threads": 1, "cores": cores or "shared"},
         "dataflow": {"max_staleness": 64, "group_size": 8, "groups_per_batch": 8}}))
     recipe = load_recipe(recipe_file)
     pcfg = recipe.policies["solver"]
@@ -200,13 +201,15 @@ def main() -> dict[str, object]:
     ap.add_argument("--versions", type=int, default=16)
     ap.add_argument("--checkpoint-every", type=int, nargs="+", default=[1, 10])
     ap.add_argument("--halves", choices=["node", "trainer"], nargs="+", default=["node", "trainer"], help="which halves to run")
+    ap.add_argument("--trainer-cores", type=int, nargs="+", default=None, help="CPUs the trainer trains on "
+                    "(trainer.cores), as up gives it cores of its own; default: not pinned")
     ap.add_argument("--child", choices=["node", "trainer"], help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child == "node":
         return asyncio.run(node_child(args.versions))
     if args.child == "trainer":
-        return asyncio.run(trainer_child(args.versions, args.checkpoint_every[0], args.work))
+        return asyncio.run(trainer_child(args.versions, args.checkpoint_every[0], args.work, args.trainer_cores))
     trees = {"before": args.before, "after": args.after} if args.before else {"after": args.after}
     out: dict[str, object] = {"model": MODEL, "versions": args.versions, "node": {}, "trainer": {}}
     for name, tree in trees.items() if "node" in args.halves else ():
@@ -216,8 +219,9 @@ def main() -> dict[str, object]:
         order = list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]  # ABBA: a load that drifts favours neither
         for name, tree in order:
             with tempfile.TemporaryDirectory() as d:
+                cores = ["--trainer-cores", *map(str, args.trainer_cores)] if args.trainer_cores else []
                 r = run_child(tree, ["--child", "trainer", "--versions", str(args.versions), "--checkpoint-every", str(every),
-                                     "--work", d])
+                                     "--work", d, *cores])
             out["trainer"][f"{name}, checkpoint_every {every}, #{i + 1}"] = r  # type: ignore[index]
             print(name, "trainer", r, flush=True)
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import pytest
 from test_train_support import make_batches, publish_batches, write_recipe
@@ -20,6 +21,7 @@ from astraflow.streams.weight_channel import WeightChannel
 from astraflow.train.checkpoint import Checkpointer, CheckpointMeta
 from astraflow.train.distributed import Collective
 from astraflow.train.group_commit import GroupCommit
+from astraflow.train.threads import background_executor
 from astraflow.train.torch_backend import TorchBackend
 from astraflow.weights.delta import state_digest
 from astraflow.weights.publish import NonFiniteWeights, WeightPublisher, request_keyframe
@@ -37,7 +39,11 @@ class Trainer:
         self.backend = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer)
         self.ckpt = Checkpointer(tmp_path / "ckpt")
         self.publisher = WeightPublisher(plane, "solver")
-        self.commits = GroupCommit(Collective(self.backend, self.ckpt), self.ckpt, self.publisher, durable=0)
+        self.writer = background_executor(None, "checkpoint-writer")
+        self.commits = GroupCommit(Collective(self.backend, self.ckpt), self.ckpt, self.publisher, durable=0, writer=self.writer)
+        self.writes: list[str] = []  # the threads checkpoints were written on
+        write = self.ckpt.write
+        self.ckpt.write = lambda snap: (self.writes.append(threading.current_thread().name), write(snap))[1]  # type: ignore[method-assign]
         self.plane, self.steps = plane, steps
         self.trained: dict[str, TrainingBatch] = {}
 
@@ -95,6 +101,7 @@ async def test_a_version_is_published_behind_the_next_step_in_order(run_plane: P
     assert v2.encoding == "delta" and v2.base_digest == v1.state_digest
     latest = t.ckpt.latest()
     assert latest is not None and latest[1].version == 2
+    assert len(t.writes) == 1 and t.writes[0].startswith("checkpoint-writer")  # off the loop's threads
 
 
 async def test_an_inline_publish_returns_with_the_version_announced_and_its_batch_held(run_plane: Plane, tmp_path):

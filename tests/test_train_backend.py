@@ -132,7 +132,7 @@ def test_checkpoint_roundtrip_continues_bit_exactly(setup, tmp_path):
     a.step(batches[0])
     ckpt = Checkpointer(tmp_path / "ck", keep=2)
     path = ckpt.save(a, CheckpointMeta(version=1, policy="solver", trained=[batches[0].batch_id], last_batch_ids=[batches[0].batch_id]))
-    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "model.safetensors", "optimizer.pt", "rng-0.pt"]
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "model.safetensors", "optimizer.safetensors", "rng-0.pt"]
     assert (tmp_path / "ck" / "reference.safetensors").exists()
 
     # a fresh process would build a different model: the checkpoint must bring all of it back
@@ -151,6 +151,20 @@ def test_checkpoint_roundtrip_continues_bit_exactly(setup, tmp_path):
     for v in (2, 3):
         again.save(a, CheckpointMeta(version=v, policy="solver", trained=[]))
     assert sorted(p.name for p in (tmp_path / "ck").glob("v*")) == ["v00000002", "v00000003"]
+
+
+def test_a_checkpoint_with_the_optimizer_state_of_older_versions_still_loads(setup, tmp_path):
+    """Checkpoints written before the optimizer state was a safetensors file hold ``optimizer.pt`` (``torch.save``)."""
+    pcfg, tok, batches = setup
+    a = TorchBackend(build_model(pcfg.model, tok), tok, pcfg.trainer)
+    a.step(batches[0])
+    path = Checkpointer(tmp_path / "ck").save(a, CheckpointMeta(version=1, policy="solver", trained=[]))
+    torch.save(a.opt.state_dict(), path / "optimizer.pt")
+    (path / "optimizer.safetensors").unlink()
+    b = TorchBackend(build_model(pcfg.model.model_copy(update={"seed": 7}), tok), tok, pcfg.trainer)
+    b.load(path)
+    assert a.step(batches[1])["loss"] == b.step(batches[1])["loss"]
+    assert _max_diff(a.full_state(), b.full_state()) == 0.0
 
 
 def test_a_restart_with_another_lr_restores_the_checkpoint_and_retunes_after(setup, tmp_path):

@@ -13,10 +13,13 @@ import pytest
 
 from astraflow.config import parse_recipe
 from astraflow.train.threads import (
+    LOWEST_PRIORITY,
+    background_executor,
     pin,
     pin_group,
     sft_threads,
     shared_cores,
+    spare_cores,
     threads_for,
     trainer_threads,
     usable_core_ids,
@@ -138,6 +141,31 @@ def test_pin_moves_every_thread_and_the_threads_started_later():
         done.set()
         pin(before)
     assert usable_core_ids() == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority and affinity are Linux's")
+def test_the_background_thread_runs_at_the_lowest_priority_on_the_spare_cores_and_the_trainer_does_not():
+    """A pinned trainer's checkpoint writes run on the cores it does not train on, yielding to every role there; the
+    trainer's own threads keep their priority and cores."""
+    before, nice = usable_core_ids(), os.getpriority(os.PRIO_PROCESS, 0)
+    spare = spare_cores(before[-1:])
+    assert spare == before[:-1]
+    writer = background_executor(spare, "checkpoint-writer")
+    try:
+        assert pin(before[-1:])  # the trainer on its own core, then the writer's thread starts
+
+        def where() -> tuple[str, int, set[int]]:
+            me = threading.get_native_id()
+            return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, me), os.sched_getaffinity(me)
+
+        name, priority, cores = writer.submit(where).result(10)
+        assert name.startswith("checkpoint-writer") and priority == max(nice, LOWEST_PRIORITY)
+        assert cores == set(spare or before[-1:])  # one core: it shares the trainer's
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == nice
+        assert os.sched_getaffinity(0) == set(before[-1:])
+    finally:
+        writer.shutdown()
+        pin(before)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")

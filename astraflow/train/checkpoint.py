@@ -4,7 +4,7 @@ Layout under the checkpoint root (one root per policy, e.g. ``RUN_DIR/checkpoint
 
     v00000012/            one complete checkpoint (the version it holds)
       model.safetensors   weights (written by the backend; deepspeed adds its own files)
-      optimizer.pt        optimizer state
+      optimizer.safetensors  optimizer state (its structure in the metadata; optimizer.pt in older checkpoints)
       rng-0.pt            RNG states of rank 0 (torch, cuda, python, numpy)
       meta.json           version, trained batch ids, the last step's batch ids and metrics, lineage
     reference.safetensors the frozen version-0 policy of the KL penalty (written once)

@@ -12,7 +12,8 @@ them slows the step by more than it hides. Once v's announcement (the version's 
 has landed, v's batch is *held*: unacked, kept alive with ``in_progress()`` so the server does not redeliver it.
 Every ``trainer.checkpoint_every`` versions the trainer takes an in-memory snapshot (weights, optimizer, RNG, meta:
 ``Checkpointer.snapshot``) on the loop and writes it from a background thread (temp directory, fsync, atomic rename)
-while training goes on. When checkpoint c is durable, every held batch of a version <= c is acked. So after a crash
+while training goes on: the trainer's ``writer``, at the lowest CPU priority on the cores it does not train on
+(``train/threads.background_executor``). When checkpoint c is durable, every held batch of a version <= c is acked. So after a crash
 every batch no durable checkpoint covers is still in the BATCH stream, and the restart retrains exactly those, in
 their announced order (``train/replay.py``).
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -61,13 +63,14 @@ class Held:
 
 class GroupCommit:
     def __init__(self, run_op: Collective, ckpt: Checkpointer | None, publisher: WeightPublisher, durable: int,
-                 behind: bool = True) -> None:
+                 behind: bool = True, writer: Executor | None = None) -> None:
         self.run_op, self.ckpt, self.publisher = run_op, ckpt, publisher
+        self.writer = writer  # the thread checkpoints are written on (None: asyncio's default threads)
         self.behind = behind  # False: publish() returns once the version has landed (``trainer.publish: inline``)
         self.durable = durable  # the newest version a durable checkpoint holds
         self._held: list[Held] = []  # announced, not yet covered by a durable checkpoint; oldest first
         self._publishing: tuple[Held, asyncio.Task[WeightVersion]] | None = None  # the version in flight, with its batch
-        self._writing: asyncio.Task[int] | None = None
+        self._writing: asyncio.Future[int] | None = None
 
     @property
     def held(self) -> int:
@@ -144,7 +147,7 @@ class GroupCommit:
             crash_point("after_checkpoint", meta.version)
             self.durable = meta.version
             return
-        self._writing = asyncio.create_task(asyncio.to_thread(self._write, self.ckpt, snap))
+        self._writing = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(self.writer, self._write, self.ckpt, snap))
 
     async def settle(self) -> None:
         """Take the outcome of a publish that ended (a failure raises); if the write in flight is done, note it durable;

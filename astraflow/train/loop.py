@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import Executor
 
 import torch
 
@@ -70,8 +71,9 @@ class TrainerLoop:
     ``_pull``, ``_vet``, ``_train``; then finishes (everything trained durable and acked)."""
 
     def __init__(self, recipe: Recipe, policy: str, role: Role, run_op: Collective, ckpt: Checkpointer | None, vocab: int,
-                 fresh_lineage: bool, built_digest: str | None = None) -> None:
+                 fresh_lineage: bool, built_digest: str | None = None, writer: Executor | None = None) -> None:
         self.recipe, self.policy, self.role, self.run_op, self.ckpt = recipe, policy, role, run_op, ckpt
+        self.writer = writer  # the thread checkpoints are written on (``GroupCommit``)
         self.cfg = recipe.policies[policy].trainer
         self.vocab, self.fresh_lineage = vocab, fresh_lineage
         self.built_digest = built_digest  # of the model as the recipe builds it (LoRA: nodes hold that base themselves)
@@ -98,8 +100,9 @@ class TrainerLoop:
                         now, was, now)
         cfg = self.cfg
         behind = cfg.publish == "behind" or (cfg.publish == "auto" and self.run_op.backend.device.type != "cpu")
-        self.commits = GroupCommit(self.run_op, self.ckpt, self.publisher, durable=at.version, behind=behind)  # start() left a
-        self.metrics.set({"version": self.version})                                                          # checkpoint of it
+        self.commits = GroupCommit(self.run_op, self.ckpt, self.publisher, durable=at.version, behind=behind,  # start() left
+                                   writer=self.writer)                                                          # a checkpoint of it
+        self.metrics.set({"version": self.version})
         self.role.every(HEARTBEAT_PERIOD_S, self.beat)
         self.batches = BatchQueue(self.plane, self.policy).pull()
         self.keepalive_s = max((await self.batches.settings()).ack_wait / 3, 0.2)

@@ -17,14 +17,26 @@ Where the cores go (``trainer.cores``): on a CPU-only machine ``up`` gives each 
 cores of its own (the last ones), when the cores left over still hold every node's ``rollout.threads``; every other
 role runs on those left over (``shared_cores``). A trainer pins itself once its warm start is done (``pin``); the
 other roles start on every core and move to those left once started (``Role.started``, ``--cores``).
+
+A trainer's work off the training path (its checkpoint writes: ``train/group_commit.py``) runs on a thread of its own
+at the lowest CPU priority (``background_executor``), on the cores it does not train on when it has cores of its own:
+there it takes the time the nodes leave idle (a node waits for its next tasks) instead of the step's, and yields to
+every role that wants the core.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from astraflow.config import Recipe
+
+log = logging.getLogger(__name__)
+LOWEST_PRIORITY = 19  # nice: the scheduler gives such a thread the cores others leave, and a small share when none do
 
 
 def usable_cores() -> int:
@@ -156,3 +168,23 @@ def threads_for(threads: int | str) -> int:
     if threads != "auto":
         return int(threads)
     return max(1, usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def spare_cores(own: Sequence[int]) -> list[int]:
+    """The cores this process may run on but does not train on (``own``); call it before :func:`pin`."""
+    return [c for c in usable_core_ids() if c not in set(own)]
+
+
+def background_executor(cores: Sequence[int] | None, name: str) -> ThreadPoolExecutor:
+    """One thread for work off the training path, at the lowest CPU priority and on ``cores`` (None or empty: wherever
+    this process runs). On Linux, which keeps both per thread; elsewhere a plain thread."""
+    def setup() -> None:
+        me = threading.get_native_id()  # Linux takes a thread's id where it asks for a process's: this thread alone
+        try:
+            os.setpriority(os.PRIO_PROCESS, me, LOWEST_PRIORITY)
+            if cores:
+                os.sched_setaffinity(me, cores)
+        except OSError as e:  # a core taken away since: it runs where the trainer does
+            log.warning("%s: cannot run at nice %d on CPUs %s (%s)", name, LOWEST_PRIORITY, list(cores or []), e)
+
+    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=setup if sys.platform.startswith("linux") else None)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_file, save_model
+from safetensors.torch import load_model
 
 from astraflow.config import TrainerConfig
 from astraflow.models import forward_takes
@@ -38,9 +38,11 @@ from astraflow.train.lora import (
 )
 from astraflow.train.losses.functional import gather_logprobs, token_entropy
 from astraflow.train.objective import SUMMED, Objective, StepPlan, combine
+from astraflow.train.tensor_files import read_state, write_safetensors, write_state
 from astraflow.weights.delta import to_bf16_state
 from astraflow.weights.load import copy_weights
 
+OPTIMIZER_FILE = "optimizer.safetensors"  # its tensors, and its structure in the metadata (tensor_files.write_state)
 
 def device_for(cfg: TrainerConfig) -> torch.device:
     """The device a backend trains on: ``trainer.device``, with ``auto`` = cuda when available."""
@@ -227,23 +229,29 @@ class TorchBackend:
             copy_weights(self.ref, state, "the reference weights")
 
     def save(self, path: Path) -> None:
-        save_model(self.module, str(path / "model.safetensors"))
-        torch.save(self.opt.state_dict(), path / "optimizer.pt")
+        self._copied()(path)
 
     def snapshot(self) -> Callable[[Path], None] | None:
-        """CPU copies of the weights (tied tensors once, as ``save_model`` writes them) and of the optimizer state."""
+        return self._copied()
+
+    def _copied(self) -> Callable[[Path], None]:
+        """CPU copies of the weights (tied tensors once, as ``save_model`` writes them) and of the optimizer state, and
+        what writes them under a directory, with the GIL released for their bytes (``train/tensor_files.py``)."""
         weights, aliases = _untied_copy(self.module.state_dict())
         optimizer = _cpu_copy(self.opt.state_dict())
 
         def write(path: Path) -> None:
-            save_file(weights, str(path / "model.safetensors"), metadata=aliases or None)
-            torch.save(optimizer, path / "optimizer.pt")
+            write_safetensors(weights, path / "model.safetensors", metadata=aliases or None)
+            write_state(optimizer, path / OPTIMIZER_FILE)
 
         return write
 
     def load(self, path: Path) -> None:
         load_model(self.module, str(path / "model.safetensors"), strict=True, device=str(self.device))
-        self.opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
+        if (path / OPTIMIZER_FILE).exists():
+            self.opt.load_state_dict(read_state(path / OPTIMIZER_FILE, self.device))
+        else:  # a checkpoint written before the optimizer state was a safetensors file
+            self.opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True))
 
     def retune(self) -> dict[str, tuple[float, float]]:
         return retune_optimizer(self.opt, self.cfg)

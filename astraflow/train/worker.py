@@ -23,7 +23,7 @@ from astraflow.train.checkpoint import Checkpointer
 from astraflow.train.distributed import Collective, barrier_for
 from astraflow.train.loop import TrainerLoop
 from astraflow.train.sft import sft
-from astraflow.train.threads import pin, threads_for
+from astraflow.train.threads import background_executor, pin, spare_cores, threads_for
 from astraflow.weights.delta import state_digest, to_bf16_state
 
 log = logging.getLogger(__name__)
@@ -84,10 +84,14 @@ async def serve(recipe: Recipe, options: TrainerOptions) -> None:
     if pcfg.sft.steps and not resuming and not await warm_start(recipe, policy, model, tokenizer, options):
         return  # told to stop during the warm start
     torch.set_num_threads(threads_for(cfg.threads))
+    spare = spare_cores(cfg.cores) if isinstance(cfg.cores, list) else []  # what it may run on but does not train on
     if isinstance(cfg.cores, list) and pin(cfg.cores):  # after the warm start, which takes every core
-        log.info("training on %d torch threads, on CPUs %s", torch.get_num_threads(), cfg.cores)
+        log.info("training on %d torch threads, on CPUs %s; checkpoints written on %s", torch.get_num_threads(), cfg.cores,
+                 spare or cfg.cores)
     else:
+        spare = []
         log.info("training on %d torch threads", torch.get_num_threads())
+    writer = background_executor(spare, "checkpoint-writer")
     backend = build_backend(cfg.backend, model, tokenizer, cfg, temperature=recipe.rollout.temperature)
     ckpt = None
     if checkpoint_dir is not None:
@@ -99,6 +103,7 @@ async def serve(recipe: Recipe, options: TrainerOptions) -> None:
     try:
         async with Role("trainer", options, recipe.plane.server_gone_timeout, policy=policy) as role:
             await role.plane.ensure_topology(recipe.topology(), create=False)
-            await TrainerLoop(recipe, policy, role, run_op, ckpt, embedding_rows(model), fresh_lineage, built).run()
+            await TrainerLoop(recipe, policy, role, run_op, ckpt, embedding_rows(model), fresh_lineage, built, writer).run()
     finally:
         run_op.stop()
+        writer.shutdown(wait=False)  # the loop awaited every write it started
