@@ -13,9 +13,9 @@ has landed, v's batch is *held*: unacked, kept alive with ``in_progress()`` so t
 Every ``trainer.checkpoint_every`` versions the trainer takes an in-memory snapshot (weights, optimizer, RNG, meta:
 ``Checkpointer.snapshot``) on the loop and writes it from a background thread (temp directory, fsync, atomic rename)
 while training goes on: the trainer's ``writer``, at the lowest CPU priority on the cores it does not train on
-(``train/threads.background_executor``). When checkpoint c is durable, every held batch of a version <= c is acked. So after a crash
-every batch no durable checkpoint covers is still in the BATCH stream, and the restart retrains exactly those, in
-their announced order (``train/replay.py``).
+(``train/threads.background_executor``). When checkpoint c is durable, every held batch of a version <= c is acked.
+So after a crash every batch no durable checkpoint covers is still in the BATCH stream, and the restart retrains
+exactly those, in their announced order (``train/replay.py``).
 
 Order kept:
 

@@ -44,6 +44,7 @@ from astraflow.weights.load import copy_weights
 
 OPTIMIZER_FILE = "optimizer.safetensors"  # its tensors, and its structure in the metadata (tensor_files.write_state)
 
+
 def device_for(cfg: TrainerConfig) -> torch.device:
     """The device a backend trains on: ``trainer.device``, with ``auto`` = cuda when available."""
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
