@@ -147,7 +147,7 @@ class GroupCommit:
             crash_point("after_checkpoint", meta.version)
             self.durable = meta.version
             return
-        self._writing = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(self.writer, self._write, self.ckpt, snap))
+        self._writing = asyncio.get_running_loop().run_in_executor(self.writer, self._write, self.ckpt, snap)
 
     async def settle(self) -> None:
         """Take the outcome of a publish that ended (a failure raises); if the write in flight is done, note it durable;

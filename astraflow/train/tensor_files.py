@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64",
           torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -73,11 +72,12 @@ def write_state(state: Any, path: Path | str) -> None:
 
 def read_state(path: Path | str, device: str | torch.device = "cpu") -> Any:
     """What :func:`write_state` wrote, its tensors on ``device``."""
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(path), framework="pt", device=str(device)) as f:  # one open: the metadata, then the tensors
         meta = f.metadata() or {}
-    if STATE_KEY not in meta:
-        raise ValueError(f"{path}: no {STATE_KEY!r} in its metadata: not written by write_state")
-    return _rebuild(json.loads(meta[STATE_KEY]), load_file(str(path), device=str(device)))
+        if STATE_KEY not in meta:
+            raise ValueError(f"{path}: no {STATE_KEY!r} in its metadata: not written by write_state")
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safetensors handle: no iteration)
+    return _rebuild(json.loads(meta[STATE_KEY]), tensors)
 
 
 def _flatten(node: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
