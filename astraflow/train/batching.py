@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 from astraflow.streams.messages import Trajectory
@@ -67,34 +68,46 @@ class Tensors:
 
 def to_tensors(batch: TrainingBatch, pad_id: int, routing: tuple[int, int, int] | None = None) -> Tensors:
     """``routing``: the model's (MoE layers, top-k, experts), to take the routing the trajectories recorded in that
-    layout (rows of another, or with none, stay -1: routed by the model itself)."""
+    layout (rows of another, or with none, stay -1: routed by the model itself).
+
+    The batch's arrays are concatenated once and scattered into place by (row, column): a few numpy passes whatever
+    the rows, where filling row by row cost a dozen tensor writes a row."""
     trajs = batch.trajectories
     B = len(trajs)
-    L = max(len(t.prompt_ids) // 4 + len(t.completion_ids) // 4 for t in trajs)
-    T = max(max(len(t.completion_ids) // 4 for t in trajs), 1)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    att = torch.zeros((B, L), dtype=torch.long)
-    idx = torch.zeros((B, T), dtype=torch.long)
-    tgt = torch.zeros((B, T), dtype=torch.long)
-    blp = torch.zeros((B, T), dtype=torch.float32)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    ver = torch.zeros((B, T), dtype=torch.long)
-    lens = torch.zeros((B,), dtype=torch.long)
-    for b, t in enumerate(trajs):
-        p, c = torch.from_numpy(t.prompt_tokens().astype("int64")), torch.from_numpy(t.completion().astype("int64"))
-        n_p, n_c = len(p), len(c)
-        ids[b, : n_p + n_c] = torch.cat([p, c])
-        att[b, : n_p + n_c] = 1
-        idx[b, :n_c] = torch.arange(n_p - 1, n_p - 1 + n_c)
-        tgt[b, :n_c] = c
-        blp[b, :n_c] = torch.from_numpy(t.behaviour_logprobs().copy())
-        mask[b, :n_c] = torch.from_numpy(t.mask().astype("float32"))
-        ver[b, :n_c] = torch.from_numpy(t.token_versions().astype("int64"))
-        lens[b] = n_c
+    prompts = [t.prompt_tokens() for t in trajs]
+    comps = [t.completion() for t in trajs]
+    n_p = np.array([len(p) for p in prompts], dtype=np.int64)  # (B,)
+    n_c = np.array([len(c) for c in comps], dtype=np.int64)  # (B,)
+    L = int((n_p + n_c).max())
+    T = max(int(n_c.max()), 1)
+    r, col = _places(n_p + n_c)  # every token of every row: prompt, then completion
+    ids = np.full((B, L), pad_id, dtype=np.int64)
+    ids[r, col] = np.concatenate([a for p, c in zip(prompts, comps, strict=True) for a in (p, c)])
+    att = (np.arange(L)[None, :] < (n_p + n_c)[:, None]).astype(np.int64)  # (B, L)
+    cr, ct = _places(n_c)  # every completion token: (row, t)
+
+    def per_token(values: np.ndarray, dtype: type) -> torch.Tensor:  # (B, T), 0 where padded
+        out: np.ndarray = np.zeros((B, T), dtype=dtype)
+        out[cr, ct] = values
+        return torch.from_numpy(out)
+
+    idx = per_token(n_p[cr] - 1 + ct, np.int64)  # the position whose logits predict completion token t
+    tgt = per_token(np.concatenate(comps), np.int64)
+    blp = per_token(np.concatenate([t.behaviour_logprobs() for t in trajs]), np.float32)
+    mask = per_token(np.concatenate([t.mask() for t in trajs]), np.float32)
+    ver = per_token(np.concatenate([t.token_versions() for t in trajs]), np.int64)
     adv = torch.from_numpy(batch.advantage_array().copy())
     rewards = torch.tensor([t.reward if t.reward is not None else 0.0 for t in trajs])
     routes = routing_tensor(trajs, L, routing) if routing else None
-    return Tensors(ids, att, idx, tgt, blp, mask, adv, rewards, ver, lens, torch.arange(B), routes)
+    return Tensors(torch.from_numpy(ids), torch.from_numpy(att), idx, tgt, blp, mask, adv, rewards, ver,
+                   torch.from_numpy(n_c), torch.arange(B), routes)
+
+
+def _places(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of each item of rows laid end to end, row b holding ``lengths[b]`` items from column 0."""
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    starts = np.cumsum(lengths) - lengths  # where each row begins in the concatenation
+    return rows, np.arange(len(rows)) - starts[rows]
 
 
 def first_predicting(x: Tensors) -> int:
