@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from astraflow.train import tensor_files
 from astraflow.train.tensor_files import read_state, write_safetensors, write_state
 
 
@@ -69,3 +71,30 @@ def test_a_nested_state_comes_back_with_its_structure_types_and_values(tmp_path)
     write_safetensors({"w": torch.zeros(1)}, tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match="not written by write_state"):
         read_state(tmp_path / "plain.safetensors")
+
+
+def test_more_tensors_than_one_writev_takes_and_short_writes_still_write_every_byte(tmp_path, monkeypatch):
+    """Past ``IOV_MAX`` buffers the write takes several calls; a call that writes less than it was given (as the kernel
+    may) resumes mid-buffer: the file is the same as one written a byte string at a time."""
+    tensors = {f"t{i}": torch.arange(i % 7, dtype=torch.int32) + i for i in range(tensor_files.IOV_MAX + 300)}
+    whole = tmp_path / "whole.safetensors"
+    write_safetensors(tensors, whole)
+    back = load_file(str(whole))
+    assert all(torch.equal(back[k], t) for k, t in tensors.items())
+
+    real, calls = os.writev, []
+
+    def short(fd, buffers):  # at most 997 bytes a call, cut mid-buffer
+        calls.append(len(buffers))
+        assert len(buffers) <= tensor_files.IOV_MAX
+        out = b""
+        for b in buffers:
+            out += bytes(b[: 997 - len(out)])
+            if len(out) == 997:
+                break
+        return real(fd, [out])
+
+    monkeypatch.setattr(os, "writev", short)
+    cut = tmp_path / "cut.safetensors"
+    write_safetensors(tensors, cut)
+    assert cut.read_bytes() == whole.read_bytes() and len(calls) > 50

@@ -12,7 +12,7 @@ them slows the step by more than it hides. Once v's announcement (the version's 
 has landed, v's batch is *held*: unacked, kept alive with ``in_progress()`` so the server does not redeliver it.
 Every ``trainer.checkpoint_every`` versions the trainer takes an in-memory snapshot (weights, optimizer, RNG, meta:
 ``Checkpointer.snapshot``) on the loop and writes it from a background thread (temp directory, fsync, atomic rename)
-while training goes on: the trainer's ``writer``, at the lowest CPU priority on the cores it does not train on
+while training goes on: the trainer's ``writer``, on the cores it does not train on, at the trainer's priority
 (``train/threads.background_executor``). When checkpoint c is durable, every held batch of a version <= c is acked.
 So after a crash every batch no durable checkpoint covers is still in the BATCH stream, and the restart retrains
 exactly those, in their announced order (``train/replay.py``).

@@ -19,9 +19,12 @@ role runs on those left over (``shared_cores``). A trainer pins itself once its 
 other roles start on every core and move to those left once started (``Role.started``, ``--cores``).
 
 A trainer's work off the training path (its checkpoint writes: ``train/group_commit.py``) runs on a thread of its own
-at the lowest CPU priority (``background_executor``), on the cores it does not train on when it has cores of its own:
-there it takes the time the nodes leave idle (a node waits for its next tasks) instead of the step's, and yields to
-every role that wants the core.
+(``background_executor``), on the cores it does not train on when it has cores of its own, so its CPU is not taken
+from the step's. It keeps the trainer's priority there, above the nodes (nice 10 under ``up``): it holds the GIL the
+step needs for moments (a file's header, the return of each write), and a thread the scheduler had put behind a busy
+node while it held the GIL stalled the step until the node yielded. At nice 19 a write was in flight 90-160 ms
+instead of 20 and the step after a checkpoint was 20-30 ms slower than the others instead of 3 (BENCHMARKS.md, "The
+checkpoint writer off the trainer's core").
 """
 
 from __future__ import annotations
@@ -175,16 +178,18 @@ def spare_cores(own: Sequence[int]) -> list[int]:
     return [c for c in usable_core_ids() if c not in set(own)]
 
 
-def background_executor(cores: Sequence[int] | None, name: str) -> ThreadPoolExecutor:
-    """One thread for work off the training path, at the lowest CPU priority and on ``cores`` (None or empty: wherever
-    this process runs). On Linux, which keeps both per thread; elsewhere a plain thread."""
+def background_executor(cores: Sequence[int] | None, name: str, priority: int | None = None) -> ThreadPoolExecutor:
+    """One thread for work off the training path, on ``cores`` (None or empty: wherever this process runs), at the
+    process's priority or at nice ``priority`` when it is lower (``LOWEST_PRIORITY``: a benchmark's comparison). On
+    Linux, which keeps both per thread; elsewhere a plain thread."""
     def setup() -> None:
         me = threading.get_native_id()  # Linux takes a thread's id where it asks for a process's: this thread alone
         try:
-            os.setpriority(os.PRIO_PROCESS, me, LOWEST_PRIORITY)
+            if priority is not None and priority > os.getpriority(os.PRIO_PROCESS, me):  # lowered only
+                os.setpriority(os.PRIO_PROCESS, me, priority)
             if cores:
                 os.sched_setaffinity(me, cores)
         except OSError as e:  # a core taken away since: it runs where the trainer does
-            log.warning("%s: cannot run at nice %d on CPUs %s (%s)", name, LOWEST_PRIORITY, list(cores or []), e)
+            log.warning("%s: cannot run on CPUs %s (%s)", name, list(cores or []), e)
 
     return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=setup if sys.platform.startswith("linux") else None)
