@@ -31,7 +31,8 @@ from safetensors import safe_open
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64",
           torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 STATE_KEY = "state"
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one writev takes
+# buffers one writev takes (POSIX guarantees 16; Linux says 1024)
+IOV_MAX = max(16, os.sysconf("SC_IOV_MAX")) if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path | str, metadata: Mapping[str, str] | None = None) -> None:
