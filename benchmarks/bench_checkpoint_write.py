@@ -45,7 +45,7 @@ from astraflow.train.tensor_files import IOV_MAX  # noqa: E402
 from astraflow.train.threads import LOWEST_PRIORITY, background_executor, spare_cores, usable_core_ids  # noqa: E402
 from astraflow.train.torch_backend import TorchBackend, _cpu_copy, _untied_copy  # noqa: E402
 
-Side = tuple[Callable[[TorchBackend], Callable[[Path], None]] | None, int, int]  # (the write, its nice, IOV_MAX)
+Side = tuple[Callable[[TorchBackend], Callable[[Path], None]] | None, int | None, int]  # (the write, nice, IOV_MAX)
 
 
 def before(backend: TorchBackend) -> Callable[[Path], None]:
@@ -128,13 +128,15 @@ def main(steps: int, rounds: int, node_load: bool, every: int) -> dict[str, obje
 
     backend.step(batches[0])  # the optimizer holds its state
     sides: dict[str, Side] = {
-        "alone": (None, 0, IOV_MAX),
+        "alone": (None, None, IOV_MAX),
         "torch.save + save_file, nice 19": (before, LOWEST_PRIORITY, IOV_MAX),
         "tensor_files, a write per tensor, nice 19": (now, LOWEST_PRIORITY, 1),
         "tensor_files, one writev, nice 19": (now, LOWEST_PRIORITY, IOV_MAX),
-        "tensor_files, one writev, nice 0": (now, 0, IOV_MAX),
+        "tensor_files, one writev, the trainer's priority": (now, None, IOV_MAX),
     }
     out: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
+    if node_load and not spare:
+        raise SystemExit("--node-load needs a CPU besides the step's")
     node = node_beside(spare) if node_load else None
     try:
         for r in range(rounds):

@@ -52,11 +52,15 @@ def ragged(batch: TrainingBatch) -> TrainingBatch:
     return TrainingBatch(batch.manifest, trajs)
 
 
+@pytest.fixture(scope="module")
+def sampled() -> TrainingBatch:
+    return sampled_batches({"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1},
+                           1, seed=5)[2][0]
+
+
 @pytest.mark.parametrize("shape", ["sampled", "ragged"])
-def test_the_padded_tensors_are_the_rows_filled_one_by_one(shape):
-    _, _, batches = sampled_batches({"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
-                                     "num_kv_heads": 1}, 1, seed=5)
-    batch = batches[0] if shape == "sampled" else ragged(batches[0])
+def test_the_padded_tensors_are_the_rows_filled_one_by_one(sampled, shape):
+    batch = sampled if shape == "sampled" else ragged(sampled)
     x = to_tensors(batch, PAD)
     want = by_row(batch, PAD)
     assert len({len(t.completion()) for t in batch.trajectories}) > 2  # rows of several lengths

@@ -23,8 +23,8 @@ A trainer's work off the training path (its checkpoint writes: ``train/group_com
 from the step's. It keeps the trainer's priority there, above the nodes (nice 10 under ``up``): it holds the GIL the
 step needs for moments (a file's header, the return of each write), and a thread the scheduler had put behind a busy
 node while it held the GIL stalled the step until the node yielded. At nice 19 a write was in flight 90-160 ms
-instead of 20 and the step after a checkpoint was 20-30 ms slower than the others instead of 3 (BENCHMARKS.md, "The
-checkpoint writer off the trainer's core").
+instead of about 20, and in ``up`` the step after a checkpoint was 16-30 ms slower than the others instead of 5-14
+(BENCHMARKS.md, "The checkpoint writer off the trainer's core").
 """
 
 from __future__ import annotations
