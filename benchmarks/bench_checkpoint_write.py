@@ -108,7 +108,8 @@ def main(steps: int, rounds: int, node_load: bool, every: int) -> dict[str, obje
                 timed(work)
 
         with tempfile.TemporaryDirectory() as d:
-            work, pending = Path(d), [writer.submit(loop, Path(d))] if every == 0 else []
+            work = Path(d)
+            pending = [writer.submit(loop, work)] if every == 0 else []
 
             def due(i: int) -> None:  # every `every` steps a write, when the last one is done (as the group commit)
                 if every and i % every == 0 and not (pending and not pending[-1].done()):

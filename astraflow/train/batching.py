@@ -78,12 +78,12 @@ def to_tensors(batch: TrainingBatch, pad_id: int, routing: tuple[int, int, int] 
     comps = [t.completion() for t in trajs]
     n_p = np.array([len(p) for p in prompts], dtype=np.int64)  # (B,)
     n_c = np.array([len(c) for c in comps], dtype=np.int64)  # (B,)
-    L = int((n_p + n_c).max())
-    T = max(int(n_c.max()), 1)
-    r, col = _places(n_p + n_c)  # every token of every row: prompt, then completion
+    n_row = n_p + n_c  # (B,) tokens of each row
+    L, T = int(n_row.max()), max(int(n_c.max()), 1)
+    r, col = _places(n_row)  # every token of every row: prompt, then completion
     ids = np.full((B, L), pad_id, dtype=np.int64)
     ids[r, col] = np.concatenate([a for p, c in zip(prompts, comps, strict=True) for a in (p, c)])
-    att = (np.arange(L)[None, :] < (n_p + n_c)[:, None]).astype(np.int64)  # (B, L)
+    att = (np.arange(L)[None, :] < n_row[:, None]).astype(np.int64)  # (B, L)
     cr, ct = _places(n_c)  # every completion token: (row, t)
 
     def per_token(values: np.ndarray, dtype: type) -> torch.Tensor:  # (B, T), 0 where padded
