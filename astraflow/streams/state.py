@@ -55,7 +55,7 @@ class Record(BaseModel):
     family: ClassVar[str]
     parts: ClassVar[tuple[str, ...]] = ()  # fields whose values complete the key, in order
     fates: ClassVar[bool] = False  # lives in the fates bucket (bounded by a TTL), not the state bucket
-    v: int = STATE_SCHEMA_VERSION  # schema version, checked on read
+    v: int = Field(STATE_SCHEMA_VERSION, strict=True)  # schema version, checked on read (an int, never a string or float)
     ts: float = Field(default_factory=time.time)
 
     @classmethod
@@ -73,13 +73,29 @@ class Record(BaseModel):
 
     @classmethod
     def decode(cls: type[R], key: str, data: bytes) -> R:
+        """``data`` as a ``cls``; StateSchemaError when it is not one. Parsed and validated in one pass by pydantic's
+        JSON parser (a 15-KB dataflow state: 0.5 ms, against 2 ms through ``json.loads``, which the launcher paid several
+        times a second); anything that pass refuses, or whose schema version is absent or another, goes through
+        :meth:`_decode_with_reasons`, which names the reason."""
+        try:
+            record = cls.model_validate_json(data)
+        except ValidationError:
+            return cls._decode_with_reasons(key, data)
+        if "v" not in record.model_fields_set or record.v != STATE_SCHEMA_VERSION:
+            return cls._decode_with_reasons(key, data)
+        return record
+
+    @classmethod
+    def _decode_with_reasons(cls: type[R], key: str, data: bytes) -> R:
+        """The checks of :meth:`decode` one by one, each with its own reason: JSON, an object, the schema version, then
+        the fields (a value both parsers accept is returned)."""
         try:
             obj = json.loads(data)
         except ValueError as e:
             raise StateSchemaError(f"{key}: not JSON: {e}") from None
         if not isinstance(obj, dict):
             raise StateSchemaError(f"{key}: not a record: {str(obj)[:80]}")
-        if obj.get("v") != STATE_SCHEMA_VERSION:
+        if obj.get("v") != STATE_SCHEMA_VERSION or type(obj.get("v")) is not int:
             raise StateSchemaError(f"{key}: schema version {obj.get('v')!r}, this build reads {STATE_SCHEMA_VERSION}")
         try:
             return cls.model_validate(obj)
