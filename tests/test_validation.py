@@ -27,7 +27,7 @@ from astraflow.streams.messages import Batch, ObjectRef, Trajectory, TrajRef, We
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.vetting import check_batch, check_manifest
 from astraflow.weights.checks import announcement_problem, order_problem
-from astraflow.weights.finite import non_finite
+from astraflow.weights.finite import FiniteState, checked, non_finite
 
 VOCAB, GROUP = 384, 4
 LIMITS = PolicyLimits(vocab=VOCAB, max_completion=16, max_generated=16, max_row=None)
@@ -274,6 +274,15 @@ def test_a_fetched_trajectory_must_be_the_one_its_reference_names(other: dict[st
 def test_non_finite_weights_are_named():
     state = {"a": torch.zeros(3), "b": torch.tensor([1.0, math.nan]), "c": torch.tensor([math.inf]), "steps": torch.tensor([3])}
     assert non_finite(state) == ["b", "c"] and non_finite({"a": torch.ones(2, dtype=torch.bfloat16)}) == []
+
+
+def test_a_state_found_finite_is_passed_on_as_such():
+    """``checked`` hands a finite state on as a ``FiniteState`` (the publisher stores it without a second check), and a
+    state with a NaN as nothing but the names of its bad tensors."""
+    good, bad = checked({"a": torch.ones(2, dtype=torch.bfloat16), "steps": torch.tensor([3])})
+    assert isinstance(good, FiniteState) and bad == [] and set(good) == {"a", "steps"}
+    poisoned, bad = checked({"a": torch.ones(2), "b": torch.tensor([1.0, math.nan])})
+    assert poisoned is None and bad == ["b"]
 
 
 def test_non_finite_is_exact_at_the_edges_of_each_dtype():

@@ -59,7 +59,7 @@ from astraflow.train.distributed import Collective
 from astraflow.train.group_commit import GroupCommit
 from astraflow.train.resume import start
 from astraflow.train.vetting import allowed_lag, check_batch, check_manifest, check_plan, suspects_of
-from astraflow.weights.finite import non_finite
+from astraflow.weights.finite import FiniteState, checked
 from astraflow.weights.publish import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -248,6 +248,7 @@ class TrainerLoop:
             await d.refuse(Refusal(BatchRefusal.NON_FINITE, f"the weights after the step hold NaN or inf ({', '.join(bad[:3])})"))
             raise RuntimeError(f"{self.policy} weights turned non-finite after {batch.batch_id}; nothing was checkpointed or "
                                "announced: a restart resumes from the last checkpoint")
+        assert state is not None  # found finite
         return state
 
 
@@ -272,10 +273,10 @@ async def _dropped(reading: asyncio.Task[TrainingBatch] | None) -> None:
         await cancel_and_wait(reading)
 
 
-def _checked_image(run_op: Collective) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The bf16 image of the current weights (a copy) and the names of its tensors holding a NaN or an infinity."""
-    state = run_op.state()
-    return state, non_finite(state)
+def _checked_image(run_op: Collective) -> tuple[FiniteState | None, list[str]]:
+    """The bf16 image of the current weights (a copy), as a ``FiniteState`` when every weight is finite (the publisher
+    then stores it without checking it again), else None and the names of its tensors holding a NaN or an infinity."""
+    return checked(run_op.state())
 
 
 async def _keep_alive(d: Delivery[Batch], every_s: float) -> None:

@@ -4,6 +4,15 @@ A tensor holds a NaN or an infinity iff its float64 sum is not finite: any NaN m
 makes it infinite (or NaN beside one of the other sign), and a float64 sum of finite bf16, fp16 or fp32 values
 cannot overflow (|sum| <= n * 3.4e38, far below 1.8e308). A float64 tensor is checked value by value (its own
 finite values can overflow a sum). The sums are read back once for a state on one device (one sync on a GPU).
+
+A float32 sum is taken first: a NaN or an infinity makes any float sum non-finite, so a finite float32 sum clears its
+tensor; only a tensor whose float32 sum is not finite (a NaN, an infinity, or finite values whose sum overflows float32)
+is summed again in float64. Widening bf16 to float32 is a shift, vectorized; to float64 it is not (a 1.08M-parameter
+bf16 state: 2.0 ms in float64, 0.8 ms in float32, on one core).
+
+A state found finite can be passed on as a :class:`FiniteState` (:func:`checked`), so that the next holder does not check
+it again: the trainer checks each version's image as it takes it, and the publisher stores that image without a second
+check (any other state it is given, it checks).
 """
 
 from __future__ import annotations
@@ -11,6 +20,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+
+
+class FiniteState(dict[str, torch.Tensor]):
+    """A state :func:`checked` found finite: copies nothing changes any more (the trainer's image of a version)."""
+
+
+def checked(state: Mapping[str, torch.Tensor]) -> tuple[FiniteState | None, list[str]]:
+    """``state`` as a :class:`FiniteState` when every weight is finite, else None and the names of the tensors holding
+    a NaN or an infinity."""
+    bad = non_finite(state)
+    return (None if bad else FiniteState(state)), bad
 
 
 def non_finite(state: Mapping[str, torch.Tensor]) -> list[str]:
@@ -26,9 +46,11 @@ def non_finite(state: Mapping[str, torch.Tensor]) -> list[str]:
                 bad.add(name)
         else:
             summed.append(name)
-            sums.append(t.sum(dtype=torch.float64))
+            sums.append(t.sum(dtype=torch.float32))
     if sums:
         on_one_device = len({s.device for s in sums}) == 1
         finite = torch.isfinite(torch.stack(sums if on_one_device else [s.cpu() for s in sums])).tolist()
-        bad.update(name for name, ok in zip(summed, finite) if not ok)
+        for name, ok in zip(summed, finite):
+            if not ok and not bool(torch.isfinite(state[name].sum(dtype=torch.float64))):  # not an overflow of float32
+                bad.add(name)
     return [name for name in state if name in bad]

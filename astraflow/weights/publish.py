@@ -48,7 +48,7 @@ from astraflow.streams.state import KeyframeRequest, VersionRecord
 from astraflow.streams.weight_channel import WeightChannel
 from astraflow.weights.checks import foreign_harmless
 from astraflow.weights.delta import iter_encode_delta, iter_encode_keyframe, state_digest, to_bf16_state
-from astraflow.weights.finite import non_finite
+from astraflow.weights.finite import FiniteState, non_finite
 from astraflow.weights.keeper import PayloadKeeper, base_name, payload_name
 from astraflow.weights.retention import key_of
 
@@ -226,13 +226,14 @@ class WeightPublisher:
         """Everything before the commit point: a bf16 copy of ``state``, checked finite, its digest, the payload encoded
         and written. Nothing is announced: :meth:`announce` it next, before anything else is stored (its delta's base is
         the image of the last announcement). ``copy=False``: ``state`` is already a bf16 image that nothing changes any
-        more (the trainer's image of a version), taken as it is; it is still checked finite. ``suspects``: what the step's
+        more (the trainer's image of a version), taken as it is; it is still checked finite, unless it is a
+        :class:`~astraflow.weights.finite.FiniteState` (found finite as it was taken). ``suspects``: what the step's
         token check left out, announced with it."""
         if not self.keeper.seeded:
             await self.keeper.seed()
         asking = asyncio.ensure_future(self.plane.state.revision(KeyframeRequest, self.policy))  # beside the copy and check
         new = await asyncio.to_thread(to_bf16_state, state) if copy else dict(state)
-        bad = await asyncio.to_thread(non_finite, new)
+        bad = [] if isinstance(state, FiniteState) and not copy else await asyncio.to_thread(non_finite, new)
         request_rev = await asking  # a failed read raises
         if bad:
             raise NonFiniteWeights(f"weights {self.policy} v{version}: {len(bad)} tensors hold NaN or inf ({', '.join(bad[:3])}); "
