@@ -1,0 +1,148 @@
+"""Two small per-version costs, two source trees side by side on the same inputs:
+
+- **a version's image checked finite** (``weights/finite.non_finite``): the trainer checks the bf16 image of each
+  version on its own core, outside its step (``recipes/arithmetic/inprocess.yaml``'s 1.08M-parameter Qwen2: 51 tensors);
+- **the dataflow's state read back** (``DataflowState.decode``): the launcher reads it after each turn that brought
+  announcements, several times a second in ``up``. The state is one as a run writes it at steady state: 256 batches of
+  history, a batch plan of 64 trajectories, 8 tasks written ahead, 8 in flight (about 15 KB of JSON).
+
+Each tree runs in a child process (``PYTHONPATH`` = the tree), one thread, the trees taking turns ``--rounds`` times;
+the figure is the median over rounds of each child's median time. Both trees must give the same answers (the names of
+the non-finite tensors of a clean and a poisoned image; the decoded state).
+
+    python benchmarks/bench_finite_and_decode.py --before TREE [--rounds 4] [--repeats 200]
+
+The last stdout line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = ("image checked finite", "dataflow state decoded")
+
+
+def steady_state_json() -> bytes:
+    """A dataflow state as a run writes it at steady state, built with the tree's own models."""
+    from astraflow.streams.dataflow_state import BatchPlan, DataflowState, LaneState, LedgerState, TaskState
+    from astraflow.streams.messages import Task, TrajRef
+
+    tasks = [Task(task_id=f"t{n:08d}", workflow="single_turn", policy="solver", prompt_id=f"add-{n % 90 + 10}-{n % 89 + 10}",
+                  prompt=f"{n % 90 + 10}+{n % 89 + 10}=", group_size=8, meta={"answer": str(n % 90 + n % 89 + 20)},
+                  min_versions={"solver": 250}, created_at=1.7e9 + n) for n in range(2135, 2143)]
+    plan = BatchPlan(batch_id="solver-b000251", tasks=[f"t{n:08d}" for n in range(2119, 2127)],
+                     groups=[f"t{n:08d}" for n in range(2119, 2127)],
+                     refs=[TrajRef(seq=17000 + i, traj_id=f"t{2119 + i // 8:08d}.solver.{i % 8}", task_id=f"t{2119 + i // 8:08d}")
+                           for i in range(64)], advantages=[0.35, -0.35] * 32, created_at=1.7e9)
+    lane = LaneState(batch_seq=251, ledger=LedgerState(issued=2142, received=2120, samples=16960, fates={"trained": 1990}),
+                     pipeline={"curators": [{"name": "accept_all", "state": {}}], "server": [{"name": "fifo", "state": {}}],
+                               "advantage": [{"name": "grpo", "state": {}}]},
+                     plans={plan.batch_id: plan}, awaiting={plan.batch_id: list(plan.tasks)},
+                     history=[[float(b), 8.0 * b + 1, 8.0 * b + 8, float(b % 2), 0.5 * (b % 2)] for b in range(1, 257)],
+                     followed=250)
+    state = DataflowState(tasks=TaskState(task_seq=2142, cursor=2142, in_flight={t.task_id: None for t in tasks},
+                                          floors=[(2127, {"solver": 250})], issuing=tasks), lanes={"solver": lane})
+    return state.encode()
+
+
+def child(repeats: int) -> dict[str, dict[str, object]]:
+    """In the tree on ``PYTHONPATH``: per case, the median time and what it answers."""
+    import hashlib
+    import math
+    import time
+
+    import torch
+
+    import astraflow
+    from astraflow.config import load_recipe
+    from astraflow.models import build_model, load_tokenizer
+    from astraflow.streams.dataflow_state import DataflowState
+    from astraflow.weights.delta import to_bf16_state
+    from astraflow.weights.finite import non_finite
+
+    torch.set_num_threads(1)
+    recipe = load_recipe(ROOT / "recipes" / "arithmetic" / "inprocess.yaml")
+    pcfg = recipe.policies[recipe.primary]
+    torch.manual_seed(0)
+    image = to_bf16_state(build_model(pcfg.model, load_tokenizer(pcfg.model.tokenizer)).state_dict())
+    poisoned = {k: v.clone() for k, v in image.items()}
+    poisoned[list(poisoned)[7]].view(-1)[3] = math.nan
+    data = steady_state_json()
+
+    def median_ms(f: object) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()  # type: ignore[operator]
+            times.append(time.perf_counter() - t0)
+        return 1000 * statistics.median(times)
+
+    answers = {"image checked finite": json.dumps([non_finite(image), non_finite(poisoned)]),
+               "dataflow state decoded": DataflowState.decode("dataflow", data).model_dump_json(exclude={"ts"})}
+    out: dict[str, dict[str, object]] = {
+        "image checked finite": {"ms": median_ms(lambda: non_finite(image)), "size": sum(t.numel() for t in image.values())},
+        "dataflow state decoded": {"ms": median_ms(lambda: DataflowState.decode("dataflow", data)), "size": len(data)},
+    }
+    for case in CASES:
+        out[case]["answer"] = hashlib.sha256(answers[case].encode()).hexdigest()
+    out["tree"] = {"path": str(Path(astraflow.__file__).resolve().parent.parent)}
+    return out
+
+
+def run_tree(tree: Path, repeats: int) -> dict[str, dict[str, object]]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, __file__, "--child", "--repeats", str(repeats)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    got: dict[str, dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
+    if Path(str(got.pop("tree")["path"])) != tree.resolve():
+        raise SystemExit(f"the child did not import astraflow from {tree}")
+    return got
+
+
+def main(before: Path, rounds: int, repeats: int) -> dict[str, object]:
+    trees = {"before": before, "after": ROOT}
+    runs: dict[str, list[dict[str, dict[str, object]]]] = {k: [] for k in trees}
+    for r in range(rounds):
+        for side in (trees if r % 2 == 0 else reversed(list(trees))):
+            runs[side].append(run_tree(trees[side], repeats))
+    result: dict[str, object] = {"rounds": rounds, "repeats": repeats, "cases": {}}
+    table = Table(title="median ms per call (by round)")
+    for col in ("case", "size", "before", "after", "by round (before / after)"):
+        table.add_column(col)
+    for case in CASES:
+        if len({run[case]["answer"] for side in runs.values() for run in side}) != 1:
+            raise SystemExit(f"{case}: the trees answer differently")
+        ms = {side: [float(run[case]["ms"]) for run in runs[side]] for side in runs}  # type: ignore[arg-type]
+        med = {side: statistics.median(v) for side, v in ms.items()}
+        size = runs["after"][0][case]["size"]
+        result["cases"][case] = {"size": size, "before_ms": round(med["before"], 3), "after_ms": round(med["after"], 3),  # type: ignore[index]
+                                 "by_round": {k: [round(x, 3) for x in v] for k, v in ms.items()}}
+        table.add_row(case, str(size), f"{med['before']:.2f}", f"{med['after']:.2f}",
+                      " ".join(f"{x:.2f}" for x in ms["before"]) + " / " + " ".join(f"{x:.2f}" for x in ms["after"]))
+    Console(stderr=True).print(table)
+    return result
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", type=Path, help="the source tree to compare with (git archive COMMIT | tar -x -C TREE)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.repeats)))
+    elif args.before is None:
+        ap.error("--before TREE is required")
+    else:
+        print(json.dumps(main(args.before, args.rounds, args.repeats)))
