@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +31,9 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tree_turns import run_child, take_turns  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REGIMES = {"first steps": (0, 6), "steady": (50, 56)}  # versions kept: [start, end) of the optimizer's steps
@@ -85,10 +86,9 @@ def child(states_file: Path, repeats: int) -> None:
 
 
 def run_tree(tree: Path, states_file: Path, repeats: int) -> dict[str, dict[str, float]]:
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__, "--child", str(states_file), "--repeats", str(repeats)],
-                         env=env, capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got: dict[str, dict[str, float]] = run_child(__file__, tree, str(states_file), "--repeats", str(repeats),
+                                                 env={"OMP_NUM_THREADS": "1"}, cwd=tempfile.gettempdir())
+    return got
 
 
 def main() -> None:
@@ -106,10 +106,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         states_file = Path(tmp) / "states.pt"
         torch.save(versions(), states_file)
-        runs: dict[str, list[dict[str, dict[str, float]]]] = {side: [] for side in trees}
-        for r in range(args.rounds):
-            for side in (trees if r % 2 == 0 else reversed(list(trees))):
-                runs[side].append(run_tree(trees[side], states_file, args.repeats))
+        runs = take_turns(trees, args.rounds, lambda tree: run_tree(tree, states_file, args.repeats))
     record: dict[str, dict[str, object]] = {}
     table = Table(title="encoding a delta of the 1.08M-parameter Qwen2 (51 tensors), median over rounds")
     for col in ("regime", "values changed", "payload", *(f"{s} (ms)" for s in trees), "by round"):

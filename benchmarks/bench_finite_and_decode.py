@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tree_turns import run_child, take_turns  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ("image checked finite", "dataflow state decoded")
@@ -99,22 +100,9 @@ def child(repeats: int) -> dict[str, dict[str, object]]:
     return out
 
 
-def run_tree(tree: Path, repeats: int) -> dict[str, dict[str, object]]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, __file__, "--child", "--repeats", str(repeats)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    got: dict[str, dict[str, object]] = json.loads(done.stdout.strip().splitlines()[-1])
-    if Path(str(got.pop("tree")["path"])) != tree.resolve():
-        raise SystemExit(f"the child did not import astraflow from {tree}")
-    return got
-
-
 def main(before: Path, rounds: int, repeats: int) -> dict[str, object]:
-    trees = {"before": before, "after": ROOT}
-    runs: dict[str, list[dict[str, dict[str, object]]]] = {k: [] for k in trees}
-    for r in range(rounds):
-        for side in (trees if r % 2 == 0 else reversed(list(trees))):
-            runs[side].append(run_tree(trees[side], repeats))
+    runs: dict[str, list[dict[str, dict[str, object]]]] = take_turns(
+        {"before": before, "after": ROOT}, rounds, lambda tree: run_child(__file__, tree, "--repeats", str(repeats)))
     result: dict[str, object] = {"rounds": rounds, "repeats": repeats, "cases": {}}
     table = Table(title="median ms per call (by round)")
     for col in ("case", "size", "before", "after", "by round (before / after)"):
