@@ -14,17 +14,12 @@ The last stdout line is one JSON object with every figure.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tree_turns import run_child, take_turns  # noqa: E402
+from tree_turns import cli, medians_side_by_side  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"TRL workload: 64 rows, <= 4 tokens": (8, 8, 4), "256 rows, <= 64 tokens": (16, 16, 64)}  # groups, size, tokens
@@ -71,36 +66,9 @@ def child(repeats: int) -> dict[str, dict[str, object]]:
 
 
 def main(before: Path, rounds: int, repeats: int) -> dict[str, object]:
-    runs: dict[str, list[dict[str, dict[str, object]]]] = take_turns(
-        {"before": before, "after": ROOT}, rounds, lambda tree: run_child(__file__, tree, "--repeats", str(repeats)))
-    result: dict[str, object] = {"rounds": rounds, "repeats": repeats, "shapes": {}}
-    table = Table(title="to_tensors, median ms (by round)")
-    for col in ("batch", "before", "after", "by round (before / after)"):
-        table.add_column(col)
-    for shape in SHAPES:
-        digests = {run[shape]["digest"] for side in runs.values() for run in side}
-        if len(digests) != 1:
-            raise SystemExit(f"{shape}: the trees give different tensors")
-        ms = {side: [float(run[shape]["ms"]) for run in runs[side]] for side in runs}  # type: ignore[arg-type]
-        med = {side: statistics.median(v) for side, v in ms.items()}
-        result["shapes"][shape] = {"before_ms": round(med["before"], 3), "after_ms": round(med["after"], 3),  # type: ignore[index]
-                                   "by_round": {k: [round(x, 3) for x in v] for k, v in ms.items()}}
-        table.add_row(shape, f"{med['before']:.2f}", f"{med['after']:.2f}",
-                      " ".join(f"{x:.2f}" for x in ms["before"]) + " / " + " ".join(f"{x:.2f}" for x in ms["after"]))
-    Console(stderr=True).print(table)
-    return result
+    return medians_side_by_side(__file__, before, ROOT, rounds, repeats, SHAPES, same="digest",
+                                title="to_tensors, median ms (by round)", label="shapes")
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", type=Path, help="the source tree to compare with (git archive COMMIT | tar -x -C TREE)")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=200)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(args.repeats)))
-    elif args.before is None:
-        ap.error("--before TREE is required")
-    else:
-        print(json.dumps(main(args.before, args.rounds, args.repeats)))
+    cli(__doc__ or "", child, main)

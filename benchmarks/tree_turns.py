@@ -3,13 +3,18 @@ taking turns (the order flipped every round, so neither always runs first on a m
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+
+from rich.console import Console
+from rich.table import Table
 
 T = TypeVar("T")
 
@@ -33,3 +38,44 @@ def take_turns(trees: Mapping[str, Path], rounds: int, run: Callable[[Path], T])
         for side in (list(trees) if r % 2 == 0 else list(reversed(list(trees)))):
             runs[side].append(run(trees[side]))
     return runs
+
+
+def medians_side_by_side(script: str, before: Path, after: Path, rounds: int, repeats: int, cases: Iterable[str],
+                         same: str, title: str, label: str, size: str | None = None) -> dict[str, object]:
+    """``script``'s child (``--child --repeats N``: per case a median ``ms``, the ``same`` value every tree must give, and
+    optionally a ``size``) in both trees taking turns; per case the median over rounds, and each round's, in a table
+    (stderr) and a record under ``label``."""
+    runs: dict[str, list[dict[str, dict[str, Any]]]] = take_turns(
+        {"before": before, "after": after}, rounds, lambda tree: run_child(script, tree, "--repeats", str(repeats)))
+    record: dict[str, dict[str, object]] = {}
+    table = Table(title=title)
+    for col in (label, *([size] if size else []), "before", "after", "by round (before / after)"):
+        table.add_column(col)
+    for case in cases:
+        if len({run[case][same] for side in runs.values() for run in side}) != 1:
+            raise SystemExit(f"{case}: the trees differ in {same}")
+        ms = {side: [float(run[case]["ms"]) for run in runs[side]] for side in runs}
+        med = {side: statistics.median(v) for side, v in ms.items()}
+        record[case] = {**({size: runs["after"][0][case][size]} if size else {}), "before_ms": round(med["before"], 3),
+                        "after_ms": round(med["after"], 3), "by_round": {k: [round(x, 3) for x in v] for k, v in ms.items()}}
+        table.add_row(case, *([str(runs["after"][0][case][size])] if size else []), f"{med['before']:.2f}", f"{med['after']:.2f}",
+                      " ".join(f"{x:.2f}" for x in ms["before"]) + " / " + " ".join(f"{x:.2f}" for x in ms["after"]))
+    Console(stderr=True).print(table)
+    return {"rounds": rounds, "repeats": repeats, label: record}
+
+
+def cli(doc: str, child: Callable[[int], object], compare: Callable[[Path, int, int], object]) -> None:
+    """The command line of a benchmark built on :func:`medians_side_by_side`: ``--before TREE [--rounds] [--repeats]``;
+    the last stdout line is its JSON record."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", type=Path, help="the source tree to compare with (git archive COMMIT | tar -x -C TREE)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.repeats)))
+    elif args.before is None:
+        ap.error("--before TREE is required")
+    else:
+        print(json.dumps(compare(args.before, args.rounds, args.repeats)))
