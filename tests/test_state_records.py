@@ -10,9 +10,22 @@ import json
 
 import pytest
 
-from astraflow.streams.dataflow_state import BatchPlan, DataflowState, LaneState, LedgerState, TaskState
+from astraflow.streams.dataflow_state import BatchPlan, DataflowState, LaneState, LedgerState, Quarantine, TaskState
 from astraflow.streams.messages import Task, TrajRef
-from astraflow.streams.state import BatchPlanRecord, EvalRecord, Record, StateSchemaError, VersionRecord
+from astraflow.streams.state import (
+    AdmitRecord,
+    AutoscaleRecord,
+    BatchPlanRecord,
+    DoneRecord,
+    EvalRecord,
+    FateRecord,
+    KeyframeRequest,
+    Record,
+    StateSchemaError,
+    VersionRecord,
+)
+
+VERSION = {"v": 1, "policy": "solver", "version": 3}
 
 
 def a_dataflow_state() -> DataflowState:
@@ -28,12 +41,20 @@ def a_dataflow_state() -> DataflowState:
                      followed=3)
     tasks = TaskState(task_seq=9, cursor=9, in_flight={"t00000009": None, "t00000008": 12.5}, floors=[(1, {"solver": 0})],
                       issuing=[task])
-    return DataflowState(tasks=tasks, lanes={"solver": lane})
+    quarantined = {"node-7": Quarantine(node="node-7", at=12.5, reason="reward 1 claimed, its completion scores 0",
+                                        failures={"reward_claim": 3})}
+    return DataflowState(tasks=tasks, lanes={"solver": lane}, quarantined=quarantined)
 
 
-RECORDS: list[Record] = [
+RECORDS: list[Record] = [  # every kind of record the run writes
     VersionRecord(policy="solver", version=7, lineage="abc"),
-    EvalRecord(policy="solver", version=20, reward=0.75, avg_at_k=0.75, pass_at_k=1.0, k=1),
+    DoneRecord(policy="solver", version=400),
+    EvalRecord(policy="solver", version=20, reward=0.75, avg_at_k=0.75, pass_at_k=1.0, k=1, n=200),
+    AutoscaleRecord(pool="raas", target=2, action="up", reason="the trainer waits", need=None, nodes=1, wait_frac=0.4,
+                    produce_rate=310.5, consume_rate=290.0, busy=0.8),
+    KeyframeRequest(policy="solver", by="rollout-0", reason="lost its chain"),
+    AdmitRecord(node="node-7", quarantined_at=12.5),
+    FateRecord(policy="solver", task_id="t00000003", fate="trained", batch="solver-b000004", version=5),
     BatchPlanRecord(policy="solver", batch_id="solver-b000004", digest="d" * 64, trajectories=64),
     a_dataflow_state(),
 ]
@@ -53,7 +74,6 @@ def test_a_value_of_a_looser_type_is_read_as_before() -> None:
     assert VersionRecord.decode("version.solver", json.dumps({**VERSION, "version": "3"}).encode()).version == 3
 
 
-VERSION = {"v": 1, "policy": "solver", "version": 3}
 REFUSED = {
     "not JSON": (b"{nope", "not JSON"),
     "not an object": (b"[1, 2]", "not a record"),

@@ -88,8 +88,8 @@ class Record(BaseModel):
 
     @classmethod
     def _decode_with_reasons(cls: type[R], key: str, data: bytes) -> R:
-        """The checks of :meth:`decode` one by one, each with its own reason: JSON, an object, the schema version, then
-        the fields (a value both parsers accept is returned)."""
+        """The checks of :meth:`decode` one by one, each with its own reason: JSON, an object, the schema version (an int),
+        then the fields, validated as they always were (a number written as a string is read as the number)."""
         try:
             obj = json.loads(data)
         except ValueError as e:
