@@ -263,6 +263,18 @@ def test_the_trainer_turns_away_what_it_cannot_train():
     assert check_batch(batch(version=2), VOCAB, version=5, max_lag=2).reason.startswith("stale: oldest token v2, trainer at v5")
 
 
+def test_the_trajectory_with_a_token_outside_the_vocabulary_is_named():
+    """The batch's token ids are checked in one pass; when one is out of range the first trajectory holding one is
+    named, wherever it is in the batch."""
+    b = batch()
+    bad = b.trajectories[2].model_copy(update={"completion_ids": np.array([1, VOCAB + 5], "<i4").tobytes()})
+    refused = check_batch(TrainingBatch(b.manifest, [*b.trajectories[:2], bad, *b.trajectories[3:]]), VOCAB, version=5, max_lag=2)
+    assert refused is not None and refused.reason.startswith(f"invalid: {bad.traj_id} has token ids in [1, {VOCAB + 5}]")
+    negative = b.trajectories[3].model_copy(update={"prompt_ids": np.array([-1], "<i4").tobytes()})
+    refused = check_batch(TrainingBatch(b.manifest, [*b.trajectories[:3], negative]), VOCAB, version=5, max_lag=2)
+    assert refused is not None and refused.reason.startswith(f"invalid: {negative.traj_id} has token ids in [-1, ")
+
+
 @pytest.mark.parametrize("other", [{"traj_id": "t00000001.solver.3", "index": 3}, {"task_id": "t00000009", "traj_id": "t00000009.solver.0"},
                                    {"policy": "verifier", "traj_id": "t00000001.verifier.0"}])
 def test_a_fetched_trajectory_must_be_the_one_its_reference_names(other: dict[str, object]):

@@ -68,11 +68,14 @@ def check_batch(batch: TrainingBatch, vocab: int, version: int, max_lag: int) ->
         if (t.traj_id, t.task_id, t.policy) != (ref.traj_id, ref.task_id, policy):
             return Refusal(BatchRefusal.MISMATCH, f"sequence {ref.seq} holds {t.traj_id} (task {t.task_id}, policy {t.policy}), "
                     f"the manifest names {ref.traj_id} (task {ref.task_id}, policy {policy})")
-    for t in batch.trajectories:
-        ids = np.concatenate([np.frombuffer(t.prompt_ids, "<i4"), np.frombuffer(t.completion_ids, "<i4")])
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            return Refusal(BatchRefusal.INVALID,
-                           f"{t.traj_id} has token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is [0, {vocab})")
+    every = np.concatenate([np.zeros(0, "<i4"), *(np.frombuffer(b, "<i4") for t in batch.trajectories
+                                                  for b in (t.prompt_ids, t.completion_ids))])
+    if len(every) and (int(every.min()) < 0 or int(every.max()) >= vocab):  # one pass over the batch; then the first culprit
+        for t in batch.trajectories:
+            ids = np.concatenate([np.frombuffer(t.prompt_ids, "<i4"), np.frombuffer(t.completion_ids, "<i4")])
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                return Refusal(BatchRefusal.INVALID,
+                               f"{t.traj_id} has token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is [0, {vocab})")
     oldest = min(t.min_version for t in batch.trajectories)
     if version - oldest > max_lag:
         return Refusal(BatchRefusal.STALE,

@@ -1,16 +1,19 @@
-"""Two small per-version costs, two source trees side by side on the same inputs:
+"""Small per-version costs on the trainer's and the launcher's paths, two source trees side by side on the same inputs:
 
 - **a version's image checked finite** (``weights/finite.non_finite``): the trainer checks the bf16 image of each
   version on its own core, outside its step (``recipes/arithmetic/inprocess.yaml``'s 1.08M-parameter Qwen2: 51 tensors);
+- **a batch's token ids checked** (``train/vetting.check_batch``): before each step, every trajectory of the batch
+  (the recipe's: 8 prompts x 8 samples of up to 4 new tokens, sampled from its model);
 - **the dataflow's state read back** (``DataflowState.decode``): the launcher reads it after each turn that brought
   announcements, several times a second in ``up``. The state is one as a run writes it at steady state: 256 batches of
   history, a batch plan of 64 trajectories, 8 tasks written ahead, 8 in flight (about 15 KB of JSON).
 
 Each tree runs in a child process (``PYTHONPATH`` = the tree), one thread, the trees taking turns ``--rounds`` times;
 the figure is the median over rounds of each child's median time. Both trees must give the same answers (the names of
-the non-finite tensors of a clean and a poisoned image; the decoded state).
+the non-finite tensors of a clean and a poisoned image; the refusals of a clean batch and of one with a token out of the
+vocabulary; the decoded state).
 
-    python benchmarks/bench_finite_and_decode.py --before TREE [--rounds 4] [--repeats 200]
+    python benchmarks/bench_checks_and_reads.py --before TREE [--rounds 4] [--repeats 200]
 
 The last stdout line is one JSON object with every figure.
 """
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tree_turns import cli, medians_side_by_side  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = ("image checked finite", "dataflow state decoded")
+CASES = ("image checked finite", "batch token ids checked", "dataflow state decoded")
 
 
 def steady_state_json() -> bytes:
@@ -58,12 +61,17 @@ def child(repeats: int) -> dict[str, dict[str, object]]:
     import math
     import time
 
+    import numpy as np
     import torch
 
     import astraflow
     from astraflow.config import load_recipe
     from astraflow.models import build_model, load_tokenizer
     from astraflow.streams.dataflow_state import DataflowState
+    from astraflow.streams.trajectories import TrainingBatch
+    from astraflow.tasks import load_split
+    from astraflow.train.synthetic import sample_batches
+    from astraflow.train.vetting import check_batch
     from astraflow.weights.delta import to_bf16_state
     from astraflow.weights.finite import non_finite
 
@@ -71,10 +79,21 @@ def child(repeats: int) -> dict[str, dict[str, object]]:
     recipe = load_recipe(ROOT / "recipes" / "arithmetic" / "inprocess.yaml")
     pcfg = recipe.policies[recipe.primary]
     torch.manual_seed(0)
-    image = to_bf16_state(build_model(pcfg.model, load_tokenizer(pcfg.model.tokenizer)).state_dict())
+    tok = load_tokenizer(pcfg.model.tokenizer)
+    model = build_model(pcfg.model, tok)
+    image = to_bf16_state(model.state_dict())
     poisoned = {k: v.clone() for k, v in image.items()}
     poisoned[list(poisoned)[7]].view(-1)[3] = math.nan
     data = steady_state_json()
+    batch = sample_batches(model, tok, [p.prompt for p in load_split(recipe.data)[0][:64]], groups_per_batch=8, group_size=8,
+                           max_new_tokens=4, seed=1)[0]
+    last = batch.trajectories[-1]
+    poisoned_batch = TrainingBatch(batch.manifest, [*batch.trajectories[:-1], last.model_copy(
+        update={"completion_ids": np.array([len(tok) + 5], "<i4").tobytes()})])
+
+    def refusal(b: TrainingBatch) -> str:
+        r = check_batch(b, len(tok), 0, 10)
+        return "" if r is None else r.reason
 
     def median_ms(f: object) -> float:
         times = []
@@ -85,9 +104,11 @@ def child(repeats: int) -> dict[str, dict[str, object]]:
         return 1000 * statistics.median(times)
 
     answers = {"image checked finite": json.dumps([non_finite(image), non_finite(poisoned)]),
+               "batch token ids checked": json.dumps([refusal(batch), refusal(poisoned_batch)]),
                "dataflow state decoded": DataflowState.decode("dataflow", data).model_dump_json(exclude={"ts"})}
     out: dict[str, dict[str, object]] = {
         "image checked finite": {"ms": median_ms(lambda: non_finite(image)), "size": sum(t.numel() for t in image.values())},
+        "batch token ids checked": {"ms": median_ms(lambda: check_batch(batch, len(tok), 0, 10)), "size": len(batch.trajectories)},
         "dataflow state decoded": {"ms": median_ms(lambda: DataflowState.decode("dataflow", data)), "size": len(data)},
     }
     for case in CASES:
