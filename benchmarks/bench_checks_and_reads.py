@@ -4,6 +4,8 @@
   version on its own core, outside its step (``recipes/arithmetic/inprocess.yaml``'s 1.08M-parameter Qwen2: 51 tensors);
 - **a batch's token ids checked** (``train/vetting.check_batch``): before each step, every trajectory of the batch
   (the recipe's: 8 prompts x 8 samples of up to 4 new tokens, sampled from its model);
+- **the weights' retention planned** (``weights/retention.plan_retention``): after each announcement, on the trainer's
+  event loop; a history of 75 announcements, a keyframe every 10, the 64 newest versions kept (the defaults);
 - **the dataflow's state read back** (``DataflowState.decode``): the launcher reads it after each turn that brought
   announcements, several times a second in ``up``. The state is one as a run writes it at steady state: 256 batches of
   history, a batch plan of 64 trajectories, 8 tasks written ahead, 8 in flight (about 15 KB of JSON).
@@ -11,7 +13,7 @@
 Each tree runs in a child process (``PYTHONPATH`` = the tree), one thread, the trees taking turns ``--rounds`` times;
 the figure is the median over rounds of each child's median time. Both trees must give the same answers (the names of
 the non-finite tensors of a clean and a poisoned image; the refusals of a clean batch and of one with a token out of the
-vocabulary; the decoded state).
+vocabulary; the announcements kept and deleted; the decoded state).
 
     python benchmarks/bench_checks_and_reads.py --before TREE [--rounds 4] [--repeats 200]
 
@@ -24,12 +26,13 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tree_turns import cli, medians_side_by_side  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = ("image checked finite", "batch token ids checked", "dataflow state decoded")
+CASES = ("image checked finite", "batch token ids checked", "retention planned", "dataflow state decoded")
 
 
 def steady_state_json() -> bytes:
@@ -55,6 +58,20 @@ def steady_state_json() -> bytes:
     return state.encode()
 
 
+def announcements(n: int = 75, keyframe_every: int = 10) -> list[Any]:
+    """A policy's history of ``n`` announcements, a keyframe every ``keyframe_every``, built with the tree's models."""
+    from astraflow.streams.messages import ObjectRef, WeightVersion
+
+    out = []
+    for v in range(n):
+        digest = f"{v:064x}"
+        ref = ObjectRef(name=f"solver/v{v}", nuid=f"n{v}", size=1, chunk_size=1, digests=[digest], digest=digest)
+        base = {} if v % keyframe_every == 0 else {"base_version": v - 1, "base_digest": f"{v - 1:064x}"}
+        out.append(WeightVersion(policy="solver", version=v, encoding="delta" if base else "keyframe", state_digest=digest,
+                                 keyframe_version=v - v % keyframe_every, objects=[ref], **base))
+    return out
+
+
 def child(repeats: int) -> dict[str, dict[str, object]]:
     """In the tree on ``PYTHONPATH``: per case, the median time and what it answers."""
     import hashlib
@@ -74,6 +91,7 @@ def child(repeats: int) -> dict[str, dict[str, object]]:
     from astraflow.train.vetting import check_batch
     from astraflow.weights.delta import to_bf16_state
     from astraflow.weights.finite import non_finite
+    from astraflow.weights.retention import plan_retention
 
     torch.set_num_threads(1)
     recipe = load_recipe(ROOT / "recipes" / "arithmetic" / "inprocess.yaml")
@@ -85,6 +103,8 @@ def child(repeats: int) -> dict[str, dict[str, object]]:
     poisoned = {k: v.clone() for k, v in image.items()}
     poisoned[list(poisoned)[7]].view(-1)[3] = math.nan
     data = steady_state_json()
+    history = announcements()
+    planned = plan_retention(history, 64)
     batch = sample_batches(model, tok, [p.prompt for p in load_split(recipe.data)[0][:64]], groups_per_batch=8, group_size=8,
                            max_new_tokens=4, seed=1)[0]
     last = batch.trajectories[-1]
@@ -105,10 +125,12 @@ def child(repeats: int) -> dict[str, dict[str, object]]:
 
     answers = {"image checked finite": json.dumps([non_finite(image), non_finite(poisoned)]),
                "batch token ids checked": json.dumps([refusal(batch), refusal(poisoned_batch)]),
+               "retention planned": json.dumps([[a.version for a in planned.keep], [a.version for a in planned.delete]]),
                "dataflow state decoded": DataflowState.decode("dataflow", data).model_dump_json(exclude={"ts"})}
     out: dict[str, dict[str, object]] = {
         "image checked finite": {"ms": median_ms(lambda: non_finite(image)), "size": sum(t.numel() for t in image.values())},
         "batch token ids checked": {"ms": median_ms(lambda: check_batch(batch, len(tok), 0, 10)), "size": len(batch.trajectories)},
+        "retention planned": {"ms": median_ms(lambda: plan_retention(history, 64)), "size": len(history)},
         "dataflow state decoded": {"ms": median_ms(lambda: DataflowState.decode("dataflow", data)), "size": len(data)},
     }
     for case in CASES:

@@ -40,7 +40,7 @@ from astraflow.streams.weight_channel import WeightChannel
 from astraflow.train.resume import adopt
 from astraflow.weights.delta import to_bf16_state
 from astraflow.weights.publish import WeightPublisher, request_keyframe, written
-from astraflow.weights.retention import chain_of, key_of, plan_retention
+from astraflow.weights.retention import chain_of, key_of, plan_retention, walk_chain
 from astraflow.weights.sync import WeightSync, WeightSyncError
 
 
@@ -419,6 +419,30 @@ def test_retention_property_every_kept_version_stays_reconstructible(keyframes: 
         assert all(c is not None for c in chains)  # ...and reconstructible
         needed = {key_of(x) for c in chains for x in c}
         assert set(stored) == needed  # and nothing else is kept
+
+
+@settings(max_examples=200, deadline=None)
+@given(keyframes=st.lists(st.booleans(), min_size=1, max_size=40), lost=st.sets(st.integers(0, 39), max_size=6),
+       restart=st.integers(0, 40), keep_last=st.integers(1, 12))
+def test_retention_plan_is_each_newest_chain_walked_whole(keyframes: list[bool], lost: set[int], restart: int, keep_last: int):
+    """The plan walks each chain only as far as an earlier walk has not gone: it keeps, deletes and reports broken exactly
+    what walking each of the newest versions' chains whole does, also with links lost and a restarted trainer's chain."""
+    history = [a for a in _history(keyframes) if a.version not in lost]
+    if restart < len(history):  # a restarted trainer's own chain from there, published after the first
+        again = _history(keyframes[:restart + 3])[restart:]
+        history += [a.model_copy(update={"state_digest": a.state_digest + "r", "base_digest": a.base_digest and a.base_digest + "r"})
+                    for a in again]
+    index = {key_of(a): a for a in history}
+    kept: dict = {}
+    broken = []
+    for ann in list(index.values())[-keep_last:]:
+        chain, complete = walk_chain(ann, index)
+        kept.update((key_of(a), a) for a in chain)
+        broken += [] if complete else [ann.version]
+    plan = plan_retention(history, keep_last)
+    assert [key_of(a) for a in plan.keep] == [k for k in index if k in kept]
+    assert [key_of(a) for a in plan.delete] == [k for k in index if k not in kept]
+    assert list(plan.broken) == broken
 
 
 def test_retention_keeps_a_restarted_trainers_chain_apart():
