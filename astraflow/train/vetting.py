@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from astraflow.config import Recipe
-from astraflow.streams.messages import Batch, BatchRefusal, Refusal, Suspect
+from astraflow.streams.messages import Batch, BatchRefusal, Refusal, Suspect, Trajectory
 from astraflow.streams.plane import Plane
 from astraflow.streams.state import BatchPlanRecord, StateSchemaError
 from astraflow.streams.trajectories import TrainingBatch
@@ -68,19 +68,27 @@ def check_batch(batch: TrainingBatch, vocab: int, version: int, max_lag: int) ->
         if (t.traj_id, t.task_id, t.policy) != (ref.traj_id, ref.task_id, policy):
             return Refusal(BatchRefusal.MISMATCH, f"sequence {ref.seq} holds {t.traj_id} (task {t.task_id}, policy {t.policy}), "
                     f"the manifest names {ref.traj_id} (task {ref.task_id}, policy {policy})")
-    every = np.concatenate([np.zeros(0, "<i4"), *(np.frombuffer(b, "<i4") for t in batch.trajectories
-                                                  for b in (t.prompt_ids, t.completion_ids))])
-    if len(every) and (int(every.min()) < 0 or int(every.max()) >= vocab):  # one pass over the batch; then the first culprit
-        for t in batch.trajectories:
-            ids = np.concatenate([np.frombuffer(t.prompt_ids, "<i4"), np.frombuffer(t.completion_ids, "<i4")])
-            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-                return Refusal(BatchRefusal.INVALID,
-                               f"{t.traj_id} has token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is [0, {vocab})")
+    if _outside(vocab, *batch.trajectories):  # one pass over the batch; then the first culprit, named
+        t = next(t for t in batch.trajectories if _outside(vocab, t))
+        ids = _token_ids(t)
+        return Refusal(BatchRefusal.INVALID,
+                       f"{t.traj_id} has token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is [0, {vocab})")
     oldest = min(t.min_version for t in batch.trajectories)
     if version - oldest > max_lag:
         return Refusal(BatchRefusal.STALE,
                        f"oldest token v{oldest}, trainer at v{version}: {version - oldest} versions behind, {max_lag} allowed")
     return None
+
+
+def _token_ids(*trajectories: Trajectory) -> np.ndarray:
+    """The prompt and completion token ids of ``trajectories``, joined."""
+    return np.concatenate([np.zeros(0, "<i4"), *(np.frombuffer(b, "<i4") for t in trajectories for b in (t.prompt_ids, t.completion_ids))])
+
+
+def _outside(vocab: int, *trajectories: Trajectory) -> bool:
+    """Whether any token id of ``trajectories`` lies outside ``[0, vocab)``."""
+    ids = _token_ids(*trajectories)
+    return bool(len(ids)) and (int(ids.min()) < 0 or int(ids.max()) >= vocab)
 
 
 def suspects_of(batch: TrainingBatch, gaps: Mapping[int, float]) -> list[Suspect]:

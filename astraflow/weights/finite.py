@@ -8,7 +8,7 @@ finite values can overflow a sum). The sums are read back once for a state on on
 A float32 sum is taken first: a NaN or an infinity makes any float sum non-finite, so a finite float32 sum clears its
 tensor; only a tensor whose float32 sum is not finite (a NaN, an infinity, or finite values whose sum overflows float32)
 is summed again in float64. On a CPU the float32 sums are the faster and the steadier: the recipe's 1.08M-parameter
-bf16 image took 1.0-1.3 ms, against 1.0-5.2 ms in float64, on one core (BENCHMARKS.md).
+bf16 image took 0.6-1.1 ms a check, against 0.7-6.8 ms in float64, on one core (BENCHMARKS.md).
 
 A state found finite can be passed on as a :class:`FiniteState` (:func:`checked`), so that the next holder does not check
 it again: the trainer checks each version's image as it takes it, and the publisher stores that image without a second

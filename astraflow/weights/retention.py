@@ -46,13 +46,26 @@ def base_key(ann: WeightVersion) -> Key | None:
 
 def walk_chain(ann: WeightVersion, index: Mapping[Key, WeightVersion]) -> tuple[list[WeightVersion], bool]:
     """``ann``'s chain as far as ``index`` holds it, oldest first, and whether it reaches a keyframe."""
-    chain = [ann]
-    while chain[-1].encoding == "delta" and len(chain) <= len(index):
-        base = index.get(base_key(chain[-1]) or (-1, ""))
+    chain, complete = _unwalked(ann, index, {})
+    return chain[::-1], complete
+
+
+def _unwalked(ann: WeightVersion, index: Mapping[Key, WeightVersion], known: Mapping[Key, bool]) -> tuple[list[WeightVersion], bool]:
+    """The part of ``ann``'s chain no earlier walk took (newest first), following base links, and whether the whole
+    chain reaches a keyframe; the walk stops at the first announcement whose chain ``known`` holds (none: the whole
+    chain). :func:`plan_retention` walks the newest versions' chains, which share their older part, each once (walked
+    whole, each took up to a keyframe interval of steps: 0.65 ms a version at 64 versions kept and a keyframe every 10)."""
+    path: list[WeightVersion] = []
+    a = ann
+    while (k := key_of(a)) not in known:
+        path.append(a)
+        if a.encoding != "delta" or len(path) > len(index):  # a keyframe, or a loop of links
+            return path, a.encoding == "keyframe"
+        base = index.get(base_key(a) or (-1, ""))
         if base is None:
-            return chain[::-1], False
-        chain.append(base)
-    return chain[::-1], chain[-1].encoding == "keyframe"
+            return path, False
+        a = base
+    return path, known[k]
 
 
 def chain_of(ann: WeightVersion, index: Mapping[Key, WeightVersion]) -> list[WeightVersion] | None:
@@ -88,24 +101,6 @@ def plan_retention(history: Iterable[WeightVersion], keep_last: int) -> Retentio
     keep = [index[k] for k in complete]
     delete = [a for k, a in index.items() if k not in complete]
     return RetentionPlan(tuple(sorted(keep, key=lambda a: order[key_of(a)])), tuple(delete), tuple(broken))
-
-
-def _unwalked(ann: WeightVersion, index: Mapping[Key, WeightVersion], known: Mapping[Key, bool]) -> tuple[list[WeightVersion], bool]:
-    """The part of ``ann``'s chain no earlier walk took (newest first), and whether the whole chain reaches a keyframe:
-    :func:`walk_chain`'s walk, stopped at the first announcement whose chain ``known`` holds. The newest versions'
-    chains share their older part, so each is walked once (walked whole, each took up to a keyframe interval of steps:
-    0.65 ms a version at 64 versions kept and a keyframe every 10)."""
-    path: list[WeightVersion] = []
-    a = ann
-    while (k := key_of(a)) not in known:
-        path.append(a)
-        if a.encoding != "delta" or len(path) > len(index):  # a keyframe, or a loop of links
-            return path, a.encoding == "keyframe"
-        base = index.get(base_key(a) or (-1, ""))
-        if base is None:
-            return path, False
-        a = base
-    return path, known[k]
 
 
 async def execute_retention(plan: RetentionPlan, targets: Iterable[ObjectStore]) -> list[WeightVersion]:
