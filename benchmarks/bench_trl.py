@@ -22,8 +22,11 @@ t-interval over seeds of each figure, and up − TRL in held-out paired by seed 
 (``benchmarks/results/trl_seeds.json``, ``figures/trl_seeds.png``). ``--cores 0`` runs everything on those CPUs
 alone (``trl_seeds_1core``): how each side scales with the cores it has.
 
-    python benchmarks/bench_trl.py [--seconds 600] [--checkpoint DIR] [--keep DIR] [--venv .venv-trl]
+    python benchmarks/bench_trl.py [--seconds 600] [--checkpoint DIR | --sft-steps 1175] [--keep DIR] [--venv .venv-trl]
                                    [--seeds 3] [--cores 0]
+
+The recipe's own warm start (1,750 SFT steps) solves the task, so both sides would start at the ceiling:
+``--sft-steps 1175`` takes a checkpoint that leaves held-out near 0.47, where RL has room to show.
 """
 
 from __future__ import annotations
@@ -99,13 +102,16 @@ def one_run(seed: int | None, seconds: float, checkpoint: Path, venv: Path, work
 
 
 def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figure: Path, up_sets: tuple[str, ...] = (),
-         sides: tuple[str, ...] = ("trl", "up"), seeds: tuple[int, ...] = ()) -> dict[str, Any]:
+         sides: tuple[str, ...] = ("trl", "up"), seeds: tuple[int, ...] = (), sft_steps: int | None = None) -> dict[str, Any]:
     recipe = load_recipe(RECIPE)
     eval_every = recipe.eval.every
+    if sft_steps is not None:  # the checkpoint's warm start only: both sides' RL runs the recipe as shipped
+        recipe = load_recipe(RECIPE, [f"sft.steps={sft_steps}"])
     with tempfile.TemporaryDirectory() as tmp:
         workdir = keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         checkpoint = reuse or workdir / "sft-checkpoint"
+        taken = None if reuse else recipe.policies[recipe.primary].sft.steps  # the SFT steps of a checkpoint taken here
         if reuse is None:
             t0 = time.perf_counter()
             loss = warm_start(recipe, checkpoint, threads=1)
@@ -119,7 +125,7 @@ def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figu
 
             runs: dict[int | None, list[Curve]] = {seed: run(seed) for seed in seeds} if seeds else {None: run(None)}
     if seeds:
-        return over_the_seeds(runs, seconds, figure, up_sets, recipe.name)
+        return over_the_seeds(runs, seconds, figure, up_sets, recipe.name, taken)
     curves = runs[None]
     results = figures(curves, seconds)
     console.print(table(results, seconds, recipe.data.n_eval, "TRL GRPOTrainer vs astraflow up"))
@@ -132,6 +138,7 @@ def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figu
     plot(curves, figure, f"{recipe.name}: TRL GRPOTrainer against astraflow up, {seconds:.0f} s of RL from one SFT checkpoint")
     console.print(f"plot: {figure}")
     out = {"seconds": seconds, "checkpoint_reused": reuse is not None, "load_average": os.getloadavg(), "up_sets": list(up_sets),
+           "sft_steps": taken,
            "up_over_trl": round(ratio, 3),
            "figure": figure.relative_to(ROOT).as_posix() if figure.is_relative_to(ROOT) else str(figure), "results": results}
     result_files.write("trl", out)
@@ -144,7 +151,7 @@ def grid(seconds: float) -> list[float]:
 
 
 def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: Path, up_sets: tuple[str, ...],
-                   name: str) -> dict[str, Any]:
+                   name: str, sft_steps: int | None = None) -> dict[str, Any]:
     """Both sides over the seeds: per side the mean and 95 % t-interval of samples/s and held-out (at half, at the end,
     over the second half, at equal samples); paired by seed (the same checkpoint, the same seed), up − TRL in held-out
     at each tenth of the window, and up / TRL in samples/s. ``ahead_throughout``: every paired interval above zero."""
@@ -168,7 +175,8 @@ def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: 
     ratio = over_seeds([r[1]["trained_per_s"] / r[0]["trained_per_s"] for r in per_seed.values()])
     up_half, trl_half = ([r[i]["held_out_second_half"] for r in per_seed.values()] for i in (1, 0))
     second_half = paired(up_half, trl_half)
-    out = {"seconds": seconds, "seeds": list(runs), "up_sets": list(up_sets), "sides": sides, "up_over_trl": est(ratio),
+    out = {"seconds": seconds, "seeds": list(runs), "up_sets": list(up_sets), "sft_steps": sft_steps, "sides": sides,
+           "up_over_trl": est(ratio),
            "second_half_up_minus_trl": est(second_half), "at_times": at_times,
            "ahead_throughout": bool(at_times) and all(x["up_minus_trl"][0] - x["up_minus_trl"][1] > 0 for x in at_times),
            "figure": figure.relative_to(ROOT).as_posix() if figure.is_relative_to(ROOT) else str(figure),
@@ -226,6 +234,8 @@ if __name__ == "__main__":
     ap.add_argument("--seconds", type=float, default=600.0, help="RL wall time of each side")
     ap.add_argument("--checkpoint", type=Path, default=None, help="start both sides from this saved warm start instead of "
                                                                   "taking the SFT again (a folder --keep left: sft-checkpoint)")
+    ap.add_argument("--sft-steps", type=int, default=None, help="SFT steps of the checkpoint taken (the recipe's 1,750 "
+                                                                 "solve the task; 1,175 leave held-out near 0.47)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the checkpoint, run directory and logs in this folder")
     ap.add_argument("--venv", type=Path, default=ROOT / ".venv-trl", help="TRL's environment (benchmarks/trl_env.sh)")
     ap.add_argument("--figure", type=Path, default=FIGURE)
@@ -237,8 +247,10 @@ if __name__ == "__main__":
     ap.add_argument("--cores", default=None, help="run on these CPUs only (taskset's list: 0 or 0,1); a subset records "
                                                   "results/trl_seeds_<n>core.json")
     args = ap.parse_args()
+    if args.sft_steps is not None and args.checkpoint is not None:
+        ap.error("--sft-steps takes a new checkpoint; --checkpoint reuses one")
     if args.cores:
         os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})  # both sides' processes inherit it
     figure = FIGURE.with_name(f"{seeds_name()}.png") if args.seeds and args.figure == FIGURE else args.figure
     print(json.dumps(main(args.seconds, args.keep, args.checkpoint, args.venv, figure, tuple(args.up_set),
-                          tuple(args.sides.split(",")), tuple(range(args.first_seed, args.first_seed + args.seeds)))))
+                          tuple(args.sides.split(",")), tuple(range(args.first_seed, args.first_seed + args.seeds)), args.sft_steps)))
