@@ -103,10 +103,9 @@ def one_run(seed: int | None, seconds: float, checkpoint: Path, venv: Path, work
 
 def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figure: Path, up_sets: tuple[str, ...] = (),
          sides: tuple[str, ...] = ("trl", "up"), seeds: tuple[int, ...] = (), sft_steps: int | None = None) -> dict[str, Any]:
-    recipe = load_recipe(RECIPE)
+    # sft_steps changes the checkpoint's warm start only: both sides' RL runs the recipe as shipped
+    recipe = load_recipe(RECIPE, [f"sft.steps={sft_steps}"] if sft_steps is not None else None)
     eval_every = recipe.eval.every
-    if sft_steps is not None:  # the checkpoint's warm start only: both sides' RL runs the recipe as shipped
-        recipe = load_recipe(RECIPE, [f"sft.steps={sft_steps}"])
     with tempfile.TemporaryDirectory() as tmp:
         workdir = keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
