@@ -28,6 +28,7 @@ from astraflow.weights.delta import (
     naive_delta_size,
     state_digest,
     to_bf16_state,
+    whole_of,
 )
 
 DTYPES = {torch.bfloat16: np.uint16, torch.float16: np.uint16, torch.float32: np.uint32}
@@ -196,9 +197,35 @@ def test_a_small_state_worked_out_whole_encodes_as_chunk_by_chunk(pair, chunk_el
         mp.setattr("astraflow.weights.delta.PARALLEL_MIN_ELEMENTS", 0)
         by_chunk = b"".join(iter_encode_delta(base, new, chunk_elements))
     assert whole == by_chunk
+    assert b"".join(iter_encode_delta(in_one_buffer(base), in_one_buffer(new), chunk_elements)) == whole  # read in place
+    assert state_digest(in_one_buffer(new)) == state_digest(new)  # hashed in place
     target = clone(base)
     apply_delta(target, whole)
     assert same_bits(target, new)
+
+
+def in_one_buffer(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of a state of one dtype laid out as ``to_bf16_state`` lays out an image, in the state's own dtype."""
+    (dtype,) = {t.dtype for t in state.values()}
+    buffer = torch.empty(sum(t.numel() for t in state.values()), dtype=dtype)
+    at, out = 0, {}
+    for name, t in state.items():
+        out[name] = buffer[at:at + t.numel()].view(t.shape).copy_(t)
+        at += t.numel()
+    return out
+
+
+def test_whole_of_finds_one_buffer_only_where_the_tensors_follow_each_other_in_it():
+    image = to_bf16_state({"a": torch.randn(2, 3), "b": torch.randn(0), "c": torch.randn(()), "d": torch.randn(4)})
+    whole = whole_of(list(image.values()))
+    assert whole is not None and whole.shape == (11,)
+    assert torch.equal(whole, torch.cat([t.reshape(-1) for t in image.values()]))
+    assert whole_of([image["a"], image["d"]]) is None  # a gap
+    assert whole_of([image["d"], image["a"]]) is None  # another order
+    assert whole_of([image["a"], torch.randn(1).bfloat16()]) is None  # another buffer
+    assert whole_of([image["a"][:, :2]]) is None  # not contiguous
+    buffer = torch.zeros(4)
+    assert whole_of([buffer[:2], buffer[2:].bfloat16()]) is None and whole_of([]) is None
 
 
 def test_apply_writes_through_views_and_parameters():
@@ -276,6 +303,8 @@ def test_to_bf16_state_makes_detached_contiguous_copies():
     out = to_bf16_state(src)
     assert all(t.dtype == torch.bfloat16 and t.is_contiguous() and not t.requires_grad
                and t.device.type == "cpu" for t in out.values())
+    assert whole_of(list(out.values())) is not None  # one buffer, in the state's order
+    assert [t.shape for t in out.values()] == [t.shape for t in src.values()]
     assert torch.equal(out["p"], src["p"].detach().bfloat16())
     out["b"] += 1
     assert not torch.equal(out["b"], src["b"])  # a copy even when already bf16

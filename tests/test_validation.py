@@ -27,6 +27,7 @@ from astraflow.streams.messages import Batch, ObjectRef, Trajectory, TrajRef, We
 from astraflow.streams.trajectories import TrainingBatch
 from astraflow.train.vetting import check_batch, check_manifest
 from astraflow.weights.checks import announcement_problem, order_problem
+from astraflow.weights.delta import to_bf16_state
 from astraflow.weights.finite import FiniteState, checked, non_finite
 
 VOCAB, GROUP = 384, 4
@@ -286,6 +287,17 @@ def test_a_fetched_trajectory_must_be_the_one_its_reference_names(other: dict[st
 def test_non_finite_weights_are_named():
     state = {"a": torch.zeros(3), "b": torch.tensor([1.0, math.nan]), "c": torch.tensor([math.inf]), "steps": torch.tensor([3])}
     assert non_finite(state) == ["b", "c"] and non_finite({"a": torch.ones(2, dtype=torch.bfloat16)}) == []
+
+
+def test_an_image_in_one_buffer_is_checked_whole_and_its_bad_tensors_named():
+    """The trainer's image (``to_bf16_state``: one buffer) is cleared by one sum; a NaN or an infinity in it is still named,
+    and finite values whose float32 sum overflows are no false alarm."""
+    image = to_bf16_state({"a": torch.ones(3), "b": torch.zeros(5), "c": torch.ones(2)})
+    assert non_finite(image) == []
+    image["b"][2] = math.nan
+    image["c"][0] = math.inf
+    assert non_finite(image) == ["b", "c"]
+    assert non_finite(to_bf16_state({"x": torch.full((4096,), 3e38), "y": torch.ones(2)})) == []
 
 
 def test_a_state_found_finite_is_passed_on_as_such():

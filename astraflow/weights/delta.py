@@ -190,14 +190,38 @@ class _Section(NamedTuple):
 
 
 def to_bf16_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached contiguous CPU bf16 copies of a state of floating-point tensors."""
-    out: dict[str, torch.Tensor] = {}
+    """Detached contiguous CPU bf16 copies of a state of floating-point tensors, in one buffer: each tensor a view of
+    it, right after the one before, in the state's order. Whoever takes the whole state then reads it in one pass
+    (:func:`whole_of`: a delta's differences, the finite check) instead of a call per tensor."""
     for name, t in state.items():
         if not t.is_floating_point():
             raise DeltaError(f"tensor {name!r}: dtype {t.dtype} is not floating point")
-        out[name] = t.detach().to(device="cpu", dtype=torch.bfloat16, copy=True,
-                                  memory_format=torch.contiguous_format)
-    return out
+    sources = [t.detach() for t in state.values()]
+    buffer = torch.empty(sum(t.numel() for t in sources), dtype=torch.bfloat16)
+    views = [part.view(t.shape) for part, t in zip(buffer.split_with_sizes([t.numel() for t in sources]), sources)]
+    if all(t.device.type == "cpu" for t in sources):
+        torch._foreach_copy_(views, sources)  # one call: a copy per tensor costs more than the copying at this size
+    else:
+        for view, t in zip(views, sources):
+            view.copy_(t)
+    return dict(zip(state, views))
+
+
+def whole_of(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The CPU buffer ``tensors`` are views of, each right after the one before (as :func:`to_bf16_state` lays them
+    out), as one flat tensor of their values in this order; None where they are laid out otherwise."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage()
+    start = at = first.storage_offset()  # in values (an empty tensor's data_ptr is 0)
+    for t in tensors:
+        if (t.device.type != "cpu" or t.dtype != first.dtype or not t.is_contiguous() or t.storage_offset() != at
+                or t.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+        at += t.numel()
+    whole: torch.Tensor = torch.empty(0, dtype=first.dtype).set_(storage, start, (at - start,), (1,))
+    return whole
 
 
 def _tensor_sha256(t: torch.Tensor) -> bytes:
@@ -210,9 +234,16 @@ def _tensor_sha256(t: torch.Tensor) -> bytes:
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     """sha256 hex over sorted names, dtypes, shapes and each tensor's sha256 (see the module doc)."""
     names = sorted(state)
-    by_size = sorted(names, key=lambda n: -state[n].numel() * state[n].element_size())  # largest first
-    hashes = dict(zip(by_size, _map(_tensor_sha256, [state[n] for n in by_size],
-                                    parallel=sum(state[n].numel() for n in names) >= PARALLEL_MIN_ELEMENTS)))
+    parallel = sum(t.numel() for t in state.values()) >= PARALLEL_MIN_ELEMENTS
+    whole = None if parallel else whole_of(list(state.values()))
+    if whole is not None:  # a small state in one buffer: each tensor's bytes a slice of it
+        raw = whole.view(torch.uint8).numpy()
+        ends = accumulate(t.numel() * t.element_size() for t in state.values())
+        hashes = {n: hashlib.sha256(raw[end - t.numel() * t.element_size():end].data).digest()
+                  for (n, t), end in zip(state.items(), ends)}
+    else:
+        by_size = sorted(names, key=lambda n: -state[n].numel() * state[n].element_size())  # largest first
+        hashes = dict(zip(by_size, _map(_tensor_sha256, [state[n] for n in by_size], parallel)))
     h = hashlib.sha256(b"AFSD2")
     for name in names:
         t = state[name]
@@ -457,17 +488,23 @@ def _whole_delta_chunks(layout: list[_Tensor], base: Mapping[str, torch.Tensor],
                         chunk: int) -> list[_Encoded]:
     """What _delta_chunk gives chunk by chunk, worked out over a small state of one dtype at once: the
     differences, counts, positions, gaps and planes of the whole state in a few numpy passes, each chunk then a
-    span of them. On a state of many small tensors, a dozen numpy calls per chunk cost more than the work."""
+    span of them. On a state of many small tensors, a dozen numpy calls per chunk cost more than the work. Two states
+    in one buffer each (:func:`to_bf16_state`, the trainer's images) are read in place, not gathered first."""
     offsets = list(accumulate((t.numel for t in layout), initial=0))
     spans = [(o + a, o + b) for t, o in zip(layout, offsets) for a, b in _chunk_spans(t.numel, chunk)]
     if not spans:
         return []
     bits, total = layout[0].bits, offsets[-1]
     size = bits.itemsize
-    old, diff = _scratch("whole_base", total, bits.np_uint), _scratch("whole_diff", total, bits.np_uint)
-    np.concatenate([_flat_bits(base[t.name], bits) for t in layout], out=old)
-    np.concatenate([_flat_bits(new[t.name], bits) for t in layout], out=diff)
-    diff -= old  # wrapping: zero where unchanged
+    diff = _scratch("whole_diff", total, bits.np_uint)
+    wholes = [whole_of([state[t.name] for t in layout]) for state in (base, new)]
+    if wholes[0] is not None and wholes[1] is not None:
+        np.subtract(_flat_bits(wholes[1], bits), _flat_bits(wholes[0], bits), out=diff)  # wrapping: zero where unchanged
+    else:
+        old = _scratch("whole_base", total, bits.np_uint)
+        np.concatenate([_flat_bits(base[t.name], bits) for t in layout], out=old)
+        np.concatenate([_flat_bits(new[t.name], bits) for t in layout], out=diff)
+        diff -= old
     changed = np.not_equal(diff, 0, out=_scratch("nonzero", total, np.bool_))
     starts = np.array([s for s, _ in spans], dtype=np.int64)
     counts = [int(np.count_nonzero(changed[s:e])) for s, e in spans]
@@ -477,7 +514,6 @@ def _whole_delta_chunks(layout: list[_Tensor], base: Mapping[str, torch.Tensor],
         if d:
             changed[s:e] = False
     idx = np.flatnonzero(changed)  # the positions in chunks that may be sparse (bool masks: see _positions)
-    zig = _zigzag(diff)
     lo = np.searchsorted(idx, starts)
     has = lo < np.searchsorted(idx, np.array([e for _, e in spans], dtype=np.int64))  # chunks with positions
     # g_k = i_k - i_{k-1} - 1 within a chunk; a chunk's first gap counts from its start (i_{-1} = start - 1)
@@ -485,21 +521,28 @@ def _whole_delta_chunks(layout: list[_Tensor], base: Mapping[str, torch.Tensor],
     np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
     gaps[1:] -= 1
     gaps[lo[has]] = idx[lo[has]] - starts[has]
-    gap_planes, change_planes = _planes_of_all(gaps, 4, "whole_gaps"), _planes_of_all(zig[idx], size, "whole_changes")
-    zig_planes: list[np.ndarray] = []  # worked out once a chunk is dense
+    # a chunk's width: the bytes of its largest gap (its positions run from its first to the next chunk's first)
+    widths = np.zeros(len(spans), dtype=np.int64)
+    if idx.size:
+        top = np.maximum.reduceat(gaps, lo[has])
+        widths[has] = 1 + (top > 0xFF) + (top > 0xFFFF) + (top > 0xFFFFFF)
+    sparse = [bool(w) and m * (w + size) <= DENSE_RATIO * (e - s) * size
+              for (s, e), m, w in zip(spans, counts, widths.tolist())]
+    gap_planes = _planes_of_all(gaps, max((w for w, ok in zip(widths.tolist(), sparse) if ok), default=0), "whole_gaps")
+    change_planes = _planes_of_all(_zigzag(diff[idx]), size, "whole_changes")
+    # dense chunks' planes: of the whole state once they hold a good part of it, else chunk by chunk
+    in_dense = sum(e - s for (s, e), m, ok in zip(spans, counts, sparse) if m and not ok)
+    zig_planes = _planes_of_all(_zigzag(diff), size, "whole_zig") if 4 * in_dense >= total else None
     out: list[_Encoded] = []
-    for (s, e), a, m, d in zip(spans, lo.tolist(), counts, dense):
+    for (s, e), a, m, w, ok in zip(spans, lo.tolist(), counts, widths.tolist(), sparse):
         if m == 0:
             out.append(_Encoded(_Chunk(MODE_UNCHANGED, 0, 0, ()), []))
-            continue
-        if not d:
-            width = max(1, (int(gaps[a:a + m].max()).bit_length() + 7) // 8)
-            if m * (width + size) <= DENSE_RATIO * (e - s) * size:
-                planes = [p[a:a + m] for p in gap_planes[:width]] + [p[a:a + m] for p in change_planes]
-                out.append(_encoded(MODE_SPARSE, width, m, planes))
-                continue
-        zig_planes = zig_planes or _planes_of_all(zig, size, "whole_zig")
-        out.append(_encoded(MODE_DENSE, 0, m, [p[s:e] for p in zig_planes]))
+        elif ok:
+            out.append(_encoded(MODE_SPARSE, w, m, [p[a:a + m] for p in gap_planes[:w] + change_planes]))
+        elif zig_planes is not None:
+            out.append(_encoded(MODE_DENSE, 0, m, [p[s:e] for p in zig_planes]))
+        else:  # its planes are compressed before the scratch is used again
+            out.append(_encoded(MODE_DENSE, 0, m, _planes_of_all(_zigzag(diff[s:e]), size, "whole_zig")))
     return out
 
 
