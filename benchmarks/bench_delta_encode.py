@@ -7,9 +7,11 @@ benchmark takes real AdamW versions of that model at the recipe's lr 1e-4 (rando
 - ``first steps``: versions 1-6 of a fresh optimizer, where Adam's updates are largest (about half the values change);
 - ``steady``: versions 51-56, where about a seventh change, as in a run (``up``'s deltas are 170-240 KB).
 
-Each tree encodes every pair in a child process (``PYTHONPATH`` = the tree), the trees taking turns ``--rounds``
-times; the figure is the median over rounds of each child's median encode time. The payloads of both trees must be
-byte for byte the same (the wire format does not change).
+Each tree takes every version's bf16 image from the model's float32 weights as its trainer does (``to_bf16_state``) and
+encodes every pair in a child process (``PYTHONPATH`` = the tree), the trees taking turns ``--rounds`` times. Two
+figures, each the median over rounds of each child's median: the delta's encoding alone, and a version's whole weight
+work on the trainer's core (the image taken, checked finite, its digest, the delta encoded). The payloads and digests
+of both trees must be byte for byte the same (the wire format does not change).
 
     python benchmarks/bench_delta_encode.py --before TREE [--rounds 4] [--repeats 30]
 
@@ -40,10 +42,9 @@ REGIMES = {"first steps": (0, 6), "steady": (50, 56)}  # versions kept: [start, 
 
 
 def versions(seed: int = 0) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """bf16 states of the recipe's model after each AdamW step, per regime."""
+    """The recipe's model's float32 weights after each AdamW step, per regime."""
     from astraflow.config import load_recipe
     from astraflow.models import build_model, load_tokenizer
-    from astraflow.weights.delta import to_bf16_state
 
     recipe = load_recipe(ROOT / "recipes" / "arithmetic" / "inprocess.yaml")
     m = recipe.policies[recipe.primary].model
@@ -60,28 +61,39 @@ def versions(seed: int = 0) -> dict[str, list[dict[str, torch.Tensor]]]:
         opt.zero_grad()
         for name, (start, end) in REGIMES.items():
             if start <= step < end:
-                out[name].append(to_bf16_state(model.state_dict()))  # the trainer's image of a version
+                out[name].append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return out
 
 
 def child(states_file: Path, repeats: int) -> None:
-    """In a tree's own process: the median encode time and the payloads' digest, per regime (a JSON line)."""
-    from astraflow.weights.delta import encode_delta
+    """In a tree's own process, per regime: the median encode time, the median of a version's whole weight work, and
+    the digest of the payloads and state digests (a JSON line)."""
+    from astraflow.weights.delta import encode_delta, state_digest, to_bf16_state
+    from astraflow.weights.finite import non_finite
 
     torch.set_num_threads(1)
     result = {}
-    for name, states in torch.load(states_file, weights_only=True).items():
-        pairs = list(pairwise(states))
-        digest, times = hashlib.sha256(), []
+    for name, weights in torch.load(states_file, weights_only=True).items():
+        images = [to_bf16_state(w) for w in weights]  # as this tree's trainer takes them
+        pairs = list(pairwise(images))
+        digest, times, whole = hashlib.sha256(), [], []
         for base, new in pairs:
-            digest.update(encode_delta(base, new)[0])
+            digest.update(encode_delta(base, new)[0] + state_digest(new).encode())
         for r in range(repeats):
             base, new = pairs[r % len(pairs)]
             t = time.perf_counter()
             payload, stats = encode_delta(base, new)
             times.append(time.perf_counter() - t)
-        result[name] = {"encode_ms": statistics.median(times) * 1e3, "payload_bytes": len(payload),
-                        "changed": round(1 - stats.sparsity, 3), "digest": digest.hexdigest()}
+        for r in range(repeats):
+            i = r % len(pairs)
+            t = time.perf_counter()
+            image = to_bf16_state(weights[i + 1])
+            assert not non_finite(image)
+            state_digest(image)
+            encode_delta(images[i], image)
+            whole.append(time.perf_counter() - t)
+        result[name] = {"encode_ms": statistics.median(times) * 1e3, "version_ms": statistics.median(whole) * 1e3,
+                        "payload_bytes": len(payload), "changed": round(1 - stats.sparsity, 3), "digest": digest.hexdigest()}
     print(json.dumps(result))
 
 
@@ -95,7 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", type=Path, help="the source tree to compare with (e.g. a `git archive` of a commit)")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=30, help="encodes timed per regime in each child")
+    ap.add_argument("--repeats", type=int, default=30, help="encodes (and versions) timed per regime in each child")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -108,21 +120,22 @@ def main() -> None:
         torch.save(versions(), states_file)
         runs = take_turns(trees, args.rounds, lambda tree: run_tree(tree, states_file, args.repeats))
     record: dict[str, dict[str, object]] = {}
-    table = Table(title="encoding a delta of the 1.08M-parameter Qwen2 (51 tensors), median over rounds")
-    for col in ("regime", "values changed", "payload", *(f"{s} (ms)" for s in trees), "by round"):
+    table = Table(title="a delta of the 1.08M-parameter Qwen2 (51 tensors), median over rounds")
+    for col in ("regime", "values changed", "payload", "measure", *(f"{s} (ms)" for s in trees), "by round"):
         table.add_column(col)
     for name in REGIMES:
         first = runs["after"][0][name]
         digests = {run[name]["digest"] for side in runs for run in runs[side]}
         if len(digests) != 1:
-            raise SystemExit(f"{name}: the trees' payloads differ")
-        ms = {side: [run[name]["encode_ms"] for run in runs[side]] for side in trees}
-        record[name] = {"changed": first["changed"], "payload_bytes": first["payload_bytes"],
-                        **{f"{side}_ms": round(statistics.median(v), 2) for side, v in ms.items()},
-                        **{f"{side}_by_round": [round(x, 2) for x in v] for side, v in ms.items()}}
-        table.add_row(name, f"{first['changed']:.1%}", f"{first['payload_bytes'] / 1e3:.0f} KB",
-                      *(f"{statistics.median(v):.2f}" for v in ms.values()),
-                      " / ".join(", ".join(f"{x:.1f}" for x in v) for v in ms.values()))
+            raise SystemExit(f"{name}: the trees' payloads or digests differ")
+        record[name] = {"changed": first["changed"], "payload_bytes": first["payload_bytes"]}
+        for measure, what in (("encode", "the delta encoded"), ("version", "image, check, digest, delta")):
+            ms = {side: [run[name][f"{measure}_ms"] for run in runs[side]] for side in trees}
+            record[name] |= {**{f"{side}_{measure}_ms": round(statistics.median(v), 2) for side, v in ms.items()},
+                             **{f"{side}_{measure}_by_round": [round(x, 2) for x in v] for side, v in ms.items()}}
+            table.add_row(name, f"{first['changed']:.1%}", f"{first['payload_bytes'] / 1e3:.0f} KB", what,
+                          *(f"{statistics.median(v):.2f}" for v in ms.values()),
+                          " / ".join(", ".join(f"{x:.1f}" for x in v) for v in ms.values()))
     console.print(table)
     print(json.dumps({"rounds": args.rounds, "repeats": args.repeats, "trees": {k: str(v) for k, v in trees.items()},
                       "regimes": record}))
