@@ -305,7 +305,7 @@ def test_to_bf16_state_makes_detached_contiguous_copies():
                and t.device.type == "cpu" for t in out.values())
     assert whole_of(list(out.values())) is not None  # one buffer, in the state's order
     assert [t.shape for t in out.values()] == [t.shape for t in src.values()]
-    assert torch.equal(out["p"], src["p"].detach().bfloat16())
+    assert all(torch.equal(out[k], src[k].detach().bfloat16()) for k in src)  # fp32, a transposed fp16, bf16
     out["b"] += 1
     assert not torch.equal(out["b"], src["b"])  # a copy even when already bf16
     with pytest.raises(DeltaError, match="'ids'"):

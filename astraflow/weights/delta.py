@@ -192,7 +192,7 @@ class _Section(NamedTuple):
 def to_bf16_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached contiguous CPU bf16 copies of a state of floating-point tensors, in one buffer: each tensor a view of
     it, right after the one before, in the state's order. Whoever takes the whole state then reads it in one pass
-    (:func:`whole_of`: a delta's differences, the finite check) instead of a call per tensor."""
+    (:func:`whole_of`: a delta's differences, the digest, the finite check) instead of a call per tensor."""
     for name, t in state.items():
         if not t.is_floating_point():
             raise DeltaError(f"tensor {name!r}: dtype {t.dtype} is not floating point")
