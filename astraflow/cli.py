@@ -128,7 +128,7 @@ def worker(
     own options (``astraflow.role``: NodeOptions, TrainerOptions); another role's flag is refused by name."""
     import os
 
-    from astraflow.runtime import run_event_loop, setup_logging, tune_gc
+    from astraflow.runtime import run_event_loop, setup_logging, tune_gc, tune_malloc
 
     setup_logging()
     if role not in ROLES:
@@ -145,6 +145,7 @@ def worker(
     options = _role_options(role, nats=opts, run=run, worker_id=id or f"{role}-{os.getpid()}", metrics_port=metrics_port,
                             cores=_cpu_list(cores), **{k: v for k, v in own.items() if v is not None})
     tune_gc()
+    tune_malloc()
     run_event_loop(_serve(role, r, options))
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import io
 import logging
 import os
 import signal
+import sys
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
@@ -155,6 +157,32 @@ def tune_gc() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
+
+
+MMAP_THRESHOLD = 32 << 20  # bytes: blocks under this come from the heap (glibc's largest: half its 64 MB heap)
+TRIM_THRESHOLD = 128 << 20  # bytes free at the top of the main heap before glibc hands memory back to the kernel
+TOP_PAD = 16 << 20  # bytes free kept at the top of a heap it trims, a thread's heaps too
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")  # glibc's own: set, all are kept
+
+
+def tune_malloc() -> bool:
+    """Memory freed goes to the next allocation, not back to the kernel (glibc; True when set). A role's work
+    allocates and frees the same blocks over and over: a training step its activations and gradients (in the step's
+    thread), a node its generation's, the trainer each version's image. At glibc's defaults a block over 128 KB (a
+    threshold that rises with the largest freed) is mapped for it alone, and freed memory at the top of a heap is given
+    back to the kernel, so the next block is faulted in and zeroed page by page again: about 1,160 page faults a step
+    and image of the recipe's model in a thread, 20-50 with these settings (BENCHMARKS.md). The price: up to
+    ``TOP_PAD`` per heap, and ``TRIM_THRESHOLD`` in the main one, held beyond what the role uses. Values set through
+    glibc's own variables (``MALLOC_ENV``) are left as they are; another libc is left alone."""
+    if not sys.platform.startswith("linux") or any(name in os.environ for name in MALLOC_ENV):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return all(mallopt(param, value) for param, value in
+               ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD)))
 
 
 EVENT_LOOP_ENV = "ASTRAFLOW_EVENT_LOOP"
