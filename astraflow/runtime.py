@@ -171,8 +171,8 @@ def tune_malloc() -> bool:
     allocates and frees the same blocks over and over: a training step its activations and gradients (in the step's
     thread), a node its generation's, the trainer each version's image. At glibc's defaults a block over 128 KB (a
     threshold that rises with the largest freed) is mapped for it alone, and freed memory at the top of a heap is given
-    back to the kernel, so the next block is faulted in and zeroed page by page again: about 1,160 page faults a step
-    and image of the recipe's model in a thread, 20-50 with these settings (BENCHMARKS.md). The price: up to
+    back to the kernel, so the next block is faulted in and zeroed page by page again: about 1,150 page faults a step
+    and image of the recipe's model in a thread, 10-30 with these settings (BENCHMARKS.md). The price: up to
     ``TOP_PAD`` per heap, and ``TRIM_THRESHOLD`` in the main one, held beyond what the role uses. Values set through
     glibc's own variables (``MALLOC_ENV``) are left as they are; another libc is left alone."""
     if not sys.platform.startswith("linux") or any(name in os.environ for name in MALLOC_ENV):
