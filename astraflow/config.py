@@ -400,6 +400,11 @@ class EvalConfig(Strict):
     prompt is also sampled k times at ``temperature``; the greedy ``reward`` is always recorded."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of the k samples (the greedy pass ignores it)."""
+    nice: int = Field(19, ge=0, le=19)
+    """CPU priority (``nice``) the evaluator lowers itself to once started (its model built), where that is lower than
+    the one it was started at (``up``: ``rollout.nice``): where the roles share cores, an evaluation then takes the
+    cycles generation leaves instead of part of the node's core while the trainer waits for the node. Its start-up
+    keeps the priority it was started at, so that it holds its first version before retention deletes it."""
 
 
 class PlaneConfig(Strict):

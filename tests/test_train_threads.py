@@ -171,6 +171,39 @@ def test_the_background_thread_runs_on_the_spare_cores_at_the_trainers_priority_
         pin(before)
 
 
+LOWERED = """
+import os, threading
+from astraflow.train.threads import lower_priority
+ready, done, seen = threading.Event(), threading.Event(), {}
+def early():
+    ready.set()
+    done.wait(10)
+    seen["early"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+t = threading.Thread(target=early)
+t.start()
+ready.wait(10)
+first = lower_priority(os.getpriority(os.PRIO_PROCESS, 0) + 3)
+late = threading.Thread(target=lambda: seen.setdefault("late", os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+late.start()
+late.join(10)
+done.set()
+t.join(10)
+print(first, lower_priority(0), seen["early"], seen["late"], os.getpriority(os.PRIO_PROCESS, 0))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_lowering_the_priority_moves_every_thread_and_the_threads_started_later_and_never_raises_it():
+    """The evaluator lowers itself once started (``eval.nice``): its threads already running, and those it starts later,
+    run at that priority; a priority above the one it has is left alone (raising needs a privilege). In a child process:
+    a priority lowered cannot be raised again."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice > 16:
+        pytest.skip("this process runs at a priority too low to lower by 3")
+    out = subprocess.run([sys.executable, "-c", LOWERED], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False", *[str(nice + 3)] * 3]
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
 def test_a_role_keeps_to_its_cores_only_once_started():
     """``up`` starts the roles beside a pinned trainer on every core and moves them to the cores left once started, so

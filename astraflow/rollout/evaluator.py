@@ -52,6 +52,7 @@ from astraflow.streams.plane import Plane
 from astraflow.streams.retry import UNANSWERED
 from astraflow.streams.state import EvalRecord, StateSchemaError, VersionRecord
 from astraflow.tasks import Problem, load_split
+from astraflow.train.threads import lower_priority
 from astraflow.weights.sync import VersionGone, WeightSync, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,8 @@ async def serve(recipe: Recipe, options: RoleOptions) -> None:
         syncs = {p: WeightSync(plane, p, handles[p].engine) for p in followed}
         held_out = scorable(recipe, load_split(recipe.data)[1])
         role.started()
+        if lower_priority(recipe.eval.nice):
+            log.info("evaluator at nice %d from now on", recipe.eval.nice)
         done: list[tuple[int, float]] = []
 
         async def beat() -> None:
