@@ -185,6 +185,19 @@ def tune_malloc() -> bool:
                ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD)))
 
 
+def lower_priority(nice: int) -> bool:
+    """Run every thread of this process, and those it starts later (they inherit it), at CPU priority ``nice`` where
+    that is lower than this thread's now (raising one needs a privilege). False where nothing changed."""
+    if not sys.platform.startswith("linux") or os.getpriority(os.PRIO_PROCESS, 0) >= nice:
+        return False
+    for tid in os.listdir("/proc/self/task"):  # a thread's priority is its own on Linux
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    return True
+
+
 EVENT_LOOP_ENV = "ASTRAFLOW_EVENT_LOOP"
 
 

@@ -173,7 +173,7 @@ def test_the_background_thread_runs_on_the_spare_cores_at_the_trainers_priority_
 
 LOWERED = """
 import os, threading
-from astraflow.train.threads import lower_priority
+from astraflow.runtime import lower_priority
 ready, done, seen = threading.Event(), threading.Event(), {}
 def early():
     ready.set()

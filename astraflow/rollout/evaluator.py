@@ -47,12 +47,12 @@ from astraflow.rollout.rewards import get_reward
 from astraflow.rollout.scores import sample_metrics
 from astraflow.rollout.task_checks import TaskRules, check_content, check_prompt
 from astraflow.rollout.workflows.registry import evaluation_of, get_workflow, workflow_class
+from astraflow.runtime import lower_priority
 from astraflow.streams.messages import HEARTBEAT_PERIOD_S, EvaluatorStats, Heartbeat
 from astraflow.streams.plane import Plane
 from astraflow.streams.retry import UNANSWERED
 from astraflow.streams.state import EvalRecord, StateSchemaError, VersionRecord
 from astraflow.tasks import Problem, load_split
-from astraflow.train.threads import lower_priority
 from astraflow.weights.sync import VersionGone, WeightSync, WeightSyncError
 
 log = logging.getLogger(__name__)

@@ -143,19 +143,6 @@ def pin(cores: Sequence[int]) -> bool:
     return True
 
 
-def lower_priority(nice: int) -> bool:
-    """Run every thread of this process, and those it starts later (they inherit it), at CPU priority ``nice`` where
-    that is lower than this thread's now (raising one needs a privilege). False where nothing changed."""
-    if not sys.platform.startswith("linux") or os.getpriority(os.PRIO_PROCESS, 0) >= nice:
-        return False
-    for tid in os.listdir("/proc/self/task"):  # a thread's priority is its own on Linux
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except ProcessLookupError:  # a thread that ended meanwhile
-            pass
-    return True
-
-
 def pin_group(pgid: int, cores: Sequence[int]) -> int:
     """Run every thread of every process in process group ``pgid`` (a role and what it started) on ``cores``, from
     another process: a role pins itself (``pin``) and ``up`` widens the evaluator's cores when the trainers are done.
