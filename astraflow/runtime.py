@@ -1,5 +1,5 @@
 """What every role process shares: stop signals, a heartbeat loop, periodic tasks, stopping a task for sure, the crash
-points of the kill tests."""
+points of the kill tests, and how it tunes its process (garbage collector, malloc, CPU priority)."""
 
 from __future__ import annotations
 
