@@ -238,9 +238,8 @@ def state_digest(state: Mapping[str, torch.Tensor]) -> str:
     whole = None if parallel else whole_of(list(state.values()))
     if whole is not None:  # a small state in one buffer: each tensor's bytes a slice of it
         raw = whole.view(torch.uint8).numpy()
-        ends = accumulate(t.numel() * t.element_size() for t in state.values())
-        hashes = {n: hashlib.sha256(raw[end - t.numel() * t.element_size():end].data).digest()
-                  for (n, t), end in zip(state.items(), ends)}
+        bounds = pairwise(accumulate((t.numel() * t.element_size() for t in state.values()), initial=0))
+        hashes = {n: hashlib.sha256(raw[a:b].data).digest() for n, (a, b) in zip(state, bounds)}
     else:
         by_size = sorted(names, key=lambda n: -state[n].numel() * state[n].element_size())  # largest first
         hashes = dict(zip(by_size, _map(_tensor_sha256, [state[n] for n in by_size], parallel)))
@@ -522,19 +521,19 @@ def _whole_delta_chunks(layout: list[_Tensor], base: Mapping[str, torch.Tensor],
     gaps[1:] -= 1
     gaps[lo[has]] = idx[lo[has]] - starts[has]
     # a chunk's width: the bytes of its largest gap (its positions run from its first to the next chunk's first)
-    widths = np.zeros(len(spans), dtype=np.int64)
+    chunk_widths = np.zeros(len(spans), dtype=np.int64)
     if idx.size:
         top = np.maximum.reduceat(gaps, lo[has])
-        widths[has] = 1 + (top > 0xFF) + (top > 0xFFFF) + (top > 0xFFFFFF)
-    sparse = [bool(w) and m * (w + size) <= DENSE_RATIO * (e - s) * size
-              for (s, e), m, w in zip(spans, counts, widths.tolist())]
-    gap_planes = _planes_of_all(gaps, max((w for w, ok in zip(widths.tolist(), sparse) if ok), default=0), "whole_gaps")
+        chunk_widths[has] = 1 + (top > 0xFF) + (top > 0xFFFF) + (top > 0xFFFFFF)
+    widths = chunk_widths.tolist()
+    sparse = [bool(w) and m * (w + size) <= DENSE_RATIO * (e - s) * size for (s, e), m, w in zip(spans, counts, widths)]
+    gap_planes = _planes_of_all(gaps, max((w for w, ok in zip(widths, sparse) if ok), default=0), "whole_gaps")
     change_planes = _planes_of_all(_zigzag(diff[idx]), size, "whole_changes")
     # dense chunks' planes: of the whole state once they hold a good part of it, else chunk by chunk
     in_dense = sum(e - s for (s, e), m, ok in zip(spans, counts, sparse) if m and not ok)
     zig_planes = _planes_of_all(_zigzag(diff), size, "whole_zig") if 4 * in_dense >= total else None
     out: list[_Encoded] = []
-    for (s, e), a, m, w, ok in zip(spans, lo.tolist(), counts, widths.tolist(), sparse):
+    for (s, e), a, m, w, ok in zip(spans, lo.tolist(), counts, widths, sparse):
         if m == 0:
             out.append(_Encoded(_Chunk(MODE_UNCHANGED, 0, 0, ()), []))
         elif ok:
