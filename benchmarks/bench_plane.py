@@ -66,6 +66,7 @@ except ImportError:  # a tree from before the ports
 PROMPT, COMPLETION = 64, 256  # tokens per trajectory
 ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = {"raw": 0, "plane": 0}  # NATS messages sent and received by the clients of each path
+ENDS = {"made": 0, "first_batch_s": 0.0}  # the plane path's trajectories made (counted or not) and its first batch's time
 
 
 PROMPT_IDS, COMPLETION_IDS = np.arange(PROMPT, dtype=np.int32).tobytes(), np.arange(COMPLETION, dtype=np.int32).tobytes()
@@ -170,6 +171,7 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
         sub = rollout.consumer(rollout.names.task_stream, "raas", Task)
         while not done.is_set():
             got = await sub.pull(batch=16, timeout=0.2)
+            ENDS["made"] += sum(d.msg.group_size for d in got)
             await asyncio.gather(*(settle(d, [trajectory_for(d.msg, i) for i in range(d.msg.group_size)]) for d in got))
 
     async def trainer_loop() -> None:
@@ -179,6 +181,8 @@ async def plane_throughput(url: str, n_batches: int, group: int, groups_per_batc
             for d in await sub.pull(batch=1, timeout=0.2):
                 await fetch_trajectories(trainer, d.msg)  # a batch is a manifest: the trainer reads its trajectories itself
                 trained += 1
+                if trained == 1:
+                    ENDS["first_batch_s"] = time.perf_counter() - t0
                 await d.ack()
                 await trainer.publish(trainer.names.weights("solver"), announcement(trained, d.msg.batch_id))
         done.set()
@@ -221,6 +225,9 @@ async def main(quick: bool, table: bool = True, batches: int = 60) -> dict[str, 
                                       "plane_cpu_us_per_traj": round((cpu2 - cpu1) / n * 1e6, 1),
                                       "raw_msgs_per_msg": round(MESSAGES["raw"] / n, 2),
                                       "plane_msgs_per_traj": round(MESSAGES["plane"] / n, 2),
+                                      # the run's ends: the fill before the first batch, the tasks still out after the last
+                                      "plane_first_batch_ms": round(ENDS["first_batch_s"] * 1e3, 1),
+                                      "plane_trajectories_made": ENDS["made"],
                                       "astraflow": str(Path(astraflow.__file__).parents[1])}
     if not table:
         return result
