@@ -23,7 +23,7 @@ t-interval over seeds of each figure, and up − TRL in held-out paired by seed 
 alone (``trl_seeds_1core``): how each side scales with the cores it has.
 
     python benchmarks/bench_trl.py [--seconds 600] [--checkpoint DIR | --sft-steps 1175] [--keep DIR] [--venv .venv-trl]
-                                   [--seeds 3] [--cores 0]
+                                   [--seeds 3] [--cores 0] [--record NAME]
 
 The recipe's own warm start (1,750 SFT steps) solves the task, so both sides would start at the ceiling:
 ``--sft-steps 1175`` takes a checkpoint that leaves held-out near 0.47, where RL has room to show.
@@ -102,7 +102,8 @@ def one_run(seed: int | None, seconds: float, checkpoint: Path, venv: Path, work
 
 
 def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figure: Path, up_sets: tuple[str, ...] = (),
-         sides: tuple[str, ...] = ("trl", "up"), seeds: tuple[int, ...] = (), sft_steps: int | None = None) -> dict[str, Any]:
+         sides: tuple[str, ...] = ("trl", "up"), seeds: tuple[int, ...] = (), sft_steps: int | None = None,
+         record: str | None = None) -> dict[str, Any]:
     # sft_steps changes the checkpoint's warm start only: both sides' RL runs the recipe as shipped
     recipe = load_recipe(RECIPE, [f"sft.steps={sft_steps}"] if sft_steps is not None else None)
     eval_every = recipe.eval.every
@@ -124,7 +125,7 @@ def main(seconds: float, keep: Path | None, reuse: Path | None, venv: Path, figu
 
             runs: dict[int | None, list[Curve]] = {seed: run(seed) for seed in seeds} if seeds else {None: run(None)}
     if seeds:
-        return over_the_seeds(runs, seconds, figure, up_sets, recipe.name, taken)
+        return over_the_seeds(runs, seconds, figure, up_sets, recipe.name, taken, record or seeds_name())
     curves = runs[None]
     results = figures(curves, seconds)
     console.print(table(results, seconds, recipe.data.n_eval, "TRL GRPOTrainer vs astraflow up"))
@@ -150,7 +151,7 @@ def grid(seconds: float) -> list[float]:
 
 
 def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: Path, up_sets: tuple[str, ...],
-                   name: str, sft_steps: int | None = None) -> dict[str, Any]:
+                   name: str, sft_steps: int | None = None, record: str = "trl_seeds") -> dict[str, Any]:
     """Both sides over the seeds: per side the mean and 95 % t-interval of samples/s and held-out (at half, at the end,
     over the second half, at equal samples); paired by seed (the same checkpoint, the same seed), up − TRL in held-out
     at each tenth of the window, and up / TRL in samples/s. ``ahead_throughout``: every paired interval above zero."""
@@ -181,7 +182,7 @@ def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: 
            "figure": figure.relative_to(ROOT).as_posix() if figure.is_relative_to(ROOT) else str(figure),
            "per_seed": {str(seed): r for seed, r in per_seed.items()}}
     plot_seeds(runs, at_times, figure, f"{name}: TRL GRPOTrainer against astraflow up over {len(runs)} seeds, {seconds:.0f} s of RL each")
-    result_files.write(seeds_name(), out)
+    result_files.write(record, out)
     console.print(f"over {len(runs)} seeds: up trains {ratio.fmt()}x TRL's samples/s; held-out over the second half, up - TRL: "
                   f"{second_half.fmt(3)}; ahead at every tenth of the window: {out['ahead_throughout']}; plot: {figure}")
     return out
@@ -243,6 +244,8 @@ if __name__ == "__main__":
     ap.add_argument("--seeds", type=int, default=0, help="run both sides on this many seeds (trainer.seed) and record the "
                                                           "mean and 95 %% interval over them (results/trl_seeds.json)")
     ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--record", default=None, help="over seeds, the name of the record and its figure (results/NAME.json, "
+                                                   "figures/NAME.png); default trl_seeds, or trl_seeds_<n>core with --cores")
     ap.add_argument("--cores", default=None, help="run on these CPUs only (taskset's list: 0 or 0,1); a subset records "
                                                   "results/trl_seeds_<n>core.json")
     args = ap.parse_args()
@@ -250,6 +253,8 @@ if __name__ == "__main__":
         ap.error("--sft-steps takes a new checkpoint; --checkpoint reuses one")
     if args.cores:
         os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})  # both sides' processes inherit it
-    figure = FIGURE.with_name(f"{seeds_name()}.png") if args.seeds and args.figure == FIGURE else args.figure
+    record = args.record or seeds_name()
+    figure = FIGURE.with_name(f"{record}.png") if args.seeds and args.figure == FIGURE else args.figure
     print(json.dumps(main(args.seconds, args.keep, args.checkpoint, args.venv, figure, tuple(args.up_set),
-                          tuple(args.sides.split(",")), tuple(range(args.first_seed, args.first_seed + args.seeds)), args.sft_steps)))
+                          tuple(args.sides.split(",")), tuple(range(args.first_seed, args.first_seed + args.seeds)), args.sft_steps,
+                          record)))
