@@ -216,7 +216,7 @@ def figures(curves: list[Curve], seconds: float) -> list[dict[str, Any]]:
                     "held_out_at_end": held_at(c.points, seconds, "seconds"),
                     "held_out_second_half": held_over(c.points, seconds / 2, seconds), "equal_samples": fewest,
                     "held_out_at_equal_samples": held_at(c.points, fewest, "samples"),
-                    "points": [[p.version, round(p.seconds, 1), p.samples, p.held_out] for p in c.points], **fmt})
+                    "points": [[p.version, round(p.seconds, 3), p.samples, p.held_out] for p in c.points], **fmt})
     return out
 
 

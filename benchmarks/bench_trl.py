@@ -24,6 +24,7 @@ alone (``trl_seeds_1core``): how each side scales with the cores it has.
 
     python benchmarks/bench_trl.py [--seconds 600] [--checkpoint DIR | --sft-steps 1175] [--keep DIR] [--venv .venv-trl]
                                    [--seeds 3] [--cores 0] [--record NAME]
+    python benchmarks/bench_trl.py --merge NAME [NAME ...] --record NAME
 
 The recipe's own warm start (1,750 SFT steps) solves the task, so both sides would start at the ceiling:
 ``--sft-steps 1175`` takes a checkpoint that leaves held-out near 0.47, where RL has room to show; ``--sft-steps 1050``
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -152,7 +154,8 @@ def grid(seconds: float) -> list[float]:
 
 
 def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: Path, up_sets: tuple[str, ...],
-                   name: str, sft_steps: int | None = None, record: str = "trl_seeds") -> dict[str, Any]:
+                   name: str, sft_steps: int | None = None, record: str = "trl_seeds",
+                   provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     """Both sides over the seeds: per side the mean and 95 % t-interval of samples/s and held-out (at half, at the end,
     over the second half, at equal samples); paired by seed (the same checkpoint, the same seed), up − TRL in held-out
     at each tenth of the window, and up / TRL in samples/s. ``ahead_throughout``: every paired interval above zero."""
@@ -183,10 +186,41 @@ def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: 
            "figure": figure.relative_to(ROOT).as_posix() if figure.is_relative_to(ROOT) else str(figure),
            "per_seed": {str(seed): r for seed, r in per_seed.items()}}
     plot_seeds(runs, at_times, figure, f"{name}: TRL GRPOTrainer against astraflow up over {len(runs)} seeds, {seconds:.0f} s of RL each")
-    result_files.write(record, out)
+    result_files.write(record, {**out, **(provenance or {})})  # a merge's provenance is its runs', not its own
     console.print(f"over {len(runs)} seeds: up trains {ratio.fmt()}x TRL's samples/s; held-out over the second half, up - TRL: "
                   f"{second_half.fmt(3)}; ahead at every tenth of the window: {out['ahead_throughout']}; plot: {figure}")
     return out
+
+
+RECORDED = {"side", "rl_s", "generated", "trained", "generated_per_s", "trained_per_s", "held_out_v0", "held_out_at_half",
+            "held_out_at_end", "held_out_second_half", "equal_samples", "held_out_at_equal_samples", "points"}  # figures() of a curve
+
+
+def curve_of(row: dict[str, Any]) -> Curve:
+    """A side's curve again from its row in a record (``figures``): its points, counts and notes."""
+    return Curve(row["side"], [Point(*p) for p in row["points"]], row["rl_s"], row["generated"], row["trained"],
+                 {k: v for k, v in row.items() if k not in RECORDED})
+
+
+def merge(names: list[str], figure: Path, record: str) -> dict[str, Any]:
+    """One record over the seeds of several runs with ``--seeds`` (each ``results/NAME.json``; the same window, checkpoint
+    and overrides, different seeds): every figure and interval taken again over all their seeds. The runs' own
+    commands, machines, dates and commits are its provenance, each run's seeds beside them (``runs``)."""
+    runs_in = [json.loads((result_files.RESULTS / f"{n}.json").read_text()) for n in names]
+    if len({(r["seconds"], r["sft_steps"], tuple(r["up_sets"])) for r in runs_in}) != 1:
+        raise SystemExit("--merge takes runs of one comparison: the same --seconds, --sft-steps and --up-set")
+    seeds = [int(s) for r in runs_in for s in r["per_seed"]]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--merge takes each seed once: the runs hold seeds {seeds}")
+    curves: dict[int | None, list[Curve]] = {int(s): [curve_of(row) for row in rows] for r in runs_in
+                                            for s, rows in r["per_seed"].items()}
+    first = runs_in[0]
+    merged = shlex.join(["python", "benchmarks/bench_trl.py", "--merge", *names, "--record", record])
+    provenance = {"command": " && ".join([*(r["command"] for r in runs_in), merged]),
+                  **{k: "; ".join(dict.fromkeys(r[k] for r in runs_in)) for k in ("machine", "date", "commit")},
+                  "runs": [{k: r[k] for k in ("command", "machine", "date", "commit", "seeds")} for r in runs_in]}
+    return over_the_seeds(curves, first["seconds"], figure, tuple(first["up_sets"]), load_recipe(RECIPE).name,
+                          first["sft_steps"], record, provenance)
 
 
 def seeds_name() -> str:
@@ -249,7 +283,14 @@ if __name__ == "__main__":
                                                    "figures/NAME.png); default trl_seeds, or trl_seeds_<n>core with --cores")
     ap.add_argument("--cores", default=None, help="run on these CPUs only (taskset's list: 0 or 0,1); a subset records "
                                                   "results/trl_seeds_<n>core.json")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="NAME",
+                    help="run nothing: one record (--record) over the seeds of these records of --seeds runs")
     args = ap.parse_args()
+    if args.merge:
+        if not args.record:
+            ap.error("--merge writes the record named by --record")
+        merge(args.merge, FIGURE.with_name(f"{args.record}.png"), args.record)
+        raise SystemExit(0)
     if args.sft_steps is not None and args.checkpoint is not None:
         ap.error("--sft-steps takes a new checkpoint; --checkpoint reuses one")
     if args.cores:
