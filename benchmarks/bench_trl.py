@@ -205,7 +205,9 @@ def curve_of(row: dict[str, Any]) -> Curve:
 def merge(names: list[str], figure: Path, record: str) -> dict[str, Any]:
     """One record over the seeds of several runs with ``--seeds`` (each ``results/NAME.json``; the same window, checkpoint
     and overrides, different seeds): every figure and interval taken again over all their seeds. The runs' own
-    commands, machines, dates and commits are its provenance, each run's seeds beside them (``runs``)."""
+    commands, machines, dates and commits are its provenance, each run's seeds beside them (``runs``). Times are as the
+    records hold them: records made before points kept milliseconds hold tenths of a second, so there a tenth of the
+    window can take in an evaluation made up to 0.05 s after it."""
     runs_in = [json.loads((result_files.RESULTS / f"{n}.json").read_text()) for n in names]
     if len({(r["seconds"], r["sft_steps"], tuple(r["up_sets"])) for r in runs_in}) != 1:
         raise SystemExit("--merge takes runs of one comparison: the same --seconds, --sft-steps and --up-set")
