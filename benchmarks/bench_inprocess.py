@@ -210,7 +210,7 @@ def figures(curves: list[Curve], seconds: float) -> list[dict[str, Any]]:
     out = []
     for c in curves:
         fmt = {k: round(v, 4) if isinstance(v, float) else v for k, v in c.notes.items()}
-        out.append({"side": c.name, "rl_s": round(c.seconds, 1), "generated": c.generated, "trained": c.trained,
+        out.append({"side": c.name, "rl_s": round(c.seconds, 3), "generated": c.generated, "trained": c.trained,
                     "generated_per_s": round(c.generated / c.seconds, 1), "trained_per_s": round(c.trained / c.seconds, 1),
                     "held_out_v0": c.points[0].held_out, "held_out_at_half": held_at(c.points, seconds / 2, "seconds"),
                     "held_out_at_end": held_at(c.points, seconds, "seconds"),
