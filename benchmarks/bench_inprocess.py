@@ -220,6 +220,13 @@ def figures(curves: list[Curve], seconds: float) -> list[dict[str, Any]]:
     return out
 
 
+def curve_of(row: dict[str, Any]) -> Curve:
+    """A side's curve again from its row of ``figures``: its points, counts and notes (what ``figures`` did not derive)."""
+    derived = figures([Curve("", [Point(0, 0.0, 0, 0.0)], 1.0, 0, 1)], 1.0)[0].keys()
+    return Curve(row["side"], [Point(*p) for p in row["points"]], row["rl_s"], row["generated"], row["trained"],
+                 {k: v for k, v in row.items() if k not in derived})
+
+
 def table(results: list[dict[str, Any]], seconds: float, n_eval: int, sides: str = "in-process loop vs astraflow up") -> Table:
     v0 = results[0]["held_out_v0"]
     t = Table(title=f"{sides} · {seconds:.0f} s of RL each, same checkpoint · held-out: mean of the last "

@@ -48,7 +48,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import result_files  # noqa: E402
-from bench_inprocess import RECIPE, console, figures, held_at, plot, run_up, save, table  # noqa: E402
+from bench_inprocess import RECIPE, console, curve_of, figures, held_at, plot, run_up, save, table  # noqa: E402
 from inprocess_loop import Curve, Point, warm_start  # noqa: E402
 from stats import Estimate, over_seeds, paired  # noqa: E402
 
@@ -190,16 +190,6 @@ def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: 
     console.print(f"over {len(runs)} seeds: up trains {ratio.fmt()}x TRL's samples/s; held-out over the second half, up - TRL: "
                   f"{second_half.fmt(3)}; ahead at every tenth of the window: {out['ahead_throughout']}; plot: {figure}")
     return out
-
-
-RECORDED = {"side", "rl_s", "generated", "trained", "generated_per_s", "trained_per_s", "held_out_v0", "held_out_at_half",
-            "held_out_at_end", "held_out_second_half", "equal_samples", "held_out_at_equal_samples", "points"}  # figures() of a curve
-
-
-def curve_of(row: dict[str, Any]) -> Curve:
-    """A side's curve again from its row in a record (``figures``): its points, counts and notes."""
-    return Curve(row["side"], [Point(*p) for p in row["points"]], row["rl_s"], row["generated"], row["trained"],
-                 {k: v for k, v in row.items() if k not in RECORDED})
 
 
 def merge(names: list[str], figure: Path, record: str) -> dict[str, Any]:

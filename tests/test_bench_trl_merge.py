@@ -31,6 +31,13 @@ def test_runs_merged_give_the_figures_of_one_run_over_all_their_seeds(tmp_path, 
     for key in ("sides", "up_over_trl", "second_half_up_minus_trl", "at_times", "ahead_throughout", "per_seed"):
         assert parts[key] == whole[key], key
     assert parts["seeds"] == [0, 1, 2] and len(parts["at_times"]) == bench_trl.GRID
+    record = json.loads(RECORD.read_text())["per_seed"]
+    for seed, sides in whole["per_seed"].items():  # each seed's figures again from its rows, as its run made them
+        for side, made in zip(sides, record[seed]):
+            assert side["trained_per_s"] == pytest.approx(made["trained_per_s"], abs=0.2)  # rl_s was kept to 0.1 s
+            assert side["held_out_second_half"] == pytest.approx(made["held_out_second_half"], abs=0.01)
+            notes = {k for k in made if k.startswith("cpu.")} | {"cores_busy"}  # carried through, not derived
+            assert {k: side[k] for k in notes} == {k: made[k] for k in notes}
     written = json.loads((tmp_path / "merged.json").read_text())
     assert written["command"].startswith("python benchmarks/bench_trl.py --seeds 2 (first) && ")  # the runs' own commands
     assert written["command"].endswith("--merge first then --record merged")
