@@ -450,7 +450,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "server_chaos": server_chaos, "partial_rollouts": partial_rollouts,
     "generation_stall": generation_stall, "house": house, "hostile_node": hostile_node, "lora": lora,
     "shared_base": shared_base, "lora_team": lora_team, "pool_model": pool_model, "pool_scale": pool_scale, "trl": trl,
-    "trl_seeds": trl_seeds, "trl_seeds_1core": trl_seeds, "trl_seeds_sft1050": trl_seeds, "vllm_stall": vllm_stall,
+    "trl_seeds": trl_seeds, "trl_seeds_sft1050": trl_seeds, "trl_seeds_sft1050_1core": trl_seeds,
+    "trl_seeds_sft1050_2core": trl_seeds, "vllm_stall": vllm_stall,
     "vllm_partial": vllm_partial, "plane_share": plane_share,
 }
 
