@@ -179,7 +179,8 @@ def over_the_seeds(runs: dict[int | None, list[Curve]], seconds: float, figure: 
     ratio = over_seeds([r[1]["trained_per_s"] / r[0]["trained_per_s"] for r in per_seed.values()])
     up_half, trl_half = ([r[i]["held_out_second_half"] for r in per_seed.values()] for i in (1, 0))
     second_half = paired(up_half, trl_half)
-    out = {"seconds": seconds, "seeds": list(runs), "up_sets": list(up_sets), "sft_steps": sft_steps, "sides": sides,
+    out = {"seconds": seconds, "seeds": list(runs), "up_sets": list(up_sets), "sft_steps": sft_steps,
+           "cores": len(os.sched_getaffinity(0)), "sides": sides,
            "up_over_trl": est(ratio),
            "second_half_up_minus_trl": est(second_half), "at_times": at_times,
            "ahead_throughout": bool(at_times) and all(x["up_minus_trl"][0] - x["up_minus_trl"][1] > 0 for x in at_times),
@@ -198,9 +199,15 @@ def merge(names: list[str], figure: Path, record: str) -> dict[str, Any]:
     commands, machines, dates and commits are its provenance, each run's seeds beside them (``runs``). Times are as the
     records hold them: records made before points kept milliseconds hold tenths of a second, so there a tenth of the
     window can take in an evaluation made up to 0.05 s after it."""
-    runs_in = [json.loads((result_files.RESULTS / f"{n}.json").read_text()) for n in names]
-    if len({(r["seconds"], r["sft_steps"], tuple(r["up_sets"])) for r in runs_in}) != 1:
-        raise SystemExit("--merge takes runs of one comparison: the same --seconds, --sft-steps and --up-set")
+    paths = [result_files.RESULTS / f"{n}.json" for n in names]
+    if missing := [str(p) for p in paths if not p.exists()]:
+        raise SystemExit(f"--merge: no such record: {', '.join(missing)}")
+    runs_in = [json.loads(p.read_text()) for p in paths]
+    if len({(r["seconds"], r["sft_steps"], tuple(r["up_sets"]), r.get("cores")) for r in runs_in}) != 1:
+        raise SystemExit("--merge takes runs of one comparison: the same --seconds, --sft-steps, --up-set and cores")
+    starts = {(i, row[i]["held_out_v0"]) for r in runs_in for row in r["per_seed"].values() for i in (0, 1)}
+    if len(starts) != 2:  # one held-out v0 per side: a run from another checkpoint (--checkpoint DIR) starts elsewhere
+        raise SystemExit(f"--merge takes runs from one checkpoint: the runs start from held-out {sorted(starts)} (side, v0)")
     seeds = [int(s) for r in runs_in for s in r["per_seed"]]
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"--merge takes each seed once: the runs hold seeds {seeds}")
@@ -208,7 +215,7 @@ def merge(names: list[str], figure: Path, record: str) -> dict[str, Any]:
                                             for s, rows in r["per_seed"].items()}
     first = runs_in[0]
     merged = shlex.join(["python", "benchmarks/bench_trl.py", "--merge", *names, "--record", record])
-    provenance = {"command": " && ".join([*(r["command"] for r in runs_in), merged]),
+    provenance = {"command": " && ".join([*(r["command"] for r in runs_in), merged]), "cores": first.get("cores"),
                   **{k: "; ".join(dict.fromkeys(r[k] for r in runs_in)) for k in ("machine", "date", "commit")},
                   "runs": [{k: r[k] for k in ("command", "machine", "date", "commit", "seeds")} for r in runs_in]}
     return over_the_seeds(curves, first["seconds"], figure, tuple(first["up_sets"]), load_recipe(RECIPE).name,

@@ -47,9 +47,19 @@ def test_runs_merged_give_the_figures_of_one_run_over_all_their_seeds(tmp_path, 
 
 def test_a_merge_refuses_a_seed_twice_and_runs_of_another_comparison(tmp_path, monkeypatch):
     monkeypatch.setattr(result_files, "RESULTS", tmp_path)
-    write_runs(tmp_path, {"a": ["0", "1"], "b": ["1", "2"], "c": ["2"]}, c={"sft_steps": 1175})
+    write_runs(tmp_path, {"a": ["0", "1"], "b": ["1", "2"], "c": ["2"], "d": ["2"], "e": ["2"]}, c={"sft_steps": 1175},
+               d={"cores": 1})
+    e = json.loads((tmp_path / "e.json").read_text())
+    e["per_seed"]["2"][1]["held_out_v0"] += 0.1  # up's side from another checkpoint
+    (tmp_path / "e.json").write_text(json.dumps(e))
     with pytest.raises(SystemExit, match="each seed once"):
         bench_trl.merge(["a", "b"], tmp_path / "x.png", "x")
     with pytest.raises(SystemExit, match="one comparison"):
         bench_trl.merge(["a", "c"], tmp_path / "x.png", "x")
+    with pytest.raises(SystemExit, match="one comparison"):  # a run on one core against runs on both
+        bench_trl.merge(["a", "d"], tmp_path / "x.png", "x")
+    with pytest.raises(SystemExit, match="one checkpoint"):
+        bench_trl.merge(["a", "e"], tmp_path / "x.png", "x")
+    with pytest.raises(SystemExit, match="no such record"):
+        bench_trl.merge(["a", "absent"], tmp_path / "x.png", "x")
     assert not (tmp_path / "x.json").exists()
